@@ -1,0 +1,189 @@
+"""Command line: options come from ``RunConfig``; errors in the input exit with status 2."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import traceback
+from typing import Any, NoReturn
+
+from ps_bench.config import OPTIONS, ConfigError, build_config, field_type, validate
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
+# Upstream launcher flags with nothing left to choose: accepted so old command lines run.
+UPSTREAM_IGNORED = ("filestore", "preprocess_data", "iteration_step", "hook_state", "ddp_model", "criterion")
+
+DESCRIPTION = """\
+Benchmark gradient synchronisation for data-parallel PyTorch training: DDP all-reduce,
+parameter servers over TensorPipe RPC, and hooks that combine them. One job is
+trainers + servers + 1 master processes; the master runs warmup rounds, then timed rounds,
+prints per-role statistics (ms) and writes a JSON results file.
+"""
+
+EPILOG = """\
+examples:
+  python bench.py                                          # 2 trainers, 1 server, CPU
+  python bench.py --ntrainer 3 --nserver 2 --mapping group --hook ps
+  python bench.py --hook allreduce --ntrainer 4 --nserver 0
+  python bench.py --config configs/runs/upstream_ps.json --rounds 5
+  python bench.py --dry-run --ntrainer 3 --nserver 2       # ranks, roles, mapping; no run
+  torchrun --nproc-per-node 4 bench.py --ntrainer 2 --nserver 1   # one process per rank
+
+precedence: command line > --config JSON > defaults. Every option also has an
+underscore spelling (--batch_size), so upstream command lines run unchanged.
+exit status: 0 ok, 1 a rank failed (named by role and rank), 2 bad input, 130/143 interrupted.
+"""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.exit(EXIT_USAGE)
+
+
+def typed(kind: type, flag: str):
+    def convert(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
+def flags(name: str) -> list[str]:
+    out = []
+    for spelling in (name, *OPTIONS[name].metadata["aliases"]):
+        for variant in (spelling.replace("_", "-"), spelling):
+            if f"--{variant}" not in out:
+                out.append(f"--{variant}")
+    return out
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="bench.py", description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", "--config-file", metavar="FILE",
+                        help="run options as a JSON object whose keys are these option names")
+    groups = {
+        "topology": parser.add_argument_group("topology"),
+        "strategy": parser.add_argument_group("strategy and workload"),
+        "run": parser.add_argument_group("rounds, rendezvous and output"),
+    }
+    topology = {"ntrainer", "ncudatrainer", "nserver", "ncudaserver", "mapping", "backend"}
+    strategy = {"hook", "server", "trainer", "epochs", "batch_size", "lr", "data", "model",
+                "data_config_path", "model_config_path", "bucket_cap_mb", "torch_seed", "cuda_seed"}
+    for name, field in OPTIONS.items():
+        group = groups["topology" if name in topology else "strategy" if name in strategy else "run"]
+        meta = field.metadata
+        default = field.default
+        shown = "a free port" if name == "master_port" else "a new file under results/" if name == "out" else default
+        help_text = f"{meta['help']} (default: {shown})"
+        if name == "hook":
+            from ps_bench.trainers.hooks import HOOKS
+
+            help_text += f"; one of {', '.join(HOOKS.names())}"
+        elif name == "server":
+            from ps_bench.servers import SERVERS
+
+            help_text += f"; one of {', '.join(SERVERS.names())}"
+        kind = field_type(name)
+        if kind is bool:
+            group.add_argument(*flags(name), dest=name, action="store_true", help=help_text)
+        else:
+            group.add_argument(
+                *flags(name), dest=name, type=typed(kind, name), choices=meta["choices"] or None,
+                metavar=name.upper() if not meta["choices"] else None, help=help_text,
+            )
+    compat = parser.add_argument_group("accepted for upstream command lines, no effect")
+    for name in UPSTREAM_IGNORED:
+        compat.add_argument(f"--{name}", f"--{name.replace('_', '-')}", dest=f"ignored_{name}", metavar="X",
+                            help=argparse.SUPPRESS if name != "filestore" else "rendezvous uses a TCP store")
+    return parser
+
+
+def dry_run_table(cfg, topology, device_of) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for info in topology.ranks:
+        device = device_of(info.rank)
+        rows.append([
+            info.rank, info.role, info.name,
+            "cuda" if info.cuda_rpc else "cpu",
+            "cpu" if device is None else f"cuda:{device}",
+            topology.describe_mapping(info),
+        ])
+    header = (f"{topology.world_size} processes: {topology.num_trainers} trainers, {topology.num_servers} servers, "
+              f"1 master; hook {cfg.hook}, server {cfg.server}, mapping {cfg.mapping}, backend {cfg.backend}")
+    return header + "\n" + tabulate(rows, headers=["rank", "role", "rpc name", "rpc tensors", "device", "mapping"])
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+class Terminated(BaseException):
+    """SIGTERM reached the launcher."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        argv = argv[1:]
+    args = vars(build_parser().parse_args(argv))
+    config_path = args.pop("config", None)
+    cli_values = {k: v for k, v in args.items() if not k.startswith("ignored_")}
+    debug = bool(cli_values.get("debug"))
+    try:
+        from ps_bench.config import cuda_device_count
+        from ps_bench.launch import LaunchSpec, new_error_dir, run_torchrun_rank, spawn, under_torchrun
+
+        cfg = build_config(cli_values, config_path)
+        debug = cfg.debug
+        model, data = validate(cfg)
+        torchrun = under_torchrun()
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)) if torchrun else cfg.world_size
+        spec = LaunchSpec(cfg, model, data, ["bench.py", *argv], new_error_dir(), local_world_size,
+                          cuda_device_count())
+        if cfg.dry_run:
+            print(dry_run_table(cfg, spec.topology(), spec.device_of))
+            return EXIT_OK
+        if torchrun:
+            return run_torchrun_rank(spec)
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        print(f"ps_bench: {cfg.world_size} processes ({plural(cfg.num_trainers, 'trainer')}, "
+              f"{plural(cfg.num_servers, 'server')}, 1 master), hook {cfg.hook}, server {cfg.server}, mapping {cfg.mapping}, backend {cfg.backend}",
+              flush=True)
+        return spawn(spec)
+    except ConfigError as error:
+        if debug:
+            traceback.print_exc()
+        sys.stderr.write(f"ps_bench: error: {error}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write("ps_bench: interrupted; every process was stopped\n")
+        return EXIT_SIGINT
+    except Terminated:
+        sys.stderr.write("ps_bench: terminated; every process was stopped\n")
+        return EXIT_SIGTERM
+    except Exception as error:  # JobFailed and anything unexpected in the launcher
+        from ps_bench.launch import JobFailed
+
+        if debug or not isinstance(error, JobFailed):
+            traceback.print_exc()
+        sys.stderr.write(f"ps_bench: error: {error}\n")
+        return EXIT_FAILED
+
+
+def entry_point() -> NoReturn:
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""Run options as one typed dataclass; the command line and JSON files only fill it.
+
+Precedence: command line > JSON run file (``--config``) > the defaults below.
+``validate`` checks a whole configuration once, before any process starts, and raises
+``ConfigError`` with one line that names the input and what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ConfigError(ValueError):
+    """Bad user input: reported as one line, exit status 2."""
+
+
+def option(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] = ()) -> Any:
+    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices})
+
+
+@dataclass
+class RunConfig:
+    """Everything one benchmark run needs; field names are the option names."""
+
+    ntrainer: int = option(2, "trainers whose gradients cross RPC as CPU tensors")
+    ncudatrainer: int = option(0, "trainers whose gradients cross RPC as CUDA tensors (device maps)")
+    nserver: int = option(1, "parameter servers that aggregate on the CPU")
+    ncudaserver: int = option(0, "parameter servers that aggregate on a GPU")
+    backend: str = option("gloo", "trainers' collective backend", choices=("gloo", "nccl", "multi"))
+    hook: str = option("ps", "DDP communication hook (gradient strategy)", aliases=("ddp_hook",))
+    server: str = option("average", "parameter-server aggregation algorithm")
+    trainer: str = option("ddp", "trainer loop")
+    mapping: str = option("shard", "how trainers map to servers", choices=("shard", "group"))
+    epochs: int = option(1, "passes over each trainer's data shard per round")
+    batch_size: int = option(16, "samples per trainer per iteration")
+    lr: float = option(0.01, "SGD learning rate")
+    warmup_rounds: int = option(1, "untimed rounds before the timed ones")
+    rounds: int = option(5, "timed rounds")
+    data: str = option("DummyDataSmall", "entry of the data configuration file")
+    model: str = option("DummyModelSmall", "entry of the model configuration file")
+    data_config_path: str = option("configs/data_configurations.json", "data configuration file")
+    model_config_path: str = option("configs/model_configurations.json", "model configuration file")
+    bucket_cap_mb: float = option(25.0, "DDP bucket size cap in MiB (more buckets spread over more servers)")
+    torch_seed: int = option(0, "seed for data, model initialisation and CPU randomness")
+    cuda_seed: int = option(0, "seed for CUDA randomness")
+    rpc_timeout: float = option(60.0, "seconds before an RPC call fails")
+    rpc_threads: int = option(8, "TensorPipe worker threads per process")
+    master_addr: str = option("127.0.0.1", "address of the rendezvous store (a private interface: RPC trusts its peers)")
+    master_port: int | None = option(None, "port of the rendezvous store (default: a free one)")
+    out: str | None = option(None, "results file (default: a fresh name under results/)")
+    per_rank: bool = option(False, "also print one table row per rank")
+    dry_run: bool = option(False, "print the rank/role/name/mapping table and exit")
+    debug: bool = option(False, "show tracebacks for errors in the input")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def num_trainers(self) -> int:
+        return self.ntrainer + self.ncudatrainer
+
+    @property
+    def num_servers(self) -> int:
+        return self.nserver + self.ncudaserver
+
+    @property
+    def world_size(self) -> int:
+        return self.num_trainers + self.num_servers + 1
+
+
+OPTIONS: dict[str, dataclasses.Field] = {f.name: f for f in fields(RunConfig)}
+# Keys a JSON run file may hold: option names, dash or underscore spelling, and aliases.
+JSON_KEYS: dict[str, str] = {}
+for _f in fields(RunConfig):
+    for _key in (_f.name, *_f.metadata["aliases"]):
+        JSON_KEYS[_key] = _f.name
+        JSON_KEYS[_key.replace("_", "-")] = _f.name
+
+
+def field_type(name: str) -> type:
+    """The scalar type of an option (``int | None`` gives ``int``)."""
+    annotation = str(OPTIONS[name].type)
+    for candidate in (bool, int, float, str):
+        if annotation.startswith(candidate.__name__):
+            return candidate
+    raise TypeError(f"unsupported option type {annotation}")
+
+
+def read_json(path: str | os.PathLike, what: str) -> Any:
+    """Loads a JSON file; a missing file or bad syntax is a ``ConfigError`` naming the place."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {str(path)!r} does not exist") from None
+    except OSError as error:
+        raise ConfigError(f"{what} {str(path)!r} cannot be read: {error.strerror}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(
+            f"{what} {str(path)!r} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}"
+        ) from None
+
+
+def coerce(name: str, value: Any, source: str) -> Any:
+    """Checks a JSON value against the option's type (ints are accepted for floats)."""
+    kind = field_type(name)
+    if value is None and OPTIONS[name].default is None:
+        return None
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise ConfigError(f"{source}: {name!r} must be {kind.__name__}, got {json.dumps(value)}")
+    return value
+
+
+def load_run_file(path: str) -> dict[str, Any]:
+    """Reads a run JSON whose keys are option names; unknown keys raise with the valid list."""
+    raw = read_json(path, "run config")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"run config {path!r} must hold a JSON object of options")
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in JSON_KEYS or key == "config":
+            valid = ", ".join(sorted(n for n in OPTIONS))
+            raise ConfigError(f"run config {path!r}: unknown key {key!r}; valid keys: {valid}")
+        name = JSON_KEYS[key]
+        values[name] = coerce(name, value, f"run config {path!r}")
+    return values
+
+
+def build_config(cli_values: dict[str, Any], config_path: str | None = None) -> RunConfig:
+    """Defaults, then the JSON run file, then the command line."""
+    values: dict[str, Any] = {}
+    if config_path is not None:
+        values.update(load_run_file(config_path))
+    values.update(cli_values)
+    return RunConfig(**values)
+
+
+def resolve_path(path: str) -> Path:
+    """A relative path is taken from the working directory, else from the project root."""
+    candidate = Path(path)
+    if candidate.is_absolute() or candidate.exists():
+        return candidate
+    bundled = PROJECT_ROOT / candidate
+    return bundled if bundled.exists() else candidate
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of an upstream-format data or model configuration file."""
+
+    id: str
+    class_name: str
+    kwargs: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "class": self.class_name, "configurations": self.kwargs}
+
+
+def load_entry(path: str, entry_id: str, class_key: str, registry: Any, option_name: str) -> Entry:
+    """Reads ``{"Id": {"<class_key>": ..., "configurations": {...}}}`` and checks the kwargs."""
+    file_option = f"--{option_name}-config-path"
+    table = read_json(resolve_path(path), f"{file_option}")
+    if not isinstance(table, dict):
+        raise ConfigError(f"{file_option} {path!r} must hold a JSON object of entries")
+    if entry_id not in table:
+        raise ConfigError(f"--{option_name} {entry_id!r} is not in {path}; entries: {', '.join(sorted(table))}")
+    entry = table[entry_id]
+    if not isinstance(entry, dict) or class_key not in entry:
+        raise ConfigError(f"{path}: entry {entry_id!r} needs a {class_key!r} key")
+    kwargs = entry.get("configurations", {})
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"{path}: entry {entry_id!r}: 'configurations' must be an object")
+    try:
+        factory = registry.get(entry[class_key])
+    except KeyError as error:
+        raise ConfigError(f"{path}: entry {entry_id!r}: {error}") from None
+    accepted = inspect.signature(factory).parameters
+    for key in kwargs:
+        if key not in accepted:
+            raise ConfigError(
+                f"{path}: entry {entry_id!r}: unknown configuration {key!r}; valid: {', '.join(accepted)}"
+            )
+    return Entry(entry_id, registry.canonical(entry[class_key]), dict(kwargs))
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def validate(cfg: RunConfig, gpus: int | None = None, gpus_per_node_ranks: int | None = None) -> tuple[Entry, Entry]:
+    """Checks a whole configuration before any process starts; returns the model and data
+    entries it names. ``gpus`` defaults to the CUDA devices visible here."""
+    from ps_bench.data import DATA
+    from ps_bench.models import MODELS
+    from ps_bench.registry import UnknownNameError
+    from ps_bench.servers import SERVERS
+    from ps_bench.trainers.hooks import HOOKS, SERVER_HOOKS
+    from ps_bench.trainers.trainer import TRAINERS
+
+    def need(condition: bool, message: str) -> None:
+        if not condition:
+            raise ConfigError(message)
+
+    for name in ("ntrainer", "ncudatrainer", "nserver", "ncudaserver", "warmup_rounds"):
+        need(getattr(cfg, name) >= 0, f"--{name.replace('_', '-')} must be 0 or more; got {getattr(cfg, name)}")
+    for name in ("epochs", "batch_size", "rounds", "rpc_threads"):
+        need(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be at least 1; got {getattr(cfg, name)}")
+    for name in ("lr", "rpc_timeout", "bucket_cap_mb"):
+        need(getattr(cfg, name) > 0, f"--{name.replace('_', '-')} must be positive; got {getattr(cfg, name)}")
+    need(cfg.num_trainers >= 1, "at least one trainer is needed: set --ntrainer or --ncudatrainer to 1 or more")
+    if cfg.master_port is not None:
+        need(1 <= cfg.master_port <= 65535, f"--master-port must be in 1..65535; got {cfg.master_port}")
+    for name, allowed in (("backend", ("gloo", "nccl", "multi")), ("mapping", ("shard", "group"))):
+        value = getattr(cfg, name)
+        need(value in allowed, f"--{name} must be one of {', '.join(allowed)}; got {value!r}")
+    for name, registry in (("hook", HOOKS), ("server", SERVERS), ("trainer", TRAINERS)):
+        try:
+            setattr(cfg, name, registry.canonical(getattr(cfg, name)))
+        except UnknownNameError as error:
+            raise ConfigError(f"--{name}: {error}") from None
+    if cfg.hook in SERVER_HOOKS:
+        need(cfg.num_servers >= 1, f"--hook {cfg.hook} sends gradients to parameter servers: set --nserver 1 or more")
+    if cfg.mapping == "group" and cfg.num_servers:
+        need(
+            cfg.num_servers <= cfg.num_trainers,
+            f"--mapping group needs at least as many trainers as servers: {cfg.num_servers} servers "
+            f"need {cfg.num_servers} trainers; got {cfg.num_trainers}",
+        )
+
+    model = load_entry(cfg.model_config_path, cfg.model, "model_class", MODELS, "model")
+    data = load_entry(cfg.data_config_path, cfg.data, "data_class", DATA, "data")
+    if "seed" in data.kwargs:
+        raise ConfigError(f"{cfg.data_config_path}: entry {cfg.data!r}: 'seed' comes from --torch-seed")
+    import torch
+
+    try:
+        with torch.device("meta"):  # checks the arguments without allocating the weights
+            network = MODELS.get(model.class_name)(**model.kwargs)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{cfg.model_config_path}: entry {cfg.model!r}: {error}") from None
+    samples = data.kwargs.get("input_samples", 0)
+    need(
+        samples // cfg.num_trainers >= cfg.batch_size,
+        f"--data {cfg.data} has {samples} samples: {cfg.num_trainers} trainers get {samples // cfg.num_trainers} "
+        f"each, fewer than --batch-size {cfg.batch_size}; lower --batch-size or use more samples",
+    )
+    num_embeddings = getattr(network, "num_embeddings", None)
+    if num_embeddings is not None:
+        need(
+            data.kwargs.get("max_val", 0) <= num_embeddings,
+            f"--data {cfg.data} draws indices below max_val={data.kwargs.get('max_val')} but --model {cfg.model} "
+            f"has only {num_embeddings} embeddings",
+        )
+    num_classes = getattr(network, "num_classes", None)
+    if num_classes is not None:
+        need(
+            data.kwargs.get("num_classes", 10) <= num_classes,
+            f"--data {cfg.data} has {data.kwargs.get('num_classes', 10)} classes but --model {cfg.model} "
+            f"outputs {num_classes}",
+        )
+
+    if gpus is None:
+        gpus = cuda_device_count()
+    wants_cuda = [
+        f"--backend {cfg.backend}" if cfg.backend != "gloo" else "",
+        f"--ncudatrainer {cfg.ncudatrainer}" if cfg.ncudatrainer else "",
+        f"--ncudaserver {cfg.ncudaserver}" if cfg.ncudaserver else "",
+    ]
+    wants_cuda = [w for w in wants_cuda if w]
+    if wants_cuda and gpus == 0:
+        raise ConfigError(f"CUDA is needed for {' and '.join(wants_cuda)}, but no GPU is available here "
+                          f"(torch.cuda.is_available() is False); use --backend gloo with CPU trainers and servers")
+    if cfg.backend in ("nccl", "multi"):
+        local_trainers = cfg.num_trainers if gpus_per_node_ranks is None else gpus_per_node_ranks
+        need(
+            local_trainers <= gpus,
+            f"--backend {cfg.backend} needs one GPU per trainer: {local_trainers} trainers on this node, "
+            f"{gpus} GPUs; lower --ntrainer/--ncudatrainer or use --backend gloo",
+        )
+        sparse = any(getattr(m, "sparse", False) for m in network.modules())
+        if sparse and cfg.backend == "nccl" and cfg.hook in ("allreduce", "sparse_ps"):
+            raise ConfigError(f"--model {cfg.model} has sparse gradients, which NCCL cannot all-reduce; "
+                              f"use --backend multi or gloo, or --hook ps")
+    return model, data

@@ -1,0 +1,1 @@
+"""Timers, statistics, byte accounting, tables and results files."""

@@ -1,0 +1,92 @@
+"""Results files (the ``ps_bench.result/1`` contract) and the printed report."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+from ps_bench.metrics.stats import TABLE_HEADERS, SummaryRow
+
+SCHEMA = "ps_bench.result/1"
+
+
+def iso_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def environment(backend: str) -> dict:
+    cuda = torch.cuda.is_available()
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "hostname": socket.gethostname(),
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "backend": backend,
+    }
+
+
+def default_results_path(hook: str, num_trainers: int, num_servers: int) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("results") / f"{stamp}-{hook}-{num_trainers}t{num_servers}s.json"
+
+
+def write_results(results: dict, path: str | os.PathLike) -> Path:
+    """Writes atomically and never overwrites: an existing name gets a numbered suffix.
+
+    The content goes to a temporary file in the target folder, which is then hard-linked
+    under the first free name (link fails rather than replace), so a reader never sees a
+    half-written file and two runs never take the same name.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=target.parent)
+    try:
+        with os.fdopen(handle, "w") as stream:
+            json.dump(results, stream, indent=2)
+            stream.write("\n")
+            stream.flush()
+            os.fsync(stream.fileno())
+        for attempt in range(10_000):
+            candidate = target if attempt == 0 else target.with_name(f"{target.stem}-{attempt}{target.suffix}")
+            try:
+                os.link(temporary, candidate)
+                return candidate
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"no free name next to {target}")
+    finally:
+        os.unlink(temporary)
+
+
+def render_table(rows: list[SummaryRow]) -> str:
+    return tabulate([r.table_row() for r in rows], headers=TABLE_HEADERS, floatfmt=".3f")
+
+
+def print_report(results: dict, rows: list[SummaryRow]) -> None:
+    """The one place that prints a run's results."""
+    for role, title in (("trainer", "Trainers"), ("server", "Parameter servers")):
+        role_rows = [r for r in rows if r.role == role]
+        if role_rows:
+            print(f"\n{title} (timed rounds, ms)")
+            print(render_table(role_rows))
+    throughput, moved, replicas = results["throughput"], results["bytes"], results["replicas"]
+    print(
+        f"\nthroughput: {throughput['samples_per_s']:.1f} samples/s over {throughput['iterations']} "
+        f"iterations per trainer"
+    )
+    print(
+        "bytes per iteration: trainer sent {trainer_sent_per_iter:.0f}, recv {trainer_recv_per_iter:.0f}; "
+        "server recv {server_recv_per_iter:.0f}, sent {server_sent_per_iter:.0f}".format(**moved)
+    )
+    print(
+        f"replicas: identical={str(replicas['identical']).lower()} param_norm={replicas['param_norm']:.6f} "
+        f"max_abs_diff={replicas['max_abs_diff']:.3g}"
+    )

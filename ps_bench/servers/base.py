@@ -1,0 +1,235 @@
+"""The parameter-server protocol shared by every aggregation algorithm.
+
+A trainer calls ``average_gradient`` once per bucket per iteration. The server keeps one
+``BucketState`` per bucket (each with its own lock, so buckets never wait for each other),
+adds contributions as the algorithm says, and, once every expected trainer has contributed,
+answers all of them with the average. With the ``group`` mapping a server reduces only its
+group and the servers combine their partial sums at the bucket's root server, so every
+trainer still receives the global average.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+from ps_bench.metrics.timers import now_ms, tensor_bytes
+
+
+@dataclass
+class BucketState:
+    """What one bucket has received so far in the current iteration."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    count: int = 0
+    accumulator: object = None  # algorithm-specific: a running sum or a list of tensors
+    waiting: list[tuple[Future, bool]] = field(default_factory=list)  # (future, answer on device)
+    first_ms: float = 0.0
+    aggregate_ms: float = 0.0
+    shape: torch.Size | None = None
+
+    def clear(self) -> None:
+        self.count, self.accumulator, self.waiting = 0, None, []
+        self.aggregate_ms, self.shape = 0.0, None
+
+
+class ParameterServer:
+    """Base class: subclasses define how contributions are accumulated and summed."""
+
+    def __init__(
+        self,
+        server_index: int,
+        num_servers: int,
+        contributors: int,
+        num_trainers: int,
+        mapping: str,
+        device: str = "cpu",
+    ) -> None:
+        self.server_index = server_index
+        self.num_servers = num_servers
+        self.contributors = contributors
+        self.num_trainers = num_trainers
+        self.mapping = mapping
+        self.device = torch.device(device)
+        self.peers: list[rpc.RRef] = []
+        self._buckets: dict[int, BucketState] = {}
+        self._partials: dict[int, BucketState] = {}
+        self._table_lock = threading.Lock()  # guards only the creation of bucket states
+        self._metrics_lock = threading.Lock()
+        self._samples: dict[str, list[float]] = defaultdict(list)
+        self._bytes = {"recv": 0, "sent": 0}
+
+    # -- what subclasses define ---------------------------------------------------------
+    def accumulate(self, state: BucketState, tensor: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def total(self, state: BucketState) -> torch.Tensor:
+        raise NotImplementedError
+
+    # -- the RPC surface ------------------------------------------------------------------
+    @staticmethod
+    @rpc.functions.async_execution
+    def average_gradient(server_rref: rpc.RRef, bucket_index: int, tensor: torch.Tensor) -> Future:
+        """Called by a trainer; the future completes with the global average of the bucket."""
+        return server_rref.local_value().contribute(bucket_index, tensor)
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def combine_partial(server_rref: rpc.RRef, bucket_index: int, partial: torch.Tensor) -> Future:
+        """Called by a group server on the bucket's root; completes with the global average."""
+        server = server_rref.local_value()
+        server._count_bytes("recv", tensor_bytes(partial))
+        return server.combine(bucket_index, partial, remote=True)
+
+    def set_peers(self, peers: list[rpc.RRef]) -> None:
+        self.peers = peers
+
+    def reset_state(self) -> None:
+        """Forgets every bucket; called by the master between rounds."""
+        with self._table_lock:
+            pending = [i for i, s in {**self._buckets, **self._partials}.items() if s.count]
+            self._buckets, self._partials = {}, {}
+        if pending:
+            raise RuntimeError(f"server {self.server_index}: buckets {pending} were incomplete at reset")
+
+    def take_metrics(self) -> dict:
+        """Samples (ms) and byte counts since the last call, then clears them."""
+        with self._metrics_lock:
+            out = {"samples": dict(self._samples), "bytes": dict(self._bytes)}
+            self._samples = defaultdict(list)
+            self._bytes = {"recv": 0, "sent": 0}
+        return out
+
+    # -- the work ---------------------------------------------------------------------------
+    def _state(self, table: dict[int, BucketState], bucket_index: int) -> BucketState:
+        state = table.get(bucket_index)
+        if state is None:
+            with self._table_lock:
+                state = table.setdefault(bucket_index, BucketState())
+        return state
+
+    def _count_bytes(self, direction: str, nbytes: int) -> None:
+        with self._metrics_lock:
+            self._bytes[direction] += nbytes
+
+    def _record(self, **samples_ms: float) -> None:
+        with self._metrics_lock:
+            for name, value in samples_ms.items():
+                self._samples[name].append(value)
+
+    def _add(self, state: BucketState, tensor: torch.Tensor, expected: int) -> tuple[bool, float]:
+        """Adds one contribution (caller holds the bucket's lock); returns (was it the last
+        one, arrival time in ms)."""
+        arrived = now_ms()
+        local = tensor.to(self.device)
+        if state.count == 0:
+            state.first_ms, state.shape = arrived, local.shape
+        elif local.shape != state.shape:
+            raise ValueError(f"bucket shape {tuple(local.shape)} differs from {tuple(state.shape)}")
+        start = now_ms()
+        self.accumulate(state, local)
+        state.aggregate_ms += now_ms() - start
+        state.count += 1
+        return state.count == expected, arrived
+
+    def _new_future(self) -> Future:
+        return Future(devices=[self.device] if self.device.type == "cuda" else None)
+
+    def contribute(self, bucket_index: int, tensor: torch.Tensor) -> Future:
+        future = self._new_future()
+        self._count_bytes("recv", tensor_bytes(tensor))
+        state = self._state(self._buckets, bucket_index)
+        try:
+            with state.lock:
+                state.waiting.append((future, tensor.device.type == "cuda"))
+                complete, arrived = self._add(state, tensor, self.contributors)
+                if not complete:
+                    return future
+                start = now_ms()
+                summed = self.total(state)
+                aggregate_ms = state.aggregate_ms + now_ms() - start
+                waiting, first_ms = state.waiting, state.first_ms
+                state.clear()  # before answering, so the next iteration starts afresh
+        except Exception as error:  # answer every waiting trainer, or they wait for a timeout
+            self._fail(state, error)
+            return future
+        straggler_ms = arrived - first_ms
+        if self.mapping == "group":
+            result = self._global_average(bucket_index, summed)
+        else:
+            result = Future()
+            result.set_result(summed / self.num_trainers)
+        result.add_done_callback(lambda fut: self._answer(waiting, fut, first_ms, straggler_ms, aggregate_ms))
+        return future
+
+    def _global_average(self, bucket_index: int, partial_sum: torch.Tensor) -> Future:
+        """``group`` mapping: hands this group's sum to the bucket's root server."""
+        root = bucket_index % self.num_servers
+        if root == self.server_index:
+            return self.combine(bucket_index, partial_sum, remote=False)
+        partial = partial_sum.cpu()
+        self._count_bytes("sent", tensor_bytes(partial))
+        peer = self.peers[root]
+        reply = rpc.rpc_async(peer.owner(), type(self).combine_partial, args=(peer, bucket_index, partial))
+        return reply.then(self._received_global)
+
+    def _received_global(self, fut: Future) -> torch.Tensor:
+        value = fut.value()
+        self._count_bytes("recv", tensor_bytes(value))
+        return value
+
+    def combine(self, bucket_index: int, partial: torch.Tensor, remote: bool) -> Future:
+        """Root side of the ``group`` mapping: sums the servers' partials, divides once."""
+        future: Future = Future()
+        state = self._state(self._partials, bucket_index)
+        try:
+            with state.lock:
+                state.waiting.append((future, remote))
+                complete, _ = self._add(state, partial, self.num_servers)
+                if not complete:
+                    return future
+                average = (self.total(state) / self.num_trainers).cpu()
+                waiting = state.waiting
+                state.clear()
+        except Exception as error:
+            self._fail(state, error)
+            return future
+        for peer_future, peer_is_remote in waiting:
+            if peer_is_remote:
+                self._count_bytes("sent", tensor_bytes(average))
+            peer_future.set_result(average)
+        return future
+
+    def _answer(self, waiting: list[tuple[Future, bool]], result: Future,
+                first_ms: float, straggler_ms: float, aggregate_ms: float) -> None:
+        try:
+            average = result.wait()
+        except Exception as error:
+            for future, _ in waiting:
+                future.set_exception(error)
+            return
+        if average.is_sparse:
+            average = average.coalesce()
+        host = None
+        for future, on_device in waiting:
+            if on_device:
+                answer = average.to(self.device)
+            else:
+                host = average.cpu() if host is None else host
+                answer = host
+            self._count_bytes("sent", tensor_bytes(answer))
+            future.set_result(answer)
+        self._record(straggler=straggler_ms, aggregate=aggregate_ms, round=now_ms() - first_ms)
+
+    def _fail(self, state: BucketState, error: Exception) -> None:
+        with state.lock:
+            waiting = state.waiting
+            state.clear()
+        for future, _ in waiting:
+            if not future.done():
+                future.set_exception(error)

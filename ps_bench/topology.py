@@ -1,0 +1,144 @@
+"""Ranks, roles, RPC names, trainer/bucket -> server mapping and CUDA device maps (pure).
+
+Rank order: CPU-RPC trainers, CUDA-RPC trainers, CPU servers, CUDA servers, master (last).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TRAINER, SERVER, MASTER = "trainer", "server", "master"
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    role: str  # trainer | server | master
+    index: int  # position among the ranks of the same role
+    cuda_rpc: bool  # tensors cross RPC on the GPU (through device maps)
+    name: str
+
+    def describe(self) -> str:
+        return f"{self.role} {self.index} (rank {self.rank}, {self.name})"
+
+
+def split_evenly(count: int, parts: int) -> list[range]:
+    """``count`` items in ``parts`` contiguous groups whose sizes differ by at most one."""
+    base, extra = divmod(count, parts)
+    groups, start = [], 0
+    for part in range(parts):
+        size = base + (1 if part < extra else 0)
+        groups.append(range(start, start + size))
+        start += size
+    return groups
+
+
+def balance_buckets(bucket_bytes: dict[int, int], num_servers: int) -> dict[int, int]:
+    """Bucket index -> server index, largest bucket first onto the least loaded server.
+
+    Deterministic (ties broken by bucket index, then server index) so every trainer that
+    sees the same buckets computes the same owners without talking to the others.
+    """
+    load = [0] * num_servers
+    owner: dict[int, int] = {}
+    for bucket, size in sorted(bucket_bytes.items(), key=lambda item: (-item[1], item[0])):
+        server = min(range(num_servers), key=lambda s: (load[s], s))
+        owner[bucket] = server
+        load[server] += size
+    return owner
+
+
+class Topology:
+    def __init__(
+        self,
+        ntrainer: int,
+        ncudatrainer: int,
+        nserver: int,
+        ncudaserver: int,
+        mapping: str = "shard",
+        cuda_collectives: bool = False,
+    ) -> None:
+        self.ntrainer, self.ncudatrainer = ntrainer, ncudatrainer
+        self.nserver, self.ncudaserver = nserver, ncudaserver
+        self.mapping = mapping
+        self.cuda_collectives = cuda_collectives  # nccl/multi: every trainer computes on a GPU
+        self.num_trainers = ntrainer + ncudatrainer
+        self.num_servers = nserver + ncudaserver
+        self.world_size = self.num_trainers + self.num_servers + 1
+        ranks: list[RankInfo] = []
+        for i in range(self.num_trainers):
+            ranks.append(RankInfo(i, TRAINER, i, i >= ntrainer, f"trainer{i}"))
+        for i in range(self.num_servers):
+            rank = self.num_trainers + i
+            ranks.append(RankInfo(rank, SERVER, i, i >= nserver, f"server{rank}"))
+        ranks.append(RankInfo(self.world_size - 1, MASTER, 0, False, "master"))
+        self.ranks = ranks
+        self.groups = split_evenly(self.num_trainers, self.num_servers) if self.num_servers else []
+
+    @property
+    def trainers(self) -> list[RankInfo]:
+        return self.ranks[: self.num_trainers]
+
+    @property
+    def servers(self) -> list[RankInfo]:
+        return self.ranks[self.num_trainers : self.num_trainers + self.num_servers]
+
+    @property
+    def master(self) -> RankInfo:
+        return self.ranks[-1]
+
+    def info(self, rank: int) -> RankInfo:
+        return self.ranks[rank]
+
+    def group_of(self, trainer_index: int) -> int:
+        """The server index whose group holds this trainer (``group`` mapping)."""
+        for server, members in enumerate(self.groups):
+            if trainer_index in members:
+                return server
+        raise ValueError(f"trainer {trainer_index} is in no group")
+
+    def contributors(self, server_index: int) -> int:
+        """How many trainers send each bucket to this server."""
+        if self.mapping == "group":
+            return len(self.groups[server_index])
+        return self.num_trainers
+
+    def uses_cuda(self, rank: int) -> bool:
+        info = self.info(rank)
+        if info.role == TRAINER:
+            return info.cuda_rpc or self.cuda_collectives
+        return info.cuda_rpc
+
+    def device_index(self, rank: int, local_world_size: int, gpus_per_node: int) -> int | None:
+        """Node-local CUDA device of a rank (ranks fill nodes in order), or None on the CPU."""
+        if not self.uses_cuda(rank) or gpus_per_node == 0:
+            return None
+        return (rank % local_world_size) % gpus_per_node
+
+    def device_maps(self, rank: int, local_world_size: int, gpus_per_node: int) -> dict[str, dict[int, int]]:
+        """TensorPipe device maps for this rank: CUDA-RPC trainers <-> CUDA servers, 1-to-1."""
+        me = self.info(rank)
+        if not me.cuda_rpc or me.role == MASTER:
+            return {}
+        peers = self.servers if me.role == TRAINER else self.trainers
+        mine = self.device_index(rank, local_world_size, gpus_per_node)
+        maps = {}
+        for peer in peers:
+            if peer.cuda_rpc:
+                theirs = self.device_index(peer.rank, local_world_size, gpus_per_node)
+                maps[peer.name] = {mine: theirs}
+        return maps
+
+    def describe_mapping(self, info: RankInfo) -> str:
+        if info.role == TRAINER:
+            if not self.num_servers:
+                return "-"
+            if self.mapping == "group":
+                return f"sends to {self.servers[self.group_of(info.index)].name}"
+            return "each bucket to its owner (bytes balanced)"
+        if info.role == SERVER:
+            if self.mapping == "group":
+                members = ", ".join(self.trainers[t].name for t in self.groups[info.index])
+                return f"group: {members or '-'}"
+            return f"owns ~1/{self.num_servers} of the bytes, all trainers"
+        return "creates servers, drives rounds"

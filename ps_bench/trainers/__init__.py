@@ -1,0 +1,1 @@
+"""Trainers: the DDP training loop and the communication hooks it can use."""
