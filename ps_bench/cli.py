@@ -63,6 +63,37 @@ def flags(name: str) -> list[str]:
     return out
 
 
+def describe_registry(registry) -> str:
+    entries = []
+    for name in registry.names():
+        doc = (registry.get(name).__doc__ or "").strip().splitlines()
+        entries.append(f"{name}: {doc[0].rstrip('.')}" if doc else name)
+    return "; ".join(entries)
+
+
+def _hooks() -> str:
+    from ps_bench.trainers.hooks import HOOKS
+
+    return describe_registry(HOOKS)
+
+
+def _servers() -> str:
+    from ps_bench.servers import SERVERS
+
+    return describe_registry(SERVERS)
+
+
+REGISTRY_HELP = {"hook": _hooks, "server": _servers}
+
+
+def metavar(name: str, kind: type) -> str:
+    if name.endswith("_path") or name in ("out",):
+        return "PATH"
+    if name == "rpc_timeout":
+        return "SECONDS"
+    return {int: "N", float: "X"}.get(kind, "NAME")
+
+
 def build_parser() -> Parser:
     parser = Parser(
         prog="bench.py", description=DESCRIPTION, epilog=EPILOG,
@@ -82,27 +113,21 @@ def build_parser() -> Parser:
         group = groups["topology" if name in topology else "strategy" if name in strategy else "run"]
         meta = field.metadata
         default = field.default
-        shown = "a free port" if name == "master_port" else "a new file under results/" if name == "out" else default
-        help_text = f"{meta['help']} (default: {shown})"
-        if name == "hook":
-            from ps_bench.trainers.hooks import HOOKS
-
-            help_text += f"; one of {', '.join(HOOKS.names())}"
-        elif name == "server":
-            from ps_bench.servers import SERVERS
-
-            help_text += f"; one of {', '.join(SERVERS.names())}"
         kind = field_type(name)
+        help_text = meta["help"] if default is None or kind is bool else f"{meta['help']} (default: {default})"
+        if name in REGISTRY_HELP:
+            help_text += "; " + REGISTRY_HELP[name]()
         if kind is bool:
             group.add_argument(*flags(name), dest=name, action="store_true", help=help_text)
         else:
             group.add_argument(
                 *flags(name), dest=name, type=typed(kind, name), choices=meta["choices"] or None,
-                metavar=name.upper() if not meta["choices"] else None, help=help_text,
+                metavar=None if meta["choices"] else metavar(name, kind), help=help_text,
             )
     compat = parser.add_argument_group("accepted for upstream command lines, no effect")
     for name in UPSTREAM_IGNORED:
-        compat.add_argument(f"--{name}", f"--{name.replace('_', '-')}", dest=f"ignored_{name}", metavar="X",
+        spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])
+        compat.add_argument(*spellings, dest=f"ignored_{name}", metavar="X",
                             help=argparse.SUPPRESS if name != "filestore" else "rendezvous uses a TCP store")
     return parser
 
@@ -119,8 +144,8 @@ def dry_run_table(cfg, topology, device_of) -> str:
             "cpu" if device is None else f"cuda:{device}",
             topology.describe_mapping(info),
         ])
-    header = (f"{topology.world_size} processes: {topology.num_trainers} trainers, {topology.num_servers} servers, "
-              f"1 master; hook {cfg.hook}, server {cfg.server}, mapping {cfg.mapping}, backend {cfg.backend}")
+    header = (f"{topology.world_size} processes: {plural(topology.num_trainers, 'trainer')}, "
+              f"{plural(topology.num_servers, 'server')}, 1 master; hook {cfg.hook}, server {cfg.server}, mapping {cfg.mapping}, backend {cfg.backend}")
     return header + "\n" + tabulate(rows, headers=["rank", "role", "rpc name", "rpc tensors", "device", "mapping"])
 
 

@@ -38,7 +38,12 @@ class RunConfig:
     hook: str = option("ps", "DDP communication hook (gradient strategy)", aliases=("ddp_hook",))
     server: str = option("average", "parameter-server aggregation algorithm")
     trainer: str = option("ddp", "trainer loop")
-    mapping: str = option("shard", "how trainers map to servers", choices=("shard", "group"))
+    mapping: str = option(
+        "shard",
+        "trainers to servers: shard = each bucket to one owning server (bytes balanced), every "
+        "trainer to every server; group = one server per group of trainers, servers combine partial sums",
+        choices=("shard", "group"),
+    )
     epochs: int = option(1, "passes over each trainer's data shard per round")
     batch_size: int = option(16, "samples per trainer per iteration")
     lr: float = option(0.01, "SGD learning rate")
@@ -55,7 +60,7 @@ class RunConfig:
     rpc_threads: int = option(8, "TensorPipe worker threads per process")
     master_addr: str = option("127.0.0.1", "address of the rendezvous store (a private interface: RPC trusts its peers)")
     master_port: int | None = option(None, "port of the rendezvous store (default: a free one)")
-    out: str | None = option(None, "results file (default: a fresh name under results/)")
+    out: str | None = option(None, "results file (default: a new name under results/; never overwritten)")
     per_rank: bool = option(False, "also print one table row per rank")
     dry_run: bool = option(False, "print the rank/role/name/mapping table and exit")
     debug: bool = option(False, "show tracebacks for errors in the input")

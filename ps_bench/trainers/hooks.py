@@ -106,7 +106,7 @@ def ring_allreduce_bytes(nbytes: int, world: int) -> int:
 
 @HOOKS.register("allreduce", aliases=("allreduce_hook",))
 def allreduce(ctx: HookContext, bucket: dist.GradBucket) -> Future:
-    """DDP's default: average by all-reduce over the trainer process group."""
+    """All-reduce average over the trainer process group (DDP's default)."""
     tensor = bucket.buffer()
     world = ctx.process_group.size()
     if tensor.is_sparse:  # gloo's sparse all-reduce gathers every rank's indices and values
@@ -153,6 +153,5 @@ def sparse_parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future
 
 @HOOKS.register("noop", aliases=("noop_hook",))
 def noop(ctx: HookContext, bucket: dist.GradBucket) -> Future:
-    """No communication: each trainer keeps its own gradient (compute-only headroom;
-    replicas diverge by design)."""
+    """No communication, the compute-only headroom: replicas drift apart by design."""
     return debugging_hooks.noop_hook(None, bucket)

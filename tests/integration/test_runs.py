@@ -1,0 +1,192 @@
+"""Real runs: every rank is a process, RPC and collectives go over loopback."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchrun import ROOT, run_bench, wait_session_gone
+
+pytestmark = pytest.mark.integration
+
+QUICK = ("--warmup-rounds", "1", "--rounds", "2")
+TRAINER_METRICS = {"batch", "forward", "backward", "optimizer", "comm"}
+SERVER_METRICS = {"straggler", "aggregate", "round"}
+STATS = {"role", "metric", "unit", "count", "mean", "std", "min", "p50", "p90", "p99", "max"}
+
+
+def check_contract(results: dict) -> None:
+    """The results-file contract other tools rely on."""
+    assert results["schema"] == "ps_bench.result/1"
+    assert results["status"] == "ok"
+    for key in ("started", "finished", "argv", "config", "env", "summary", "throughput", "bytes", "replicas", "samples"):
+        assert key in results, key
+    assert set(results["env"]) >= {"torch", "python", "hostname", "cuda_devices", "backend"}
+    for row in results["summary"]:
+        assert set(row) == STATS and row["unit"] == "ms" and row["count"] > 0
+        assert row["min"] <= row["p50"] <= row["p90"] <= row["p99"] <= row["max"]
+    assert set(results["bytes"]) == {"trainer_sent_per_iter", "trainer_recv_per_iter",
+                                     "server_recv_per_iter", "server_sent_per_iter"}
+    assert set(results["replicas"]) == {"identical", "param_norm", "max_abs_diff"}
+    assert results["throughput"]["samples_per_s"] > 0
+
+
+def metrics_of(results: dict, role: str) -> set[str]:
+    return {row["metric"] for row in results["summary"] if row["role"] == role}
+
+
+CASES = list(itertools.product(("allreduce", "ps", "sparse_ps", "noop"), ("average", "average_batch"), ("shard", "group")))
+
+
+@pytest.mark.parametrize("hook, server, mapping", CASES, ids=["-".join(c) for c in CASES])
+def test_every_hook_server_and_mapping_on_gloo(hook, server, mapping, results_path):
+    run = run_bench("--hook", hook, "--server", server, "--mapping", mapping, "--ntrainer", "3", "--nserver", "2",
+                    "--model", "DummyModelSmallSparse", *QUICK, out=results_path, timeout_s=120)
+    assert run.returncode == 0, run.output
+    results = run.results
+    check_contract(results)
+    assert results["config"]["hook"] == hook and results["config"]["mapping"] == mapping
+    assert metrics_of(results, "trainer") == TRAINER_METRICS
+    moved = results["bytes"]
+    if hook in ("ps", "sparse_ps"):
+        assert metrics_of(results, "server") == SERVER_METRICS
+        assert moved["trainer_sent_per_iter"] > 0 and moved["server_recv_per_iter"] > 0
+    else:
+        assert metrics_of(results, "server") == set()
+        assert moved["server_recv_per_iter"] == 0
+    if hook == "noop":
+        assert moved["trainer_sent_per_iter"] == 0
+        assert results["replicas"]["identical"] is False  # no communication: replicas drift apart
+    else:
+        assert results["replicas"]["identical"] is True, results["replicas"]
+        assert results["replicas"]["max_abs_diff"] == 0.0
+
+
+def test_parameter_servers_and_allreduce_reach_the_same_parameters(tmp_path):
+    """Fails if servers summed (or averaged only their group) instead of averaging."""
+    norms = {}
+    for name, args in {
+        "allreduce": ("--hook", "allreduce"),
+        "ps-group": ("--hook", "ps", "--mapping", "group"),
+        "ps-shard": ("--hook", "ps", "--mapping", "shard", "--bucket-cap-mb", "0.001"),
+        "ps-batch": ("--hook", "ps", "--server", "average_batch", "--mapping", "group"),
+    }.items():
+        run = run_bench("--ntrainer", "3", "--nserver", "2", "--torch-seed", "7", *QUICK, *args,
+                        out=tmp_path / f"{name}.json", timeout_s=120)
+        assert run.returncode == 0, run.output
+        assert run.results["replicas"]["identical"] is True
+        norms[name] = run.results["replicas"]["param_norm"]
+    reference = norms["allreduce"]
+    for name, norm in norms.items():
+        assert abs(norm - reference) / reference < 1e-5, norms
+
+
+def test_same_seed_same_result(tmp_path):
+    norms = [run_bench("--torch-seed", "3", *QUICK, out=tmp_path / f"{i}.json").results["replicas"]["param_norm"]
+             for i in range(2)]
+    assert norms[0] == norms[1]
+
+
+def test_default_run_prints_tables_and_results_path(results_path):
+    run = run_bench(out=results_path, timeout_s=120)
+    assert run.returncode == 0, run.output
+    for text in ("Trainers (timed rounds, ms)", "Parameter servers (timed rounds, ms)", "p50", "p90", "p99",
+                 "[round 1/6] warmup", "[round 6/6] timed", f"results: {results_path}"):
+        assert text in run.stdout, text
+    assert "replicas: identical=true" in run.stdout
+    check_contract(run.results)
+    assert run.results["throughput"]["iterations"] == 5 * (1024 // 2 // 16)
+
+
+def test_per_rank_tables(results_path):
+    run = run_bench("--per-rank", *QUICK, out=results_path)
+    assert run.returncode == 0
+    assert "trainer 0" in run.stdout and "trainer 1" in run.stdout and "server 2" in run.stdout
+
+
+def test_upstream_command_line_runs(results_path):
+    run = run_bench(
+        "--ntrainer=2", "--ncudatrainer=0", "--nserver=1", "--ncudaserver=0", "--server=AverageParameterServer",
+        "--ddp_hook=rpc_hook", "--backend=gloo", "--epochs=1", "--batch_size=10", "--data=DummyData",
+        "--model=DummyModel", "--data_config_path=configs/data_configurations.json",
+        "--model_config_path=configs/model_configurations.json", "--torch_seed=1", "--rpc_timeout=30",
+        out=results_path,
+    )
+    assert run.returncode == 0, run.output
+    assert run.results["config"]["hook"] == "ps" and run.results["config"]["server"] == "average"
+    assert run.results["replicas"]["identical"] is True
+
+
+def test_run_config_file_with_command_line_override(tmp_path, results_path):
+    config = tmp_path / "run.json"
+    config.write_text('{"ntrainer": 3, "hook": "allreduce", "rounds": 4, "nserver": 0}')
+    run = run_bench("--config", str(config), "--rounds", "1", out=results_path)
+    assert run.returncode == 0, run.output
+    assert run.results["config"]["ntrainer"] == 3 and run.results["config"]["rounds"] == 1
+
+
+def test_cuda_backend_without_gpu_is_one_line_exit_2():
+    run = run_bench("--backend", "nccl", timeout_s=60)
+    assert run.returncode == 2
+    assert run.stderr.strip().count("\n") == 0 and "CUDA" in run.stderr and "GPU" in run.stderr
+    assert run.stdout == ""
+
+
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    pids = []
+    for child in map(int, out.split()):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read() and b"resource_tracker" not in open(f"/proc/{child}/cmdline", "rb").read():
+                    pids.append(child)
+        except FileNotFoundError:
+            pass
+    return pids
+
+
+def test_a_killed_rank_ends_the_job_and_is_named(results_path):
+    rpc_timeout = 10
+    process = subprocess.Popen(
+        [sys.executable, "bench.py", "--rounds", "100000", "--rpc-timeout", str(rpc_timeout), "--out", str(results_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        for line in process.stdout:  # wait until the timed rounds are under way
+            if "[round 3/" in line:
+                break
+        ranks = child_pids(process.pid)
+        assert len(ranks) == 4, ranks
+        os.kill(ranks[1], signal.SIGKILL)  # spawn order is rank order: trainer 1
+        killed_at = time.monotonic()
+        _, stderr = process.communicate(timeout=rpc_timeout + 10)
+        assert time.monotonic() - killed_at < rpc_timeout + 10
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 1
+    assert "trainer 1 (rank 1, trainer1) was killed by SIGKILL" in stderr
+    assert wait_session_gone(process.pid, 10)
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
+def test_under_torchrun(results_path):
+    command = ["torchrun", "--standalone", "--nproc-per-node", "4", "bench.py", *QUICK, "--out", str(results_path)]
+    process = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180, start_new_session=True)
+    assert process.returncode == 0, process.stdout + process.stderr
+    assert "results:" in process.stdout
+    assert results_path.exists()
+
+
+def test_wrong_process_count_under_torchrun():
+    command = ["torchrun", "--standalone", "--nproc-per-node", "3", "bench.py"]
+    process = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert process.returncode != 0
+    assert "torchrun started 3 processes but this run needs 4" in process.stderr
