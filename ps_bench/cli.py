@@ -171,24 +171,27 @@ def main(argv: list[str] | None = None) -> int:
     debug = bool(cli_values.get("debug"))
     try:
         from ps_bench.config import cuda_device_count
-        from ps_bench.launch import LaunchSpec, new_error_dir, run_torchrun_rank, spawn, under_torchrun
+        from ps_bench.launch import LaunchSpec, new_run_dir, run_torchrun_rank, spawn, under_torchrun
+        from ps_bench.metrics.results import default_results_path
 
         cfg = build_config(cli_values, config_path)
         debug = cfg.debug
         model, data = validate(cfg)
         torchrun = under_torchrun()
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)) if torchrun else cfg.world_size
-        spec = LaunchSpec(cfg, model, data, ["bench.py", *argv], new_error_dir(), local_world_size,
-                          cuda_device_count())
+        results_path = cfg.out or str(default_results_path(cfg.hook, cfg.num_trainers, cfg.num_servers))
+        spec = LaunchSpec(cfg, model, data, ["bench.py", *argv], new_run_dir(), results_path, local_world_size,
+                          cuda_device_count(), torchrun)
         if cfg.dry_run:
             print(dry_run_table(cfg, spec.topology(), spec.device_of))
             return EXIT_OK
         if torchrun:
             return run_torchrun_rank(spec)
         signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
         print(f"ps_bench: {cfg.world_size} processes ({plural(cfg.num_trainers, 'trainer')}, "
-              f"{plural(cfg.num_servers, 'server')}, 1 master), hook {cfg.hook}, server {cfg.server}, mapping {cfg.mapping}, backend {cfg.backend}",
-              flush=True)
+              f"{plural(cfg.num_servers, 'server')}, 1 master), hook {cfg.hook}, server {cfg.server}, "
+              f"mapping {cfg.mapping}, backend {cfg.backend}", flush=True)
         return spawn(spec)
     except ConfigError as error:
         if debug:
@@ -196,15 +199,18 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"ps_bench: error: {error}\n")
         return EXIT_USAGE
     except KeyboardInterrupt:
-        sys.stderr.write("ps_bench: interrupted; every process was stopped\n")
+        sys.stderr.write("ps_bench: interrupted by SIGINT; every process was stopped\n")
         return EXIT_SIGINT
     except Terminated:
-        sys.stderr.write("ps_bench: terminated; every process was stopped\n")
+        sys.stderr.write("ps_bench: terminated by SIGTERM; every process was stopped\n")
         return EXIT_SIGTERM
-    except Exception as error:  # JobFailed and anything unexpected in the launcher
+    except Exception as error:  # JobFailed, or a bug in the launcher itself
         from ps_bench.launch import JobFailed
 
-        if debug or not isinstance(error, JobFailed):
+        if isinstance(error, JobFailed):
+            if error.detail:
+                sys.stderr.write(error.detail.rstrip() + "\n")
+        else:
             traceback.print_exc()
         sys.stderr.write(f"ps_bench: error: {error}\n")
         return EXIT_FAILED

@@ -60,6 +60,13 @@ class RunConfig:
     rpc_threads: int = option(8, "TensorPipe worker threads per process")
     master_addr: str = option("127.0.0.1", "address of the rendezvous store (a private interface: RPC trusts its peers)")
     master_port: int | None = option(None, "port of the rendezvous store (default: a free one)")
+    timeout: float | None = option(
+        None, "watchdog for the whole job in seconds: on expiry every rank's Python stacks go to the "
+        "log and the job ends with status 1 (default: none)")
+    inject_fault: str | None = option(
+        None, "make one rank fail on purpose: ROLE:INDEX:ITER:KIND with ROLE trainer|server|master, "
+        "INDEX among that role from 0, ITER from 1 (a training iteration; the master's round), "
+        "KIND exit|raise|hang (default: none)")
     out: str | None = option(None, "results file (default: a new name under results/; never overwritten)")
     per_rank: bool = option(False, "also print one table row per rank")
     dry_run: bool = option(False, "print the rank/role/name/mapping table and exit")
@@ -224,8 +231,19 @@ def validate(cfg: RunConfig, gpus: int | None = None, gpus_per_node_ranks: int |
         need(getattr(cfg, name) >= 0, f"--{name.replace('_', '-')} must be 0 or more; got {getattr(cfg, name)}")
     for name in ("epochs", "batch_size", "rounds", "rpc_threads"):
         need(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be at least 1; got {getattr(cfg, name)}")
-    for name in ("lr", "rpc_timeout", "bucket_cap_mb"):
-        need(getattr(cfg, name) > 0, f"--{name.replace('_', '-')} must be positive; got {getattr(cfg, name)}")
+    for name in ("lr", "rpc_timeout", "bucket_cap_mb", "timeout"):
+        value = getattr(cfg, name)
+        need(value is None or value > 0, f"--{name.replace('_', '-')} must be positive; got {value}")
+    if cfg.inject_fault is not None:
+        from ps_bench.faults import Fault
+
+        try:
+            fault = Fault.parse(cfg.inject_fault)
+        except ValueError as error:
+            raise ConfigError(f"--inject-fault: {error}") from None
+        count = {"trainer": cfg.num_trainers, "server": cfg.num_servers, "master": 1}[fault.role]
+        need(fault.index < count, f"--inject-fault: there is no {fault.role} {fault.index}; "
+                                  f"this run has {count} {fault.role}(s), numbered from 0")
     need(cfg.num_trainers >= 1, "at least one trainer is needed: set --ntrainer or --ncudatrainer to 1 or more")
     if cfg.master_port is not None:
         need(1 <= cfg.master_port <= 65535, f"--master-port must be in 1..65535; got {cfg.master_port}")

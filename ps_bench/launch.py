@@ -2,20 +2,21 @@
 
 Locally, ``spawn`` hosts the rendezvous store in the parent (bound before any child starts,
 so no other run can take its port), starts every rank with ``torch.multiprocessing`` and
-watches them: the first rank that fails ends the job, named by role and rank, and no
-process is left running. Under torchrun, ``run_torchrun_rank`` runs the one rank torchrun
-started; torchrun's own agent hosts the store and supervises.
+watches them: the first rank that fails ends the job, named by role and rank, no process is
+left running, and the results of the rounds that finished are kept. Under torchrun,
+``run_torchrun_rank`` runs the one rank torchrun started; torchrun's agent hosts the store
+and supervises.
 """
 
 from __future__ import annotations
 
-import json
+import ctypes
+import faulthandler
 import os
 import signal
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,11 +27,15 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 
+from ps_bench import failures
 from ps_bench.config import ConfigError, Entry, RunConfig
+from ps_bench.metrics.results import write_results
 from ps_bench.topology import MASTER, TRAINER, Topology
 
 PG_BACKENDS = {"gloo": "gloo", "nccl": "nccl", "multi": "cpu:gloo,cuda:nccl"}
-GRACE_S = 2.0
+GRACE_S = 2.0  # SIGTERM, then this long, then SIGKILL
+SETTLE_S = 0.3  # after a failure, how long the ranks it took down get to report theirs
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -41,9 +46,11 @@ class LaunchSpec:
     model: Entry
     data: Entry
     argv: list[str]
-    error_dir: str
+    run_dir: str  # failure records, stacks and the master's snapshot of finished rounds
+    results_path: str
     local_world_size: int
     gpus_per_node: int
+    torchrun: bool = False
 
     def topology(self) -> Topology:
         cfg = self.config
@@ -52,6 +59,14 @@ class LaunchSpec:
 
     def device_of(self, rank: int) -> int | None:
         return self.topology().device_index(rank, self.local_world_size, self.gpus_per_node)
+
+
+def new_run_dir() -> str:
+    return tempfile.mkdtemp(prefix="ps_bench-")
+
+
+def stacks_file(run_dir: str, rank: int) -> Path:
+    return Path(run_dir) / f"stacks-rank{rank}.txt"
 
 
 def rpc_options(spec: LaunchSpec, rank: int) -> rpc.TensorPipeRpcBackendOptions:
@@ -69,18 +84,27 @@ def rpc_options(spec: LaunchSpec, rank: int) -> rpc.TensorPipeRpcBackendOptions:
     return options
 
 
-def error_file(error_dir: str, rank: int) -> Path:
-    return Path(error_dir) / f"rank{rank}.json"
+def die_with_parent() -> None:
+    """Linux: the kernel kills this process if the launcher dies, even by SIGKILL."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
 
 
 def worker(rank: int, spec: LaunchSpec) -> None:
-    """One rank from start to shutdown; any exception ends the process with status 1 after
-    recording its role, rank and traceback for the supervisor."""
-    topology = spec.topology()
+    """One rank from start to shutdown. Any exception ends the process with status 1 after
+    recording its role, rank and traceback for the launcher."""
+    topology, cfg = spec.topology(), spec.config
     info = topology.info(rank)
-    cfg = spec.config
+    failures.set_identity(failures.Identity(info.role, info.index, rank, info.name, spec.run_dir, spec.torchrun))
     # init_rpc's internal gloo group trips a deprecation warning in torch itself, once per rank
     warnings.filterwarnings("ignore", message="You are using a Backend")
+    stacks = open(stacks_file(spec.run_dir, rank), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    if spec.torchrun and cfg.timeout:  # no launcher of ours to enforce --timeout: each rank does
+        faulthandler.dump_traceback_later(cfg.timeout, exit=True)
+    master = None
     try:
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(1)
@@ -89,64 +113,83 @@ def worker(rank: int, spec: LaunchSpec) -> None:
         if device is not None:
             torch.cuda.set_device(device)
             torch.cuda.manual_seed_all(cfg.cuda_seed)
-        timeout = timedelta(seconds=max(cfg.rpc_timeout, 60.0))
         if info.role == TRAINER:  # before RPC, so the group exists when the master builds DDP
             dist.init_process_group(
                 PG_BACKENDS[cfg.backend], init_method="env://", rank=info.index,
-                world_size=topology.num_trainers, timeout=timeout,
+                world_size=topology.num_trainers, timeout=timedelta(seconds=max(cfg.rpc_timeout, 60.0)),
             )
         rpc.init_rpc(info.name, rank=rank, world_size=topology.world_size,
                      rpc_backend_options=rpc_options(spec, rank))
         if info.role == MASTER:
             from ps_bench.master import Master
 
-            Master(cfg, topology, spec.model, spec.data, spec.device_of, spec.argv).run()
+            master = Master(cfg, topology, spec.model, spec.data, spec.device_of, spec.argv,
+                            spec.run_dir, spec.results_path)
+            master.run()
         rpc.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
-    except BaseException as error:  # noqa: BLE001 - every failure must reach the supervisor
-        text = traceback.format_exc()
-        record = {"role": info.role, "index": info.index, "rank": rank, "name": info.name,
-                  "error": f"{type(error).__name__}: {error}".strip(), "traceback": text, "time": time.time()}
-        try:
-            error_file(spec.error_dir, rank).write_text(json.dumps(record))
-        except OSError:
-            pass
-        sys.stderr.write(f"[{info.name}] {text}")
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(1)  # skip interpreter teardown: RPC threads can block it when a peer is gone
+    except BaseException as error:  # noqa: BLE001 - every failure must reach the launcher
+        if master is not None and spec.torchrun:  # no launcher of ours to keep the finished rounds
+            path = write_results(master.results("failed", error=f"{info.describe()} failed: {error}"),
+                                 spec.results_path)
+            print(f"results (failed run): {path}", flush=True)
+        failures.fatal(error)
 
 
-def _spawned(local_rank: int, spec: LaunchSpec) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides how the job ends
-    worker(local_rank, spec)
+def _spawned(rank: int, spec: LaunchSpec) -> None:
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how the job ends
+    worker(rank, spec)
 
 
 class JobFailed(Exception):
-    """A rank failed; ``str()`` names it by role and rank, with the cause."""
+    """The job ended badly; ``str()`` is one line, ``detail`` the traceback or stacks behind it."""
+
+    def __init__(self, summary: str, detail: str = "", exit_code: int = 1) -> None:
+        super().__init__(summary)
+        self.detail = detail
+        self.exit_code = exit_code
 
 
-def failure_message(spec: LaunchSpec, failed: dict[int, int]) -> str:
-    """One line naming the first failure (a killed process, else the earliest exception)."""
+def describe_failures(spec: LaunchSpec, exit_codes: dict[int, int]) -> JobFailed:
+    """Names the first failure: a process killed by a signal, else the earliest exception."""
     topology = spec.topology()
-    causes = []
-    for rank, exitcode in failed.items():
-        info = topology.info(rank)
-        path = error_file(spec.error_dir, rank)
+    records = failures.read_records(spec.run_dir)
+    causes = []  # (order, rank, one line, detail)
+    for rank, exitcode in exit_codes.items():
+        who = topology.info(rank).describe()
+        record = records.get(rank)
+        # a death with no record of its own (a signal, an abrupt exit) comes before the errors
+        # it caused in its peers
         if exitcode < 0:
-            name = signal.Signals(-exitcode).name
-            causes.append((0.0, f"{info.describe()} was killed by {name}"))
-        elif path.exists():
-            record = json.loads(path.read_text())
-            causes.append((record["time"], f"{info.describe()} failed: {record['error']}"))
+            causes.append((0.0, rank, f"{who} was killed by {signal.Signals(-exitcode).name}", ""))
+        elif record is not None:
+            error = record["error"].strip().splitlines()[0]
+            causes.append((record["time"], rank, f"{who} failed: {error}", record["traceback"]))
         else:
-            causes.append((float("inf"), f"{info.describe()} exited with status {exitcode}"))
-    causes.sort(key=lambda c: c[0])
-    message = causes[0][1]
-    if len(causes) > 1:
-        message += f" (then {len(causes) - 1} more rank(s) failed)"
-    return message
+            causes.append((0.0, rank, f"{who} exited with status {exitcode} without an error of its own", ""))
+    causes.sort(key=lambda cause: (cause[0], cause[1]))
+    _, first_rank, summary, detail = causes[0]
+    others = [topology.info(rank).name for _, rank, _, _ in causes[1:]]
+    if others:
+        summary += f"; then {', '.join(others)} ended too"
+    return JobFailed(summary, detail)
+
+
+def dump_stacks(spec: LaunchSpec, processes: list) -> str:
+    """Asks every live rank for its Python stacks (faulthandler) and collects them."""
+    topology = spec.topology()
+    for process in processes:
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    parts = []
+    for rank in range(len(processes)):
+        text = stacks_file(spec.run_dir, rank).read_text() if stacks_file(spec.run_dir, rank).exists() else ""
+        if text.strip():
+            parts.append(f"---- Python stacks of {topology.info(rank).describe()} ----\n{text.rstrip()}")
+    return "\n".join(parts)
 
 
 def terminate(processes: list) -> None:
@@ -168,13 +211,57 @@ def host_store(cfg: RunConfig) -> dist.TCPStore:
         return dist.TCPStore(cfg.master_addr, cfg.master_port or 0, is_master=True,
                              wait_for_workers=False, timeout=timedelta(seconds=60))
     except (RuntimeError, OSError) as error:
-        port = cfg.master_port or "a free port"
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ConfigError(f"cannot listen on --master-addr {cfg.master_addr} port {port}: {first_line}") from None
+        port = f"port {cfg.master_port}" if cfg.master_port else "a free port"
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if cfg.master_port and "address already in use" in reason.lower():
+            reason = "it is already in use; pick another --master-port or leave it out for a free one"
+        raise ConfigError(f"cannot listen on --master-addr {cfg.master_addr} {port}: {reason}") from None
+
+
+def keep_finished_rounds(spec: LaunchSpec, error: str) -> Path | None:
+    """Writes the failed run's results file from the master's last snapshot."""
+    from ps_bench.master import read_snapshot
+
+    results = read_snapshot(spec.run_dir)
+    if results is None:  # the master never got going: keep at least what was asked
+        from ps_bench.metrics.results import SCHEMA, environment, iso_now
+
+        results = {"schema": SCHEMA, "argv": spec.argv, "config": spec.config.to_dict(),
+                   "env": environment(spec.config.backend), "rounds_completed": 0, "summary": [],
+                   "started": iso_now()}
+    from ps_bench.metrics.results import iso_now
+
+    results.update(status="failed", error=error, finished=iso_now())
+    try:
+        return write_results(results, spec.results_path)
+    except OSError:
+        return None
+
+
+def supervise(spec: LaunchSpec, processes: list) -> None:
+    """Returns when every rank exited 0; raises JobFailed otherwise."""
+    cfg = spec.config
+    deadline = time.monotonic() + cfg.timeout if cfg.timeout else None
+    while True:
+        codes = {rank: p.exitcode for rank, p in enumerate(processes)}
+        if any(code not in (None, 0) for code in codes.values()):
+            time.sleep(SETTLE_S)
+            codes = {rank: p.exitcode for rank, p in enumerate(processes)}
+            terminate(processes)
+            raise describe_failures(spec, {r: c for r, c in codes.items() if c not in (None, 0)})
+        if all(code == 0 for code in codes.values()):
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            stacks = dump_stacks(spec, processes)
+            terminate(processes)
+            raise JobFailed(f"the job did not finish within --timeout {cfg.timeout:g} s; every rank's "
+                            f"Python stacks are above", stacks)
+        time.sleep(0.1)
 
 
 def spawn(spec: LaunchSpec) -> int:
-    """Runs every rank on this machine; returns the job's exit status."""
+    """Runs every rank on this machine; returns 0 or raises (JobFailed, KeyboardInterrupt,
+    ...) after every process is gone and the finished rounds are written."""
     cfg = spec.config
     store = host_store(cfg)
     os.environ.update(
@@ -182,25 +269,32 @@ def spawn(spec: LaunchSpec) -> int:
         MASTER_PORT=str(store.port),
         TORCHELASTIC_USE_AGENT_STORE="True",  # every rank is a client of the store above
     )
-    context = mp.start_processes(_spawned, args=(spec,), nprocs=cfg.world_size, join=False, start_method="spawn")
-    processes = context.processes
+    if not cfg.debug:  # once a rank is gone, every peer's RPC agent logs each broken pipe
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    processes = []
     try:
-        while True:
-            codes = {rank: p.exitcode for rank, p in enumerate(processes)}
-            failed = {rank: code for rank, code in codes.items() if code not in (None, 0)}
-            if failed:
-                time.sleep(0.3)  # let the ranks it took down report too, to find the first cause
-                failed = {r: p.exitcode for r, p in enumerate(processes) if p.exitcode not in (None, 0)}
-                terminate(processes)
-                raise JobFailed(failure_message(spec, failed))
-            if all(code == 0 for code in codes.values()):
-                return 0
-            time.sleep(0.1)
-    except BaseException:
+        context = mp.start_processes(_spawned, args=(spec,), nprocs=cfg.world_size, join=False,
+                                     start_method="spawn")
+        processes = context.processes
+        supervise(spec, processes)
+        return 0
+    except BaseException as error:
         terminate(processes)
+        reason = str(error) if isinstance(error, JobFailed) else interruption(error)
+        path = keep_finished_rounds(spec, reason)
+        if path is not None:
+            print(f"results (failed run): {path}", flush=True)
         raise
     finally:
         del store
+
+
+def interruption(error: BaseException) -> str:
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted by SIGINT"
+    if type(error).__name__ == "Terminated":
+        return "terminated by SIGTERM"
+    return f"launcher failed: {type(error).__name__}: {error}"
 
 
 def run_torchrun_rank(spec: LaunchSpec) -> int:
@@ -217,7 +311,3 @@ def run_torchrun_rank(spec: LaunchSpec) -> int:
 
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
-
-
-def new_error_dir() -> str:
-    return tempfile.mkdtemp(prefix="ps_bench-")

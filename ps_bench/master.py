@@ -2,36 +2,69 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections import defaultdict
+from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed.rpc as rpc
 
 from ps_bench.config import Entry, RunConfig
 from ps_bench.data import build_data
-from ps_bench.metrics.results import SCHEMA, default_results_path, environment, iso_now, print_report, write_results
-from ps_bench.metrics.stats import summary_rows
+from ps_bench.faults import Fault, maybe_inject
+from ps_bench.metrics.results import SCHEMA, environment, iso_now, print_report, write_results
+from ps_bench.metrics.stats import SummaryRow, summary_rows
 from ps_bench.servers import SERVERS
 from ps_bench.topology import Topology
 from ps_bench.trainers.trainer import TRAINER_METRICS, TRAINERS
 
 SERVER_METRICS = ("straggler", "aggregate", "round")
+PARTIAL_NAME = "partial.json"
 
 
 def device_name(index: int | None) -> str:
     return "cpu" if index is None else f"cuda:{index}"
 
 
+def write_snapshot(results: dict, run_dir: str) -> None:
+    """What has finished so far, for the launcher to keep if the job fails later."""
+    path = Path(run_dir) / PARTIAL_NAME
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(results))
+    os.replace(temporary, path)
+
+
+def read_snapshot(run_dir: str) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / PARTIAL_NAME).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 class Master:
     def __init__(self, config: RunConfig, topology: Topology, model: Entry, data: Entry,
-                 device_of: callable, argv: list[str]) -> None:
+                 device_of: Callable[[int], int | None], argv: list[str], run_dir: str, results_path: str) -> None:
         self.config, self.topology = config, topology
         self.model, self.data = model, data
-        self.device_of = device_of  # rank -> CUDA index or None
+        self.device_of = device_of
         self.argv = argv
+        self.run_dir = run_dir
+        self.results_path = results_path
+        self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.started = iso_now()
+        self.trainer_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self.server_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self.trainer_bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+        self.server_bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+        self.iterations = self.processed = self.rounds_done = 0
+        self.timed_s = 0.0
+        self.losses: list[float] = []
+        self.replicas: dict | None = None
 
+    # -- setting up ------------------------------------------------------------------------
     def create_servers(self) -> list[rpc.RRef]:
         cfg, topo = self.config, self.topology
         server_class = SERVERS.get(cfg.server)
@@ -43,6 +76,7 @@ class Master:
                 num_trainers=topo.num_trainers,
                 mapping=topo.mapping,
                 device=device_name(self.device_of(info.rank)),
+                fault=cfg.inject_fault,
             ))
             for info in topo.servers
         ]
@@ -76,25 +110,22 @@ class Master:
                 device=device_name(self.device_of(info.rank)),
                 rpc_timeout=cfg.rpc_timeout,
                 bucket_cap_mb=cfg.bucket_cap_mb,
+                fault=cfg.inject_fault,
             )))
         for trainer in trainers:  # waits until every DDP replica is built
             trainer.rpc_sync(timeout=0).ready()
         return trainers
 
+    # -- the rounds --------------------------------------------------------------------------
     def run(self) -> dict:
-        cfg, topo = self.config, self.topology
+        cfg = self.config
+        self.snapshot()
         servers = self.create_servers()
         trainers = self.create_trainers(servers)
-        trainer_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-        server_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-        trainer_bytes = defaultdict(lambda: [0, 0])
-        server_bytes = defaultdict(lambda: [0, 0])
-        iterations = processed = 0
-        timed_s = 0.0
-        losses: list[float] = []
         total = cfg.warmup_rounds + cfg.rounds
         run_start = time.perf_counter()
         for round_index in range(total):
+            maybe_inject(self.fault, "master", 0, round_index + 1)
             timed = round_index >= cfg.warmup_rounds
             start = time.perf_counter()
             futures = [t.rpc_async(timeout=0).run_round() for t in trainers]
@@ -103,68 +134,86 @@ class Master:
             served = [s.rpc_sync().take_metrics() for s in servers]
             for server in servers:
                 server.rpc_sync().reset_state()
+            if timed:  # kept before it is announced: a round that was printed is never lost
+                self.add_round(elapsed, rounds, served)
+                self.snapshot()
             mean_loss = sum(r["losses"][-1] for r in rounds) / len(rounds)
             print(
                 f"[round {round_index + 1}/{total}] {'timed' if timed else 'warmup':6} "
                 f"{elapsed:7.2f} s  (elapsed {time.perf_counter() - run_start:6.1f} s)  loss {mean_loss:.4f}",
                 flush=True,
             )
-            if not timed:
-                continue
-            timed_s += elapsed
-            iterations += rounds[0]["iterations"]
-            for info, result in zip(topo.trainers, rounds):
-                for metric, values in result["samples"].items():
-                    trainer_samples[info.rank][metric].extend(values)
-                trainer_bytes[info.rank][0] += result["bytes_sent"]
-                trainer_bytes[info.rank][1] += result["bytes_recv"]
-                processed += result["samples_processed"]
-            losses.append(sum(sum(r["losses"]) / len(r["losses"]) for r in rounds) / len(rounds))
-            for info, result in zip(topo.servers, served):
-                for metric, values in result["samples"].items():
-                    server_samples[info.rank][metric].extend(values)
-                server_bytes[info.rank][0] += result["bytes"]["recv"]
-                server_bytes[info.rank][1] += result["bytes"]["sent"]
-        replicas = self.compare_replicas(trainers)
+        self.replicas = self.compare_replicas(trainers)
+        results = self.results("ok")
+        print_report(results, self.rows(split_ranks=cfg.per_rank))
+        path = write_results(results, self.results_path)
+        print(f"results: {path}", flush=True)
+        return results
 
-        rows = summary_rows("trainer", trainer_samples, TRAINER_METRICS, split_ranks=cfg.per_rank)
-        rows += summary_rows("server", server_samples, SERVER_METRICS, split_ranks=cfg.per_rank)
-        pooled_rows = [r for r in rows if r.rank is None]
+    def add_round(self, elapsed: float, rounds: list[dict], served: list[dict]) -> None:
+        topo = self.topology
+        self.rounds_done += 1
+        self.timed_s += elapsed
+        self.iterations += rounds[0]["iterations"]
+        for info, result in zip(topo.trainers, rounds):
+            for metric, values in result["samples"].items():
+                self.trainer_samples[info.rank][metric].extend(values)
+            self.trainer_bytes[info.rank][0] += result["bytes_sent"]
+            self.trainer_bytes[info.rank][1] += result["bytes_recv"]
+            self.processed += result["samples_processed"]
+        self.losses.append(sum(sum(r["losses"]) / len(r["losses"]) for r in rounds) / len(rounds))
+        for info, result in zip(topo.servers, served):
+            for metric, values in result["samples"].items():
+                self.server_samples[info.rank][metric].extend(values)
+            self.server_bytes[info.rank][0] += result["bytes"]["recv"]
+            self.server_bytes[info.rank][1] += result["bytes"]["sent"]
 
-        def per_iter(counts: dict, column: int, count: int) -> float:
-            return sum(c[column] for c in counts.values()) / count / iterations if count and iterations else 0.0
+    def snapshot(self) -> None:
+        write_snapshot(self.results("failed", error="the job ended before it finished"), self.run_dir)
+
+    # -- results -------------------------------------------------------------------------------
+    def rows(self, split_ranks: bool = False) -> list[SummaryRow]:
+        rows = summary_rows("trainer", self.trainer_samples, TRAINER_METRICS, split_ranks=split_ranks)
+        return rows + summary_rows("server", self.server_samples, SERVER_METRICS, split_ranks=split_ranks)
+
+    def results(self, status: str, error: str | None = None) -> dict:
+        cfg, topo = self.config, self.topology
+
+        def per_iter(counts: dict[int, list[int]], column: int, processes: int) -> float:
+            if not processes or not self.iterations:
+                return 0.0
+            return sum(c[column] for c in counts.values()) / processes / self.iterations
 
         results = {
             "schema": SCHEMA,
-            "status": "ok",
+            "status": status,
+            **({"error": error} if error is not None else {}),
             "started": self.started,
             "finished": iso_now(),
             "argv": self.argv,
             "config": {**cfg.to_dict(), "model_config": self.model.to_dict(), "data_config": self.data.to_dict()},
             "env": environment(cfg.backend),
-            "summary": [r.to_dict() for r in pooled_rows],
+            "rounds_completed": self.rounds_done,
+            "summary": [r.to_dict() for r in self.rows()],
             "throughput": {
-                "samples_per_s": processed / timed_s if timed_s else 0.0,
-                "iterations": iterations,
-                "timed_s": timed_s,
+                "samples_per_s": self.processed / self.timed_s if self.timed_s else 0.0,
+                "iterations": self.iterations,
+                "timed_s": self.timed_s,
             },
             "bytes": {
-                "trainer_sent_per_iter": per_iter(trainer_bytes, 0, topo.num_trainers),
-                "trainer_recv_per_iter": per_iter(trainer_bytes, 1, topo.num_trainers),
-                "server_recv_per_iter": per_iter(server_bytes, 0, topo.num_servers),
-                "server_sent_per_iter": per_iter(server_bytes, 1, topo.num_servers),
+                "trainer_sent_per_iter": per_iter(self.trainer_bytes, 0, topo.num_trainers),
+                "trainer_recv_per_iter": per_iter(self.trainer_bytes, 1, topo.num_trainers),
+                "server_recv_per_iter": per_iter(self.server_bytes, 0, topo.num_servers),
+                "server_sent_per_iter": per_iter(self.server_bytes, 1, topo.num_servers),
             },
-            "replicas": replicas,
-            "loss": {"first": losses[0], "last": losses[-1]} if losses else None,
+            "replicas": self.replicas,
+            "loss": {"first": self.losses[0], "last": self.losses[-1]} if self.losses else None,
             "samples": [
-                {"role": info.role, "rank": info.rank, "name": info.name, "metrics": dict(samples[info.rank])}
-                for info, samples in [(i, trainer_samples) for i in topo.trainers]
-                + [(i, server_samples) for i in topo.servers]
+                {"role": info.role, "rank": info.rank, "name": info.name, "metrics": dict(samples.get(info.rank, {}))}
+                for info, samples in [(i, self.trainer_samples) for i in topo.trainers]
+                + [(i, self.server_samples) for i in topo.servers]
             ],
         }
-        print_report(results, rows)
-        path = write_results(results, cfg.out or default_results_path(cfg.hook, topo.num_trainers, topo.num_servers))
-        print(f"results: {path}", flush=True)
         return results
 
     @staticmethod

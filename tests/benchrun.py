@@ -67,5 +67,47 @@ def run_bench(*args: str, timeout_s: float = 180, out: Path | None = None, env: 
     if not wait_session_gone(process.pid, 10):
         os.killpg(process.pid, signal.SIGKILL)
         pytest.fail(f"processes of bench.py {' '.join(args)} survived the launcher")
-    results = json.loads(out.read_text()) if out is not None and out.exists() else None
-    return BenchRun(process.returncode, stdout, stderr, elapsed, results)
+    return BenchRun(process.returncode, stdout, stderr, elapsed, printed_results(stdout))
+
+
+def printed_results(stdout: str) -> dict | None:
+    """The results file whose path the run printed, if any."""
+    for line in stdout.splitlines():
+        for prefix in ("results: ", "results (failed run): "):
+            if line.startswith(prefix):
+                return json.loads(Path(line[len(prefix):]).read_text())
+    return None
+
+
+def start_bench(*args: str) -> subprocess.Popen:
+    """Starts ``python bench.py ARGS`` in its own session, stdout and stderr piped."""
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "bench.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+
+
+def read_until(process: subprocess.Popen, text: str, timeout_s: float = 120) -> None:
+    """Reads stdout until a line contains ``text`` (the rest stays in the pipe)."""
+    deadline = time.monotonic() + timeout_s
+    for line in process.stdout:
+        if text in line:
+            return
+        if time.monotonic() > deadline:
+            break
+    os.killpg(process.pid, signal.SIGKILL)
+    pytest.fail(f"never saw {text!r}")
+
+
+def rank_pids(launcher_pid: int) -> list[int]:
+    """The launcher's rank processes, in rank order (spawn starts them in order)."""
+    out = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout
+    pids = []
+    for pid in sorted(map(int, out.split())):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            pids.append(pid)
+    return pids

@@ -18,6 +18,8 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
+from ps_bench.failures import fatal_on_error
+from ps_bench.faults import Fault, maybe_inject
 from ps_bench.metrics.timers import now_ms, tensor_bytes
 
 
@@ -49,6 +51,7 @@ class ParameterServer:
         num_trainers: int,
         mapping: str,
         device: str = "cpu",
+        fault: str | None = None,
     ) -> None:
         self.server_index = server_index
         self.num_servers = num_servers
@@ -56,6 +59,7 @@ class ParameterServer:
         self.num_trainers = num_trainers
         self.mapping = mapping
         self.device = torch.device(device)
+        self.fault = Fault.parse(fault) if fault else None
         self.peers: list[rpc.RRef] = []
         self._buckets: dict[int, BucketState] = {}
         self._partials: dict[int, BucketState] = {}
@@ -74,12 +78,16 @@ class ParameterServer:
     # -- the RPC surface ------------------------------------------------------------------
     @staticmethod
     @rpc.functions.async_execution
-    def average_gradient(server_rref: rpc.RRef, bucket_index: int, tensor: torch.Tensor) -> Future:
+    @fatal_on_error
+    def average_gradient(server_rref: rpc.RRef, bucket_index: int, tensor: torch.Tensor, iteration: int = 0) -> Future:
         """Called by a trainer; the future completes with the global average of the bucket."""
-        return server_rref.local_value().contribute(bucket_index, tensor)
+        server = server_rref.local_value()
+        maybe_inject(server.fault, "server", server.server_index, iteration)
+        return server.contribute(bucket_index, tensor)
 
     @staticmethod
     @rpc.functions.async_execution
+    @fatal_on_error
     def combine_partial(server_rref: rpc.RRef, bucket_index: int, partial: torch.Tensor) -> Future:
         """Called by a group server on the bucket's root; completes with the global average."""
         server = server_rref.local_value()

@@ -46,6 +46,7 @@ class HookContext:
     comm: IntervalTracker = field(default_factory=IntervalTracker)
     bytes_sent: int = 0
     bytes_recv: int = 0
+    iteration: int = 0  # the trainer's current training iteration, from 1
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _layout: dict[int, int] = field(default_factory=dict)
     _seen: dict[int, int] = field(default_factory=dict)
@@ -131,7 +132,7 @@ def parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     reply = rpc.rpc_async(
         server.rref.owner(),
         ParameterServer.average_gradient,
-        args=(server.rref, bucket.index(), payload),
+        args=(server.rref, bucket.index(), payload, ctx.iteration),
         timeout=ctx.rpc_timeout,
     )
 

@@ -10,6 +10,8 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ps_bench.failures import fatal_on_error
+from ps_bench.faults import Fault, maybe_inject
 from ps_bench.metrics.timers import StepTimer
 from ps_bench.models import build_model
 from ps_bench.registry import Registry
@@ -23,6 +25,7 @@ TRAINER_METRICS = ("batch", "forward", "backward", "optimizer", "comm")
 class DdpTrainer:
     """Wraps the model in DDP over the trainer-only process group and registers the hook."""
 
+    @fatal_on_error
     def __init__(
         self,
         trainer_index: int,
@@ -42,8 +45,11 @@ class DdpTrainer:
         device: str,
         rpc_timeout: float,
         bucket_cap_mb: float,
+        fault: str | None = None,
     ) -> None:
         self.index = trainer_index
+        self.fault = Fault.parse(fault) if fault else None
+        self.iteration = 0  # training iterations run so far, warmup included
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -73,6 +79,7 @@ class DdpTrainer:
     def ready(self) -> int:
         return self.iterations_per_epoch * self.epochs
 
+    @fatal_on_error
     def run_round(self) -> dict:
         """Runs ``epochs`` passes over the shard; returns per-iteration samples in ms."""
         samples: dict[str, list[float]] = defaultdict(list)
@@ -84,6 +91,9 @@ class DdpTrainer:
             for step in range(self.iterations_per_epoch):
                 batch = slice(step * self.batch_size, (step + 1) * self.batch_size)
                 x, y = self.inputs[batch], self.targets[batch]
+                self.iteration += 1
+                self.hook_context.iteration = self.iteration
+                maybe_inject(self.fault, "trainer", self.index, self.iteration)
                 timer.mark("start")
                 self.optimizer.zero_grad(set_to_none=True)
                 loss = self.loss_fn(self.model(x), y)

@@ -1,0 +1,98 @@
+"""How a rank fails: it records who it is and why in the run folder, then exits.
+
+The launcher reads these records to print one summary naming the first failure by role and
+rank; a rank killed by a signal leaves no record, and the launcher names the signal.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+
+@dataclass(frozen=True)
+class Identity:
+    role: str
+    index: int
+    rank: int
+    name: str
+    run_dir: str
+    echo: bool  # print the traceback here too (nobody else will: under torchrun)
+
+    def describe(self) -> str:
+        return f"{self.role} {self.index} (rank {self.rank}, {self.name})"
+
+
+_identity: Identity | None = None
+
+
+def set_identity(identity: Identity) -> None:
+    global _identity
+    _identity = identity
+
+
+def error_file(run_dir: str | os.PathLike, rank: int) -> Path:
+    return Path(run_dir) / f"error-rank{rank}.json"
+
+
+def record(error: BaseException) -> None:
+    """Writes this rank's failure record (first one wins)."""
+    me = _identity
+    if me is None:
+        return
+    text = "".join(traceback.format_exception(error))
+    entry = {**asdict(me), "error": f"{type(error).__name__}: {error}".strip(), "traceback": text, "time": time.time()}
+    path = error_file(me.run_dir, me.rank)
+    try:
+        if not path.exists():
+            path.write_text(json.dumps(entry))
+    except OSError:
+        pass
+    if me.echo:
+        sys.stderr.write(f"[{me.name}] {text}")
+        sys.stderr.flush()
+
+
+def fatal(error: BaseException) -> None:
+    """Records the failure and ends this process now: with a peer gone, RPC threads can block
+    interpreter teardown, so there is no orderly exit to wait for."""
+    record(error)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def fatal_on_error(function: F) -> F:
+    """An exception escaping ``function`` ends the rank (inside a worker process only;
+    elsewhere, as in unit tests, it propagates as usual)."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:
+            if _identity is None:
+                raise
+            fatal(error)
+
+    return wrapper
+
+
+def read_records(run_dir: str | os.PathLike) -> dict[int, dict]:
+    records = {}
+    for path in Path(run_dir).glob("error-rank*.json"):
+        try:
+            entry = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        records[entry["rank"]] = entry
+    return records

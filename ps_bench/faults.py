@@ -1,0 +1,65 @@
+"""``--inject-fault ROLE:INDEX:ITER:KIND``: make one rank fail on purpose.
+
+ROLE is trainer, server or master; INDEX counts ranks of that role from 0 (trainer 1,
+server 0, master 0). ITER counts from 1: a trainer's training iterations (warmup included),
+the training iteration of the gradient a server receives, or the master's round. KIND is
+``exit`` (the process dies at once), ``raise`` (an exception) or ``hang`` (stops
+responding, for ever).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+ROLES = ("trainer", "server", "master")
+KINDS = ("exit", "raise", "hang")
+FORMAT = "ROLE:INDEX:ITER:KIND, e.g. trainer:1:3:hang"
+
+
+class InjectedFault(RuntimeError):
+    """The exception ``raise`` faults throw."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    role: str
+    index: int
+    iteration: int
+    kind: str
+
+    @classmethod
+    def parse(cls, text: str) -> "Fault":
+        """Raises ValueError with a sentence for people."""
+        parts = text.split(":")
+        if len(parts) != 4:
+            raise ValueError(f"expected {FORMAT}; got {text!r}")
+        role, index, iteration, kind = parts
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
+        try:
+            index_value, iteration_value = int(index), int(iteration)
+        except ValueError:
+            raise ValueError(f"INDEX and ITER must be integers; got {index!r} and {iteration!r}") from None
+        if index_value < 0 or iteration_value < 1:
+            raise ValueError(f"INDEX must be 0 or more and ITER 1 or more; got {index_value} and {iteration_value}")
+        return cls(role, index_value, iteration_value, kind)
+
+    def matches(self, role: str, index: int, iteration: int) -> bool:
+        return (self.role, self.index, self.iteration) == (role, index, iteration)
+
+    def trigger(self) -> None:
+        where = f"{self.role} {self.index} at iteration {self.iteration}"
+        if self.kind == "exit":
+            os._exit(3)
+        if self.kind == "raise":
+            raise InjectedFault(f"injected fault: {where}")
+        threading.Event().wait()  # hang: never returns
+
+
+def maybe_inject(fault: "Fault | None", role: str, index: int, iteration: int) -> None:
+    if fault is not None and fault.matches(role, index, iteration):
+        fault.trigger()

@@ -1,0 +1,190 @@
+"""Failures end the whole job, name the rank, keep what finished and leave no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from benchrun import read_until, rank_pids, run_bench, start_bench, wait_session_gone
+
+pytestmark = pytest.mark.integration
+RPC_TIMEOUT = 10
+
+
+def finish(process: subprocess.Popen, within_s: float) -> tuple[str, float]:
+    """Waits for the launcher; returns its stderr and how long it took."""
+    start = time.monotonic()
+    try:
+        _, stderr = process.communicate(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        pytest.fail(f"the job did not end within {within_s} s")
+    elapsed = time.monotonic() - start
+    assert wait_session_gone(process.pid, 10), "a process of the job survived"
+    return stderr, elapsed
+
+
+def last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("rank, who", [(1, "trainer 1 (rank 1, trainer1)"), (2, "server 0 (rank 2, server2)")])
+def test_killed_worker_ends_the_job(rank, who, results_path):
+    process = start_bench("--rounds", "100000", "--rpc-timeout", str(RPC_TIMEOUT), "--out", str(results_path))
+    read_until(process, "[round 3/")
+    pids = rank_pids(process.pid)
+    assert len(pids) == 4, pids
+    os.kill(pids[rank], signal.SIGKILL)
+    stderr, elapsed = finish(process, RPC_TIMEOUT + 10)
+    assert process.returncode == 1
+    assert last_line(stderr).startswith(f"ps_bench: error: {who} was killed by SIGKILL"), stderr
+    results = json.loads(results_path.read_text())
+    assert results["status"] == "failed" and "killed by SIGKILL" in results["error"]
+    assert results["rounds_completed"] >= 2 and results["summary"]  # the finished rounds are kept
+
+
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        ("trainer:1:3:raise", "trainer 1 (rank 1, trainer1) failed: InjectedFault: injected fault: trainer 1 at iteration 3"),
+        ("server:0:40:raise", "server 0 (rank 2, server2) failed: InjectedFault: injected fault: server 0 at iteration 40"),
+        ("master:0:4:raise", "master 0 (rank 3, master) failed: InjectedFault: injected fault: master 0 at iteration 4"),
+        ("trainer:0:5:exit", "trainer 0 (rank 0, trainer0) exited with status 3"),
+        ("server:0:5:exit", "server 0 (rank 2, server2) exited with status 3"),
+    ],
+)
+def test_injected_fault_is_named_with_its_cause(fault, message, results_path):
+    run = run_bench("--inject-fault", fault, "--rpc-timeout", str(RPC_TIMEOUT), out=results_path,
+                    timeout_s=RPC_TIMEOUT + 60)
+    assert run.returncode == 1
+    assert last_line(run.stderr).startswith(f"ps_bench: error: {message}"), run.stderr
+    if fault.endswith("raise"):
+        assert "Traceback (most recent call last)" in run.stderr and "faults.py" in run.stderr
+    results = run.results
+    assert results["status"] == "failed" and message in results["error"]
+    if fault == "master:0:4:raise":  # rounds 2 and 3 were timed and finished
+        assert results["rounds_completed"] == 2
+        assert {row["metric"] for row in results["summary"]} >= {"batch", "round"}
+
+
+def test_hang_with_timeout_dumps_stacks_and_ends(results_path):
+    timeout = 20
+    run = run_bench("--inject-fault", "trainer:1:3:hang", "--timeout", str(timeout), out=results_path,
+                    timeout_s=timeout + 30)
+    assert run.returncode == 1
+    assert run.elapsed_s < timeout + 15
+    assert f"did not finish within --timeout {timeout} s" in last_line(run.stderr)
+    for who in ("trainer 0 (rank 0", "trainer 1 (rank 1", "server 0 (rank 2", "master 0 (rank 3"):
+        assert f"---- Python stacks of {who}" in run.stderr
+    hung = run.stderr.split("---- Python stacks of trainer 1")[1].split("---- Python stacks of")[0]
+    assert "faults.py" in hung and "run_round" in hung  # the stack shows where it hangs
+    assert run.results["status"] == "failed"
+
+
+@pytest.mark.parametrize("signum, code, word", [(signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_signal_stops_everything_and_keeps_finished_rounds(signum, code, word, results_path):
+    process = start_bench("--rounds", "100000", "--out", str(results_path))
+    read_until(process, "[round 4/")
+    process.send_signal(signum)
+    stderr, elapsed = finish(process, 5)
+    assert process.returncode == code
+    assert elapsed < 5
+    assert word in last_line(stderr)
+    results = json.loads(results_path.read_text())
+    assert results["status"] == "failed" and word in results["error"]
+    assert results["rounds_completed"] >= 3
+
+
+def test_master_port_in_use_is_a_clear_error():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        run = run_bench("--master-port", str(port), timeout_s=30)
+    assert run.returncode == 2
+    assert run.stderr.count("\n") == 1
+    assert f"port {port}: it is already in use" in run.stderr
+
+
+def test_concurrent_runs_pick_different_free_ports(tmp_path):
+    processes = [start_bench("--rounds", "1", "--out", str(tmp_path / f"{i}.json")) for i in range(2)]
+    for process in processes:
+        finish(process, 120)
+        assert process.returncode == 0
+    assert (tmp_path / "0.json").exists() and (tmp_path / "1.json").exists()
+
+
+def test_existing_results_file_is_never_overwritten(results_path):
+    results_path.write_text("keep me")
+    run = run_bench("--rounds", "1", out=results_path)
+    assert run.returncode == 0
+    assert results_path.read_text() == "keep me"
+    suffixed = results_path.with_name("results-1.json")
+    assert f"results: {suffixed}" in run.stdout
+    assert json.loads(suffixed.read_text())["status"] == "ok"
+
+
+BAD_INPUTS = [
+    (["--ntrainer", "two"], "--ntrainer: expected int"),
+    (["--ntrainer", "0"], "at least one trainer"),
+    (["--nserver", "-1"], "--nserver must be 0 or more"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--lr", "-0.1"], "--lr must be positive"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--timeout", "0"], "--timeout must be positive"),
+    (["--backend", "mpi"], "invalid choice: 'mpi'"),
+    (["--mapping", "ring"], "invalid choice: 'ring'"),
+    (["--hook", "allredcue"], "did you mean 'allreduce'"),
+    (["--server", "averge"], "did you mean 'average'"),
+    (["--model", "DummyModelBig"], "entries: DummyModel"),
+    (["--data-config-path", "missing.json"], "'missing.json' does not exist"),
+    (["--config", "missing.json"], "run config 'missing.json' does not exist"),
+    (["--config", "{bad_json}"], "not valid JSON: Expecting ',' delimiter at line 2 column 2"),
+    (["--config", "{unknown_key}"], "unknown key 'trainers'; valid keys:"),
+    (["--config", "{wrong_type}"], "'rounds' must be int, got \"3\""),
+    (["--master-port", "70000"], "--master-port must be in 1..65535"),
+    (["--backend", "nccl"], "CUDA is needed for --backend nccl"),
+    (["--ncudaserver", "1"], "CUDA is needed for --ncudaserver 1"),
+    (["--mapping", "group", "--nserver", "3"], "3 servers need 3 trainers; got 2"),
+    (["--hook", "ps", "--nserver", "0"], "--hook ps sends gradients to parameter servers"),
+    (["--batch-size", "1000"], "fewer than --batch-size 1000"),
+    (["--inject-fault", "trainer:9:1:exit"], "there is no trainer 9"),
+    (["--inject-fault", "trainer:1:hang"], "expected ROLE:INDEX:ITER:KIND"),
+    (["--inject-fault", "trainer:1:1:explode"], "kind must be one of exit, raise, hang"),
+    (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+]
+CONFIG_FILES = {
+    "{bad_json}": '{"ntrainer": 2\n "rounds": 3}',
+    "{unknown_key}": '{"trainers": 2}',
+    "{wrong_type}": '{"rounds": "3"}',
+}
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_exits_2_with_one_line(argv, message, tmp_path):
+    argv = list(argv)
+    for i, value in enumerate(argv):
+        if value in CONFIG_FILES:
+            path = tmp_path / "run.json"
+            path.write_text(CONFIG_FILES[value])
+            argv[i] = str(path)
+    run = run_bench(*argv, timeout_s=30)
+    assert run.returncode == 2, run.output
+    assert run.elapsed_s < 10
+    assert run.stderr.count("\n") == 1, run.stderr
+    assert "Traceback" not in run.output
+    assert message in run.stderr, run.stderr
+    assert run.stdout == ""
+
+
+def test_debug_shows_the_traceback_for_bad_input():
+    run = run_bench("--rounds", "0", "--debug", timeout_s=30)
+    assert run.returncode == 2
+    assert "Traceback" in run.stderr and "ConfigError" in run.stderr
