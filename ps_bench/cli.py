@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -63,6 +64,22 @@ def flags(name: str) -> list[str]:
     return out
 
 
+class KeyValue(argparse.Action):
+    """Collects ``KEY=VALUE`` pairs into a dict; VALUE is parsed as JSON when it can be."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        key, sep, text = value.partition("=")
+        if not sep or not key:
+            parser.error(f"argument {option_string}: expected KEY=VALUE, got {value!r}")
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError:
+            parsed = text
+        options = dict(getattr(namespace, self.dest, None) or {})
+        options[key] = parsed
+        setattr(namespace, self.dest, options)
+
+
 def describe_registry(registry) -> str:
     entries = []
     for name in registry.names():
@@ -117,7 +134,11 @@ def build_parser() -> Parser:
         help_text = meta["help"] if default is None or kind is bool else f"{meta['help']} (default: {default})"
         if name in REGISTRY_HELP:
             help_text += "; " + REGISTRY_HELP[name]()
-        if kind is bool:
+        if kind is dict:  # hook_options: --hook-option KEY=VALUE, repeated
+            group.add_argument("--hook-option", "--hook_option", dest=name, action=KeyValue, metavar="KEY=VALUE",
+                               help="an option of the hook (repeat for more); VALUE is JSON (4, true, 0.5) "
+                                    "or text; in a JSON run file: \"hook_options\": {...}")
+        elif kind is bool:
             group.add_argument(*flags(name), dest=name, action="store_true", help=help_text)
         else:
             group.add_argument(

@@ -23,7 +23,10 @@ class ConfigError(ValueError):
 
 
 def option(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] = ()) -> Any:
-    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices})
+    metadata = {"help": help, "aliases": aliases, "choices": choices}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -36,6 +39,9 @@ class RunConfig:
     ncudaserver: int = option(0, "parameter servers that aggregate on a GPU")
     backend: str = option("gloo", "trainers' collective backend", choices=("gloo", "nccl", "multi"))
     hook: str = option("ps", "DDP communication hook (gradient strategy)", aliases=("ddp_hook",))
+    hook_options: dict = option({}, "options of the hook, e.g. PowerSGD's matrix_approximation_rank")
+    verify: bool = option(False, "compare what the strategy delivered with the exact mean gradient, "
+                                 "on a few iterations per timed round (left out of the timings)")
     server: str = option("average", "parameter-server aggregation algorithm")
     trainer: str = option("ddp", "trainer loop")
     mapping: str = option(
@@ -100,7 +106,7 @@ for _f in fields(RunConfig):
 def field_type(name: str) -> type:
     """The scalar type of an option (``int | None`` gives ``int``)."""
     annotation = str(OPTIONS[name].type)
-    for candidate in (bool, int, float, str):
+    for candidate in (bool, int, float, str, dict):
         if annotation.startswith(candidate.__name__):
             return candidate
     raise TypeError(f"unsupported option type {annotation}")
@@ -151,10 +157,13 @@ def load_run_file(path: str) -> dict[str, Any]:
 
 
 def build_config(cli_values: dict[str, Any], config_path: str | None = None) -> RunConfig:
-    """Defaults, then the JSON run file, then the command line."""
+    """Defaults, then the JSON run file, then the command line (hook options key by key)."""
     values: dict[str, Any] = {}
     if config_path is not None:
         values.update(load_run_file(config_path))
+    cli_values = dict(cli_values)
+    if "hook_options" in cli_values:
+        cli_values["hook_options"] = {**values.get("hook_options", {}), **cli_values["hook_options"]}
     values.update(cli_values)
     return RunConfig(**values)
 
@@ -220,7 +229,7 @@ def validate(cfg: RunConfig, gpus: int | None = None, gpus_per_node_ranks: int |
     from ps_bench.models import MODELS
     from ps_bench.registry import UnknownNameError
     from ps_bench.servers import SERVERS
-    from ps_bench.trainers.hooks import HOOKS, SERVER_HOOKS
+    from ps_bench.trainers.hooks import HOOKS, SERVER_HOOKS, SPARSE_ALLREDUCE_HOOKS, check_hook_options
     from ps_bench.trainers.trainer import TRAINERS
 
     def need(condition: bool, message: str) -> None:
@@ -255,6 +264,10 @@ def validate(cfg: RunConfig, gpus: int | None = None, gpus_per_node_ranks: int |
             setattr(cfg, name, registry.canonical(getattr(cfg, name)))
         except UnknownNameError as error:
             raise ConfigError(f"--{name}: {error}") from None
+    try:
+        cfg.hook_options = check_hook_options(cfg.hook, cfg.hook_options)
+    except ValueError as error:
+        raise ConfigError(f"--hook-option: {error}") from None
     if cfg.hook in SERVER_HOOKS:
         need(cfg.num_servers >= 1, f"--hook {cfg.hook} sends gradients to parameter servers: set --nserver 1 or more")
     if cfg.mapping == "group" and cfg.num_servers:
@@ -315,7 +328,10 @@ def validate(cfg: RunConfig, gpus: int | None = None, gpus_per_node_ranks: int |
             f"{gpus} GPUs; lower --ntrainer/--ncudatrainer or use --backend gloo",
         )
         sparse = any(getattr(m, "sparse", False) for m in network.modules())
-        if sparse and cfg.backend == "nccl" and cfg.hook in ("allreduce", "sparse_ps"):
-            raise ConfigError(f"--model {cfg.model} has sparse gradients, which NCCL cannot all-reduce; "
-                              f"use --backend multi or gloo, or --hook ps")
+        if sparse and cfg.hook in SPARSE_ALLREDUCE_HOOKS:
+            raise ConfigError(f"--model {cfg.model} has sparse gradients, which NCCL cannot all-reduce "
+                              f"(--hook {cfg.hook}, --backend {cfg.backend}); use --hook hybrid with "
+                              f"--backend multi, --hook sparse_ps or ps, or --backend gloo")
+        if sparse and cfg.hook == "hybrid" and cfg.backend == "nccl":
+            raise ConfigError("--hook hybrid all-reduces sparse gradients over gloo: use --backend multi")
     return model, data

@@ -9,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed.rpc as rpc
 
@@ -19,7 +20,7 @@ from ps_bench.metrics.results import SCHEMA, environment, iso_now, print_report,
 from ps_bench.metrics.stats import SummaryRow, summary_rows
 from ps_bench.servers import SERVERS
 from ps_bench.topology import Topology
-from ps_bench.trainers.trainer import TRAINER_METRICS, TRAINERS
+from ps_bench.trainers.trainer import BYTE_METRICS, TRAINER_METRICS, TRAINERS, verified_steps
 
 SERVER_METRICS = ("straggler", "aggregate", "round")
 PARTIAL_NAME = "partial.json"
@@ -62,6 +63,8 @@ class Master:
         self.iterations = self.processed = self.rounds_done = 0
         self.timed_s = 0.0
         self.losses: list[float] = []
+        self.grad_errors: list[float] = []
+        self.verified_iterations = 0
         self.replicas: dict | None = None
 
     # -- setting up ------------------------------------------------------------------------
@@ -103,6 +106,7 @@ class Master:
                 epochs=cfg.epochs,
                 lr=cfg.lr,
                 hook=cfg.hook,
+                hook_options=cfg.hook_options,
                 servers=handles,
                 mapping=topo.mapping,
                 group_server=topo.group_of(info.index) if topo.mapping == "group" and servers else None,
@@ -128,16 +132,16 @@ class Master:
             maybe_inject(self.fault, "master", 0, round_index + 1)
             timed = round_index >= cfg.warmup_rounds
             start = time.perf_counter()
-            futures = [t.rpc_async(timeout=0).run_round() for t in trainers]
+            futures = [t.rpc_async(timeout=0).run_round(verify=timed and cfg.verify) for t in trainers]
             rounds = [f.wait() for f in futures]
             elapsed = time.perf_counter() - start
             served = [s.rpc_sync().take_metrics() for s in servers]
             for server in servers:
                 server.rpc_sync().reset_state()
+            mean_loss = sum(sum(r["losses"]) / len(r["losses"]) for r in rounds) / len(rounds)
             if timed:  # kept before it is announced: a round that was printed is never lost
-                self.add_round(elapsed, rounds, served)
+                self.add_round(elapsed, rounds, served, mean_loss)
                 self.snapshot()
-            mean_loss = sum(r["losses"][-1] for r in rounds) / len(rounds)
             print(
                 f"[round {round_index + 1}/{total}] {'timed' if timed else 'warmup':6} "
                 f"{elapsed:7.2f} s  (elapsed {time.perf_counter() - run_start:6.1f} s)  loss {mean_loss:.4f}",
@@ -150,7 +154,7 @@ class Master:
         print(f"results: {path}", flush=True)
         return results
 
-    def add_round(self, elapsed: float, rounds: list[dict], served: list[dict]) -> None:
+    def add_round(self, elapsed: float, rounds: list[dict], served: list[dict], mean_loss: float) -> None:
         topo = self.topology
         self.rounds_done += 1
         self.timed_s += elapsed
@@ -161,7 +165,10 @@ class Master:
             self.trainer_bytes[info.rank][0] += result["bytes_sent"]
             self.trainer_bytes[info.rank][1] += result["bytes_recv"]
             self.processed += result["samples_processed"]
-        self.losses.append(sum(sum(r["losses"]) / len(r["losses"]) for r in rounds) / len(rounds))
+        self.losses.append(mean_loss)
+        for result in rounds:
+            self.grad_errors.extend(result["grad_errors"])
+        self.verified_iterations += len(verified_steps(rounds[0]["iterations"])) if self.config.verify else 0
         for info, result in zip(topo.servers, served):
             for metric, values in result["samples"].items():
                 self.server_samples[info.rank][metric].extend(values)
@@ -173,7 +180,9 @@ class Master:
 
     # -- results -------------------------------------------------------------------------------
     def rows(self, split_ranks: bool = False) -> list[SummaryRow]:
+        """Timing rows (ms), then per-iteration bytes rows (B) for the printed tables."""
         rows = summary_rows("trainer", self.trainer_samples, TRAINER_METRICS, split_ranks=split_ranks)
+        rows += summary_rows("trainer", self.trainer_samples, BYTE_METRICS, unit="B", split_ranks=split_ranks)
         return rows + summary_rows("server", self.server_samples, SERVER_METRICS, split_ranks=split_ranks)
 
     def results(self, status: str, error: str | None = None) -> dict:
@@ -194,7 +203,7 @@ class Master:
             "config": {**cfg.to_dict(), "model_config": self.model.to_dict(), "data_config": self.data.to_dict()},
             "env": environment(cfg.backend),
             "rounds_completed": self.rounds_done,
-            "summary": [r.to_dict() for r in self.rows()],
+            "summary": [r.to_dict() for r in self.rows() if r.unit == "ms"],
             "throughput": {
                 "samples_per_s": self.processed / self.timed_s if self.timed_s else 0.0,
                 "iterations": self.iterations,
@@ -208,6 +217,7 @@ class Master:
             },
             "replicas": self.replicas,
             "loss": {"first": self.losses[0], "last": self.losses[-1]} if self.losses else None,
+            **({"verify": self.verify_summary()} if cfg.verify else {}),
             "samples": [
                 {"role": info.role, "rank": info.rank, "name": info.name, "metrics": dict(samples.get(info.rank, {}))}
                 for info, samples in [(i, self.trainer_samples) for i in topo.trainers]
@@ -215,6 +225,15 @@ class Master:
             ],
         }
         return results
+
+    def verify_summary(self) -> dict:
+        errors = sorted(self.grad_errors)
+        return {
+            "grad_rel_error_p50": float(np.percentile(errors, 50)) if errors else None,
+            "grad_rel_error_max": errors[-1] if errors else None,
+            "iterations": self.verified_iterations,
+            "buckets_checked": len(errors),
+        }
 
     @staticmethod
     def compare_replicas(trainers: list[rpc.RRef]) -> dict:

@@ -75,7 +75,7 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
     for role, title in (("trainer", "Trainers"), ("server", "Parameter servers")):
         role_rows = [r for r in rows if r.role == role]
         if role_rows:
-            print(f"\n{title} (timed rounds, ms)")
+            print(f"\n{title} (timed rounds)")
             print(render_table(role_rows))
     throughput, moved, replicas = results["throughput"], results["bytes"], results["replicas"]
     print(
@@ -90,3 +90,10 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
         f"replicas: identical={str(replicas['identical']).lower()} param_norm={replicas['param_norm']:.6f} "
         f"max_abs_diff={replicas['max_abs_diff']:.3g}"
     )
+    if results.get("loss"):
+        print(f"loss: first timed round {results['loss']['first']:.4f}, last {results['loss']['last']:.4f}")
+    if "verify" in results:
+        check = results["verify"]
+        print(f"gradient error vs exact mean: p50 {check['grad_rel_error_p50']:.3g}, max "
+              f"{check['grad_rel_error_max']:.3g} over {check['iterations']} iterations "
+              f"({check['buckets_checked']} buckets, every trainer)")

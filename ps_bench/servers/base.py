@@ -30,7 +30,7 @@ class BucketState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     count: int = 0
     accumulator: object = None  # algorithm-specific: a running sum or a list of tensors
-    waiting: list[tuple[Future, bool]] = field(default_factory=list)  # (future, answer on device)
+    waiting: list[tuple[Future, bool, torch.dtype]] = field(default_factory=list)  # future, on device, wire dtype
     first_ms: float = 0.0
     aggregate_ms: float = 0.0
     shape: torch.Size | None = None
@@ -135,6 +135,8 @@ class ParameterServer:
         one, arrival time in ms)."""
         arrived = now_ms()
         local = tensor.to(self.device)
+        if local.dtype in (torch.float16, torch.bfloat16):  # compressed on the wire, added in fp32
+            local = local.float()
         if state.count == 0:
             state.first_ms, state.shape = arrived, local.shape
         elif local.shape != state.shape:
@@ -154,7 +156,7 @@ class ParameterServer:
         state = self._state(self._buckets, bucket_index)
         try:
             with state.lock:
-                state.waiting.append((future, tensor.device.type == "cuda"))
+                state.waiting.append((future, tensor.device.type == "cuda", tensor.dtype))
                 complete, arrived = self._add(state, tensor, self.contributors)
                 if not complete:
                     return future
@@ -197,7 +199,7 @@ class ParameterServer:
         state = self._state(self._partials, bucket_index)
         try:
             with state.lock:
-                state.waiting.append((future, remote))
+                state.waiting.append((future, remote, partial.dtype))
                 complete, _ = self._add(state, partial, self.num_servers)
                 if not complete:
                     return future
@@ -207,37 +209,35 @@ class ParameterServer:
         except Exception as error:
             self._fail(state, error)
             return future
-        for peer_future, peer_is_remote in waiting:
+        for peer_future, peer_is_remote, _ in waiting:
             if peer_is_remote:
                 self._count_bytes("sent", tensor_bytes(average))
             peer_future.set_result(average)
         return future
 
-    def _answer(self, waiting: list[tuple[Future, bool]], result: Future,
+    def _answer(self, waiting: list[tuple[Future, bool, torch.dtype]], result: Future,
                 first_ms: float, straggler_ms: float, aggregate_ms: float) -> None:
         try:
             average = result.wait()
         except Exception as error:
-            for future, _ in waiting:
+            for future, _, _ in waiting:
                 future.set_exception(error)
             return
         if average.is_sparse:
             average = average.coalesce()
-        host = None
-        for future, on_device in waiting:
-            if on_device:
-                answer = average.to(self.device)
-            else:
-                host = average.cpu() if host is None else host
-                answer = host
-            self._count_bytes("sent", tensor_bytes(answer))
-            future.set_result(answer)
+        answers: dict[tuple[bool, torch.dtype], torch.Tensor] = {}  # each form computed once
+        for future, on_device, dtype in waiting:
+            form = (on_device, dtype)
+            if form not in answers:
+                answers[form] = average.to(device=self.device if on_device else "cpu", dtype=dtype)
+            self._count_bytes("sent", tensor_bytes(answers[form]))
+            future.set_result(answers[form])
         self._record(straggler=straggler_ms, aggregate=aggregate_ms, round=now_ms() - first_ms)
 
     def _fail(self, state: BucketState, error: Exception) -> None:
         with state.lock:
             waiting = state.waiting
             state.clear()
-        for future, _ in waiting:
+        for future, _, _ in waiting:
             if not future.done():
                 future.set_exception(error)

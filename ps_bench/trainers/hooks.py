@@ -1,36 +1,58 @@
-"""DDP communication hooks: one ``Callable[[HookContext, GradBucket], Future[Tensor]]`` each.
+"""DDP communication hooks (gradient strategies), registered by the names users type.
 
-Every hook is wrapped by ``timed`` so the trainer can report ``comm``: the time during which
-at least one of the iteration's hook futures was outstanding.
+A registry entry is a factory: ``factory(ctx, **options)`` returns a callable
+``(HookContext, GradBucket) -> Future[Tensor]``. Stateless strategies are plain functions
+(``@stateless``); stateful ones (PowerSGD) are classes whose keyword arguments are the hook's
+options (``--hook-option KEY=VALUE`` or ``"hook_options"`` in JSON). Every hook is wrapped by
+``instrument``, which measures ``comm`` (the time during which at least one of the iteration's
+hook futures was outstanding) and, with ``--verify``, captures what went in and came out.
 """
 
 from __future__ import annotations
 
-import threading
+import inspect
+import typing
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
-from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import (
+    debugging_hooks,
+    default_hooks,
+    powerSGD_hook,
+)
 from torch.futures import Future
 
 from ps_bench.metrics.timers import IntervalTracker, now_ms, tensor_bytes
+from ps_bench.metrics.wire import ByteCounter
 from ps_bench.registry import Registry
 from ps_bench.servers.base import ParameterServer
 from ps_bench.topology import balance_buckets
 
 Hook = Callable[["HookContext", dist.GradBucket], Future]
-HOOKS: Registry[Hook] = Registry("hook")
-# Hooks that send gradients to parameter servers (they need at least one server).
-SERVER_HOOKS = {"ps", "sparse_ps"}
+HOOKS: Registry = Registry("hook")
+# Strategies that send gradients to parameter servers (they need at least one server).
+SERVER_HOOKS = {"ps", "sparse_ps", "ps_fp16", "ps_bf16"}
+# Strategies that all-reduce sparse gradients as they are (impossible over NCCL).
+SPARSE_ALLREDUCE_HOOKS = {"allreduce", "fp16", "bf16", "powersgd", "batched_powersgd"}
 
 
 @dataclass
 class ServerHandle:
     rref: rpc.RRef
     cuda_rpc: bool
+
+
+@dataclass
+class Capture:
+    """One bucket of a verified iteration: the local gradient and what the strategy returned."""
+
+    iteration: int
+    bucket_index: int
+    raw: torch.Tensor
+    delivered: torch.Tensor | None = None
 
 
 @dataclass
@@ -44,24 +66,13 @@ class HookContext:
     cuda_rpc: bool
     rpc_timeout: float
     comm: IntervalTracker = field(default_factory=IntervalTracker)
-    bytes_sent: int = 0
-    bytes_recv: int = 0
+    wire: ByteCounter = field(default_factory=ByteCounter)
     iteration: int = 0  # the trainer's current training iteration, from 1
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    capturing: bool = False  # --verify: keep this iteration's buckets
+    captures: list[Capture] = field(default_factory=list)
     _layout: dict[int, int] = field(default_factory=dict)
     _seen: dict[int, int] = field(default_factory=dict)
     _owners: dict[int, int] = field(default_factory=dict)
-
-    def count(self, sent: int = 0, recv: int = 0) -> None:
-        with self._lock:
-            self.bytes_sent += sent
-            self.bytes_recv += recv
-
-    def take_bytes(self) -> tuple[int, int]:
-        with self._lock:
-            out = (self.bytes_sent, self.bytes_recv)
-            self.bytes_sent = self.bytes_recv = 0
-        return out
 
     def server_for(self, bucket: dist.GradBucket) -> int:
         """The server that owns this bucket.
@@ -86,41 +97,187 @@ class HookContext:
         return owner
 
 
-def timed(hook: Hook) -> Hook:
+def stateless(name: str, aliases: tuple[str, ...] = ()) -> Callable[[Hook], Hook]:
+    """Registers a plain hook function (it takes no options)."""
+
+    def decorator(function: Hook) -> Hook:
+        def factory(ctx: HookContext) -> Hook:
+            return function
+
+        factory.__doc__ = function.__doc__
+        HOOKS.register(name, aliases)(factory)
+        return function
+
+    return decorator
+
+
+def build_hook(name: str, ctx: HookContext, options: dict[str, Any]) -> Hook:
+    return HOOKS.get(name)(ctx, **options)
+
+
+def option_types(name: str) -> dict[str, tuple[type, Any]]:
+    """The options a hook takes: name -> (type, default)."""
+    factory = HOOKS.get(name)
+    target = factory.__init__ if inspect.isclass(factory) else factory
+    hints = typing.get_type_hints(target)
+    out = {}
+    for parameter in list(inspect.signature(factory).parameters.values())[1:]:  # after ctx
+        out[parameter.name] = (hints[parameter.name], parameter.default)
+    return out
+
+
+def check_hook_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Validates options for a hook; raises ValueError with a sentence for people."""
+    known = option_types(name)
+    checked = {}
+    for key, value in options.items():
+        if key not in known:
+            valid = ", ".join(known) if known else "none (this hook takes no options)"
+            raise ValueError(f"hook {name!r} has no option {key!r}; its options: {valid}")
+        kind = known[key][0]
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise ValueError(f"hook option {key!r} must be {kind.__name__}; got {value!r}")
+        checked[key] = value
+    factory = HOOKS.get(name)
+    if hasattr(factory, "check"):
+        factory.check(**{k: d for k, (_, d) in known.items()} | checked)
+    return checked
+
+
+def instrument(hook: Hook) -> Hook:
+    """Times the hook's future and, on captured iterations, keeps its input and output."""
+
     def run(ctx, bucket):  # unannotated: DDP rejects string annotations
+        capture = None
+        if ctx.capturing:
+            capture = Capture(ctx.iteration, bucket.index(), bucket.buffer().detach().clone())
+            ctx.captures.append(capture)
         start = now_ms()
 
         def finished(fut: Future) -> torch.Tensor:
             ctx.comm.add(start, now_ms())
-            return fut.value()
+            value = fut.value()
+            if capture is not None:
+                capture.delivered = value.detach().clone()
+            return value
 
         return hook(ctx, bucket).then(finished)
 
-    run.__name__ = hook.__name__
     return run
 
 
-def ring_allreduce_bytes(nbytes: int, world: int) -> int:
-    """Bytes each rank sends (and receives) in a ring all-reduce of ``nbytes``."""
-    return 2 * (world - 1) * nbytes // world if world > 1 else 0
-
-
-@HOOKS.register("allreduce", aliases=("allreduce_hook",))
+# -- collectives -------------------------------------------------------------------------------
+@stateless("allreduce", aliases=("allreduce_hook",))
 def allreduce(ctx: HookContext, bucket: dist.GradBucket) -> Future:
-    """All-reduce average over the trainer process group (DDP's default)."""
-    tensor = bucket.buffer()
-    world = ctx.process_group.size()
-    if tensor.is_sparse:  # gloo's sparse all-reduce gathers every rank's indices and values
-        moved = (world - 1) * tensor_bytes(tensor.coalesce())
-    else:
-        moved = ring_allreduce_bytes(tensor_bytes(tensor), world)
-    ctx.count(sent=moved, recv=moved)
+    """All-reduce average over the trainer process group (DDP's default); lossless."""
     return default_hooks.allreduce_hook(ctx.process_group, bucket)
 
 
-@HOOKS.register("ps", aliases=("rpc_hook",))
-def parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future:
-    """Every bucket to its server over RPC; the answer is the global average."""
+@stateless("hybrid", aliases=("hybrid_hook",))
+def hybrid(ctx: HookContext, bucket: dist.GradBucket) -> Future:
+    """All-reduce, sparse buckets through the CPU (gloo), dense on the trainer's device (nccl with --backend multi); lossless."""
+    tensor = bucket.buffer()
+    if not (tensor.is_sparse and tensor.is_cuda):
+        return allreduce(ctx, bucket)
+    host = tensor.cpu()
+    host.div_(ctx.process_group.size())
+    work = dist.all_reduce(host, group=ctx.process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0].to(tensor.device))
+
+
+def dense_or_allreduce(compressed: Callable[[HookContext, dist.GradBucket], Future]):
+    """Compression applies to dense buckets; sparse ones are all-reduced as they are."""
+
+    def run(ctx: HookContext, bucket: dist.GradBucket) -> Future:
+        return allreduce(ctx, bucket) if bucket.buffer().is_sparse else compressed(ctx, bucket)
+
+    return run
+
+
+@stateless("fp16", aliases=("fp16_hook", "fp16_compress_hook"))
+def fp16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
+    """All-reduce in float16 (torch's fp16_compress_hook); lossy."""
+    return dense_or_allreduce(lambda c, b: default_hooks.fp16_compress_hook(c.process_group, b))(ctx, bucket)
+
+
+@stateless("bf16", aliases=("bf16_hook", "bf16_compress_hook"))
+def bf16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
+    """All-reduce in bfloat16 (torch's bf16_compress_hook); lossy."""
+    return dense_or_allreduce(lambda c, b: default_hooks.bf16_compress_hook(c.process_group, b))(ctx, bucket)
+
+
+class PowerSGD:
+    """Low-rank compression around all-reduce (torch's PowerSGD, per tensor); lossy."""
+
+    hook = staticmethod(powerSGD_hook.powerSGD_hook)
+
+    def __init__(
+        self,
+        ctx: HookContext,
+        matrix_approximation_rank: int = 2,
+        start_powerSGD_iter: int = 2,
+        use_error_feedback: bool = True,
+        warm_start: bool = True,
+        min_compression_rate: float = 2.0,
+    ) -> None:
+        self.state = powerSGD_hook.PowerSGDState(
+            process_group=ctx.process_group,
+            matrix_approximation_rank=matrix_approximation_rank,
+            start_powerSGD_iter=start_powerSGD_iter,
+            use_error_feedback=use_error_feedback,
+            warm_start=warm_start,
+            min_compression_rate=min_compression_rate,
+            random_seed=0,
+        )
+
+    @staticmethod
+    def check(matrix_approximation_rank: int, start_powerSGD_iter: int, use_error_feedback: bool,
+              warm_start: bool, min_compression_rate: float) -> None:
+        if matrix_approximation_rank < 1:
+            raise ValueError(f"hook option 'matrix_approximation_rank' must be at least 1; got {matrix_approximation_rank}")
+        if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
+            raise ValueError("hook option 'start_powerSGD_iter' must be more than 1 with error feedback or warm "
+                             "start (DDP rebuilds its buckets after the first iteration)")
+
+    def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
+        if bucket.buffer().is_sparse:
+            return allreduce(ctx, bucket)
+        return self.hook(self.state, bucket)
+
+
+@HOOKS.register("powersgd", aliases=("powerSGD_hook",))
+class PowerSGDHook(PowerSGD):
+    """Low-rank compression around all-reduce (torch's powerSGD_hook, per tensor); lossy."""
+
+
+def _orthogonalize_one_or_many(matrices: torch.Tensor, epsilon: float = 0) -> None:
+    """torch 2.13's batched_powerSGD_hook hands ``_orthogonalize`` a single 2-D matrix, which it
+    rejects (it expects a batch); a batch of one is the same computation, in place."""
+    _orthogonalize_batch(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
+
+
+_orthogonalize_batch = powerSGD_hook._orthogonalize
+
+
+@HOOKS.register("batched_powersgd", aliases=("batched_powerSGD_hook",))
+class BatchedPowerSGDHook(PowerSGD):
+    """Low-rank compression of each whole bucket as one square matrix (torch's batched_powerSGD_hook); lossy."""
+
+    hook = staticmethod(powerSGD_hook.batched_powerSGD_hook)
+
+
+if getattr(powerSGD_hook._orthogonalize, "__name__", "") == "_orthogonalize":
+    # Widens torch's check (3-D batches behave exactly as before) so the batched hook runs.
+    powerSGD_hook._orthogonalize = _orthogonalize_one_or_many
+
+
+# -- parameter servers -------------------------------------------------------------------------
+def send_to_server(ctx: HookContext, bucket: dist.GradBucket, wire_dtype: torch.dtype | None = None) -> Future:
+    """Sends the bucket to its server (cast to ``wire_dtype`` on the wire) and returns the
+    global average it answers with, on the bucket's device and in its dtype."""
     tensor = bucket.buffer()
     server = ctx.servers[ctx.server_for(bucket)]
     # CUDA sparse tensors cannot cross RPC, and device maps exist only CUDA-RPC <-> CUDA servers.
@@ -128,7 +285,9 @@ def parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     payload = tensor if on_device else tensor.cpu()
     if payload.is_sparse:
         payload = payload.coalesce()
-    ctx.count(sent=tensor_bytes(payload))
+    if wire_dtype is not None:
+        payload = payload.to(wire_dtype)
+    ctx.wire.add(sent=tensor_bytes(payload))
     reply = rpc.rpc_async(
         server.rref.owner(),
         ParameterServer.average_gradient,
@@ -138,21 +297,39 @@ def parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future:
 
     def received(fut: Future) -> torch.Tensor:
         average = fut.value()
-        ctx.count(recv=tensor_bytes(average))
-        return average.to(tensor.device)
+        ctx.wire.add(recv=tensor_bytes(average))
+        return average.to(device=tensor.device, dtype=tensor.dtype)
 
     return reply.then(received)
 
 
-@HOOKS.register("sparse_ps", aliases=("sparse_rpc_hook",))
+@stateless("ps", aliases=("rpc_hook",))
+def parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future:
+    """Every bucket to its parameter server over RPC, which answers with the average; lossless."""
+    return send_to_server(ctx, bucket)
+
+
+@stateless("ps_fp16")
+def parameter_server_fp16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
+    """The ps strategy with float16 on the wire (servers add in float32); lossy."""
+    return send_to_server(ctx, bucket, torch.float16)
+
+
+@stateless("ps_bf16")
+def parameter_server_bf16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
+    """The ps strategy with bfloat16 on the wire (servers add in float32); lossy."""
+    return send_to_server(ctx, bucket, torch.bfloat16)
+
+
+@stateless("sparse_ps", aliases=("sparse_rpc_hook",))
 def sparse_parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future:
-    """Sparse gradients to the parameter servers, dense ones all-reduced among trainers."""
+    """Sparse gradients to the parameter servers, dense ones all-reduced among trainers; lossless."""
     if bucket.buffer().is_sparse:
-        return parameter_server(ctx, bucket)
+        return send_to_server(ctx, bucket)
     return allreduce(ctx, bucket)
 
 
-@HOOKS.register("noop", aliases=("noop_hook",))
+@stateless("noop", aliases=("noop_hook",))
 def noop(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     """No communication, the compute-only headroom: replicas drift apart by design."""
     return debugging_hooks.noop_hook(None, bucket)

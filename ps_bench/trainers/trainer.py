@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -12,13 +13,22 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ps_bench.failures import fatal_on_error
 from ps_bench.faults import Fault, maybe_inject
+from ps_bench.metrics import wire
 from ps_bench.metrics.timers import StepTimer
 from ps_bench.models import build_model
 from ps_bench.registry import Registry
-from ps_bench.trainers.hooks import HOOKS, HookContext, ServerHandle, timed
+from ps_bench.trainers.hooks import HookContext, ServerHandle, build_hook, instrument
 
 TRAINERS: Registry = Registry("trainer")
 TRAINER_METRICS = ("batch", "forward", "backward", "optimizer", "comm")
+BYTE_METRICS = ("bytes_sent", "bytes_recv")
+VERIFIED_PER_ROUND = 4  # --verify checks at most this many evenly spaced iterations per round
+
+
+def verified_steps(iterations: int) -> set[int]:
+    """Which iterations of a round ``--verify`` checks: evenly spaced, at most VERIFIED_PER_ROUND."""
+    stride = max(1, math.ceil(iterations / VERIFIED_PER_ROUND))
+    return set(range(0, iterations, stride))
 
 
 @TRAINERS.register("ddp", aliases=("DdpTrainer",))
@@ -38,6 +48,7 @@ class DdpTrainer:
         epochs: int,
         lr: float,
         hook: str,
+        hook_options: dict,
         servers: list[tuple[rpc.RRef, bool]],
         mapping: str,
         group_server: int | None,
@@ -67,7 +78,9 @@ class DdpTrainer:
             cuda_rpc=cuda_rpc,
             rpc_timeout=rpc_timeout,
         )
-        self.model.register_comm_hook(self.hook_context, timed(HOOKS.get(hook)))
+        wire.install(self.hook_context.wire)
+        strategy = build_hook(hook, self.hook_context, hook_options)
+        self.model.register_comm_hook(self.hook_context, instrument(strategy))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
         self.loss_fn = nn.CrossEntropyLoss()
         self.inputs = inputs.to(self.device)
@@ -80,43 +93,82 @@ class DdpTrainer:
         return self.iterations_per_epoch * self.epochs
 
     @fatal_on_error
-    def run_round(self) -> dict:
-        """Runs ``epochs`` passes over the shard; returns per-iteration samples in ms."""
+    def run_round(self, verify: bool = False) -> dict:
+        """Runs ``epochs`` passes over the shard; returns per-iteration samples (ms, bytes).
+
+        With ``verify``, a few iterations keep each bucket's local gradient and what the
+        strategy returned; they are left out of the timing samples, and compared with the exact
+        mean after the round, outside the timed region.
+        """
+        ctx = self.hook_context
         samples: dict[str, list[float]] = defaultdict(list)
         losses = []
         timer = StepTimer(self.device)
-        self.hook_context.comm.drain()
-        self.hook_context.take_bytes()
-        for _ in range(self.epochs):
-            for step in range(self.iterations_per_epoch):
-                batch = slice(step * self.batch_size, (step + 1) * self.batch_size)
-                x, y = self.inputs[batch], self.targets[batch]
-                self.iteration += 1
-                self.hook_context.iteration = self.iteration
-                maybe_inject(self.fault, "trainer", self.index, self.iteration)
-                timer.mark("start")
-                self.optimizer.zero_grad(set_to_none=True)
-                loss = self.loss_fn(self.model(x), y)
-                timer.mark("forward")
-                loss.backward()
-                timer.mark("backward")
-                self.optimizer.step()
-                timer.mark("optimizer")
-                phases = timer.intervals()
-                for name, value in phases.items():
-                    samples[name].append(value)
-                samples["batch"].append(sum(phases.values()))
-                samples["comm"].append(self.hook_context.comm.drain())
-                losses.append(loss.detach())
-        sent, recv = self.hook_context.take_bytes()
+        ctx.comm.drain()
+        ctx.wire.take()
+        iterations = self.iterations_per_epoch * self.epochs
+        checked = verified_steps(iterations) if verify else set()
+        for step in range(iterations):
+            batch = slice((step % self.iterations_per_epoch) * self.batch_size,
+                          (step % self.iterations_per_epoch + 1) * self.batch_size)
+            x, y = self.inputs[batch], self.targets[batch]
+            self.iteration += 1
+            ctx.iteration = self.iteration
+            ctx.capturing = step in checked
+            maybe_inject(self.fault, "trainer", self.index, self.iteration)
+            timer.mark("start")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.loss_fn(self.model(x), y)
+            timer.mark("forward")
+            loss.backward()
+            timer.mark("backward")
+            self.optimizer.step()
+            timer.mark("optimizer")
+            phases = timer.intervals()
+            comm_ms = ctx.comm.drain()
+            sent, recv = ctx.wire.take()
+            losses.append(loss.detach())
+            samples["bytes_sent"].append(sent)
+            samples["bytes_recv"].append(recv)
+            if ctx.capturing:
+                continue
+            for name, value in phases.items():
+                samples[name].append(value)
+            samples["batch"].append(sum(phases.values()))
+            samples["comm"].append(comm_ms)
+        ctx.capturing = False
         return {
-            "samples": {name: samples[name] for name in TRAINER_METRICS},
-            "iterations": self.iterations_per_epoch * self.epochs,
-            "samples_processed": self.iterations_per_epoch * self.epochs * self.batch_size,
-            "bytes_sent": sent,
-            "bytes_recv": recv,
+            "samples": {name: samples[name] for name in TRAINER_METRICS + BYTE_METRICS},
+            "iterations": iterations,
+            "samples_processed": iterations * self.batch_size,
+            "bytes_sent": sum(samples["bytes_sent"]),
+            "bytes_recv": sum(samples["bytes_recv"]),
             "losses": torch.stack(losses).float().cpu().tolist(),
+            "grad_errors": self.gradient_errors(),
         }
+
+    def gradient_errors(self) -> list[float]:
+        """Relative error ``|delivered - exact| / |exact|`` per captured bucket, where ``exact``
+        is the float64 mean of every trainer's local gradient (an all-reduce among trainers,
+        not counted as wire bytes)."""
+        ctx = self.hook_context
+        captures, ctx.captures = ctx.captures, []
+        errors = []
+        ctx.wire.paused = True
+        try:
+            for capture in captures:
+                raw = capture.raw.to_dense() if capture.raw.is_sparse else capture.raw
+                exact = raw.double()
+                dist.all_reduce(exact, group=ctx.process_group)
+                exact /= ctx.process_group.size()
+                delivered = capture.delivered
+                delivered = (delivered.to_dense() if delivered.is_sparse else delivered).double().to(exact.device)
+                scale = exact.norm().item()
+                difference = (delivered - exact).norm().item()
+                errors.append(difference / scale if scale > 0 else difference)
+        finally:
+            ctx.wire.paused = False
+        return errors
 
     def parameters_vector(self) -> torch.Tensor:
         """All parameters, flattened on the CPU, for the replica check."""

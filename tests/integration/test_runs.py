@@ -93,7 +93,7 @@ def test_same_seed_same_result(tmp_path):
 def test_default_run_prints_tables_and_results_path(results_path):
     run = run_bench(out=results_path, timeout_s=120)
     assert run.returncode == 0, run.output
-    for text in ("Trainers (timed rounds, ms)", "Parameter servers (timed rounds, ms)", "p50", "p90", "p99",
+    for text in ("Trainers (timed rounds)", "Parameter servers (timed rounds)", "bytes_sent", "p50", "p90", "p99",
                  "[round 1/6] warmup", "[round 6/6] timed", f"results: {results_path}"):
         assert text in run.stdout, text
     assert "replicas: identical=true" in run.stdout

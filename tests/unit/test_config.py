@@ -91,9 +91,29 @@ def test_nccl_needs_one_gpu_per_trainer():
     validate(RunConfig(backend="nccl", ntrainer=1), gpus=1)
 
 
-def test_sparse_model_cannot_all_reduce_over_nccl():
+@pytest.mark.parametrize("hook", ["allreduce", "fp16", "powersgd"])
+@pytest.mark.parametrize("backend", ["nccl", "multi"])
+def test_sparse_model_cannot_all_reduce_over_nccl(hook, backend):
     with pytest.raises(ConfigError, match="sparse gradients, which NCCL cannot all-reduce"):
-        validate(RunConfig(backend="nccl", ntrainer=1, hook="allreduce", model="DummyModelSmallSparse"), gpus=1)
+        validate(RunConfig(backend=backend, ntrainer=1, hook=hook, model="DummyModelSmallSparse"), gpus=1)
+
+
+def test_sparse_model_combinations_that_work_on_gpus():
+    for backend, hook in [("multi", "hybrid"), ("nccl", "sparse_ps"), ("nccl", "ps"), ("multi", "ps")]:
+        validate(RunConfig(backend=backend, ntrainer=1, hook=hook, model="DummyModelSmallSparse"), gpus=1)
+    with pytest.raises(ConfigError, match="hybrid all-reduces sparse gradients over gloo: use --backend multi"):
+        validate(RunConfig(backend="nccl", ntrainer=1, hook="hybrid", model="DummyModelSmallSparse"), gpus=1)
+
+
+def test_hook_options_from_json_and_command_line(tmp_path):
+    path = write(tmp_path, {"hook": "powersgd", "hook_options": {"matrix_approximation_rank": 4, "warm_start": False}})
+    cfg = build_config({"hook_options": {"matrix_approximation_rank": 8}}, path)
+    validate(cfg, gpus=0)
+    assert cfg.hook_options == {"matrix_approximation_rank": 8, "warm_start": False}
+    with pytest.raises(ConfigError, match="'hook_options' must be dict"):
+        load_run_file(write(tmp_path, {"hook_options": [1]}))
+    with pytest.raises(ConfigError, match="--hook-option: hook 'powersgd' has no option 'rank'"):
+        validate(RunConfig(hook="powersgd", hook_options={"rank": 2}), gpus=0)
 
 
 def test_model_entry_with_unknown_or_bad_configuration(tmp_path):

@@ -1,0 +1,73 @@
+"""Strategy plumbing that needs no processes: byte accounting, hook options, sampling."""
+
+import pytest
+import torch
+
+from ps_bench.metrics.timers import tensor_bytes
+from ps_bench.metrics.wire import ByteCounter, allgather_bytes, allreduce_bytes
+from ps_bench.trainers.hooks import HOOKS, check_hook_options
+from ps_bench.trainers.trainer import VERIFIED_PER_ROUND, verified_steps
+
+
+@pytest.mark.parametrize(
+    "nbytes, world, sparse, expected",
+    [
+        (4000, 1, False, 0),  # alone: nothing moves
+        (4000, 2, False, 4000),  # ring: 2(n-1)/n of the buffer
+        (4000, 4, False, 6000),
+        (1000, 8, False, 1750),
+        (400, 4, True, 1200),  # sparse over gloo: every payload to every other rank
+    ],
+)
+def test_allreduce_bytes(nbytes, world, sparse, expected):
+    assert allreduce_bytes(nbytes, world, sparse) == expected
+
+
+def test_allgather_bytes():
+    assert allgather_bytes(100, 1) == 0
+    assert allgather_bytes(100, 5) == 400
+
+
+def test_compressed_payloads_are_smaller():
+    bucket = torch.zeros(1000)
+    assert tensor_bytes(bucket) == 4000
+    assert tensor_bytes(bucket.half()) == tensor_bytes(bucket.bfloat16()) == 2000
+
+
+def test_byte_counter_pauses_and_resets():
+    counter = ByteCounter()
+    counter.add(sent=10, recv=4)
+    counter.paused = True
+    counter.add(sent=1000)
+    counter.paused = False
+    assert counter.take() == (10, 4)
+    assert counter.take() == (0, 0)
+
+
+def test_every_strategy_is_registered_with_its_upstream_alias():
+    assert set(HOOKS.names()) >= {"allreduce", "ps", "sparse_ps", "noop", "hybrid", "fp16", "bf16", "ps_fp16",
+                                  "ps_bf16", "powersgd", "batched_powersgd"}
+    for alias, name in [("allreduce_hook", "allreduce"), ("rpc_hook", "ps"), ("sparse_rpc_hook", "sparse_ps"),
+                        ("hybrid_hook", "hybrid")]:
+        assert HOOKS.canonical(alias) == name
+
+
+def test_powersgd_options_are_checked():
+    assert check_hook_options("powersgd", {"matrix_approximation_rank": 4, "min_compression_rate": 1}) == {
+        "matrix_approximation_rank": 4, "min_compression_rate": 1.0}
+    with pytest.raises(ValueError, match="no option 'rank'; its options: matrix_approximation_rank"):
+        check_hook_options("powersgd", {"rank": 4})
+    with pytest.raises(ValueError, match="'matrix_approximation_rank' must be int"):
+        check_hook_options("batched_powersgd", {"matrix_approximation_rank": "4"})
+    with pytest.raises(ValueError, match="must be more than 1 with error feedback"):
+        check_hook_options("powersgd", {"start_powerSGD_iter": 1})
+    check_hook_options("powersgd", {"start_powerSGD_iter": 1, "use_error_feedback": False, "warm_start": False})
+    with pytest.raises(ValueError, match="takes no options"):
+        check_hook_options("fp16", {"x": 1})
+
+
+@pytest.mark.parametrize("iterations", [1, 3, 4, 5, 32, 101])
+def test_verified_iterations_are_few_and_spread(iterations):
+    steps = verified_steps(iterations)
+    assert 1 <= len(steps) <= VERIFIED_PER_ROUND
+    assert min(steps) == 0 and max(steps) < iterations
