@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import traceback
+from pathlib import Path
 from typing import Any, NoReturn
 
 from ps_bench.config import OPTIONS, ConfigError, build_config, field_type, validate
@@ -24,6 +25,11 @@ prints per-role statistics (ms) and writes a JSON results file.
 """
 
 EPILOG = """\
+subcommands (each has --help):
+  bench.py [run] [options]     one run (the default)
+  bench.py sweep FILE --out DIR   every point of a sweep file, one process tree each
+  bench.py report DIR|FILE...     compare runs: table, speedups, CSV, plot
+
 examples:
   python bench.py                                          # 2 trainers, 1 server, CPU
   python bench.py --ntrainer 3 --nserver 2 --mapping group --hook ps
@@ -182,10 +188,68 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
 
 
+def sweep_parser() -> Parser:
+    parser = Parser(prog="bench.py sweep", description=(
+        "Run every point of a sweep file, each in its own process tree, appending one JSON line per "
+        "point to OUT/results.jsonl (logs in OUT/logs/). A sweep file is {\"name\": ..., \"base\": {options}, "
+        "\"grid\": {option: [values]}, \"variants\": [{\"name\": ..., option: value}]}: the points are the "
+        "cartesian product of grid (times each variant), each base plus its overrides."),
+        epilog="example: python bench.py sweep configs/sweeps/hooks.json --out results/hooks && "
+               "python bench.py report results/hooks")
+    parser.add_argument("file", metavar="FILE", help="sweep file (JSON)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="folder for results.jsonl, logs and point files")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip points already recorded ok in OUT (same resolved configuration); re-run the rest")
+    parser.add_argument("--point-timeout", type=typed(float, "point-timeout"), default=900.0, metavar="SECONDS",
+                        help="stop a point that runs longer than this and record it as failed (default: 900)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors in the input")
+    return parser
+
+
+def report_parser() -> Parser:
+    parser = Parser(prog="bench.py report", description=(
+        "Compare runs: one row per point, with the options that vary across points, p50 and p90 of a "
+        "metric, samples/s, bytes per iteration, gradient error (runs with --verify) and the speedup "
+        "against a baseline point."),
+        epilog="example: python bench.py report results/hooks --baseline hook=allreduce --csv hooks.csv "
+               "--plot hooks.png")
+    parser.add_argument("sources", nargs="+", metavar="DIR|FILE",
+                        help="sweep folders (their results.jsonl), .jsonl files or results files")
+    parser.add_argument("--baseline", metavar="KEY=VALUE", help="the point speedups are measured against "
+                        "(default: the first point)")
+    parser.add_argument("--metric", default="batch", metavar="NAME",
+                        help="summary metric to compare, e.g. batch, comm, backward, round (default: batch)")
+    parser.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw the comparison (needs the 'plot' extra)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors in the input")
+    return parser
+
+
+def run_subcommand(command: str, argv: list[str]) -> int:
+    args = (sweep_parser() if command == "sweep" else report_parser()).parse_args(argv)
+    try:
+        if command == "sweep":
+            from ps_bench.sweep import run_sweep
+
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            return run_sweep(args.file, args.out, args.resume, args.point_timeout,
+                             bench=Path(__file__).resolve().parent.parent / "bench.py")
+        from ps_bench.report import run_report
+
+        return run_report(args.sources, args.baseline, args.metric, args.csv, args.plot)
+    except ConfigError as error:
+        if args.debug:
+            traceback.print_exc()
+        sys.stderr.write(f"ps_bench: error: {error}\n")
+        return EXIT_USAGE
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
         argv = argv[1:]
+    if argv[:1] in (["sweep"], ["report"]):
+        return run_subcommand(argv[0], argv[1:])
     args = vars(build_parser().parse_args(argv))
     config_path = args.pop("config", None)
     cli_values = {k: v for k, v in args.items() if not k.startswith("ignored_")}

@@ -1,0 +1,210 @@
+"""``bench.py report DIR|FILE...``: one row per point, speedups against a baseline, CSV, plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tabulate import tabulate
+
+from ps_bench.config import ConfigError
+from ps_bench.sweep import RESULTS_NAME, read_lines
+
+# Resolved options never shown as columns: they describe the output, or repeat another column.
+HIDDEN = {"out", "dry_run", "per_rank", "debug", "model_config", "data_config", "master_port"}
+
+
+@dataclass
+class Row:
+    label: str
+    results: dict
+
+    @property
+    def ok(self) -> bool:
+        return self.results.get("status") == "ok"
+
+    def option(self, name: str) -> Any:
+        value = self.results.get("config", {}).get(name)
+        return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
+
+    def stat(self, metric: str, statistic: str) -> float | None:
+        for row in self.results.get("summary", []):
+            if row["metric"] == metric:
+                return row[statistic]
+        return None
+
+    def raw(self, metric: str) -> list[float]:
+        return [v for entry in self.results.get("samples", []) for v in entry.get("metrics", {}).get(metric, [])]
+
+
+def load_rows(sources: list[str]) -> list[Row]:
+    """Points from sweep folders (their results.jsonl; a re-run point's latest line wins),
+    .jsonl files, and single results files, in the order given."""
+    rows: list[Row] = []
+    for source in sources:
+        path = Path(source)
+        if path.is_dir():
+            path = path / RESULTS_NAME
+        if not path.exists():
+            raise ConfigError(f"report: {source!r} does not exist (give a sweep folder or results files)")
+        if path.suffix == ".jsonl":
+            latest: dict[str, dict] = {}
+            for line in read_lines(path):
+                key = line.get("point", {}).get("hash") or str(len(latest))
+                latest.pop(key, None)
+                latest[key] = line
+            for line in sorted(latest.values(), key=lambda r: r.get("point", {}).get("index", 0)):
+                rows.append(Row(line.get("point", {}).get("name", path.stem), line))
+        else:
+            try:
+                rows.append(Row(path.stem, json.loads(path.read_text())))
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"report: {source!r} is not a results file: {error.msg} at line {error.lineno}") from None
+    if not rows:
+        raise ConfigError(f"report: no results in {', '.join(sources)}")
+    return rows
+
+
+def varying_options(rows: list[Row]) -> list[str]:
+    names: list[str] = []
+    for row in rows:
+        for name in row.results.get("config", {}):
+            if name not in names and name not in HIDDEN:
+                names.append(name)
+    return [n for n in names if len({str(row.option(n)) for row in rows}) > 1]
+
+
+def find_baseline(rows: list[Row], baseline: str | None) -> Row:
+    if baseline is None:
+        return rows[0]
+    key, sep, value = baseline.partition("=")
+    if not sep:
+        raise ConfigError(f"--baseline must be KEY=VALUE, e.g. hook=allreduce; got {baseline!r}")
+    for row in rows:
+        if str(row.option(key)) == value or row.label == baseline:
+            return row
+    raise ConfigError(f"--baseline {baseline}: no point has {key}={value}")
+
+
+def table(rows: list[Row], metric: str, baseline: Row) -> tuple[list[str], list[list]]:
+    columns = varying_options(rows)
+    headers = columns + [f"{metric} p50 ms", f"{metric} p90 ms", "samples/s", "bytes/iter", "grad error",
+                         "speedup", "status"]
+    reference = baseline.stat(metric, "p50")
+    body = []
+    for row in rows:
+        p50 = row.stat(metric, "p50")
+        check = row.results.get("verify") or {}
+        speedup = reference / p50 if p50 and reference else None
+        body.append([
+            *(row.option(c) for c in columns),
+            fixed(p50, 3),
+            fixed(row.stat(metric, "p90"), 3),
+            fixed((row.results.get("throughput") or {}).get("samples_per_s"), 0),
+            fixed((row.results.get("bytes") or {}).get("trainer_sent_per_iter"), 0),
+            None if check.get("grad_rel_error_p50") is None else f"{check['grad_rel_error_p50']:.2e}",
+            f"{speedup:.2f}x" if speedup else None,
+            row.results.get("status", "failed"),
+        ])
+    return headers, body
+
+
+def fixed(value: float | None, decimals: int) -> str | None:
+    return None if value is None else f"{value:.{decimals}f}"
+
+
+def write_csv(path: str, headers: list[str], body: list[list]) -> None:
+    with open(path, "w", newline="") as stream:
+        writer = csv.writer(stream)
+        writer.writerow(headers)
+        writer.writerows([["" if v is None else v for v in line] for line in body])
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def plot(path: str, rows: list[Row], metric: str, title: str) -> None:
+    """Lines over a numeric option that varies (e.g. ntrainer), else grouped bars per point;
+    p50 with p10-p90 whiskers from the raw samples."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("report --plot needs matplotlib: pip install -e '.[plot]'") from None
+    rows = [r for r in rows if r.ok and r.raw(metric)]
+    if not rows:
+        raise ConfigError(f"report --plot: no successful point has {metric!r} samples")
+    columns = varying_options(rows)
+    stats = {id(r): np.percentile(r.raw(metric), [10, 50, 90]) for r in rows}
+    numeric = [c for c in columns if all(is_number(r.option(c)) for r in rows)]
+    figure, axes = plt.subplots(figsize=(max(6.0, 0.7 * len(rows) + 3), 4.5))
+    if numeric:
+        x_name = numeric[0]
+        others = [c for c in columns if c != x_name]
+        series: dict[str, list[Row]] = {}
+        for row in rows:
+            series.setdefault(" ".join(f"{c}={row.option(c)}" for c in others) or metric, []).append(row)
+        for label, members in series.items():
+            members.sort(key=lambda r: r.option(x_name))
+            xs = [r.option(x_name) for r in members]
+            low, mid, high = zip(*(stats[id(r)] for r in members))
+            axes.plot(xs, mid, marker="o", label=label)
+            axes.fill_between(xs, low, high, alpha=0.2)
+        axes.set_xlabel(x_name)
+        axes.set_xticks(sorted({r.option(x_name) for r in rows}))
+    else:
+        group_by = columns[0] if len(columns) > 1 else None
+        inner = columns[1:] if group_by else columns
+
+        def group_of(row: Row) -> str:
+            return str(row.option(group_by)) if group_by else ""
+
+        def series_of(row: Row) -> str:
+            return " ".join(str(row.option(c)) for c in inner) or row.label
+
+        groups = list(dict.fromkeys(group_of(r) for r in rows))
+        names = list(dict.fromkeys(series_of(r) for r in rows))
+        width = 0.8 / len(names)
+        for position, name in enumerate(names):
+            members = [r for r in rows if series_of(r) == name]
+            offset = (position - (len(names) - 1) / 2) * width
+            xs = [groups.index(group_of(r)) + offset for r in members]
+            low, mid, high = (np.array(v) for v in zip(*(stats[id(r)] for r in members)))
+            axes.bar(xs, mid, width=width, yerr=[mid - low, high - mid], capsize=3, label=name)
+        axes.set_xticks(range(len(groups)))
+        axes.set_xticklabels(groups if group_by else [""])
+        axes.set_xlabel(group_by or " / ".join(inner) or "point")
+    axes.set_ylabel(f"{metric} (ms): p50, p10-p90 band" if numeric else f"{metric} (ms): p50, p10-p90 whiskers")
+    axes.set_title(title)
+    axes.legend(fontsize="small")
+    axes.grid(axis="y", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: str | None,
+               plot_path: str | None) -> int:
+    rows = load_rows(sources)
+    if not any(row.stat(metric, "p50") is not None for row in rows):
+        known = sorted({r["metric"] for row in rows for r in row.results.get("summary", [])})
+        raise ConfigError(f"--metric {metric!r} is in no results; known: {', '.join(known) or 'none'}")
+    reference = find_baseline(rows, baseline)
+    headers, body = table(rows, metric, reference)
+    print(tabulate(body, headers=headers, missingval="-", disable_numparse=True))
+    print(f"\nspeedup: {reference.label}'s {metric} p50 divided by each point's (above 1 is faster)")
+    if csv_path:
+        write_csv(csv_path, headers, body)
+        print(f"csv: {csv_path}")
+    if plot_path:
+        sweep = rows[0].results.get("point", {}).get("sweep", "")
+        plot(plot_path, rows, metric, f"{sweep + ': ' if sweep else ''}trainer {metric} time per iteration")
+        print(f"plot: {plot_path}")
+    return 0

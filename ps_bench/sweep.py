@@ -1,0 +1,253 @@
+"""``bench.py sweep FILE --out DIR``: many runs from one JSON file, each in its own process tree.
+
+A sweep file is ``{"name": ..., "base": {options}, "grid": {option: [values]}, "variants":
+[{"name": ..., option: value}]}``. Its points are the cartesian product of ``grid`` (times each
+variant when both are given); a point is ``base`` plus its overrides. Every point is validated
+before anything runs. Each point runs as ``bench.py --config POINT.json`` in a session of its
+own, so a crash or hang there cannot take the sweep down; one JSON line per point (the full
+results object plus ``point``: name, overrides and configuration hash) is appended to
+``DIR/results.jsonl``, and each point's log is kept in ``DIR/logs/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ps_bench.config import JSON_KEYS, ConfigError, build_config, coerce, read_json, validate
+from ps_bench.metrics.results import SCHEMA, iso_now
+
+SWEEP_KEYS = ("name", "base", "grid", "variants")
+RESULTS_NAME = "results.jsonl"
+# Options a sweep sets itself, and options that change how a run reports, not what it measures.
+NOT_HASHED = ("out", "dry_run", "per_rank", "debug")
+STOP_GRACE_S = 5.0
+
+
+@dataclass
+class Point:
+    index: int  # from 1
+    name: str
+    overrides: dict[str, Any]
+    options: dict[str, Any]  # base plus overrides, as a run JSON
+    config_hash: str
+    resolved: dict[str, Any]
+
+
+def config_hash(resolved: dict[str, Any]) -> str:
+    """A hash of what a run measures: every resolved option (canonical names) and the
+    model and data entries they name."""
+    payload = {k: v for k, v in resolved.items() if k not in NOT_HASHED}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_options(values: dict[str, Any], where: str) -> dict[str, Any]:
+    """Checks keys and types of a block of run options; returns them under canonical names."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where} must be a JSON object of run options")
+    out = {}
+    for key, value in values.items():
+        if key not in JSON_KEYS:
+            raise ConfigError(f"{where}: unknown option {key!r}")
+        name = JSON_KEYS[key]
+        if name == "out":
+            raise ConfigError(f"{where}: 'out' is set by the sweep (each point writes into the sweep's folder)")
+        out[name] = coerce(name, value, where)
+    return out
+
+
+def describe(overrides: dict[str, Any]) -> str:
+    return " ".join(f"{k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in overrides.items()) or "base"
+
+
+def load_sweep(path: str) -> tuple[str, list[Point]]:
+    """Reads and expands a sweep file; every point is validated (ConfigError names the point)."""
+    raw = read_json(path, "sweep file")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"sweep file {path!r} must hold a JSON object")
+    for key in raw:
+        if key not in SWEEP_KEYS:
+            raise ConfigError(f"sweep file {path!r}: unknown key {key!r}; valid keys: {', '.join(SWEEP_KEYS)}")
+    name = raw.get("name", Path(path).stem)
+    base = run_options(raw.get("base", {}), f"sweep {path!r}: base")
+    grid_raw = raw.get("grid", {})
+    if not isinstance(grid_raw, dict):
+        raise ConfigError(f"sweep {path!r}: grid must be an object of option: [values]")
+    grid: dict[str, list] = {}
+    for key, values in grid_raw.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"sweep {path!r}: grid option {key!r} needs a non-empty list of values")
+        checked = [run_options({key: v}, f"sweep {path!r}: grid") for v in values]
+        grid[next(iter(checked[0]))] = [next(iter(c.values())) for c in checked]
+    variants_raw = raw.get("variants", [])
+    if not isinstance(variants_raw, list):
+        raise ConfigError(f"sweep {path!r}: variants must be a list of objects")
+    variants = []
+    for number, variant in enumerate(variants_raw, start=1):
+        if not isinstance(variant, dict):
+            raise ConfigError(f"sweep {path!r}: variant {number} must be an object")
+        label = variant.get("name", f"variant{number}")
+        options = run_options({k: v for k, v in variant.items() if k != "name"}, f"sweep {path!r}: variant {label!r}")
+        clash = set(options) & set(grid)
+        if clash:
+            raise ConfigError(f"sweep {path!r}: variant {label!r} sets {', '.join(sorted(clash))}, which the grid varies")
+        variants.append((label, options))
+    if not grid and not variants:
+        raise ConfigError(f"sweep {path!r} has no points: give a grid, variants, or both")
+    combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())] if grid else [{}]
+    points = []
+    for variant_label, variant_options in variants or [(None, {})]:
+        for combo in combos:
+            overrides = {**({"variant": variant_label} if variant_label else {}), **combo}
+            options = {**base, **variant_options, **combo}
+            index = len(points) + 1
+            label = " ".join(filter(None, [variant_label, describe(combo) if combo else ""]))
+            try:
+                cfg = build_config(options)
+                model, data = validate(cfg)
+            except ConfigError as error:
+                raise ConfigError(f"sweep {path!r}: point {index} ({label}): {error}") from None
+            resolved = {**cfg.to_dict(), "model_config": model.to_dict(), "data_config": data.to_dict()}
+            points.append(Point(index, label, {**overrides, **variant_options}, options, config_hash(resolved),
+                                resolved))
+    return name, points
+
+
+def read_lines(path: Path) -> list[dict]:
+    """The JSON lines of a results.jsonl; a torn last line (a killed writer) is skipped."""
+    if not path.exists():
+        return []
+    lines = []
+    for text in path.read_text().splitlines():
+        try:
+            lines.append(json.loads(text))
+        except json.JSONDecodeError:
+            continue
+    return lines
+
+
+def append_line(path: Path, entry: dict) -> None:
+    with open(path, "a") as stream:
+        stream.write(json.dumps(entry) + "\n")
+        stream.flush()
+        os.fsync(stream.fileno())
+
+
+def duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+class Interrupted(Exception):
+    """The sweep was stopped by a signal; ``exit_code`` is 130 or 143."""
+
+    def __init__(self, exit_code: int) -> None:
+        super().__init__(exit_code)
+        self.exit_code = exit_code
+
+
+def run_point(point: Point, out_dir: Path, bench: Path, timeout_s: float | None) -> dict:
+    """Runs one point in its own session; returns its results (a failed stub if it wrote none)."""
+    stem = f"{point.index:03d}-{point.config_hash}"
+    attempt = 1
+    while (out_dir / "points" / f"{stem}-{attempt}.json").exists():
+        attempt += 1
+    config_file = out_dir / "points" / f"{stem}.config.json"
+    config_file.write_text(json.dumps(point.options, indent=2))
+    results_file = out_dir / "points" / f"{stem}-{attempt}.json"
+    log_file = out_dir / "logs" / f"{stem}.log"
+    command = [sys.executable, str(bench), "--config", str(config_file), "--out", str(results_file)]
+    with open(log_file, "a") as log:
+        log.write(f"==== {iso_now()} attempt {attempt}: {' '.join(command)}\n")
+        log.flush()
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True)
+        error = None
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stop(process)
+            error = f"the point did not finish within --point-timeout {timeout_s:g} s"
+        except KeyboardInterrupt:
+            stop(process)
+            raise Interrupted(130) from None
+        except Interrupted:
+            stop(process)
+            raise
+    if results_file.exists():
+        results = json.loads(results_file.read_text())
+        if error:
+            results.update(status="failed", error=error)
+        return results
+    return {"schema": SCHEMA, "status": "failed",
+            "error": error or f"bench.py exited with status {process.returncode} and wrote no results; see {log_file}",
+            "config": point.resolved, "finished": iso_now()}
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Asks a point's launcher to stop (it stops its ranks and keeps what finished), then
+    kills its whole session if it has not gone within the grace period."""
+    try:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=STOP_GRACE_S)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Interrupted(143)
+
+
+def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None, bench: Path) -> int:
+    name, points = load_sweep(path)
+    out_dir = Path(out)
+    (out_dir / "points").mkdir(parents=True, exist_ok=True)
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    results_path = out_dir / RESULTS_NAME
+    done = {line["point"]["hash"] for line in read_lines(results_path)
+            if line.get("status") == "ok" and "point" in line} if resume else set()
+    if not resume and results_path.exists() and results_path.stat().st_size:
+        raise ConfigError(f"{results_path} already holds results: add --resume to continue that sweep, "
+                          f"or choose another --out")
+    todo = [p for p in points if p.config_hash not in done]
+    print(f"sweep {name}: {len(points)} points, {len(points) - len(todo)} already done, {len(todo)} to run; "
+          f"results in {results_path}", flush=True)
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    failed = 0
+    started = time.monotonic()
+    for number, point in enumerate(todo, start=1):
+        point_start = time.monotonic()
+        try:
+            results = run_point(point, out_dir, bench, timeout_s)
+        except Interrupted as stopped:
+            print(f"sweep stopped at point {point.index} ({point.name}); {number - 1} point(s) of this run "
+                  f"are in {results_path}; --resume continues", file=sys.stderr, flush=True)
+            return stopped.exit_code
+        results["point"] = {"index": point.index, "name": point.name, "overrides": point.overrides,
+                            "hash": point.config_hash, "sweep": name}
+        append_line(results_path, results)
+        elapsed = time.monotonic() - point_start
+        status = results.get("status", "failed")
+        failed += status != "ok"
+        mean = (time.monotonic() - started) / number
+        detail = "ok" if status == "ok" else f"FAILED: {str(results.get('error', '')).splitlines()[0][:160]}"
+        print(f"[{point.index}/{len(points)}] {point.name}  {elapsed:.1f} s  {detail}  "
+              f"(elapsed {duration(time.monotonic() - started)}, ~{duration(mean * (len(todo) - number))} left)",
+              flush=True)
+    print(f"sweep {name}: ran {len(todo)} point(s): {len(todo) - failed} ok, {failed} failed; "
+          f"`bench.py report {out_dir}` compares them", flush=True)
+    return 1 if failed else 0

@@ -1,0 +1,133 @@
+"""Sweeps run points as separate process trees, survive failing points, resume, and report."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchrun import ROOT, wait_session_gone
+
+pytestmark = pytest.mark.integration
+QUICK = {"warmup_rounds": 1, "rounds": 1}
+
+
+def bench(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    process = subprocess.Popen([sys.executable, str(ROOT / "bench.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        pytest.fail(f"bench.py {' '.join(args)} did not finish in {timeout_s} s")
+    assert wait_session_gone(process.pid, 10), "a process of the sweep survived"
+    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+
+
+def write_sweep(tmp_path: Path, content: dict) -> str:
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(content))
+    return str(path)
+
+
+def lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+def test_sweep_resume_and_report(tmp_path):
+    sweep = write_sweep(tmp_path, {"name": "three", "base": {**QUICK, "verify": True},
+                                   "grid": {"hook": ["allreduce", "ps", "fp16"]}})
+    out = tmp_path / "out"
+    run = bench("sweep", sweep, "--out", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr
+    recorded = lines(out)
+    assert [r["status"] for r in recorded] == ["ok", "ok", "ok"]
+    assert [r["point"]["overrides"] for r in recorded] == [{"hook": h} for h in ("allreduce", "ps", "fp16")]
+    assert all(r["schema"] == "ps_bench.result/1" and r["summary"] for r in recorded)
+    assert "[3/3] hook=fp16" in run.stdout and "left)" in run.stdout
+    assert len(list((out / "logs").glob("*.log"))) == 3
+
+    start = time.monotonic()
+    again = bench("sweep", sweep, "--out", str(out), "--resume")
+    assert again.returncode == 0 and time.monotonic() - start < 15
+    assert "3 already done, 0 to run" in again.stdout
+    assert len(lines(out)) == 3
+
+    csv_path, png_path = tmp_path / "r.csv", tmp_path / "r.png"
+    report = bench("report", str(out), "--baseline", "hook=ps", "--csv", str(csv_path), "--plot", str(png_path))
+    assert report.returncode == 0, report.stderr
+    table = report.stdout.splitlines()
+    assert table[0].split()[:3] == ["hook", "batch", "p50"]
+    body = [line.split() for line in table[2:5]]
+    assert [row[0] for row in body] == ["allreduce", "ps", "fp16"]
+    assert body[1][-2] == "1.00x" and all(row[-2].endswith("x") for row in body)
+    csv_lines = csv_path.read_text().splitlines()
+    assert csv_lines[0].startswith("hook,batch p50 ms,batch p90 ms,samples/s,bytes/iter,grad error,speedup")
+    assert len(csv_lines) == 4
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png_path.stat().st_size > 10_000
+
+
+def test_a_failing_point_is_recorded_and_resume_reruns_only_it(tmp_path):
+    sweep = write_sweep(tmp_path, {"name": "faulty", "base": QUICK, "variants": [
+        {"name": "first", "hook": "allreduce"},
+        {"name": "broken", "hook": "ps", "inject_fault": "trainer:0:2:raise"},
+        {"name": "last", "hook": "ps"},
+    ]})
+    out = tmp_path / "out"
+    run = bench("sweep", sweep, "--out", str(out))
+    assert run.returncode == 1
+    assert [(r["point"]["name"], r["status"]) for r in lines(out)] == [
+        ("first", "ok"), ("broken", "failed"), ("last", "ok")]
+    assert "injected fault" in lines(out)[1]["error"]
+    assert "[2/3] broken" in run.stdout and "FAILED" in run.stdout
+
+    again = bench("sweep", sweep, "--out", str(out), "--resume")
+    assert again.returncode == 1
+    assert "2 already done, 1 to run" in again.stdout
+    recorded = lines(out)
+    assert len(recorded) == 4 and recorded[-1]["point"]["name"] == "broken"
+
+
+def test_interrupting_a_sweep_stops_the_point_and_keeps_what_finished(tmp_path):
+    sweep = write_sweep(tmp_path, {"name": "long", "variants": [
+        {"name": "short", **QUICK}, {"name": "endless", "rounds": 100000}]})
+    out = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, str(ROOT / "bench.py"), "sweep", sweep, "--out", str(out)], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in process.stdout:
+            if line.startswith("[1/2]"):
+                break
+        time.sleep(8)  # the endless point is running
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130
+    assert "--resume continues" in stderr
+    assert [r["point"]["name"] for r in lines(out)] == ["short"]
+    assert wait_session_gone(process.pid, 10)
+    # the point ran in a session of its own: none of its processes may outlive the sweep
+    survivors = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout
+    assert survivors == ""
+
+
+def test_bad_sweep_is_refused_before_anything_runs(tmp_path):
+    sweep = write_sweep(tmp_path, {"grid": {"hook": ["ps", "allredcue"]}})
+    run = bench("sweep", sweep, "--out", str(tmp_path / "out"), timeout_s=60)
+    assert run.returncode == 2
+    assert run.stderr.count("\n") == 1 and "point 2 (hook=allredcue)" in run.stderr
+    assert not (tmp_path / "out" / "results.jsonl").exists()
+
+
+def test_report_without_results_is_a_clear_error(tmp_path):
+    run = bench("report", str(tmp_path / "nothing"), timeout_s=60)
+    assert run.returncode == 2 and "does not exist" in run.stderr and run.stderr.count("\n") == 1

@@ -1,0 +1,79 @@
+"""Sweep files expand and validate without starting anything; reports read results files."""
+
+import json
+
+import pytest
+
+from ps_bench.config import ConfigError
+from ps_bench.report import load_rows, table, varying_options
+from ps_bench.sweep import load_sweep
+
+
+def sweep(tmp_path, content):
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(content))
+    return str(path)
+
+
+def test_grid_is_a_cartesian_product_over_base(tmp_path):
+    name, points = load_sweep(sweep(tmp_path, {
+        "name": "s", "base": {"rounds": 1}, "grid": {"hook": ["ps", "allreduce"], "ntrainer": [2, 3, 4]}}))
+    assert name == "s" and len(points) == 6
+    assert [p.name for p in points[:3]] == ["hook=ps ntrainer=2", "hook=ps ntrainer=3", "hook=ps ntrainer=4"]
+    assert all(p.options["rounds"] == 1 for p in points)
+    assert len({p.config_hash for p in points}) == 6
+
+
+def test_variants_times_grid_and_either_alone(tmp_path):
+    _, points = load_sweep(sweep(tmp_path, {
+        "grid": {"hook": ["ps", "allreduce"]},
+        "variants": [{"name": "small", "batch_size": 8}, {"name": "big", "batch_size": 32}]}))
+    assert [p.name for p in points] == ["small hook=ps", "small hook=allreduce", "big hook=ps", "big hook=allreduce"]
+    assert points[2].overrides == {"variant": "big", "hook": "ps", "batch_size": 32}
+    _, alone = load_sweep(sweep(tmp_path, {"variants": [{"name": "a", "rounds": 2}]}))
+    assert len(alone) == 1 and alone[0].options == {"rounds": 2}
+
+
+def test_hash_follows_the_resolved_configuration(tmp_path):
+    _, points = load_sweep(sweep(tmp_path, {"grid": {"hook": ["ps", "rpc_hook", "allreduce"]}}))
+    assert points[0].config_hash == points[1].config_hash  # an alias resolves to the same run
+    assert points[0].config_hash != points[2].config_hash
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ({"grid": {"hook": ["ps", "allredcue"]}}, "point 2 (hook=allredcue): --hook: unknown hook 'allredcue'"),
+        ({"grid": {"nserver": [1, 3]}, "base": {"mapping": "group"}}, "point 2 (nserver=3): --mapping group"),
+        ({"grid": {"hooks": ["ps"]}}, "unknown option 'hooks'"),
+        ({"grid": {"hook": []}}, "needs a non-empty list"),
+        ({"grid": {"ntrainer": ["two"]}}, "'ntrainer' must be int"),
+        ({"base": {"out": "x.json"}, "grid": {"hook": ["ps"]}}, "'out' is set by the sweep"),
+        ({"grid": {"hook": ["ps"]}, "variants": [{"name": "v", "hook": "fp16"}]}, "variant 'v' sets hook"),
+        ({"base": {"rounds": 2}}, "has no points"),
+        ({"grid": {"hook": ["ps"]}, "extra": 1}, "unknown key 'extra'; valid keys: name, base, grid, variants"),
+    ],
+)
+def test_bad_sweeps_name_the_point_and_the_problem(tmp_path, content, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_sweep(sweep(tmp_path, content))
+
+
+def result(hook, p50, status="ok", sent=100.0):
+    return {"status": status, "config": {"hook": hook, "ntrainer": 2, "out": f"{hook}.json"},
+            "summary": [{"role": "trainer", "metric": "batch", "unit": "ms", "p50": p50, "p90": p50 * 2}],
+            "throughput": {"samples_per_s": 10.0}, "bytes": {"trainer_sent_per_iter": sent}}
+
+
+def test_report_columns_and_speedups(tmp_path):
+    lines = [dict(result("ps", 4.0), point={"index": 1, "name": "hook=ps", "hash": "a"}),
+             dict(result("allreduce", 2.0), point={"index": 2, "name": "hook=allreduce", "hash": "b"}),
+             dict(result("ps", 8.0, status="failed"), point={"index": 1, "name": "hook=ps", "hash": "a"})]
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n{torn")
+    rows = load_rows([str(tmp_path)])
+    assert [r.label for r in rows] == ["hook=ps", "hook=allreduce"]  # the re-run of point 1 wins
+    assert rows[0].results["status"] == "failed"
+    assert varying_options(rows) == ["hook"]  # 'out' is never a column
+    headers, body = table(rows, "batch", rows[1])
+    assert headers[0] == "hook" and headers[-2:] == ["speedup", "status"]
+    assert body[0][headers.index("speedup")] == "0.25x" and body[1][headers.index("speedup")] == "1.00x"
