@@ -158,6 +158,7 @@ def plot(path: str, rows: list[Row], metric: str, title: str) -> None:
             axes.plot(xs, mid, marker="o", label=label)
             axes.fill_between(xs, low, high, alpha=0.2)
         axes.set_xlabel(x_name)
+        axes.legend(fontsize="small")
         axes.set_xticks(sorted({r.option(x_name) for r in rows}))
     else:
         group_by = columns[0] if len(columns) > 1 else None
@@ -169,21 +170,28 @@ def plot(path: str, rows: list[Row], metric: str, title: str) -> None:
         def series_of(row: Row) -> str:
             return " ".join(str(row.option(c)) for c in inner) or row.label
 
-        groups = list(dict.fromkeys(group_of(r) for r in rows))
-        names = list(dict.fromkeys(series_of(r) for r in rows))
-        width = 0.8 / len(names)
-        for position, name in enumerate(names):
-            members = [r for r in rows if series_of(r) == name]
-            offset = (position - (len(names) - 1) / 2) * width
-            xs = [groups.index(group_of(r)) + offset for r in members]
-            low, mid, high = (np.array(v) for v in zip(*(stats[id(r)] for r in members)))
-            axes.bar(xs, mid, width=width, yerr=[mid - low, high - mid], capsize=3, label=name)
-        axes.set_xticks(range(len(groups)))
-        axes.set_xticklabels(groups if group_by else [""])
-        axes.set_xlabel(group_by or " / ".join(inner) or "point")
+        if group_by is None:  # one bar per point, labelled on the axis
+            low, mid, high = (np.array(v) for v in zip(*(stats[id(r)] for r in rows)))
+            axes.bar(range(len(rows)), mid, yerr=[mid - low, high - mid], capsize=3, color="tab:blue")
+            axes.set_xticks(range(len(rows)))
+            axes.set_xticklabels([series_of(r) for r in rows], rotation=30, ha="right")
+            axes.set_xlabel(" / ".join(inner) or "point")
+        else:  # groups along the axis, one coloured bar per value of the other options
+            groups = list(dict.fromkeys(group_of(r) for r in rows))
+            names = list(dict.fromkeys(series_of(r) for r in rows))
+            width = 0.8 / len(names)
+            for position, name in enumerate(names):
+                members = [r for r in rows if series_of(r) == name]
+                offset = (position - (len(names) - 1) / 2) * width
+                xs = [groups.index(group_of(r)) + offset for r in members]
+                low, mid, high = (np.array(v) for v in zip(*(stats[id(r)] for r in members)))
+                axes.bar(xs, mid, width=width, yerr=[mid - low, high - mid], capsize=3, label=name)
+            axes.set_xticks(range(len(groups)))
+            axes.set_xticklabels(groups)
+            axes.set_xlabel(group_by)
+            axes.legend(title=" / ".join(inner), fontsize="small")
     axes.set_ylabel(f"{metric} (ms): p50, p10-p90 band" if numeric else f"{metric} (ms): p50, p10-p90 whiskers")
     axes.set_title(title)
-    axes.legend(fontsize="small")
     axes.grid(axis="y", alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
