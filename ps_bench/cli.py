@@ -261,9 +261,11 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = build_config(cli_values, config_path)
         debug = cfg.debug
-        model, data = validate(cfg)
         torchrun = under_torchrun()
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)) if torchrun else cfg.world_size
+        node = int(os.environ.get("GROUP_RANK", 0)) if torchrun else 0
+        node_ranks = range(node * local_world_size, (node + 1) * local_world_size)
+        model, data = validate(cfg, trainers_on_node=sum(r < cfg.num_trainers for r in node_ranks))
         results_path = cfg.out or str(default_results_path(cfg.hook, cfg.num_trainers, cfg.num_servers))
         spec = LaunchSpec(cfg, model, data, ["bench.py", *argv], new_run_dir(), results_path, local_world_size,
                           cuda_device_count(), torchrun)

@@ -222,9 +222,10 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def validate(cfg: RunConfig, gpus: int | None = None, gpus_per_node_ranks: int | None = None) -> tuple[Entry, Entry]:
+def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | None = None) -> tuple[Entry, Entry]:
     """Checks a whole configuration before any process starts; returns the model and data
-    entries it names. ``gpus`` defaults to the CUDA devices visible here."""
+    entries it names. ``gpus`` defaults to the CUDA devices visible here, ``trainers_on_node``
+    to every trainer (one machine)."""
     from ps_bench.data import DATA
     from ps_bench.models import MODELS
     from ps_bench.registry import UnknownNameError
@@ -321,7 +322,7 @@ def validate(cfg: RunConfig, gpus: int | None = None, gpus_per_node_ranks: int |
         raise ConfigError(f"CUDA is needed for {' and '.join(wants_cuda)}, but no GPU is available here "
                           f"(torch.cuda.is_available() is False); use --backend gloo with CPU trainers and servers")
     if cfg.backend in ("nccl", "multi"):
-        local_trainers = cfg.num_trainers if gpus_per_node_ranks is None else gpus_per_node_ranks
+        local_trainers = cfg.num_trainers if trainers_on_node is None else trainers_on_node
         need(
             local_trainers <= gpus,
             f"--backend {cfg.backend} needs one GPU per trainer: {local_trainers} trainers on this node, "

@@ -14,7 +14,6 @@ import ctypes
 import faulthandler
 import os
 import signal
-import sys
 import tempfile
 import time
 import warnings

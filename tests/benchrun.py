@@ -46,27 +46,34 @@ def wait_session_gone(pgid: int, within_s: float) -> bool:
     return not session_alive(pgid)
 
 
-def run_bench(*args: str, timeout_s: float = 180, out: Path | None = None, env: dict | None = None) -> BenchRun:
-    """Runs ``python bench.py ARGS`` in its own session; a hang fails the test, and every
-    process of the run must be gone shortly after the launcher exits."""
-    command = [sys.executable, str(ROOT / "bench.py"), *args]
-    if out is not None:
-        command += ["--out", str(out)]
+def communicate(process: subprocess.Popen, timeout_s: float, what: str) -> tuple[str, str, float]:
+    """Waits for a process started in its own session: a hang fails the test, and every
+    process of that session must be gone shortly after it exits. Returns stdout, stderr and
+    the seconds it took."""
     start = time.monotonic()
-    process = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, env={**os.environ, **(env or {})},
-    )
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
-        pytest.fail(f"bench.py {' '.join(args)} did not finish in {timeout_s} s\n{stdout}\n{stderr}")
+        pytest.fail(f"{what} did not finish in {timeout_s} s\n{stdout}\n{stderr}")
     elapsed = time.monotonic() - start
     if not wait_session_gone(process.pid, 10):
         os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail(f"processes of bench.py {' '.join(args)} survived the launcher")
+        pytest.fail(f"processes of {what} survived it")
+    return stdout or "", stderr or "", elapsed
+
+
+def run_bench(*args: str, timeout_s: float = 180, out: Path | None = None, env: dict | None = None) -> BenchRun:
+    """Runs ``python bench.py ARGS`` in its own session (see ``communicate``)."""
+    command = [sys.executable, str(ROOT / "bench.py"), *args]
+    if out is not None:
+        command += ["--out", str(out)]
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, env={**os.environ, **(env or {})},
+    )
+    stdout, stderr, elapsed = communicate(process, timeout_s, f"bench.py {' '.join(args)}")
     return BenchRun(process.returncode, stdout, stderr, elapsed, printed_results(stdout))
 
 

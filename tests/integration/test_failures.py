@@ -7,11 +7,10 @@ import os
 import signal
 import socket
 import subprocess
-import time
 
 import pytest
 
-from benchrun import read_until, rank_pids, run_bench, start_bench, wait_session_gone
+from benchrun import communicate, read_until, rank_pids, run_bench, start_bench
 
 pytestmark = pytest.mark.integration
 RPC_TIMEOUT = 10
@@ -19,15 +18,7 @@ RPC_TIMEOUT = 10
 
 def finish(process: subprocess.Popen, within_s: float) -> tuple[str, float]:
     """Waits for the launcher; returns its stderr and how long it took."""
-    start = time.monotonic()
-    try:
-        _, stderr = process.communicate(timeout=within_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        pytest.fail(f"the job did not end within {within_s} s")
-    elapsed = time.monotonic() - start
-    assert wait_session_gone(process.pid, 10), "a process of the job survived"
+    _, stderr, elapsed = communicate(process, within_s, "the job")
     return stderr, elapsed
 
 

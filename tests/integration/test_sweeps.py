@@ -12,23 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from benchrun import ROOT, wait_session_gone
+from benchrun import ROOT, run_bench, wait_session_gone
 
 pytestmark = pytest.mark.integration
 QUICK = {"warmup_rounds": 1, "rounds": 1}
-
-
-def bench(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    process = subprocess.Popen([sys.executable, str(ROOT / "bench.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        pytest.fail(f"bench.py {' '.join(args)} did not finish in {timeout_s} s")
-    assert wait_session_gone(process.pid, 10), "a process of the sweep survived"
-    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
 
 def write_sweep(tmp_path: Path, content: dict) -> str:
@@ -45,7 +32,7 @@ def test_sweep_resume_and_report(tmp_path):
     sweep = write_sweep(tmp_path, {"name": "three", "base": {**QUICK, "verify": True},
                                    "grid": {"hook": ["allreduce", "ps", "fp16"]}})
     out = tmp_path / "out"
-    run = bench("sweep", sweep, "--out", str(out))
+    run = run_bench("sweep", sweep, "--out", str(out))
     assert run.returncode == 0, run.stdout + run.stderr
     recorded = lines(out)
     assert [r["status"] for r in recorded] == ["ok", "ok", "ok"]
@@ -55,13 +42,13 @@ def test_sweep_resume_and_report(tmp_path):
     assert len(list((out / "logs").glob("*.log"))) == 3
 
     start = time.monotonic()
-    again = bench("sweep", sweep, "--out", str(out), "--resume")
+    again = run_bench("sweep", sweep, "--out", str(out), "--resume")
     assert again.returncode == 0 and time.monotonic() - start < 15
     assert "3 already done, 0 to run" in again.stdout
     assert len(lines(out)) == 3
 
     csv_path, png_path = tmp_path / "r.csv", tmp_path / "r.png"
-    report = bench("report", str(out), "--baseline", "hook=ps", "--csv", str(csv_path), "--plot", str(png_path))
+    report = run_bench("report", str(out), "--baseline", "hook=ps", "--csv", str(csv_path), "--plot", str(png_path))
     assert report.returncode == 0, report.stderr
     table = report.stdout.splitlines()
     assert table[0].split()[:3] == ["hook", "batch", "p50"]
@@ -81,14 +68,14 @@ def test_a_failing_point_is_recorded_and_resume_reruns_only_it(tmp_path):
         {"name": "last", "hook": "ps"},
     ]})
     out = tmp_path / "out"
-    run = bench("sweep", sweep, "--out", str(out))
+    run = run_bench("sweep", sweep, "--out", str(out))
     assert run.returncode == 1
     assert [(r["point"]["name"], r["status"]) for r in lines(out)] == [
         ("first", "ok"), ("broken", "failed"), ("last", "ok")]
     assert "injected fault" in lines(out)[1]["error"]
     assert "[2/3] broken" in run.stdout and "FAILED" in run.stdout
 
-    again = bench("sweep", sweep, "--out", str(out), "--resume")
+    again = run_bench("sweep", sweep, "--out", str(out), "--resume")
     assert again.returncode == 1
     assert "2 already done, 1 to run" in again.stdout
     recorded = lines(out)
@@ -122,12 +109,12 @@ def test_interrupting_a_sweep_stops_the_point_and_keeps_what_finished(tmp_path):
 
 def test_bad_sweep_is_refused_before_anything_runs(tmp_path):
     sweep = write_sweep(tmp_path, {"grid": {"hook": ["ps", "allredcue"]}})
-    run = bench("sweep", sweep, "--out", str(tmp_path / "out"), timeout_s=60)
+    run = run_bench("sweep", sweep, "--out", str(tmp_path / "out"), timeout_s=60)
     assert run.returncode == 2
     assert run.stderr.count("\n") == 1 and "point 2 (hook=allredcue)" in run.stderr
     assert not (tmp_path / "out" / "results.jsonl").exists()
 
 
 def test_report_without_results_is_a_clear_error(tmp_path):
-    run = bench("report", str(tmp_path / "nothing"), timeout_s=60)
+    run = run_bench("report", str(tmp_path / "nothing"), timeout_s=60)
     assert run.returncode == 2 and "does not exist" in run.stderr and run.stderr.count("\n") == 1
