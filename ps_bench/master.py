@@ -24,6 +24,7 @@ from ps_bench.trainers.trainer import BYTE_METRICS, TRAINER_METRICS, TRAINERS, v
 
 SERVER_METRICS = ("straggler", "aggregate", "round")
 PARTIAL_NAME = "partial.json"
+SNAPSHOT_CHEAP_S = 0.05
 
 
 def device_name(index: int | None) -> str:
@@ -177,11 +178,12 @@ class Master:
             self.server_bytes[info.rank][1] += result["bytes"]["sent"]
 
     def snapshot(self) -> None:
-        """Keeps the finished rounds for the launcher. The snapshot grows with the run, so it is
-        skipped while less than ten times its last cost has passed since the last one: at most
-        about a tenth of the wall time, between rounds, never inside the timed region."""
+        """Keeps the finished rounds for the launcher, after every round. The snapshot grows with
+        the run: once writing one costs more than SNAPSHOT_CHEAP_S, it is skipped while less than
+        ten times that cost has passed since the last one (at most about a tenth of the wall
+        time, between rounds, never inside the timed region)."""
         start = time.perf_counter()
-        if start - self.snapshot_at < 10 * self.snapshot_cost:
+        if self.snapshot_cost > SNAPSHOT_CHEAP_S and start - self.snapshot_at < 10 * self.snapshot_cost:
             return
         write_snapshot(self.results("failed", error="the job ended before it finished"), self.run_dir)
         self.snapshot_at = time.perf_counter()

@@ -26,7 +26,8 @@ def last_line(text: str) -> str:
     return text.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("rank, who", [(1, "trainer 1 (rank 1, trainer1)"), (2, "server 0 (rank 2, server2)")])
+@pytest.mark.parametrize("rank, who", [(1, "trainer 1 (rank 1, trainer1)"), (2, "server 0 (rank 2, server2)"),
+                                       (3, "master 0 (rank 3, master)")])
 def test_killed_worker_ends_the_job(rank, who, results_path):
     process = start_bench("--rounds", "100000", "--rpc-timeout", str(RPC_TIMEOUT), "--out", str(results_path))
     read_until(process, "[round 3/")

@@ -38,7 +38,9 @@ def metrics_of(results: dict, role: str) -> set[str]:
     return {row["metric"] for row in results["summary"] if row["role"] == role}
 
 
-CASES = list(itertools.product(("allreduce", "ps", "sparse_ps", "noop"), ("average", "average_batch"), ("shard", "group")))
+# Servers and mappings matter only to the hooks that use servers; the others run once.
+CASES = list(itertools.product(("ps", "sparse_ps"), ("average", "average_batch"), ("shard", "group")))
+CASES += [("allreduce", "average", "shard"), ("noop", "average", "shard")]
 
 
 @pytest.mark.parametrize("hook, server, mapping", CASES, ids=["-".join(c) for c in CASES])
