@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ps_bench.config import OPTIONS, ConfigError, build_config, field_type, validate
+from ps_bench.failures import Terminated
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 # Upstream launcher flags with nothing left to choose: accepted so old command lines run.
@@ -180,10 +181,6 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-class Terminated(BaseException):
-    """SIGTERM reached the launcher."""
-
-
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
 
@@ -267,11 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         node_ranks = range(node * local_world_size, (node + 1) * local_world_size)
         model, data = validate(cfg, trainers_on_node=sum(r < cfg.num_trainers for r in node_ranks))
         results_path = cfg.out or str(default_results_path(cfg.hook, cfg.num_trainers, cfg.num_servers))
-        spec = LaunchSpec(cfg, model, data, ["bench.py", *argv], new_run_dir(), results_path, local_world_size,
+        spec = LaunchSpec(cfg, model, data, ["bench.py", *argv], "", results_path, local_world_size,
                           cuda_device_count(), torchrun)
         if cfg.dry_run:
             print(dry_run_table(cfg, spec.topology(), spec.device_of))
             return EXIT_OK
+        spec.run_dir = new_run_dir()
         if torchrun:
             return run_torchrun_rank(spec)
         signal.signal(signal.SIGTERM, _on_sigterm)

@@ -35,6 +35,10 @@ class Identity:
 _identity: Identity | None = None
 
 
+class Terminated(BaseException):
+    """SIGTERM reached the launcher (raised by its signal handler)."""
+
+
 def set_identity(identity: Identity) -> None:
     global _identity
     _identity = identity

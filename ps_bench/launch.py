@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -145,10 +146,9 @@ def _spawned(rank: int, spec: LaunchSpec) -> None:
 class JobFailed(Exception):
     """The job ended badly; ``str()`` is one line, ``detail`` the traceback or stacks behind it."""
 
-    def __init__(self, summary: str, detail: str = "", exit_code: int = 1) -> None:
+    def __init__(self, summary: str, detail: str = "") -> None:
         super().__init__(summary)
         self.detail = detail
-        self.exit_code = exit_code
 
 
 def describe_failures(spec: LaunchSpec, exit_codes: dict[int, int]) -> JobFailed:
@@ -286,12 +286,13 @@ def spawn(spec: LaunchSpec) -> int:
         raise
     finally:
         del store
+        shutil.rmtree(spec.run_dir, ignore_errors=True)
 
 
 def interruption(error: BaseException) -> str:
     if isinstance(error, KeyboardInterrupt):
         return "interrupted by SIGINT"
-    if type(error).__name__ == "Terminated":
+    if isinstance(error, failures.Terminated):
         return "terminated by SIGTERM"
     return f"launcher failed: {type(error).__name__}: {error}"
 
@@ -305,6 +306,7 @@ def run_torchrun_rank(spec: LaunchSpec) -> int:
             f"(trainers + servers + 1 master); set --nproc-per-node x --nnodes to {spec.config.world_size}"
         )
     worker(int(os.environ["RANK"]), spec)
+    shutil.rmtree(spec.run_dir, ignore_errors=True)
     return 0
 
 
