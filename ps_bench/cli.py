@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = bool(cli_values.get("debug"))
     try:
         from ps_bench.config import cuda_device_count
-        from ps_bench.launch import LaunchSpec, new_run_dir, run_torchrun_rank, spawn, under_torchrun
+        from ps_bench.launch import LaunchSpec, run_torchrun_rank, spawn, under_torchrun
         from ps_bench.metrics.results import default_results_path
 
         cfg = build_config(cli_values, config_path)
@@ -269,7 +269,6 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.dry_run:
             print(dry_run_table(cfg, spec.topology(), spec.device_of))
             return EXIT_OK
-        spec.run_dir = new_run_dir()
         if torchrun:
             return run_torchrun_rank(spec)
         signal.signal(signal.SIGTERM, _on_sigterm)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -70,6 +71,8 @@ def fatal(error: BaseException) -> None:
     """Records the failure and ends this process now: with a peer gone, RPC threads can block
     interpreter teardown, so there is no orderly exit to wait for."""
     record(error)
+    if _identity is not None and _identity.echo:  # nobody reads the record under torchrun
+        shutil.rmtree(_identity.run_dir, ignore_errors=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)

@@ -263,6 +263,7 @@ def spawn(spec: LaunchSpec) -> int:
     ...) after every process is gone and the finished rounds are written."""
     cfg = spec.config
     store = host_store(cfg)
+    spec.run_dir = new_run_dir()
     os.environ.update(
         MASTER_ADDR=cfg.master_addr,
         MASTER_PORT=str(store.port),
@@ -305,6 +306,7 @@ def run_torchrun_rank(spec: LaunchSpec) -> int:
             f"torchrun started {world} processes but this run needs {spec.config.world_size} "
             f"(trainers + servers + 1 master); set --nproc-per-node x --nnodes to {spec.config.world_size}"
         )
+    spec.run_dir = new_run_dir()  # this rank's own: torchrun's agent does the supervising
     worker(int(os.environ["RANK"]), spec)
     shutil.rmtree(spec.run_dir, ignore_errors=True)
     return 0
