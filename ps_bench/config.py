@@ -133,12 +133,20 @@ def coerce(name: str, value: Any, source: str) -> Any:
     kind = field_type(name)
     if value is None and OPTIONS[name].default is None:
         return None
-    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    try:
+        return as_type(value, kind)
+    except TypeError:
+        raise ConfigError(f"{source}: {name!r} must be {kind.__name__}, got {json.dumps(value)}") from None
+
+
+def as_type(value: Any, kind: type) -> Any:
+    """``value`` if it is a ``kind`` (a bool is no int; an int is taken for a float, as a
+    float); TypeError otherwise."""
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True
-    if not ok:
-        raise ConfigError(f"{source}: {name!r} must be {kind.__name__}, got {json.dumps(value)}")
-    return value
+        return float(value)
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    raise TypeError(f"expected {kind.__name__}")
 
 
 def load_run_file(path: str) -> dict[str, Any]:

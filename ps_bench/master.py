@@ -20,7 +20,7 @@ from ps_bench.metrics.results import SCHEMA, environment, iso_now, print_report,
 from ps_bench.metrics.stats import SummaryRow, summary_rows
 from ps_bench.servers import SERVERS
 from ps_bench.topology import Topology
-from ps_bench.trainers.trainer import BYTE_METRICS, TRAINER_METRICS, TRAINERS, verified_steps
+from ps_bench.trainers.trainer import BYTE_METRICS, TRAINER_METRICS, TRAINERS
 
 SERVER_METRICS = ("straggler", "aggregate", "round")
 PARTIAL_NAME = "partial.json"
@@ -57,6 +57,7 @@ class Master:
         self.results_path = results_path
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.started = iso_now()
+        self.environment = environment(config.backend)  # read once: every snapshot repeats it
         self.trainer_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.server_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.trainer_bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])
@@ -170,7 +171,7 @@ class Master:
         self.losses.append(mean_loss)
         for result in rounds:
             self.grad_errors.extend(result["grad_errors"])
-        self.verified_iterations += len(verified_steps(rounds[0]["iterations"])) if self.config.verify else 0
+        self.verified_iterations += rounds[0]["verified_iterations"]
         for info, result in zip(topo.servers, served):
             for metric, values in result["samples"].items():
                 self.server_samples[info.rank][metric].extend(values)
@@ -212,7 +213,7 @@ class Master:
             "finished": iso_now(),
             "argv": self.argv,
             "config": {**cfg.to_dict(), "model_config": self.model.to_dict(), "data_config": self.data.to_dict()},
-            "env": environment(cfg.backend),
+            "env": self.environment,
             "rounds_completed": self.rounds_done,
             "summary": [r.to_dict() for r in self.rows() if r.unit == "ms"],
             "throughput": {

@@ -10,6 +10,7 @@ hook futures was outstanding) and, with ``--verify``, captures what went in and 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import (
 )
 from torch.futures import Future
 
+from ps_bench.config import as_type
 from ps_bench.metrics.timers import IntervalTracker, now_ms, tensor_bytes
 from ps_bench.metrics.wire import ByteCounter
 from ps_bench.registry import Registry
@@ -135,12 +137,10 @@ def check_hook_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
             valid = ", ".join(known) if known else "none (this hook takes no options)"
             raise ValueError(f"hook {name!r} has no option {key!r}; its options: {valid}")
         kind = known[key][0]
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value, ok = float(value), True
-        if not ok:
-            raise ValueError(f"hook option {key!r} must be {kind.__name__}; got {value!r}")
-        checked[key] = value
+        try:
+            checked[key] = as_type(value, kind)
+        except TypeError:
+            raise ValueError(f"hook option {key!r} must be {kind.__name__}; got {value!r}") from None
     factory = HOOKS.get(name)
     if hasattr(factory, "check"):
         factory.check(**{k: d for k, (_, d) in known.items()} | checked)
@@ -188,9 +188,10 @@ def hybrid(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     return work.get_future().then(lambda fut: fut.value()[0].to(tensor.device))
 
 
-def dense_or_allreduce(compressed: Callable[[HookContext, dist.GradBucket], Future]):
+def dense_only(compressed: Hook) -> Hook:
     """Compression applies to dense buckets; sparse ones are all-reduced as they are."""
 
+    @functools.wraps(compressed)
     def run(ctx: HookContext, bucket: dist.GradBucket) -> Future:
         return allreduce(ctx, bucket) if bucket.buffer().is_sparse else compressed(ctx, bucket)
 
@@ -198,15 +199,17 @@ def dense_or_allreduce(compressed: Callable[[HookContext, dist.GradBucket], Futu
 
 
 @stateless("fp16", aliases=("fp16_hook", "fp16_compress_hook"))
+@dense_only
 def fp16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     """All-reduce in float16 (torch's fp16_compress_hook); lossy."""
-    return dense_or_allreduce(lambda c, b: default_hooks.fp16_compress_hook(c.process_group, b))(ctx, bucket)
+    return default_hooks.fp16_compress_hook(ctx.process_group, bucket)
 
 
 @stateless("bf16", aliases=("bf16_hook", "bf16_compress_hook"))
+@dense_only
 def bf16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     """All-reduce in bfloat16 (torch's bf16_compress_hook); lossy."""
-    return dense_or_allreduce(lambda c, b: default_hooks.bf16_compress_hook(c.process_group, b))(ctx, bucket)
+    return default_hooks.bf16_compress_hook(ctx.process_group, bucket)
 
 
 class PowerSGD:
@@ -243,7 +246,7 @@ class PowerSGD:
                              "start (DDP rebuilds its buckets after the first iteration)")
 
     def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
-        if bucket.buffer().is_sparse:
+        if bucket.buffer().is_sparse:  # as dense_only does for the stateless hooks
             return allreduce(ctx, bucket)
         return self.hook(self.state, bucket)
 

@@ -144,6 +144,7 @@ class DdpTrainer:
             "bytes_sent": sum(samples["bytes_sent"]),
             "bytes_recv": sum(samples["bytes_recv"]),
             "losses": torch.stack(losses).float().cpu().tolist(),
+            "verified_iterations": len(checked),
             "grad_errors": self.gradient_errors(),
         }
 
