@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any, NoReturn
@@ -15,8 +16,29 @@ from ps_bench.config import OPTIONS, ConfigError, build_config, field_type, vali
 from ps_bench.failures import Terminated
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
-# Upstream launcher flags with nothing left to choose: accepted so old command lines run.
-UPSTREAM_IGNORED = ("filestore", "preprocess_data", "iteration_step", "hook_state", "ddp_model", "criterion")
+# Upstream launcher flags with nothing left to choose: each takes exactly the values upstream had
+# (None: any value), so upstream's command lines run unchanged and a value it never had is refused.
+UPSTREAM_FIXED = {
+    "filestore": None,
+    "create_criterion": ("cel",),
+    "create_ddp_model": ("basic_ddp_model",),
+    "create_optimizer": ("sgd_optimizer",),
+    "preprocess_data": ("preprocess_dummy_data",),
+    "iteration_step": ("basic_iteration_step",),
+    "hook_state": ("BasicHookState",),
+}
+# Upstream launcher flags that named JSON files ps_bench does not read: refused with what to do instead.
+UPSTREAM_REFUSED = {
+    "trainer_config_path": "ps_bench has no trainer configuration file: choose the trainer with --trainer and set "
+                           "its options (--batch-size, --lr, --epochs, --hook) on the command line or in a --config run file",
+    "server_config_path": "ps_bench has no server configuration file: choose the server with --server and the layout "
+                          "with --nserver, --ncudaserver and --mapping, on the command line or in a --config run file",
+}
+
+
+class Refused(argparse.Action):
+    def __call__(self, parser, namespace, value, option_string=None):
+        parser.error(f"{option_string}: {UPSTREAM_REFUSED[self.dest.removeprefix('refused_')]}")
 
 DESCRIPTION = """\
 Benchmark gradient synchronisation for data-parallel PyTorch training: DDP all-reduce,
@@ -152,11 +174,18 @@ def build_parser() -> Parser:
                 *flags(name), dest=name, type=typed(kind, name), choices=meta["choices"] or None,
                 metavar=None if meta["choices"] else metavar(name, kind), help=help_text,
             )
-    compat = parser.add_argument_group("accepted for upstream command lines, no effect")
-    for name in UPSTREAM_IGNORED:
+    compat = parser.add_argument_group(
+        "upstream launcher flags", "accepted so upstream's experiment command lines run unchanged; ps_bench has one "
+        "way to do each, so they choose nothing (the rendezvous uses a TCP store, not --filestore)")
+    for name, allowed in UPSTREAM_FIXED.items():
         spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])
-        compat.add_argument(*spellings, dest=f"ignored_{name}", metavar="X",
-                            help=argparse.SUPPRESS if name != "filestore" else "rendezvous uses a TCP store")
+        compat.add_argument(*spellings, dest=f"ignored_{name}", choices=allowed,
+                            metavar="PATH" if allowed is None else allowed[0],
+                            help="ignored" if allowed is None else f"upstream's only value; anything else is refused")
+    for name in UPSTREAM_REFUSED:
+        spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])
+        compat.add_argument(*spellings, dest=f"refused_{name}", action=Refused, metavar="PATH",
+                            help="refused, with what to use instead")
     return parser
 
 
@@ -242,6 +271,7 @@ def run_subcommand(command: str, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    launched_at = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
         argv = argv[1:]
@@ -249,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_subcommand(argv[0], argv[1:])
     args = vars(build_parser().parse_args(argv))
     config_path = args.pop("config", None)
-    cli_values = {k: v for k, v in args.items() if not k.startswith("ignored_")}
+    cli_values = {k: v for k, v in args.items() if not k.startswith(("ignored_", "refused_"))}
     debug = bool(cli_values.get("debug"))
     try:
         from ps_bench.config import cuda_device_count
@@ -265,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         model, data = validate(cfg, trainers_on_node=sum(r < cfg.num_trainers for r in node_ranks))
         results_path = cfg.out or str(default_results_path(cfg.hook, cfg.num_trainers, cfg.num_servers))
         spec = LaunchSpec(cfg, model, data, ["bench.py", *argv], "", results_path, local_world_size,
-                          cuda_device_count(), torchrun)
+                          cuda_device_count(), torchrun, launched_at)
         if cfg.dry_run:
             print(dry_run_table(cfg, spec.topology(), spec.device_of))
             return EXIT_OK

@@ -8,6 +8,7 @@ Precedence: command line > JSON run file (``--config``) > the defaults below.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import json
 import os
@@ -55,8 +56,12 @@ class RunConfig:
     lr: float = option(0.01, "SGD learning rate")
     warmup_rounds: int = option(1, "untimed rounds before the timed ones")
     rounds: int = option(5, "timed rounds")
-    data: str = option("DummyDataSmall", "entry of the data configuration file")
-    model: str = option("DummyModelSmall", "entry of the model configuration file")
+    data: str | None = option(
+        None, "entry of the data configuration file, or zoo data (default: the zoo model's own data, "
+        "else DummyDataSmall)")
+    model: str = option(
+        "DummyModelSmall", "entry of the model configuration file, or a zoo model: resnet18, resnet50, gpt2_small, "
+        "dlrm, and their test-sized resnet18_small, resnet50_small, gpt2_tiny, dlrm_small")
     data_config_path: str = option("configs/data_configurations.json", "data configuration file")
     model_config_path: str = option("configs/model_configurations.json", "model configuration file")
     bucket_cap_mb: float = option(25.0, "DDP bucket size cap in MiB (more buckets spread over more servers)")
@@ -187,41 +192,81 @@ def resolve_path(path: str) -> Path:
 
 @dataclass(frozen=True)
 class Entry:
-    """One entry of an upstream-format data or model configuration file."""
+    """One entry of an upstream-format data or model configuration file, or of the zoo."""
 
     id: str
     class_name: str
     kwargs: dict[str, Any]
+    source: str  # the file it came from, or ZOO
+    size: dict[str, int] | None = None  # models: parameters and gradient bytes (see model_size)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "class": self.class_name, "configurations": self.kwargs}
+        return {"id": self.id, "class": self.class_name, "configurations": self.kwargs, "source": self.source}
 
 
-def load_entry(path: str, entry_id: str, class_key: str, registry: Any, option_name: str) -> Entry:
-    """Reads ``{"Id": {"<class_key>": ..., "configurations": {...}}}`` and checks the kwargs."""
+ZOO = "the model zoo"
+DEFAULT_DATA = "DummyDataSmall"
+
+
+def load_entry(path: str, entry_id: str, class_key: str, registry: Any, option_name: str,
+               zoo: dict[str, dict]) -> Entry:
+    """Finds ``entry_id`` in the file ``{"Id": {"<class_key>": ..., "configurations": {...}}}``,
+    else among the zoo's entries of the same format, and checks its keys."""
     file_option = f"--{option_name}-config-path"
     table = read_json(resolve_path(path), f"{file_option}")
     if not isinstance(table, dict):
         raise ConfigError(f"{file_option} {path!r} must hold a JSON object of entries")
-    if entry_id not in table:
-        raise ConfigError(f"--{option_name} {entry_id!r} is not in {path}; entries: {', '.join(sorted(table))}")
-    entry = table[entry_id]
+    if entry_id in table:
+        entry, source = table[entry_id], str(path)
+    elif entry_id in zoo:
+        entry, source = zoo[entry_id], ZOO
+    else:
+        close = difflib.get_close_matches(entry_id, [*table, *zoo], n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"--{option_name} {entry_id!r} is not in {path} or {ZOO}; {hint}entries: "
+                          f"{', '.join(sorted(table))}; zoo: {', '.join(zoo)}")
     if not isinstance(entry, dict) or class_key not in entry:
-        raise ConfigError(f"{path}: entry {entry_id!r} needs a {class_key!r} key")
+        raise ConfigError(f"{source}: entry {entry_id!r} needs a {class_key!r} key")
     kwargs = entry.get("configurations", {})
     if not isinstance(kwargs, dict):
-        raise ConfigError(f"{path}: entry {entry_id!r}: 'configurations' must be an object")
+        raise ConfigError(f"{source}: entry {entry_id!r}: 'configurations' must be an object")
     try:
         factory = registry.get(entry[class_key])
     except KeyError as error:
-        raise ConfigError(f"{path}: entry {entry_id!r}: {error}") from None
-    accepted = inspect.signature(factory).parameters
+        raise ConfigError(f"{source}: entry {entry_id!r}: {error}") from None
+    accepted = [name for name in inspect.signature(factory).parameters if name != "self"]
     for key in kwargs:
         if key not in accepted:
-            raise ConfigError(
-                f"{path}: entry {entry_id!r}: unknown configuration {key!r}; valid: {', '.join(accepted)}"
-            )
-    return Entry(entry_id, registry.canonical(entry[class_key]), dict(kwargs))
+            raise ConfigError(f"{source}: entry {entry_id!r}: unknown configuration {key!r}; valid: {', '.join(accepted)}")
+    return Entry(entry_id, registry.canonical(entry[class_key]), dict(kwargs), source)
+
+
+def construct(entry: Entry, registry: Any) -> Any:
+    """Builds an entry's model (on the meta device: no weights are allocated) or data
+    description, so that any error in its configuration is one line naming the entry."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            return registry.get(entry.class_name)(**entry.kwargs)
+    except Exception as error:  # noqa: BLE001 - a constructor may raise anything on bad sizes
+        text = str(error).strip()
+        reason = text.splitlines()[0] if text else type(error).__name__
+        raise ConfigError(f"{entry.source}: entry {entry.id!r}: {reason}") from None
+
+
+def model_size(network: Any) -> dict[str, int]:
+    """Parameters (shared ones once) and the bytes of their gradients: dense, and sparse
+    (embeddings with sparse gradients, counted at their dense size; what they really send
+    depends on the rows a batch touches)."""
+    sparse = {id(module.weight) for module in network.modules() if getattr(module, "sparse", False)}
+    parameters = list(network.parameters())
+    nbytes = {id(p): p.numel() * p.element_size() for p in parameters}
+    return {
+        "parameters": sum(p.numel() for p in parameters),
+        "dense_gradient_bytes": sum(n for key, n in nbytes.items() if key not in sparse),
+        "sparse_gradient_bytes": sum(n for key, n in nbytes.items() if key in sparse),
+    }
 
 
 def cuda_device_count() -> int:
@@ -234,8 +279,7 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
     """Checks a whole configuration before any process starts; returns the model and data
     entries it names. ``gpus`` defaults to the CUDA devices visible here, ``trainers_on_node``
     to every trainer (one machine)."""
-    from ps_bench.data import DATA
-    from ps_bench.models import MODELS
+    from ps_bench.models import DATA, DATA_PRESETS, MODEL_PRESETS, MODELS, PRESET_DATA
     from ps_bench.registry import UnknownNameError
     from ps_bench.servers import SERVERS
     from ps_bench.trainers.hooks import HOOKS, SERVER_HOOKS, SPARSE_ALLREDUCE_HOOKS, check_hook_options
@@ -286,37 +330,26 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
             f"need {cfg.num_servers} trainers; got {cfg.num_trainers}",
         )
 
-    model = load_entry(cfg.model_config_path, cfg.model, "model_class", MODELS, "model")
-    data = load_entry(cfg.data_config_path, cfg.data, "data_class", DATA, "data")
-    if "seed" in data.kwargs:
-        raise ConfigError(f"{cfg.data_config_path}: entry {cfg.data!r}: 'seed' comes from --torch-seed")
-    import torch
-
-    try:
-        with torch.device("meta"):  # checks the arguments without allocating the weights
-            network = MODELS.get(model.class_name)(**model.kwargs)
-    except (TypeError, ValueError) as error:
-        raise ConfigError(f"{cfg.model_config_path}: entry {cfg.model!r}: {error}") from None
-    samples = data.kwargs.get("input_samples", 0)
+    model = load_entry(cfg.model_config_path, cfg.model, "model_class", MODELS, "model", MODEL_PRESETS)
+    if cfg.data is None:
+        cfg.data = PRESET_DATA.get(cfg.model, DEFAULT_DATA) if model.source == ZOO else DEFAULT_DATA
+    data = load_entry(cfg.data_config_path, cfg.data, "data_class", DATA, "data", DATA_PRESETS)
+    network, dataset = construct(model, MODELS), construct(data, DATA)
+    model = dataclasses.replace(model, size=model_size(network))
+    need(network.takes == dataset.gives,
+         f"--model {cfg.model} takes {network.takes} but --data {cfg.data} gives {dataset.gives}; "
+         f"leave --data out to use the model's own data")
+    mismatch = network.fits(dataset)
+    need(mismatch is None, f"--data {cfg.data} {mismatch} (--model {cfg.model})")
+    samples = dataset.sample_count
     need(
         samples // cfg.num_trainers >= cfg.batch_size,
         f"--data {cfg.data} has {samples} samples: {cfg.num_trainers} trainers get {samples // cfg.num_trainers} "
         f"each, fewer than --batch-size {cfg.batch_size}; lower --batch-size or use more samples",
     )
-    num_embeddings = getattr(network, "num_embeddings", None)
-    if num_embeddings is not None:
-        need(
-            data.kwargs.get("max_val", 0) <= num_embeddings,
-            f"--data {cfg.data} draws indices below max_val={data.kwargs.get('max_val')} but --model {cfg.model} "
-            f"has only {num_embeddings} embeddings",
-        )
-    num_classes = getattr(network, "num_classes", None)
-    if num_classes is not None:
-        need(
-            data.kwargs.get("num_classes", 10) <= num_classes,
-            f"--data {cfg.data} has {data.kwargs.get('num_classes', 10)} classes but --model {cfg.model} "
-            f"outputs {num_classes}",
-        )
+    smallest = getattr(network, "min_batch_size", 1)
+    need(cfg.batch_size >= smallest, f"--model {cfg.model} needs --batch-size {smallest} or more (BatchNorm); "
+                                     f"got {cfg.batch_size}")
 
     if gpus is None:
         gpus = cuda_device_count()

@@ -18,7 +18,7 @@ import signal
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from ps_bench.topology import MASTER, TRAINER, Topology
 PG_BACKENDS = {"gloo": "gloo", "nccl": "nccl", "multi": "cpu:gloo,cuda:nccl"}
 GRACE_S = 2.0  # SIGTERM, then this long, then SIGKILL
 SETTLE_S = 0.3  # after a failure, how long the ranks it took down get to report theirs
+STACKS_WAIT_S = 5.0  # how long a rank asked for its stacks gets to write them
 PR_SET_PDEATHSIG = 1
 
 
@@ -51,6 +52,7 @@ class LaunchSpec:
     local_world_size: int
     gpus_per_node: int
     torchrun: bool = False
+    launched_at: float = field(default_factory=time.time)  # when the command started: "ready after N s"
 
     def topology(self) -> Topology:
         cfg = self.config
@@ -66,7 +68,19 @@ def new_run_dir() -> str:
 
 
 def stacks_file(run_dir: str, rank: int) -> Path:
+    """Where a rank writes its Python stacks on SIGUSR1; it exists once the rank can do so."""
     return Path(run_dir) / f"stacks-rank{rank}.txt"
+
+
+def listen_for_stack_requests(run_dir: str, rank: int) -> None:
+    """From here on SIGUSR1 makes this rank write every thread's Python stack. The file gets
+    its final name only once the handler is in place: until then SIGUSR1 would kill the rank,
+    so the launcher asks only ranks whose file exists."""
+    final = stacks_file(run_dir, rank)
+    pending = final.with_suffix(".pending")
+    stream = open(pending, "w")
+    faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+    os.replace(pending, final)
 
 
 def rpc_options(spec: LaunchSpec, rank: int) -> rpc.TensorPipeRpcBackendOptions:
@@ -100,8 +114,7 @@ def worker(rank: int, spec: LaunchSpec) -> None:
     failures.set_identity(failures.Identity(info.role, info.index, rank, info.name, spec.run_dir, spec.torchrun))
     # init_rpc's internal gloo group trips a deprecation warning in torch itself, once per rank
     warnings.filterwarnings("ignore", message="You are using a Backend")
-    stacks = open(stacks_file(spec.run_dir, rank), "w")
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    listen_for_stack_requests(spec.run_dir, rank)
     if spec.torchrun and cfg.timeout:  # no launcher of ours to enforce --timeout: each rank does
         faulthandler.dump_traceback_later(cfg.timeout, exit=True)
     master = None
@@ -124,7 +137,7 @@ def worker(rank: int, spec: LaunchSpec) -> None:
             from ps_bench.master import Master
 
             master = Master(cfg, topology, spec.model, spec.data, spec.device_of, spec.argv,
-                            spec.run_dir, spec.results_path)
+                            spec.run_dir, spec.results_path, spec.launched_at)
             master.run()
         rpc.shutdown()
         if dist.is_initialized():
@@ -162,7 +175,7 @@ def describe_failures(spec: LaunchSpec, exit_codes: dict[int, int]) -> JobFailed
         # a death with no record of its own (a signal, an abrupt exit) comes before the errors
         # it caused in its peers
         if exitcode < 0:
-            causes.append((0.0, rank, f"{who} was killed by {signal.Signals(-exitcode).name}", ""))
+            causes.append((0.0, rank, f"{who} was {ended_how(exitcode)}", ""))
         elif record is not None:
             error = record["error"].strip().splitlines()[0]
             causes.append((record["time"], rank, f"{who} failed: {error}", record["traceback"]))
@@ -176,19 +189,68 @@ def describe_failures(spec: LaunchSpec, exit_codes: dict[int, int]) -> JobFailed
     return JobFailed(summary, detail)
 
 
-def dump_stacks(spec: LaunchSpec, processes: list) -> str:
-    """Asks every live rank for its Python stacks (faulthandler) and collects them."""
+def ended_how(exitcode: int) -> str:
+    return f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit status {exitcode}"
+
+
+@dataclass
+class Stacks:
+    """What the ranks could tell when the watchdog fired: stacks, or why there are none."""
+
+    text: str  # one block per rank: its stacks, or a line saying why it has none
+    given: int
+    total: int
+
+    def summary(self) -> str:
+        if self.given == self.total:
+            return "every rank's Python stacks are above"
+        if self.given == 0:
+            return "no rank could give its Python stacks; a line above says why for each"
+        return (f"the Python stacks of {self.given} of {self.total} ranks are above; a line says why "
+                f"each of the others has none")
+
+
+def dump_stacks(spec: LaunchSpec, processes: list) -> Stacks:
+    """Asks every rank that can answer for its Python stacks (faulthandler) and collects them;
+    a rank that cannot (gone, or not yet past start-up) gets a line saying why."""
     topology = spec.topology()
-    for process in processes:
-        if process.is_alive():
-            os.kill(process.pid, signal.SIGUSR1)
-    time.sleep(1.0)
+    reasons: dict[int, str] = {}
+    asked: list[int] = []
+    for rank, process in enumerate(processes):
+        if process.exitcode is not None:
+            reasons[rank] = f"it had already ended ({ended_how(process.exitcode)})"
+        elif not stacks_file(spec.run_dir, rank).exists():
+            reasons[rank] = "it was still starting (importing torch and ps_bench), before it can give stacks"
+        else:
+            try:
+                os.kill(process.pid, signal.SIGUSR1)
+                asked.append(rank)
+            except ProcessLookupError:
+                reasons[rank] = "it ended as it was asked for them"
+    deadline = time.monotonic() + STACKS_WAIT_S
+    texts: dict[int, str] = {}
+    while asked:
+        for rank in list(asked):
+            text = stacks_file(spec.run_dir, rank).read_text()
+            if text.strip():
+                texts[rank] = text
+                asked.remove(rank)
+        if not asked or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    time.sleep(0.2)  # let the last writer finish its dump
+    for rank in texts:
+        texts[rank] = stacks_file(spec.run_dir, rank).read_text()
+    for rank in asked:
+        reasons[rank] = f"it was asked but wrote none within {STACKS_WAIT_S:g} s"
     parts = []
     for rank in range(len(processes)):
-        text = stacks_file(spec.run_dir, rank).read_text() if stacks_file(spec.run_dir, rank).exists() else ""
-        if text.strip():
-            parts.append(f"---- Python stacks of {topology.info(rank).describe()} ----\n{text.rstrip()}")
-    return "\n".join(parts)
+        who = topology.info(rank).describe()
+        if rank in texts:
+            parts.append(f"---- Python stacks of {who} ----\n{texts[rank].rstrip()}")
+        else:
+            parts.append(f"---- no Python stacks from {who}: {reasons[rank]}")
+    return Stacks("\n".join(parts), len(texts), len(processes))
 
 
 def terminate(processes: list) -> None:
@@ -253,8 +315,8 @@ def supervise(spec: LaunchSpec, processes: list) -> None:
         if deadline is not None and time.monotonic() > deadline:
             stacks = dump_stacks(spec, processes)
             terminate(processes)
-            raise JobFailed(f"the job did not finish within --timeout {cfg.timeout:g} s; every rank's "
-                            f"Python stacks are above", stacks)
+            raise JobFailed(f"the job did not finish within --timeout {cfg.timeout:g} s; {stacks.summary()}",
+                            stacks.text)
         time.sleep(0.1)
 
 

@@ -14,9 +14,9 @@ import torch
 import torch.distributed.rpc as rpc
 
 from ps_bench.config import Entry, RunConfig
-from ps_bench.data import build_data
 from ps_bench.faults import Fault, maybe_inject
-from ps_bench.metrics.results import SCHEMA, environment, iso_now, print_report, write_results
+from ps_bench.metrics.results import SCHEMA, environment, format_bytes, iso_now, print_report, write_results
+from ps_bench.models import build_data
 from ps_bench.metrics.stats import SummaryRow, summary_rows
 from ps_bench.servers import SERVERS
 from ps_bench.topology import Topology
@@ -29,6 +29,11 @@ SNAPSHOT_CHEAP_S = 0.05
 
 def device_name(index: int | None) -> str:
     return "cpu" if index is None else f"cuda:{index}"
+
+
+def describe_buckets(buckets: list[dict]) -> str:
+    sizes = ", ".join(format_bytes(b["bytes"]) + (" sparse" if b["sparse"] else "") for b in buckets)
+    return f"DDP buckets, as DDP built them: {len(buckets)} ({sizes})"
 
 
 def write_snapshot(results: dict, run_dir: str) -> None:
@@ -48,7 +53,8 @@ def read_snapshot(run_dir: str) -> dict | None:
 
 class Master:
     def __init__(self, config: RunConfig, topology: Topology, model: Entry, data: Entry,
-                 device_of: Callable[[int], int | None], argv: list[str], run_dir: str, results_path: str) -> None:
+                 device_of: Callable[[int], int | None], argv: list[str], run_dir: str, results_path: str,
+                 launched_at: float | None = None) -> None:
         self.config, self.topology = config, topology
         self.model, self.data = model, data
         self.device_of = device_of
@@ -57,6 +63,7 @@ class Master:
         self.results_path = results_path
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.started = iso_now()
+        self.launched_at = time.time() if launched_at is None else launched_at
         self.environment = environment(config.backend)  # read once: every snapshot repeats it
         self.trainer_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.server_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -68,6 +75,7 @@ class Master:
         self.grad_errors: list[float] = []
         self.verified_iterations = 0
         self.replicas: dict | None = None
+        self.buckets: list[dict] | None = None  # DDP's buckets as it built them, from trainer 0
         self.snapshot_at = self.snapshot_cost = 0.0
 
     # -- setting up ------------------------------------------------------------------------
@@ -130,6 +138,10 @@ class Master:
         servers = self.create_servers()
         trainers = self.create_trainers(servers)
         total = cfg.warmup_rounds + cfg.rounds
+        print(f"ps_bench: ready after {time.time() - self.launched_at:.1f} s (every rank started, servers created, "
+              f"DDP built on every trainer); {cfg.warmup_rounds} warmup and {cfg.rounds} timed rounds follow",
+              flush=True)
+        print(self.describe_workload(), flush=True)
         run_start = time.perf_counter()
         for round_index in range(total):
             maybe_inject(self.fault, "master", 0, round_index + 1)
@@ -142,6 +154,9 @@ class Master:
             for server in servers:
                 server.rpc_sync().reset_state()
             mean_loss = sum(sum(r["losses"]) / len(r["losses"]) for r in rounds) / len(rounds)
+            if self.buckets is None:  # DDP rebuilds its buckets in the first iteration: read them after it
+                self.buckets = trainers[0].rpc_sync().bucket_layout()
+                print(describe_buckets(self.buckets), flush=True)
             if timed:  # kept before it is announced
                 self.add_round(elapsed, rounds, served, mean_loss)
                 self.snapshot()
@@ -190,6 +205,13 @@ class Master:
         self.snapshot_at = time.perf_counter()
         self.snapshot_cost = self.snapshot_at - start
 
+    def describe_workload(self) -> str:
+        size = self.model.size
+        sparse = f" + {format_bytes(size['sparse_gradient_bytes'])} sparse (at dense size)" \
+            if size["sparse_gradient_bytes"] else ""
+        return (f"model {self.model.id}: {size['parameters']:,} parameters, gradients "
+                f"{format_bytes(size['dense_gradient_bytes'])} dense{sparse}; data {self.data.id}")
+
     # -- results -------------------------------------------------------------------------------
     def rows(self, split_ranks: bool = False) -> list[SummaryRow]:
         """Timing rows (ms), then per-iteration bytes rows (B) for the printed tables."""
@@ -212,7 +234,8 @@ class Master:
             "started": self.started,
             "finished": iso_now(),
             "argv": self.argv,
-            "config": {**cfg.to_dict(), "model_config": self.model.to_dict(), "data_config": self.data.to_dict()},
+            "config": {**cfg.to_dict(), "model_config": self.model.to_dict(), "data_config": self.data.to_dict(),
+                       "model_size": {**self.model.size, "ddp_buckets": self.buckets}},
             "env": self.environment,
             "rounds_completed": self.rounds_done,
             "summary": [r.to_dict() for r in self.rows() if r.unit == "ms"],

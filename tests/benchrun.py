@@ -64,7 +64,7 @@ def communicate(process: subprocess.Popen, timeout_s: float, what: str) -> tuple
     return stdout or "", stderr or "", elapsed
 
 
-def run_bench(*args: str, timeout_s: float = 180, out: Path | None = None, env: dict | None = None) -> BenchRun:
+def run_bench(*args: str, timeout_s: float = 300, out: Path | None = None, env: dict | None = None) -> BenchRun:
     """Runs ``python bench.py ARGS`` in its own session (see ``communicate``)."""
     command = [sys.executable, str(ROOT / "bench.py"), *args]
     if out is not None:

@@ -33,6 +33,14 @@ def environment(backend: str) -> dict:
     }
 
 
+def format_bytes(nbytes: float) -> str:
+    """Binary units, as DDP's bucket_cap_mb counts them."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def default_results_path(hook: str, num_trainers: int, num_servers: int) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path("results") / f"{stamp}-{hook}-{num_trainers}t{num_servers}s.json"

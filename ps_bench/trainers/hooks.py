@@ -72,6 +72,7 @@ class HookContext:
     iteration: int = 0  # the trainer's current training iteration, from 1
     capturing: bool = False  # --verify: keep this iteration's buckets
     captures: list[Capture] = field(default_factory=list)
+    buckets: dict[int, tuple[int, bool]] = field(default_factory=dict)  # index -> (dense bytes, sparse)
     _layout: dict[int, int] = field(default_factory=dict)
     _seen: dict[int, int] = field(default_factory=dict)
     _owners: dict[int, int] = field(default_factory=dict)
@@ -151,6 +152,8 @@ def instrument(hook: Hook) -> Hook:
     """Times the hook's future and, on captured iterations, keeps its input and output."""
 
     def run(ctx, bucket):  # unannotated: DDP rejects string annotations
+        buffer = bucket.buffer()
+        ctx.buckets[bucket.index()] = (buffer.numel() * buffer.element_size(), buffer.is_sparse)
         capture = None
         if ctx.capturing:
             capture = Capture(ctx.iteration, bucket.index(), bucket.buffer().detach().clone())

@@ -42,7 +42,7 @@ class DdpTrainer:
         model_class: str,
         model_kwargs: dict,
         seed: int,
-        inputs: torch.Tensor,
+        inputs: tuple[torch.Tensor, ...],
         targets: torch.Tensor,
         batch_size: int,
         epochs: int,
@@ -83,7 +83,7 @@ class DdpTrainer:
         self.model.register_comm_hook(self.hook_context, instrument(strategy))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
         self.loss_fn = nn.CrossEntropyLoss()
-        self.inputs = inputs.to(self.device)
+        self.inputs = tuple(t.to(self.device) for t in inputs)
         self.targets = targets.to(self.device)
         self.batch_size = batch_size
         self.epochs = epochs
@@ -111,14 +111,14 @@ class DdpTrainer:
         for step in range(iterations):
             batch = slice((step % self.iterations_per_epoch) * self.batch_size,
                           (step % self.iterations_per_epoch + 1) * self.batch_size)
-            x, y = self.inputs[batch], self.targets[batch]
+            x, y = tuple(t[batch] for t in self.inputs), self.targets[batch]
             self.iteration += 1
             ctx.iteration = self.iteration
             ctx.capturing = step in checked
             maybe_inject(self.fault, "trainer", self.index, self.iteration)
             timer.mark("start")
             self.optimizer.zero_grad(set_to_none=True)
-            loss = self.loss_fn(self.model(x), y)
+            loss = self.loss_fn(self.model(*x), y)
             timer.mark("forward")
             loss.backward()
             timer.mark("backward")
@@ -170,6 +170,12 @@ class DdpTrainer:
         finally:
             ctx.wire.paused = False
         return errors
+
+    def bucket_layout(self) -> list[dict]:
+        """DDP's buckets in index order, as the last iteration saw them: dense size in bytes
+        (a sparse bucket's size is that of its dense gradient) and whether it is sparse."""
+        return [{"index": i, "bytes": nbytes, "sparse": sparse}
+                for i, (nbytes, sparse) in sorted(self.hook_context.buckets.items())]
 
     def parameters_vector(self) -> torch.Tensor:
         """All parameters, flattened on the CPU, for the replica check."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,12 +30,14 @@ def last_line(text: str) -> str:
 @pytest.mark.parametrize("rank, who", [(1, "trainer 1 (rank 1, trainer1)"), (2, "server 0 (rank 2, server2)"),
                                        (3, "master 0 (rank 3, master)")])
 def test_killed_worker_ends_the_job(rank, who, results_path):
-    process = start_bench("--rounds", "100000", "--rpc-timeout", str(RPC_TIMEOUT), "--out", str(results_path))
+    # an RPC timeout far longer than the budget below: the job must end because the launcher saw
+    # the death, not because a peer's call timed out
+    process = start_bench("--rounds", "100000", "--rpc-timeout", "600", "--out", str(results_path))
     read_until(process, "[round 3/")
     pids = rank_pids(process.pid)
     assert len(pids) == 4, pids
     os.kill(pids[rank], signal.SIGKILL)
-    stderr, elapsed = finish(process, RPC_TIMEOUT + 10)
+    stderr, _ = finish(process, 120)
     assert process.returncode == 1
     assert last_line(stderr).startswith(f"ps_bench: error: {who} was killed by SIGKILL"), stderr
     results = json.loads(results_path.read_text())
@@ -54,7 +57,7 @@ def test_killed_worker_ends_the_job(rank, who, results_path):
 )
 def test_injected_fault_is_named_with_its_cause(fault, message, results_path):
     run = run_bench("--inject-fault", fault, "--rpc-timeout", str(RPC_TIMEOUT), out=results_path,
-                    timeout_s=RPC_TIMEOUT + 60)
+                    timeout_s=240)
     assert run.returncode == 1
     assert last_line(run.stderr).startswith(f"ps_bench: error: {message}"), run.stderr
     if fault.endswith("raise"):
@@ -66,17 +69,67 @@ def test_injected_fault_is_named_with_its_cause(fault, message, results_path):
         assert {row["metric"] for row in results["summary"]} >= {"batch", "round"}
 
 
-def test_hang_with_timeout_dumps_stacks_and_ends(results_path):
-    timeout = 20
+@pytest.fixture(scope="module")
+def startup_s(tmp_path_factory) -> float:
+    """How long a default job takes to get every rank ready on this machine, now (it varies
+    with the load): budgets that must outlast start-up are derived from it."""
+    run = run_bench("--rounds", "1", out=tmp_path_factory.mktemp("startup") / "results.json")
+    assert run.returncode == 0, run.output
+    return ready_after(run.stdout)
+
+
+def ready_after(stdout: str) -> float:
+    match = re.search(r"^ps_bench: ready after ([0-9.]+) s", stdout, re.MULTILINE)
+    assert match, stdout
+    return float(match.group(1))
+
+
+RANKS = ("trainer 0 (rank 0, trainer0)", "trainer 1 (rank 1, trainer1)", "server 0 (rank 2, server2)",
+         "master 0 (rank 3, master)")
+
+
+def stack_reports(stderr: str) -> dict[str, str]:
+    """Each rank's entry in a --timeout report: 'stacks', or the reason it gave none."""
+    reports = {}
+    for who in RANKS:
+        has_stacks = f"---- Python stacks of {who} ----" in stderr
+        reason = re.search(rf"^---- no Python stacks from {re.escape(who)}: (.+)$", stderr, re.MULTILINE)
+        assert has_stacks != bool(reason), f"{who} needs exactly one entry:\n{stderr}"
+        reports[who] = "stacks" if has_stacks else reason.group(1)
+    return reports
+
+
+def test_hang_with_timeout_dumps_stacks_and_ends(results_path, startup_s):
+    # long enough that every rank is up and trainer 1 is hanging when the watchdog fires,
+    # however busy the machine is while this runs
+    timeout = max(20, round(4 * startup_s) + 10)
     run = run_bench("--inject-fault", "trainer:1:3:hang", "--timeout", str(timeout), out=results_path,
-                    timeout_s=timeout + 30)
+                    timeout_s=timeout + 120)
     assert run.returncode == 1
-    assert run.elapsed_s < timeout + 15
-    assert f"did not finish within --timeout {timeout} s" in last_line(run.stderr)
-    for who in ("trainer 0 (rank 0", "trainer 1 (rank 1", "server 0 (rank 2", "master 0 (rank 3"):
-        assert f"---- Python stacks of {who}" in run.stderr
+    assert run.elapsed_s > timeout
+    assert ready_after(run.stdout) < timeout, "start-up outlasted the budget derived from it"
+    assert last_line(run.stderr) == (f"ps_bench: error: the job did not finish within --timeout {timeout} s; "
+                                     f"every rank's Python stacks are above")
+    assert set(stack_reports(run.stderr).values()) == {"stacks"}
     hung = run.stderr.split("---- Python stacks of trainer 1")[1].split("---- Python stacks of")[0]
     assert "faults.py" in hung and "run_round" in hung  # the stack shows where it hangs
+    assert run.results["status"] == "failed"
+
+
+def test_timeout_shorter_than_startup_says_what_each_rank_could_give(results_path):
+    """The watchdog fires while ranks are still starting: the report names, for each rank,
+    its stacks or why it has none, and the last line counts exactly those."""
+    run = run_bench("--inject-fault", "trainer:1:3:hang", "--timeout", "3", out=results_path, timeout_s=180)
+    assert run.returncode == 1
+    reports = stack_reports(run.stderr)
+    given = sum(report == "stacks" for report in reports.values())
+    expected = {4: "every rank's Python stacks are above",
+                0: "no rank could give its Python stacks; a line above says why for each"}.get(
+        given, f"the Python stacks of {given} of 4 ranks are above; a line says why each of the others has none")
+    assert last_line(run.stderr) == f"ps_bench: error: the job did not finish within --timeout 3 s; {expected}"
+    for report in reports.values():
+        assert report == "stacks" or report.startswith(("it was still starting", "it had already ended",
+                                                        "it was asked but wrote none", "it ended as it was asked"))
     assert run.results["status"] == "failed"
 
 
@@ -85,9 +138,8 @@ def test_signal_stops_everything_and_keeps_finished_rounds(signum, code, word, r
     process = start_bench("--rounds", "100000", "--out", str(results_path))
     read_until(process, "[round 4/")
     process.send_signal(signum)
-    stderr, elapsed = finish(process, 5)
+    stderr, _ = finish(process, 60)
     assert process.returncode == code
-    assert elapsed < 5
     assert word in last_line(stderr)
     results = json.loads(results_path.read_text())
     assert results["status"] == "failed" and word in results["error"]
@@ -99,7 +151,7 @@ def test_master_port_in_use_is_a_clear_error():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        run = run_bench("--master-port", str(port), timeout_s=30)
+        run = run_bench("--master-port", str(port), timeout_s=120)
     assert run.returncode == 2
     assert run.stderr.count("\n") == 1
     assert f"port {port}: it is already in use" in run.stderr
@@ -167,9 +219,8 @@ def test_bad_input_exits_2_with_one_line(argv, message, tmp_path):
             path = tmp_path / "run.json"
             path.write_text(CONFIG_FILES[value])
             argv[i] = str(path)
-    run = run_bench(*argv, timeout_s=30)
+    run = run_bench(*argv, timeout_s=120)
     assert run.returncode == 2, run.output
-    assert run.elapsed_s < 10
     assert run.stderr.count("\n") == 1, run.stderr
     assert "Traceback" not in run.output
     assert message in run.stderr, run.stderr
@@ -177,6 +228,6 @@ def test_bad_input_exits_2_with_one_line(argv, message, tmp_path):
 
 
 def test_debug_shows_the_traceback_for_bad_input():
-    run = run_bench("--rounds", "0", "--debug", timeout_s=30)
+    run = run_bench("--rounds", "0", "--debug", timeout_s=120)
     assert run.returncode == 2
     assert "Traceback" in run.stderr and "ConfigError" in run.stderr

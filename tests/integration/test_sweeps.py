@@ -41,11 +41,11 @@ def test_sweep_resume_and_report(tmp_path):
     assert "[3/3] hook=fp16" in run.stdout and "left)" in run.stdout
     assert len(list((out / "logs").glob("*.log"))) == 3
 
-    start = time.monotonic()
+    point_files = sorted((out / "points").iterdir())
     again = run_bench("sweep", sweep, "--out", str(out), "--resume")
-    assert again.returncode == 0 and time.monotonic() - start < 15
+    assert again.returncode == 0
     assert "3 already done, 0 to run" in again.stdout
-    assert len(lines(out)) == 3
+    assert len(lines(out)) == 3 and sorted((out / "points").iterdir()) == point_files  # nothing ran again
 
     csv_path, png_path = tmp_path / "r.csv", tmp_path / "r.png"
     report = run_bench("report", str(out), "--baseline", "hook=ps", "--csv", str(csv_path), "--plot", str(png_path))
@@ -92,9 +92,9 @@ def test_interrupting_a_sweep_stops_the_point_and_keeps_what_finished(tmp_path):
         for line in process.stdout:
             if line.startswith("[1/2]"):
                 break
-        time.sleep(8)  # the endless point is running
+        wait_for_rounds(out / "logs")  # the endless point is running its rounds
         process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=20)
+        _, stderr = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -107,14 +107,24 @@ def test_interrupting_a_sweep_stops_the_point_and_keeps_what_finished(tmp_path):
     assert survivors == ""
 
 
+def wait_for_rounds(logs: Path, within_s: float = 300) -> None:
+    """Returns once the point now running has logged a timed round."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if len([log for log in logs.glob("*.log") if "timed" in log.read_text()]) == 2:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"the second point logged no timed round within {within_s} s")
+
+
 def test_bad_sweep_is_refused_before_anything_runs(tmp_path):
     sweep = write_sweep(tmp_path, {"grid": {"hook": ["ps", "allredcue"]}})
-    run = run_bench("sweep", sweep, "--out", str(tmp_path / "out"), timeout_s=60)
+    run = run_bench("sweep", sweep, "--out", str(tmp_path / "out"), timeout_s=120)
     assert run.returncode == 2
     assert run.stderr.count("\n") == 1 and "point 2 (hook=allredcue)" in run.stderr
     assert not (tmp_path / "out" / "results.jsonl").exists()
 
 
 def test_report_without_results_is_a_clear_error(tmp_path):
-    run = run_bench("report", str(tmp_path / "nothing"), timeout_s=60)
+    run = run_bench("report", str(tmp_path / "nothing"), timeout_s=120)
     assert run.returncode == 2 and "does not exist" in run.stderr and run.stderr.count("\n") == 1

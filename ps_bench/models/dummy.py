@@ -1,0 +1,104 @@
+"""Upstream's benchmark model and data: an EmbeddingBag and a stack of linear layers, trained on
+random bags of indices."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ps_bench.models.base import DATA, MODELS, BenchmarkModel, Dataset, SyntheticData, need_positive
+
+BAGS = "bags of embedding indices"
+
+
+@DATA.register("DummyData")
+class DummyData(SyntheticData):
+    """Random bags of indices drawn from ``(100 - sparsity_percentage)``% of ``[0, max_val)``.
+
+    ``sparsity_percentage`` is the share of embedding rows that no sample touches, so sparse
+    embedding gradients stay sparse. ``sample_count`` and ``sample_length`` are upstream's
+    current names; ``input_samples`` and ``input_dim`` its older ones, accepted as aliases.
+    """
+
+    gives = BAGS
+
+    def __init__(
+        self,
+        max_val: int,
+        sample_count: int | None = None,
+        sample_length: int | None = None,
+        sparsity_percentage: int = 0,
+        num_classes: int = 10,
+        input_samples: int | None = None,
+        input_dim: int | None = None,
+    ) -> None:
+        self.sample_count = one_of("sample_count", sample_count, "input_samples", input_samples)
+        self.sample_length = one_of("sample_length", sample_length, "input_dim", input_dim)
+        need_positive(max_val=max_val, sample_count=self.sample_count, sample_length=self.sample_length,
+                      num_classes=num_classes)
+        if isinstance(sparsity_percentage, bool) or not isinstance(sparsity_percentage, int) \
+                or not 0 <= sparsity_percentage < 100:
+            raise ValueError(f"sparsity_percentage must be an integer in [0, 100); got {sparsity_percentage!r}")
+        self.max_val, self.sparsity_percentage, self.num_classes = max_val, sparsity_percentage, num_classes
+
+    def build(self, seed: int) -> Dataset:
+        generator = torch.Generator().manual_seed(seed)
+        used = max(1, int(self.max_val * (100 - self.sparsity_percentage) / 100))
+        rows = torch.randperm(self.max_val, generator=generator)[:used]
+        picks = torch.randint(0, used, (self.sample_count, self.sample_length), generator=generator)
+        targets = torch.randint(0, self.num_classes, (self.sample_count,), generator=generator)
+        return Dataset((rows[picks],), targets)
+
+
+def one_of(name: str, value: int | None, old_name: str, old_value: int | None) -> int:
+    """Upstream renamed some data settings: either spelling is accepted, never both."""
+    if value is not None and old_value is not None:
+        raise ValueError(f"gives both {name!r} and {old_name!r}, two names for one setting; keep {name!r}")
+    if value is None and old_value is None:
+        raise ValueError(f"needs {name!r} (or its older name {old_name!r})")
+    return value if value is not None else old_value
+
+
+@MODELS.register("DummyModel")
+class DummyModel(BenchmarkModel):
+    """EmbeddingBag (optionally with sparse gradients) followed by a stack of linear layers.
+
+    Returns logits: the loss applies its own softmax.
+    """
+
+    takes = BAGS
+
+    def __init__(
+        self,
+        num_embeddings: int = 4,
+        embedding_dim: int = 4,
+        dense_input_size: int = 4,
+        dense_output_size: int = 4,
+        dense_layers_count: int = 8,
+        sparse: bool = False,
+    ) -> None:
+        super().__init__()
+        need_positive(num_embeddings=num_embeddings, embedding_dim=embedding_dim, dense_input_size=dense_input_size,
+                      dense_output_size=dense_output_size, dense_layers_count=dense_layers_count)
+        if not isinstance(sparse, bool):
+            raise ValueError(f"sparse must be true or false; got {sparse!r}")
+        if dense_input_size != embedding_dim:
+            raise ValueError(f"dense_input_size ({dense_input_size}) must equal embedding_dim ({embedding_dim})")
+        if dense_layers_count > 1 and dense_output_size != dense_input_size:
+            raise ValueError("stacked dense layers need dense_output_size == dense_input_size")
+        self.num_embeddings = num_embeddings
+        self.num_classes = dense_output_size
+        self.embedding = nn.EmbeddingBag(num_embeddings, embedding_dim, sparse=sparse)
+        self.dense = nn.Sequential(
+            *[nn.Linear(dense_input_size, dense_output_size) for _ in range(dense_layers_count)]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense(self.embedding(x))
+
+    def fits(self, data: SyntheticData) -> str | None:
+        if data.max_val > self.num_embeddings:
+            return f"draws indices below max_val={data.max_val} but the model has only {self.num_embeddings} embeddings"
+        if data.num_classes > self.num_classes:
+            return f"has {data.num_classes} classes but the model outputs {self.num_classes}"
+        return None

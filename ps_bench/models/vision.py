@@ -1,0 +1,74 @@
+"""Image classification: torchvision's ResNets (random initialisation) on seeded synthetic images."""
+
+from __future__ import annotations
+
+import torch
+
+from ps_bench.models.base import DATA, MODELS, BenchmarkModel, Dataset, SyntheticData, need_positive, preset
+
+IMAGES = "images"
+DEPTHS = (18, 34, 50, 101, 152)
+
+
+@DATA.register("SyntheticImages")
+class SyntheticImages(SyntheticData):
+    """Normally distributed images with uniformly drawn labels."""
+
+    gives = IMAGES
+
+    def __init__(self, sample_count: int, image_size: int = 224, channels: int = 3, num_classes: int = 1000) -> None:
+        need_positive(sample_count=sample_count, image_size=image_size, channels=channels, num_classes=num_classes)
+        self.sample_count, self.image_size, self.channels, self.num_classes = (
+            sample_count, image_size, channels, num_classes)
+
+    def build(self, seed: int) -> Dataset:
+        generator = torch.Generator().manual_seed(seed)
+        images = torch.randn(self.sample_count, self.channels, self.image_size, self.image_size, generator=generator)
+        return Dataset((images,), torch.randint(0, self.num_classes, (self.sample_count,), generator=generator))
+
+
+@MODELS.register("ResNet")
+class ResNet(BenchmarkModel):
+    """torchvision's ResNet of the given depth; ``layers`` overrides its blocks per stage (the
+    small variants use one block per stage)."""
+
+    takes = IMAGES
+    min_batch_size = 2  # BatchNorm needs more than one value per channel in training
+
+    def __init__(self, depth: int = 18, num_classes: int = 1000, layers: list[int] | None = None) -> None:
+        super().__init__()
+        if depth not in DEPTHS:
+            raise ValueError(f"depth must be one of {', '.join(map(str, DEPTHS))}; got {depth!r}")
+        need_positive(num_classes=num_classes)
+        if layers is not None:
+            if not isinstance(layers, list) or len(layers) != 4:
+                raise ValueError(f"layers must be a list of 4 block counts, one per stage; got {layers!r}")
+            need_positive(**{f"layers[{i}]": count for i, count in enumerate(layers)})
+        try:
+            from torchvision.models import resnet  # only runs that build a ResNet pay for the import
+        except ImportError as error:
+            raise ValueError(f"ResNet needs torchvision, which did not import ({error}); install the pinned "
+                             f"torch and torchvision as the README's quick start does") from None
+
+        block = resnet.BasicBlock if depth < 50 else resnet.Bottleneck
+        blocks = layers or {18: [2, 2, 2, 2], 34: [3, 4, 6, 3], 50: [3, 4, 6, 3], 101: [3, 4, 23, 3],
+                            152: [3, 8, 36, 3]}[depth]
+        self.num_classes = num_classes
+        self.network = resnet.ResNet(block, blocks, num_classes=num_classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.network(images)
+
+    def fits(self, data: SyntheticData) -> str | None:
+        if data.channels != 3:
+            return f"has {data.channels} channels but ResNet takes 3"
+        if data.num_classes > self.num_classes:
+            return f"has {data.num_classes} classes but the model outputs {self.num_classes}"
+        return None
+
+
+preset("resnet18", "ResNet", {"depth": 18}, "images224", "SyntheticImages", {"sample_count": 64, "image_size": 224})
+preset("resnet50", "ResNet", {"depth": 50}, "images224")
+preset("resnet18_small", "ResNet", {"depth": 18, "num_classes": 10, "layers": [1, 1, 1, 1]},
+       "images32", "SyntheticImages", {"sample_count": 32, "image_size": 32, "num_classes": 10})
+preset("resnet50_small", "ResNet", {"depth": 50, "num_classes": 10, "layers": [1, 1, 1, 1]}, "images32")

@@ -1,0 +1,87 @@
+"""The model zoo for real: every family trains with a parameter server and with all-reduce, and
+what a run says about its size and its bytes can be derived by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchrun import run_bench
+from ps_bench.models import DATA_PRESETS, MODEL_PRESETS, PRESET_DATA, build_model
+
+pytestmark = pytest.mark.integration
+
+SMALL = ("resnet18_small", "resnet50_small", "gpt2_tiny", "dlrm_small")
+QUICK = ("--warmup-rounds", "1", "--rounds", "1", "--batch-size", "4")
+_runs: dict[tuple, dict] = {}
+
+
+def results_of(model: str, hook: str, tmp_path_factory, *extra: str) -> dict:
+    """One run per (model, hook, options), shared by the tests that read it."""
+    key = (model, hook, extra)
+    if key not in _runs:
+        out = tmp_path_factory.mktemp(model) / "results.json"
+        run = run_bench("--model", model, "--hook", hook, *QUICK, *extra, out=out)
+        assert run.returncode == 0, run.output
+        _runs[key] = run.results
+    return _runs[key]
+
+
+def test_every_zoo_model_has_a_small_variant_that_is_tested():
+    full = {name for name in MODEL_PRESETS if not name.endswith(("_small", "_tiny"))}
+    assert full == {"resnet18", "resnet50", "gpt2_small", "dlrm"}
+    assert set(SMALL) == set(MODEL_PRESETS) - full
+
+
+@pytest.mark.parametrize("hook", ["ps", "allreduce"])
+@pytest.mark.parametrize("model", SMALL)
+def test_zoo_model_trains_with_identical_replicas(model, hook, tmp_path_factory):
+    results = results_of(model, hook, tmp_path_factory)
+    assert results["status"] == "ok"
+    assert results["replicas"]["identical"] is True, results["replicas"]
+    assert results["config"]["data"] == PRESET_DATA[model]  # the model's own data, unasked
+    assert results["bytes"]["trainer_sent_per_iter"] > 0
+
+
+@pytest.mark.parametrize("model", SMALL)
+def test_size_up_front_matches_the_model(model, tmp_path_factory):
+    results = results_of(model, "ps", tmp_path_factory)
+    size = results["config"]["model_size"]
+    network = build_model(MODEL_PRESETS[model]["model_class"], MODEL_PRESETS[model]["configurations"], 0)
+    parameters = list(network.parameters())
+    assert size["parameters"] == sum(p.numel() for p in parameters)
+    assert size["dense_gradient_bytes"] + size["sparse_gradient_bytes"] == sum(4 * p.numel() for p in parameters)
+    buckets = size["ddp_buckets"]
+    assert buckets and sum(b["bytes"] for b in buckets) == 4 * size["parameters"]
+    assert any(b["sparse"] for b in buckets) == (size["sparse_gradient_bytes"] > 0)
+    if not size["sparse_gradient_bytes"]:  # dense buckets cross the wire whole, there and back
+        assert results["bytes"]["trainer_sent_per_iter"] == 4 * size["parameters"]
+
+
+def powersgd_elements(network: torch.nn.Module, rank: int, min_compression_rate: float = 2.0) -> int:
+    """Elements one trainer all-reduces per iteration under torch's PowerSGD: each gradient is
+    viewed as an n x m matrix (n = its first dimension); it is compressed to (n + m)·r elements,
+    r = min(n, m, rank), when that times min_compression_rate is below n·m, else sent whole
+    (1-D tensors always are)."""
+    total = 0
+    for parameter in network.parameters():
+        n = parameter.shape[0]
+        m = parameter.numel() // n
+        r = min(n, m, rank)
+        compressed = (n + m) * r
+        total += compressed if parameter.dim() > 1 and compressed * min_compression_rate < n * m else parameter.numel()
+    return total
+
+
+def test_powersgd_bytes_are_what_its_rule_predicts(tmp_path_factory):
+    model = "resnet18_small"
+    results = results_of(model, "powersgd", tmp_path_factory, "--hook-option", "matrix_approximation_rank=2")
+    network = build_model(MODEL_PRESETS[model]["model_class"], MODEL_PRESETS[model]["configurations"], 0)
+    expected = 4 * powersgd_elements(network, rank=2)  # float32; a 2-rank ring moves the buffer once each way
+    assert results["bytes"]["trainer_sent_per_iter"] == expected
+    assert expected < 4 * sum(p.numel() for p in network.parameters()) / 10  # it does compress
+
+
+def test_zoo_data_entries_are_registered_for_every_model():
+    for model, data in PRESET_DATA.items():
+        assert data in DATA_PRESETS, (model, data)
