@@ -103,8 +103,9 @@ def test_hang_with_timeout_dumps_stacks_and_ends(results_path, startup_s):
     # long enough that every rank is up and trainer 1 is hanging when the watchdog fires,
     # however busy the machine is while this runs
     timeout = max(20, round(4 * startup_s) + 10)
-    run = run_bench("--inject-fault", "trainer:1:3:hang", "--timeout", str(timeout), out=results_path,
-                    timeout_s=timeout + 120)
+    # the peers of the hung trainer wait in RPC calls: those must not time out before the watchdog
+    run = run_bench("--inject-fault", "trainer:1:3:hang", "--timeout", str(timeout), "--rpc-timeout",
+                    str(3 * timeout), out=results_path, timeout_s=timeout + 120)
     assert run.returncode == 1
     assert run.elapsed_s > timeout
     assert ready_after(run.stdout) < timeout, "start-up outlasted the budget derived from it"
@@ -203,6 +204,9 @@ BAD_INPUTS = [
     (["--inject-fault", "trainer:1:hang"], "expected ROLE:INDEX:ITER:KIND"),
     (["--inject-fault", "trainer:1:1:explode"], "kind must be one of exit, raise, hang"),
     (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+    (["--create_criterion=mse"], "invalid choice: 'mse' (choose from 'cel')"),
+    (["--trainer_config_path=trainer.json"], "--trainer_config_path: ps_bench has no trainer configuration file"),
+    (["--model", "dlrm_small", "--data", "DummyDataSmall"], "--model dlrm_small takes dense features"),
 ]
 CONFIG_FILES = {
     "{bad_json}": '{"ntrainer": 2\n "rounds": 3}',

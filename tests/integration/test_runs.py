@@ -109,17 +109,25 @@ def test_per_rank_tables(results_path):
     assert "trainer 0" in run.stdout and "trainer 1" in run.stdout and "server 2" in run.stdout
 
 
-def test_upstream_command_line_runs(results_path):
+def test_upstream_experiment_command_line_runs(results_path):
+    """What upstream's experiment scripts pass, unchanged, on upstream's own data and model sizes
+    (plus ps_bench's --rounds, to keep the test short)."""
     run = run_bench(
         "--ntrainer=2", "--ncudatrainer=0", "--nserver=1", "--ncudaserver=0", "--server=AverageParameterServer",
-        "--ddp_hook=rpc_hook", "--backend=gloo", "--epochs=1", "--batch_size=10", "--data=DummyData",
-        "--model=DummyModel", "--data_config_path=configs/data_configurations.json",
-        "--model_config_path=configs/model_configurations.json", "--torch_seed=1", "--rpc_timeout=30",
-        out=results_path,
+        "--trainer=DdpTrainer", "--ddp_hook=sparse_rpc_hook", "--backend=gloo", "--epochs=1", "--batch_size=32",
+        "--data=DummyData", "--model=DummyModelSparse", "--data_config_path=configs/data_configurations.json",
+        "--model_config_path=configs/model_configurations.json", "--filestore=/tmp/filestore", "--create_criterion=cel",
+        "--create_ddp_model=basic_ddp_model", "--create_optimizer=sgd_optimizer",
+        "--preprocess_data=preprocess_dummy_data", "--iteration_step=basic_iteration_step",
+        "--hook_state=BasicHookState", "--lr=1e-4", "--master_addr=localhost", "--torch_seed=1", "--rpc_timeout=120",
+        "--warmup-rounds", "0", "--rounds", "1", out=results_path,
     )
     assert run.returncode == 0, run.output
-    assert run.results["config"]["hook"] == "ps" and run.results["config"]["server"] == "average"
+    config = run.results["config"]
+    assert (config["hook"], config["server"], config["trainer"]) == ("sparse_ps", "average", "ddp")
+    assert config["model_size"]["parameters"] == 9_445_376  # upstream's DummyModel sizes
     assert run.results["replicas"]["identical"] is True
+    assert "model DummyModelSparse: 9,445,376 parameters" in run.stdout
 
 
 def test_run_config_file_with_command_line_override(tmp_path, results_path):

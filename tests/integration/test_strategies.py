@@ -62,7 +62,7 @@ def test_no_communication_is_not_the_mean(tmp_path_factory):
 def test_sparse_model_reaches_the_same_parameters_with_every_sparse_capable_strategy(tmp_path):
     norms = {}
     for hook in ("allreduce", "ps", "sparse_ps", "hybrid"):
-        run = run_bench("--hook", hook, "--model", "DummyModelSparse", "--data", "DummyData", "--batch-size", "10",
+        run = run_bench("--hook", hook, "--model", "DummyModelSmallSparse", "--batch-size", "10",
                         "--rounds", "2", out=tmp_path / f"{hook}.json", timeout_s=120)
         assert run.returncode == 0, run.output
         assert run.results["replicas"]["identical"] is True

@@ -139,3 +139,67 @@ def test_registry_rejects_duplicates_and_suggests_names():
     with pytest.raises(KeyError, match="did you mean 'alpha'"):
         registry.get("alpah")
     assert registry.names() == ["alpha"] and registry.aliases("alpha") == ["a"]
+
+
+UPSTREAM_DATA = {"DummyData": {"data_class": "DummyData", "configurations": {
+    "max_val": 1024, "sample_count": 1024, "sample_length": 1024, "sparsity_percentage": 20}}}
+
+
+def test_upstream_current_data_file_is_accepted(tmp_path):
+    cfg = RunConfig(model="DummyModel", data="DummyData", data_config_path=write(tmp_path, UPSTREAM_DATA))
+    model, data = validate(cfg, gpus=0)
+    assert data.kwargs["sample_count"] == 1024
+    assert model.size["parameters"] == 1024 * 1024 + 8 * (1024 * 1024 + 1024)  # upstream's DummyModel
+
+
+def test_both_spellings_of_one_data_setting_are_refused(tmp_path):
+    entry = {"DummyData": {"data_class": "DummyData", "configurations": {
+        "max_val": 64, "sample_count": 64, "input_samples": 64, "sample_length": 4, "sparsity_percentage": 0}}}
+    cfg = RunConfig(data="DummyData", data_config_path=write(tmp_path, entry))
+    with pytest.raises(ConfigError, match="entry 'DummyData': gives both 'sample_count' and 'input_samples'"):
+        validate(cfg, gpus=0)
+
+
+@pytest.mark.parametrize("configurations, message", [
+    ({"num_embeddings": -4}, "num_embeddings must be at least 1; got -4"),
+    ({"num_embeddings": 0}, "num_embeddings must be at least 1; got 0"),
+    ({"num_embeddings": "64"}, "num_embeddings must be an integer; got '64'"),
+    ({"sparse": "yes"}, "sparse must be true or false"),
+    ({"embedding_dim": 8, "dense_input_size": 9}, "dense_input_size (9) must equal embedding_dim (8)"),
+])
+def test_bad_model_entry_is_one_line_naming_file_and_entry(tmp_path, configurations, message):
+    path = write(tmp_path, {"Bad": {"model_class": "DummyModel", "configurations": {
+        "num_embeddings": 64, "embedding_dim": 8, "dense_input_size": 8, "dense_output_size": 8, **configurations}}})
+    with pytest.raises(ConfigError) as caught:
+        validate(RunConfig(model="Bad", model_config_path=path), gpus=0)
+    assert str(caught.value).startswith(f"{path}: entry 'Bad': ") and message in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_constructor_that_raises_anything_is_one_line(tmp_path):
+    path = write(tmp_path, {"Huge": {"model_class": "GPT", "configurations": {"width": 10, "heads": 3}}})
+    with pytest.raises(ConfigError, match=r"entry 'Huge': width \(10\) must be a multiple of heads \(3\)"):
+        validate(RunConfig(model="Huge", model_config_path=path), gpus=0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model": "resnet18_small", "data": "DummyDataSmall"},
+     "--model resnet18_small takes images but --data DummyDataSmall gives bags of embedding indices"),
+    ({"model": "gpt2_tiny", "data": "tokens1024"}, "draws tokens below vocab_size=50257 but the model has 512"),
+    ({"model": "dlrm_small", "data": "clicks"}, "has 8 tables and 13 dense features but the model takes 4 and 13"),
+    ({"model": "resnet18_small", "batch_size": 1}, "--model resnet18_small needs --batch-size 2 or more"),
+    ({"model": "resnet81"}, "did you mean 'resnet18'?"),
+])
+def test_model_and_data_must_fit(overrides, message):
+    with pytest.raises(ConfigError) as caught:
+        validate(RunConfig(**overrides), gpus=0)
+    assert message in str(caught.value)
+
+
+def test_zoo_model_brings_its_own_data_and_size():
+    cfg = RunConfig(model="gpt2_small")
+    model, data = validate(cfg, gpus=0)
+    assert cfg.data == data.id == "tokens1024" and model.source == data.source == "the model zoo"
+    assert 124_000_000 < model.size["parameters"] < 125_000_000  # GPT-2 small, output tied to the embedding
+    dlrm, _ = validate(RunConfig(model="dlrm"), gpus=0)
+    assert dlrm.size["sparse_gradient_bytes"] == 4 * 8 * 250_000 * 64  # the tables' gradients are sparse
