@@ -14,7 +14,9 @@ import resource
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, installed or not
 STEPS = 1  # the peak comes in the first step: gradients and DDP buckets are allocated then
 
 
@@ -58,7 +60,9 @@ def main() -> int:
     print(f"{'model':<16}{'parameters':>14}{'batch':>7}{'peak RSS per trainer':>24}")
     for name in args.models:
         child = subprocess.run([sys.executable, __file__, "--one", "--batch-size", str(args.batch_size), name],
-                               capture_output=True, text=True, check=True)
+                               capture_output=True, text=True)
+        if child.returncode:
+            sys.exit(f"{name}: {child.stderr.strip().splitlines()[-1]}")
         row = json.loads(child.stdout.splitlines()[-1])
         print(f"{name:<16}{row['parameters']:>14,}{row['batch_size']:>7}{row['peak_rss_gib']:>20.2f} GiB", flush=True)
     return 0

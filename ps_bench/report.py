@@ -15,7 +15,7 @@ from ps_bench.config import ConfigError
 from ps_bench.sweep import RESULTS_NAME, read_lines
 
 # Resolved options never shown as columns: they describe the output, or repeat another column.
-HIDDEN = {"out", "dry_run", "per_rank", "debug", "model_config", "data_config", "master_port"}
+HIDDEN = {"out", "dry_run", "per_rank", "debug", "model_config", "data_config", "model_size", "master_port"}
 
 
 @dataclass
