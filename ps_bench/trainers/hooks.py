@@ -215,6 +215,14 @@ def bf16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     return default_hooks.bf16_compress_hook(ctx.process_group, bucket)
 
 
+def settle(target: Future, source: Future) -> None:
+    """Completes ``target`` as ``source`` completed: with its value or its exception."""
+    try:
+        target.set_result(source.value())
+    except Exception as error:  # noqa: BLE001 - source's own failure, passed on
+        target.set_exception(error)
+
+
 class PowerSGD:
     """Low-rank compression around all-reduce (torch's PowerSGD, per tensor); lossy."""
 
@@ -238,6 +246,7 @@ class PowerSGD:
             min_compression_rate=min_compression_rate,
             random_seed=0,
         )
+        self.previous: Future | None = None  # the last bucket's future (see after_previous)
 
     @staticmethod
     def check(matrix_approximation_rank: int, start_powerSGD_iter: int, use_error_feedback: bool,
@@ -250,8 +259,33 @@ class PowerSGD:
 
     def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
         if bucket.buffer().is_sparse:  # as dense_only does for the stateless hooks
-            return allreduce(ctx, bucket)
-        return self.hook(self.state, bucket)
+            return self.after_previous(lambda: allreduce(ctx, bucket))
+        return self.after_previous(lambda: self.hook(self.state, bucket))
+
+    def after_previous(self, start: Callable[[], Future]) -> Future:
+        """Starts a bucket's communication once the previous bucket's has finished.
+
+        torch's PowerSGD issues its second and third all-reduce of a bucket from callbacks of
+        the first. Over gloo those callbacks run whenever each CPU collective completes, so with
+        several buckets in flight two trainers could issue the next bucket's all-reduce and
+        this bucket's in different orders, a collective mismatch (gloo aborts, or hangs). One
+        bucket at a time keeps the order the same on every trainer; over NCCL a future
+        completes as soon as its kernel is queued, so the chain costs no overlap there.
+        """
+        previous, done = self.previous, Future()
+        self.previous = done
+
+        def launch(_: Future | None = None) -> None:
+            try:
+                start().add_done_callback(lambda finished: settle(done, finished))
+            except Exception as error:  # noqa: BLE001 - the trainer waits on this future
+                done.set_exception(error)
+
+        if previous is None:
+            launch()
+        else:
+            previous.add_done_callback(launch)
+        return done
 
 
 @HOOKS.register("powersgd", aliases=("powerSGD_hook",))

@@ -75,7 +75,11 @@ def powersgd_elements(network: torch.nn.Module, rank: int, min_compression_rate:
 
 def test_powersgd_bytes_are_what_its_rule_predicts(tmp_path_factory):
     model = "resnet18_small"
-    results = results_of(model, "powersgd", tmp_path_factory, "--hook-option", "matrix_approximation_rank=2")
+    # several buckets in flight: PowerSGD's chained all-reduces must still match across trainers
+    results = results_of(model, "powersgd", tmp_path_factory, "--hook-option", "matrix_approximation_rank=2",
+                         "--bucket-cap-mb", "2")
+    assert len(results["config"]["model_size"]["ddp_buckets"]) > 1
+    assert results["replicas"]["identical"] is True
     network = build_model(MODEL_PRESETS[model]["model_class"], MODEL_PRESETS[model]["configurations"], 0)
     expected = 4 * powersgd_elements(network, rank=2)  # float32; a 2-rank ring moves the buffer once each way
     assert results["bytes"]["trainer_sent_per_iter"] == expected
