@@ -11,6 +11,7 @@ from ps_bench.models import DATA_PRESETS, MODEL_PRESETS, PRESET_DATA, build_mode
 
 pytestmark = pytest.mark.integration
 
+FULL = ("resnet18", "resnet50", "gpt2_small", "dlrm")  # GPT-2 small is the full-size model's own name
 SMALL = ("resnet18_small", "resnet50_small", "gpt2_tiny", "dlrm_small")
 QUICK = ("--warmup-rounds", "1", "--rounds", "1", "--batch-size", "4")
 _runs: dict[tuple, dict] = {}
@@ -28,9 +29,9 @@ def results_of(model: str, hook: str, tmp_path_factory, *extra: str) -> dict:
 
 
 def test_every_zoo_model_has_a_small_variant_that_is_tested():
-    full = {name for name in MODEL_PRESETS if not name.endswith(("_small", "_tiny"))}
-    assert full == {"resnet18", "resnet50", "gpt2_small", "dlrm"}
-    assert set(SMALL) == set(MODEL_PRESETS) - full
+    assert set(MODEL_PRESETS) == set(FULL) | set(SMALL)
+    for full, small in zip(FULL, SMALL):  # the same model class at a smaller size
+        assert MODEL_PRESETS[full]["model_class"] == MODEL_PRESETS[small]["model_class"]
 
 
 @pytest.mark.parametrize("hook", ["ps", "allreduce"])
