@@ -30,6 +30,7 @@ subcommands (each has --help):
   bench.py [run] [options]     one run (the default)
   bench.py sweep FILE --out DIR   every point of a sweep file, one process tree each
   bench.py report DIR|FILE...     compare runs: table, speedups, CSV, plot
+  bench.py slurm --nodes N -- [options]   an sbatch script: one torchrun per node (--submit runs it)
 
 examples:
   python bench.py                                          # 2 trainers, 1 server, CPU
@@ -222,6 +223,109 @@ def report_parser() -> Parser:
     return parser
 
 
+SLURM_EPILOG = """\
+examples:
+  python bench.py slurm --nodes 2 -- --ntrainer 6 --nserver 1            # print the script
+  python bench.py slurm --nodes 2 --gpus-per-node 4 --partition gpu --time 00:30:00 \\
+      --iface eth1 -o job.sbatch -- --ntrainer 6 --nserver 1 --backend nccl
+  python bench.py slurm --nodes 2 --submit -- --ntrainer 2 --nserver 1  # sbatch --wait, its status
+
+The bench options after -- are checked here first (bad ones exit 2 before anything queues).
+nodes x processes per node must equal the job's trainers + servers + 1; the master (last rank)
+runs on the last node, which writes the results file (--out, relative to the submit folder).
+The job's log is %x-%j.out (job name, job id).
+"""
+
+
+def slurm_parser() -> Parser:
+    parser = Parser(prog="bench.py slurm", description=(
+        "Write an sbatch script that runs this benchmark on N nodes: srun starts one task per node, each "
+        "starts a torchrun agent (static rendezvous, the first node hosts the store, node rank from "
+        "$SLURM_NODEID), and torchrun starts and supervises the ranks."),
+        epilog=SLURM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", required=True, type=typed(int, "nodes"), metavar="N", help="nodes to use")
+    parser.add_argument("--gpus-per-node", type=typed(int, "gpus-per-node"), default=0, metavar="G",
+                        help="GPUs to ask for on each node (default: 0)")
+    parser.add_argument("--partition", metavar="P", help="SLURM partition (default: the cluster's)")
+    parser.add_argument("--time", metavar="T", help="time limit, e.g. 00:30:00 (default: the partition's)")
+    parser.add_argument("--job-name", default="ps_bench", metavar="J", help="job name (default: ps_bench)")
+    parser.add_argument("--iface", metavar="NAME", help="network interface between the nodes: exported as "
+                        "TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME, checked on each node")
+    parser.add_argument("--port", type=typed(int, "port"), default=29500, metavar="P",
+                        help="port of torchrun's store on the first node (default: 29500)")
+    parser.add_argument("--max-restarts", type=typed(int, "max-restarts"), default=0, metavar="K",
+                        help="torchrun restarts the whole job up to K times after a failure (default: 0)")
+    parser.add_argument("--python", default=sys.executable, metavar="PATH",
+                        help=f"interpreter on the nodes (default: this one, {sys.executable})")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the script here instead of printing it")
+    parser.add_argument("--submit", action="store_true", help="submit with sbatch --wait and exit with the "
+                        "job's status")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors in the input")
+    return parser
+
+
+def split_bench_options(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``[own options] -- [bench options]``."""
+    if "--" not in argv:
+        return argv, []
+    at = argv.index("--")
+    return argv[:at], argv[at + 1:]
+
+
+def bench_values(argv: list[str]) -> tuple[dict[str, Any], str | None]:
+    """Parses bench options (a bad flag exits 2 with one line); returns them and --config."""
+    args = vars(build_parser().parse_args(argv))
+    config_path = args.pop("config", None)
+    return {k: v for k, v in args.items() if not k.startswith("ignored_")}, config_path
+
+
+def cluster_job(bench_argv: list[str], nodes: int, gpus_per_node: int):
+    """Validates bench options for a job of ``nodes`` nodes as it will run there; returns the
+    config and the layout. The interface is checked by each node when its ranks start."""
+    from ps_bench.cluster.torchrun import layout_for, trainers_per_node
+
+    values, config_path = bench_values(bench_argv)
+    cfg = build_config(values, config_path)
+    cfg.iface = None
+    layout = layout_for(cfg, nodes)
+    wants_cuda = cfg.backend != "gloo" or cfg.ncudatrainer or cfg.ncudaserver
+    if wants_cuda and gpus_per_node < 1:
+        raise ConfigError("the bench options use CUDA (--backend nccl/multi, --ncudatrainer or --ncudaserver): "
+                          "set --gpus-per-node")
+    if gpus_per_node < 0:
+        raise ConfigError(f"--gpus-per-node must be 0 or more; got {gpus_per_node}")
+    validate(cfg, gpus=gpus_per_node, trainers_on_node=trainers_per_node(cfg, layout))
+    return cfg, layout
+
+
+def run_slurm(argv: list[str]) -> int:
+    from ps_bench.cluster import slurm
+
+    own, bench_argv = split_bench_options(argv)
+    args = slurm_parser().parse_args(own)
+    try:
+        if not 1 <= args.port <= 65535:
+            raise ConfigError(f"--port must be in 1..65535; got {args.port}")
+        if args.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be 0 or more; got {args.max_restarts}")
+        cfg, layout = cluster_job(bench_argv, args.nodes, args.gpus_per_node)
+        job = slurm.SlurmJob(
+            layout, slurm.bench_args_with_iface(bench_argv, args.iface), job_name=args.job_name,
+            gpus_per_node=args.gpus_per_node, partition=args.partition, time=args.time, iface=args.iface,
+            port=args.port, max_restarts=args.max_restarts, python=args.python,
+            summary=f"{plural(cfg.num_trainers, 'trainer')}, {plural(cfg.num_servers, 'server')}, 1 master")
+        script = slurm.sbatch_script(job)
+        if args.submit:
+            return slurm.submit(script, args.output)
+        slurm.write_or_print(script, args.output)
+        return EXIT_OK
+    except ConfigError as error:
+        if args.debug:
+            traceback.print_exc()
+        sys.stderr.write(f"ps_bench: error: {error}\n")
+        return EXIT_USAGE
+
+
 def run_subcommand(command: str, argv: list[str]) -> int:
     args = (sweep_parser() if command == "sweep" else report_parser()).parse_args(argv)
     try:
@@ -247,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     if argv[:1] in (["sweep"], ["report"]):
         return run_subcommand(argv[0], argv[1:])
+    if argv[:1] == ["slurm"]:
+        return run_slurm(argv[1:])
     args = vars(build_parser().parse_args(argv))
     config_path = args.pop("config", None)
     cli_values = {k: v for k, v in args.items() if not k.startswith("ignored_")}

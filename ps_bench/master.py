@@ -48,7 +48,8 @@ def read_snapshot(run_dir: str) -> dict | None:
 
 class Master:
     def __init__(self, config: RunConfig, topology: Topology, model: Entry, data: Entry,
-                 device_of: Callable[[int], int | None], argv: list[str], run_dir: str, results_path: str) -> None:
+                 device_of: Callable[[int], int | None], argv: list[str], run_dir: str, results_path: str,
+                 hosts: list[dict] | None = None, recovered: list[dict] | None = None) -> None:
         self.config, self.topology = config, topology
         self.model, self.data = model, data
         self.device_of = device_of
@@ -57,7 +58,8 @@ class Master:
         self.results_path = results_path
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.started = iso_now()
-        self.environment = environment(config.backend)  # read once: every snapshot repeats it
+        self.environment = {**environment(config.backend), "hosts": hosts or []}  # read once: every snapshot repeats it
+        self.recovered = recovered or []  # earlier attempts torchrun restarted the job after
         self.trainer_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.server_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.trainer_bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])
@@ -214,6 +216,8 @@ class Master:
             "argv": self.argv,
             "config": {**cfg.to_dict(), "model_config": self.model.to_dict(), "data_config": self.data.to_dict()},
             "env": self.environment,
+            "restarts": len(self.recovered),
+            "recovered": self.recovered,
             "rounds_completed": self.rounds_done,
             "summary": [r.to_dict() for r in self.rows() if r.unit == "ms"],
             "throughput": {
