@@ -31,6 +31,7 @@ subcommands (each has --help):
   bench.py sweep FILE --out DIR   every point of a sweep file, one process tree each
   bench.py report DIR|FILE...     compare runs: table, speedups, CSV, plot
   bench.py slurm --nodes N -- [options]   an sbatch script: one torchrun per node (--submit runs it)
+  bench.py launch --hosts H1,H2 -- [options]  one torchrun per host of your own, over ssh
 
 examples:
   python bench.py                                          # 2 trainers, 1 server, CPU
@@ -279,7 +280,10 @@ def bench_values(argv: list[str]) -> tuple[dict[str, Any], str | None]:
     return {k: v for k, v in args.items() if not k.startswith("ignored_")}, config_path
 
 
-def cluster_job(bench_argv: list[str], nodes: int, gpus_per_node: int):
+UNKNOWN_GPUS = -1
+
+
+def cluster_job(bench_argv: list[str], nodes: int, gpus_per_node: int, hosts: bool = False):
     """Validates bench options for a job of ``nodes`` nodes as it will run there; returns the
     config and the layout. The interface is checked by each node when its ranks start."""
     from ps_bench.cluster.torchrun import layout_for, trainers_per_node
@@ -287,8 +291,10 @@ def cluster_job(bench_argv: list[str], nodes: int, gpus_per_node: int):
     values, config_path = bench_values(bench_argv)
     cfg = build_config(values, config_path)
     cfg.iface = None
-    layout = layout_for(cfg, nodes)
+    layout = layout_for(cfg, nodes, hosts)
     wants_cuda = cfg.backend != "gloo" or cfg.ncudatrainer or cfg.ncudaserver
+    if gpus_per_node == UNKNOWN_GPUS:  # hosts of one's own: assume what the options ask for, each host checks
+        gpus_per_node = trainers_per_node(cfg, layout) + cfg.ncudaserver if wants_cuda else 0
     if wants_cuda and gpus_per_node < 1:
         raise ConfigError("the bench options use CUDA (--backend nccl/multi, --ncudatrainer or --ncudaserver): "
                           "set --gpus-per-node")
@@ -326,6 +332,97 @@ def run_slurm(argv: list[str]) -> int:
         return EXIT_USAGE
 
 
+LAUNCH_EPILOG = """\
+examples:
+  python bench.py launch --hosts node1,node2 -- --ntrainer 6 --nserver 1
+  python bench.py launch --hostfile hosts.txt --ssh-key ~/.ssh/bench --iface eth1 \\
+      --python /opt/venv/bin/python --workdir /srv/ps_bench -- --ntrainer 6 --nserver 1 --out results/r.json
+  python bench.py launch --hosts alice@10.0.0.1,alice@10.0.0.2 --ssh-option StrictHostKeyChecking=accept-new -- --rounds 3
+
+A hostfile lists one [user@]host per line, optionally with slots=N (DeepSpeed's and MPI's
+format; N must be the processes per host). Every host must be reachable with ssh without a
+password, and have ps_bench and torch at this machine's versions (checked first). The first
+host hosts torchrun's store (--port); the last host runs the master and writes the results
+file (--out, relative to --workdir). Ctrl-C or a failed host stops every host's processes.
+"""
+
+
+def launch_parser() -> Parser:
+    parser = Parser(prog="bench.py launch", description=(
+        "Run this benchmark on your own hosts: one torchrun agent per host, started over OpenSSH's ssh "
+        "(static rendezvous; node ranks in host order), each host's output prefixed with its name."),
+        epilog=LAUNCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    hosts = parser.add_mutually_exclusive_group(required=True)
+    hosts.add_argument("--hosts", metavar="[USER@]H1,H2,...", help="the hosts, the first one is the head")
+    hosts.add_argument("--hostfile", metavar="FILE", help="the hosts, one per line ([user@]host [slots=N])")
+    parser.add_argument("--ssh-key", metavar="FILE", help="private key for ssh -i (default: ssh's own choice)")
+    parser.add_argument("--ssh-port", type=typed(int, "ssh-port"), metavar="P", help="sshd's port on every host")
+    parser.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="passed to ssh as -o KEY=VALUE (repeat for more)")
+    parser.add_argument("--iface", metavar="NAME", help="network interface between the hosts: exported as "
+                        "TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME, checked on each host")
+    parser.add_argument("--python", default="python3", metavar="PATH",
+                        help="interpreter on the hosts; an ssh session has a bare PATH, so prefer an absolute "
+                             "path (default: python3)")
+    parser.add_argument("--workdir", metavar="DIR", help="folder to run in on every host (default: the login folder)")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="environment variable for the job on every host (repeat for more)")
+    parser.add_argument("--port", type=typed(int, "port"), default=29500, metavar="P",
+                        help="port of torchrun's store on the first host (default: 29500)")
+    parser.add_argument("--master-addr", metavar="ADDR", help="address the hosts reach the first host at "
+                        "(default: the first host's name as given)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors in the input")
+    return parser
+
+
+def run_launch(argv: list[str]) -> int:
+    from ps_bench.cluster import hosts
+    from ps_bench.topology import Topology
+
+    own, bench_argv = split_bench_options(argv)
+    args = launch_parser().parse_args(own)
+    try:
+        targets = hosts.parse_hosts(args.hosts) if args.hosts else hosts.read_hostfile(args.hostfile)
+        if not 1 <= args.port <= 65535:
+            raise ConfigError(f"--port must be in 1..65535; got {args.port}")
+        env = {}
+        for item in args.env:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise ConfigError(f"--env: expected KEY=VALUE; got {item!r}")
+            env[key] = value
+        cfg, layout = cluster_job(bench_argv, len(targets), UNKNOWN_GPUS, hosts=True)
+        hosts.check_targets(targets, layout)
+        job = hosts.HostJob(targets, layout, [*bench_argv, *(["--iface", args.iface] if args.iface else [])],
+                            hosts.SshOptions(args.ssh_key, args.ssh_port, args.ssh_option), python=args.python,
+                            workdir=args.workdir, env=env, iface=args.iface, port=args.port,
+                            master_addr=args.master_addr)
+        hosts.preflight(job)
+    except ConfigError as error:
+        if args.debug:
+            traceback.print_exc()
+        sys.stderr.write(f"ps_bench: error: {error}\n")
+        return EXIT_USAGE
+    topology = Topology(cfg.ntrainer, cfg.ncudatrainer, cfg.nserver, cfg.ncudaserver, cfg.mapping,
+                        cuda_collectives=cfg.backend != "gloo")
+    names = ", ".join(target.host for target in targets)
+    print(f"ps_bench: {layout.world_size} processes on {layout.nodes} hosts ({names}), {layout.nproc_per_node} "
+          f"each; the master and the results file are on {targets[-1].host}", flush=True)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return hosts.run(job, lambda rank: topology.info(rank).describe())
+    except hosts.HostsFailed as error:
+        sys.stderr.write(f"ps_bench: error: {error}; the run was stopped on every host ({names})\n")
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        sys.stderr.write(f"ps_bench: interrupted by SIGINT; the run was stopped on every host ({names})\n")
+        return EXIT_SIGINT
+    except Terminated:
+        sys.stderr.write(f"ps_bench: terminated by SIGTERM; the run was stopped on every host ({names})\n")
+        return EXIT_SIGTERM
+
+
 def run_subcommand(command: str, argv: list[str]) -> int:
     args = (sweep_parser() if command == "sweep" else report_parser()).parse_args(argv)
     try:
@@ -353,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_subcommand(argv[0], argv[1:])
     if argv[:1] == ["slurm"]:
         return run_slurm(argv[1:])
+    if argv[:1] == ["launch"]:
+        return run_launch(argv[1:])
     args = vars(build_parser().parse_args(argv))
     config_path = args.pop("config", None)
     cli_values = {k: v for k, v in args.items() if not k.startswith("ignored_")}

@@ -32,18 +32,21 @@ class NodeLayout:
         return range(node * self.nproc_per_node, (node + 1) * self.nproc_per_node)
 
 
-def layout_for(cfg: RunConfig, nodes: int) -> NodeLayout:
-    """Splits the job's world size over ``nodes``; a ConfigError says how to make it divide."""
+def layout_for(cfg: RunConfig, nodes: int, hosts: bool = False) -> NodeLayout:
+    """Splits the job's world size over ``nodes`` (given as --nodes, or as a list of ``hosts``);
+    a ConfigError says how to make it divide."""
     if nodes < 1:
         raise ConfigError(f"--nodes must be at least 1; got {nodes}")
     world = cfg.world_size
     if world % nodes:
         more = -world % nodes
+        given = f"{nodes} hosts" if hosts else f"--nodes {nodes}"
+        counts = ", ".join(str(n) for n in range(1, world + 1) if world % n == 0)
         raise ConfigError(
-            f"--nodes {nodes} does not divide this job's {world} processes ({cfg.num_trainers} trainer(s) + "
-            f"{cfg.num_servers} server(s) + 1 master), and torchrun starts the same number on every node: "
-            f"add {more} trainer(s) (--ntrainer {cfg.ntrainer + more}) or pick --nodes among "
-            f"{', '.join(str(n) for n in range(1, world + 1) if world % n == 0)}")
+            f"{given} do{'' if hosts else 'es'} not divide this job's {world} processes ({cfg.num_trainers} "
+            f"trainer(s) + {cfg.num_servers} server(s) + 1 master), and torchrun starts the same number on every "
+            f"node: add {more} trainer(s) (--ntrainer {cfg.ntrainer + more}) or use "
+            f"{'a number of hosts' if hosts else '--nodes'} among {counts}")
     return NodeLayout(nodes, world // nodes)
 
 

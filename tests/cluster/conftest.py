@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from machines import HostPair, LocalSlurm, Unavailable, make_host_pair, remove_host_pair, start_slurm, stop_slurm
+from machines import (HostPair, LocalSlurm, SshHosts, Unavailable, make_host_pair, remove_host_pair, start_slurm,
+                      start_sshd, stop_slurm, stop_sshd)
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +29,14 @@ def local_slurm(tmp_path_factory) -> LocalSlurm:
         pytest.skip(str(reason))
     yield cluster
     stop_slurm(cluster, daemons)
+
+
+@pytest.fixture(scope="session")
+def ssh_hosts(host_pair, tmp_path_factory) -> SshHosts:
+    """sshd on both hosts of ``host_pair``, reached with a key made for the session."""
+    try:
+        hosts, daemons = start_sshd(host_pair, tmp_path_factory.mktemp("ssh"))
+    except Unavailable as reason:
+        pytest.skip(str(reason))
+    yield hosts
+    stop_sshd(daemons)

@@ -251,3 +251,90 @@ def stop_slurm(cluster: LocalSlurm, daemons: subprocess.Popen) -> None:
         while cluster.run("squeue", "-h", "-o", "%i").stdout.split() and time.monotonic() < deadline:
             time.sleep(0.5)
     stop_session(daemons)
+
+
+# -- SSH hosts -------------------------------------------------------------------------------------
+PRIVSEP_DIR = Path("/run/sshd")  # sshd refuses to start without it (Debian's service makes it too)
+
+
+@dataclass(frozen=True)
+class SshHosts:
+    """sshd on each host of a HostPair, root's login by a key made for the session."""
+
+    pair: HostPair
+    key: Path
+
+    def ssh_options(self) -> list[str]:
+        """bench.py launch options that keep ssh away from the user's own ~/.ssh (which OpenSSH
+        reads from the passwd entry, whatever $HOME says)."""
+        options = ["StrictHostKeyChecking=no", "UserKnownHostsFile=/dev/null", "LogLevel=ERROR",
+                   "ConnectTimeout=20"]
+        return ["--ssh-key", str(self.key), *[f"--ssh-option={option}" for option in options]]
+
+
+def sshd_config(folder: Path, host: Host, authorized_keys: Path) -> Path:
+    config = folder / f"sshd-{host.name}.conf"
+    config.write_text(f"""\
+ListenAddress {host.address}
+Port 22
+HostKey {folder}/hostkey-{host.name}
+PidFile {folder}/sshd-{host.name}.pid
+AuthorizedKeysFile {authorized_keys}
+PermitRootLogin prohibit-password
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+PrintMotd no
+""")
+    return config
+
+
+def keygen(path: Path) -> None:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True, capture_output=True)
+
+
+def start_sshd(pair: HostPair, folder: Path) -> tuple[SshHosts, list[subprocess.Popen]]:
+    for tool in ("sshd", "ssh", "ssh-keygen"):
+        if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
+            raise Unavailable(f"{tool} is not installed: {INSTALL_HINT}")
+    sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+    PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
+    key = folder / "client-key"
+    keygen(key)
+    authorized = folder / "authorized_keys"
+    authorized.write_text((folder / "client-key.pub").read_text())
+    daemons = []
+    for host in pair.hosts:
+        keygen(folder / f"hostkey-{host.name}")
+        config = sshd_config(folder, host, authorized)
+        log = open(folder / f"sshd-{host.name}.log", "w")
+        daemons.append(subprocess.Popen(host.command(sshd, "-D", "-e", "-f", str(config)), stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True))
+        log.close()
+    hosts = SshHosts(pair, key)
+    for host, daemon in zip(pair.hosts, daemons):
+        problem = wait_listening(host, daemon, within_s=30)
+        if problem is not None:
+            stop_sshd(daemons)
+            raise Unavailable(f"cannot start sshd on {host.name}: {problem} (log: {folder}/sshd-{host.name}.log)")
+    return hosts, daemons
+
+
+def wait_listening(host: Host, daemon: subprocess.Popen, within_s: float) -> str | None:
+    """None once sshd accepts connections on the host's address (probed from inside the host)."""
+    deadline = time.monotonic() + within_s
+    probe = f"import socket; socket.create_connection(('{host.address}', 22), timeout=1).close()"
+    while time.monotonic() < deadline:
+        if daemon.poll() is not None:
+            return f"it exited with status {daemon.returncode}"
+        if subprocess.run(host.command(sys.executable, "-c", probe), capture_output=True).returncode == 0:
+            return None
+        time.sleep(0.2)
+    return f"it did not listen within {within_s:g} s"
+
+
+def stop_sshd(daemons: list[subprocess.Popen]) -> None:
+    for daemon in daemons:
+        stop_session(daemon)
