@@ -32,6 +32,7 @@ subcommands (each has --help):
   bench.py report DIR|FILE...     compare runs: table, speedups, CSV, plot
   bench.py slurm --nodes N -- [options]   an sbatch script: one torchrun per node (--submit runs it)
   bench.py launch --hosts H1,H2 -- [options]  one torchrun per host of your own, over ssh
+  bench.py cloud --nodes N -- [options]   a SkyPilot task YAML for cloud machines
 
 examples:
   python bench.py                                          # 2 trainers, 1 server, CPU
@@ -423,6 +424,67 @@ def run_launch(argv: list[str]) -> int:
         return EXIT_SIGTERM
 
 
+CLOUD_EPILOG = """\
+examples:
+  python bench.py cloud --nodes 2 --accelerators H100:8 -- --ntrainer 14 --nserver 1 --backend nccl
+  python bench.py cloud --nodes 2 --cloud aws --use-spot --name ps-cpu -o cpu.yaml -- --ntrainer 6 --nserver 1
+  sky launch -c ps-bench ps_bench-sky.yaml    # what it prints: run it where SkyPilot is installed
+
+The YAML copies this checkout to every node (workdir), installs torch pinned to this
+machine's version and ps_bench from the checkout (setup), and starts torchrun on every node
+with the static rendezvous from SKYPILOT_NODE_RANK and the first line of SKYPILOT_NODE_IPS
+(run). The master runs on the last node, which writes the results file under ~/sky_workdir.
+ps_bench does not need SkyPilot installed to write it.
+"""
+
+
+def cloud_parser() -> Parser:
+    parser = Parser(prog="bench.py cloud", description=(
+        "Write a SkyPilot task YAML that runs this benchmark on N cloud machines, and print the sky launch "
+        "command that runs it."), epilog=CLOUD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", required=True, type=typed(int, "nodes"), metavar="N", help="machines to use")
+    parser.add_argument("--accelerators", metavar="NAME[:COUNT]", help="GPUs per machine, e.g. H100:8 "
+                        "(default: none)")
+    parser.add_argument("--cloud", metavar="C", help="aws, gcp, azure, ... (default: SkyPilot's choice)")
+    parser.add_argument("--use-spot", action="store_true", help="spot instances")
+    parser.add_argument("--name", default="ps-bench", metavar="J", help="task and cluster name (default: ps-bench)")
+    parser.add_argument("--iface", metavar="NAME", help="network interface between the machines: exported as "
+                        "TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME, checked on each machine")
+    parser.add_argument("--port", type=typed(int, "port"), default=29500, metavar="P",
+                        help="port of torchrun's store on the first machine (default: 29500)")
+    parser.add_argument("-o", "--output", default="ps_bench-sky.yaml", metavar="FILE",
+                        help="where to write the YAML (default: ps_bench-sky.yaml)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors in the input")
+    return parser
+
+
+def run_cloud(argv: list[str]) -> int:
+    from ps_bench.cluster import cloud
+
+    own, bench_argv = split_bench_options(argv)
+    args = cloud_parser().parse_args(own)
+    try:
+        if not 1 <= args.port <= 65535:
+            raise ConfigError(f"--port must be in 1..65535; got {args.port}")
+        cfg, layout = cluster_job(bench_argv, args.nodes, cloud.gpus_of(args.accelerators))
+        job = cloud.CloudJob(
+            layout, [*bench_argv, *(["--iface", args.iface] if args.iface else [])], name=args.name,
+            accelerators=args.accelerators, cloud=args.cloud, use_spot=args.use_spot, iface=args.iface,
+            port=args.port,
+            summary=f"{plural(cfg.num_trainers, 'trainer')}, {plural(cfg.num_servers, 'server')}, 1 master")
+        Path(args.output).write_text(cloud.task_yaml(job))
+    except ConfigError as error:
+        if args.debug:
+            traceback.print_exc()
+        sys.stderr.write(f"ps_bench: error: {error}\n")
+        return EXIT_USAGE
+    except OSError as error:
+        sys.stderr.write(f"ps_bench: error: -o {args.output}: {error.strerror}\n")
+        return EXIT_USAGE
+    print(f"ps_bench: wrote {args.output}; run it with: {cloud.launch_hint(job, args.output)}")
+    return EXIT_OK
+
+
 def run_subcommand(command: str, argv: list[str]) -> int:
     args = (sweep_parser() if command == "sweep" else report_parser()).parse_args(argv)
     try:
@@ -452,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_slurm(argv[1:])
     if argv[:1] == ["launch"]:
         return run_launch(argv[1:])
+    if argv[:1] == ["cloud"]:
+        return run_cloud(argv[1:])
     args = vars(build_parser().parse_args(argv))
     config_path = args.pop("config", None)
     cli_values = {k: v for k, v in args.items() if not k.startswith("ignored_")}
