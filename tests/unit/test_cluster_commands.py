@@ -92,3 +92,36 @@ def test_the_worked_slurm_examples_match_what_the_command_writes(tmp_path, capsy
         argv[at + 1] = str(tmp_path / example.name)
         assert main(argv) == 0
         assert (tmp_path / example.name).read_text() == example.read_text(), example.name
+
+
+def test_hostfile_takes_deepspeed_lines_and_comments(tmp_path):
+    from ps_bench.cluster.hosts import Target, check_targets, read_hostfile
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the head first\nalice@node1 slots=2\n\nnode2   # second\n")
+    assert read_hostfile(str(hostfile)) == [Target("alice@node1", 2), Target("node2")]
+    check_targets(read_hostfile(str(hostfile)), NodeLayout(2, 2))
+    with pytest.raises(ConfigError, match="slots=2, but this job runs 4 processes"):
+        check_targets(read_hostfile(str(hostfile)), NodeLayout(2, 4))
+    hostfile.write_text("node1 gpus=4\n")
+    with pytest.raises(ConfigError, match=r"hosts:1: expected '\[user@\]host \[slots=N\]'"):
+        read_hostfile(str(hostfile))
+
+
+def test_each_host_runs_torchrun_under_ssh_with_a_terminal():
+    from ps_bench.cluster.hosts import HostJob, SshOptions, Target, agent_command, failed_rank
+
+    job = HostJob([Target("alice@node1"), Target("node2")], NodeLayout(2, 2), ["--out", "r.json"],
+                  SshOptions(key="/k", port=2222, options=["StrictHostKeyChecking=no"]), python="/venv/bin/python",
+                  workdir="/srv/ps bench", env={"OMP_NUM_THREADS": "2"}, iface="eth1")
+    command = agent_command(job, 1)
+    assert command[:2] == ["ssh", "-tt"]  # a hang-up reaches the remote side when the connection drops
+    assert command[command.index("-i") + 1] == "/k" and command[command.index("-p") + 1] == "2222"
+    assert command[-2] == "node2"
+    remote = shlex.split(command[-1])
+    assert remote[:4] == ["cd", "/srv/ps bench", "&&", "exec"]
+    assert "TP_SOCKET_IFNAME=eth1" in remote and "OMP_NUM_THREADS=2" in remote
+    assert remote[remote.index("--node-rank") + 1] == "1" and remote[remote.index("--master-addr") + 1] == "node1"
+    report = "Root Cause (first observed failure):\n[0]:\n  host      : b\n  rank      : 2 (local_rank: 0)\n" \
+             "  exitcode  : -9 (pid: 7)\n"
+    assert failed_rank(report) == (2, -9)
