@@ -46,8 +46,8 @@ def test_a_worker_lost_on_the_first_attempt_is_recovered_by_a_restart(tmp_path):
 
 def test_without_restarts_left_the_first_attempt_fault_ends_the_job(tmp_path):
     out = tmp_path / "results.json"
-    code, output = torchrun("--standalone", "--nproc-per-node", "4", "bench.py", "--inject-fault",
-                            "master:0:2:raise:first", *QUICK, "--out", str(out))
+    code, output = torchrun("--standalone", "--nproc-per-node", "2", "bench.py", "--ntrainer", "1", "--nserver", "0",
+                            "--hook", "allreduce", "--inject-fault", "master:0:2:raise:first", *QUICK, "--out", str(out))
     assert code != 0
     results = json.loads(out.read_text())
     assert results["status"] == "failed" and results["restarts"] == 0

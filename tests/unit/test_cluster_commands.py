@@ -125,3 +125,27 @@ def test_each_host_runs_torchrun_under_ssh_with_a_terminal():
     report = "Root Cause (first observed failure):\n[0]:\n  host      : b\n  rank      : 2 (local_rank: 0)\n" \
              "  exitcode  : -9 (pid: 7)\n"
     assert failed_rank(report) == (2, -9)
+
+
+def test_cloud_task_names_nodes_resources_setup_and_run(tmp_path, capsys):
+    yaml = pytest.importorskip("yaml", reason="PyYAML reads the task here (ps_bench writes it as text)")
+    path = tmp_path / "task.yaml"
+    assert main(["cloud", "--nodes", "2", "--accelerators", "H100:4", "--use-spot", "-o", str(path), "--",
+                 "--ntrainer", "6", "--nserver", "1", "--backend", "nccl"]) == 0
+    assert f"sky launch -c ps-bench {path}" in capsys.readouterr().out
+    task = yaml.safe_load(path.read_text())
+    assert task["num_nodes"] == 2 and task["resources"] == {"accelerators": "H100:4", "use_spot": True}
+    assert "pip install torch==2.13.0" in task["setup"] and "pip install -e ." in task["setup"]
+    assert '--node-rank "$SKYPILOT_NODE_RANK"' in task["run"] and "--nproc-per-node 4" in task["run"]
+    assert 'PS_BENCH_HEAD=$(echo "$SKYPILOT_NODE_IPS" | head -n 1)' in task["run"]
+    try:
+        import sky
+    except ImportError:
+        return  # SkyPilot is not installed here: its own parser is checked where it is
+    sky.Task.from_yaml(str(path))
+
+
+def test_cloud_refuses_bad_accelerators_in_one_line(capsys):
+    assert main(["cloud", "--nodes", "2", "--accelerators", "H100:x", "--"]) == 2
+    assert capsys.readouterr().err == ("ps_bench: error: --accelerators: expected NAME or NAME:COUNT, e.g. H100:8; "
+                                       "got 'H100:x'\n")
