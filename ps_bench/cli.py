@@ -41,6 +41,8 @@ examples:
   python bench.py --config configs/runs/upstream_ps.json --rounds 5
   python bench.py --dry-run --ntrainer 3 --nserver 2       # ranks, roles, mapping; no run
   torchrun --nproc-per-node 4 bench.py --ntrainer 2 --nserver 1   # one process per rank
+  torchrun --standalone --nproc-per-node 4 --max-restarts 1 bench.py --inject-fault trainer:1:5:exit:first
+                                                           # a worker lost once; torchrun restarts the job
 
 precedence: command line > --config JSON > defaults. Every option also has an
 underscore spelling (--batch_size), so upstream command lines run unchanged.
