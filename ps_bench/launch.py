@@ -108,7 +108,8 @@ def worker(rank: int, spec: LaunchSpec) -> None:
     if cfg.iface:  # read by TensorPipe and gloo when they open their sockets
         os.environ.update(TP_SOCKET_IFNAME=cfg.iface, GLOO_SOCKET_IFNAME=cfg.iface)
     try:
-        store, view = rendezvous.join(rank, int(os.environ.get("LOCAL_RANK", rank)), max(cfg.rpc_timeout, 60.0))
+        store_timeout = max(cfg.rpc_timeout, 60.0)
+        store, view = rendezvous.join(rank, int(os.environ.get("LOCAL_RANK", rank)), store_timeout)
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(1)
         torch.manual_seed(cfg.torch_seed)
@@ -118,8 +119,8 @@ def worker(rank: int, spec: LaunchSpec) -> None:
             torch.cuda.manual_seed_all(cfg.cuda_seed)
         if info.role == TRAINER:  # before RPC, so the group exists when the master builds DDP
             dist.init_process_group(
-                PG_BACKENDS[cfg.backend], store=dist.PrefixStore("trainers/", view), rank=info.index,
-                world_size=topology.num_trainers, timeout=timedelta(seconds=max(cfg.rpc_timeout, 60.0)),
+                PG_BACKENDS[cfg.backend], store=dist.PrefixStore("trainers/", rendezvous.attempt_view(store_timeout)),
+                rank=info.index, world_size=topology.num_trainers, timeout=timedelta(seconds=store_timeout),
             )
         rpc.init_rpc(info.name, rank=rank, world_size=topology.world_size,
                      rpc_backend_options=rpc_options(spec, rank))

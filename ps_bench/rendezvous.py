@@ -27,7 +27,7 @@ SCHEME = "ps-bench-attempt"
 INIT_METHOD = f"{SCHEME}://"  # what RPC is given: the store of this attempt, see _rendezvous
 FAILURES_PREFIX = "ps_bench/failures"
 
-_attempt_store: dist.Store | None = None
+_timeout_s: float | None = None  # set by join(): how long store operations may wait
 
 
 def max_restarts() -> int:
@@ -53,11 +53,17 @@ def connect(timeout_s: float) -> dist.Store:
                          timeout=timedelta(seconds=timeout_s))
 
 
+def attempt_view(timeout_s: float) -> dist.Store:
+    """A client of its own, seen through this attempt's prefix. RPC and the trainers' group each
+    get one, as ``env://`` gave them: RPC sets its own timeout on the store it is handed."""
+    return dist.PrefixStore(attempt_prefix(restart_count()), connect(timeout_s))
+
+
 def join(rank: int, local_rank: int, timeout_s: float) -> tuple[dist.Store, dist.Store]:
     """Connects to the store, publishes this rank's host, and, under torchrun, keeps failure
-    records where the next attempt finds them. Returns (whole store, this attempt's view); RPC
-    started with ``INIT_METHOD`` uses the view."""
-    global _attempt_store
+    records where the next attempt finds them. Returns (whole store, this attempt's view).
+    From here on RPC started with ``INIT_METHOD`` rendezvouses in this attempt."""
+    global _timeout_s
     store = connect(timeout_s)
     attempt = restart_count()
     if max_restarts() > 0:
@@ -65,17 +71,17 @@ def join(rank: int, local_rank: int, timeout_s: float) -> tuple[dist.Store, dist
             {**entry, "host": socket.gethostname()})))
     view = dist.PrefixStore(attempt_prefix(attempt), store)
     view.set(f"host/rank{rank}", json.dumps(describe_host(rank, local_rank)))
-    _attempt_store = view
+    _timeout_s = timeout_s
     return store, view
 
 
 def _rendezvous(url: str, **kwargs):
-    """``torch.distributed.rendezvous`` handler: this process's attempt store, rank and world
-    size taken from the query RPC adds."""
-    if _attempt_store is None:
+    """``torch.distributed.rendezvous`` handler: a store of this attempt, and the rank and world
+    size from the query RPC adds."""
+    if _timeout_s is None:
         raise RuntimeError(f"{INIT_METHOD} needs ps_bench.rendezvous.join() first")
     query = parse_qs(urlparse(url).query)
-    yield _attempt_store, int(query["rank"][0]), int(query["world_size"][0])
+    yield attempt_view(_timeout_s), int(query["rank"][0]), int(query["world_size"][0])
     raise RuntimeError(f"{INIT_METHOD} cannot rendezvous twice")
 
 
