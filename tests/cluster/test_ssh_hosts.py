@@ -72,8 +72,9 @@ def test_launch_runs_across_both_hosts(ssh_hosts, tmp_path):
     assert hosts["psb-a"]["ranks"] == [0, 1] and hosts["psb-b"]["ranks"] == [2, 3]
 
 
-def test_a_killed_remote_worker_ends_the_run_on_every_host(ssh_hosts, tmp_path):
-    out = tmp_path / "results.json"  # also the marker that finds this job's processes
+def start_long_launch(ssh_hosts, out: Path) -> tuple[subprocess.Popen, list[str]]:
+    """Starts a launch that would run for minutes, and returns once its first round is done.
+    ``out`` (the results path) also marks the run's processes on every host."""
     process = subprocess.Popen(launch_command(ssh_hosts, "--ntrainer", "2", "--nserver", "1", "--rounds", "1000",
                                               "--out", str(out)),
                                cwd=ROOT, env=project_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -87,27 +88,45 @@ def test_a_killed_remote_worker_ends_the_run_on_every_host(ssh_hosts, tmp_path):
             if "[round 1/" in line:
                 running.set()
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    threading.Thread(target=read, daemon=True).start()
     if not running.wait(timeout=240):
         os.killpg(process.pid, signal.SIGKILL)
         pytest.fail("the run never started its rounds:\n" + "".join(lines) + process.stderr.read())
+    return process, lines
+
+
+def assert_nothing_left(marker: str) -> None:
+    deadline = time.monotonic() + 60
+    while job_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert job_processes(marker) == [], "processes of the run survived on a host"
+
+
+def test_a_killed_remote_worker_ends_the_run_on_every_host(ssh_hosts, tmp_path):
+    out = tmp_path / "results.json"
+    process, lines = start_long_launch(ssh_hosts, out)
     victim = rank_pid(str(out), 2)  # server 0, on the second host
     assert victim is not None, job_processes(str(out))
     os.kill(victim, signal.SIGKILL)
     _, stderr, _ = communicate(process, 120, "bench.py launch after a worker was killed")
-    reader.join(timeout=10)
-    second = ssh_hosts.pair.hosts[1]
+    first, second = ssh_hosts.pair.hosts
     assert process.returncode == 1, "".join(lines) + stderr
     last = stderr.strip().splitlines()[-1]
     # the first host's trainers may fail too, on their own, once their server is gone
     assert last.startswith(f"ps_bench: error: host {second.address} (node 1): server 0 (rank 2, server2) "
                            f"killed by SIGKILL"), stderr
-    assert last.endswith(f"the run was stopped on every host ({ssh_hosts.pair.hosts[0].address}, {second.address})")
-    deadline = time.monotonic() + 60
-    while job_processes(str(out)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert job_processes(str(out)) == [], "processes of the run survived on a host"
+    assert last.endswith(f"the run was stopped on every host ({first.address}, {second.address})")
+    assert_nothing_left(str(out))
+
+
+def test_ctrl_c_stops_every_host(ssh_hosts, tmp_path):
+    out = tmp_path / "results.json"
+    process, lines = start_long_launch(ssh_hosts, out)
+    process.send_signal(signal.SIGINT)
+    _, stderr, _ = communicate(process, 120, "bench.py launch after Ctrl-C")
+    assert process.returncode == 130, "".join(lines) + stderr
+    assert stderr.strip().splitlines()[-1].startswith("ps_bench: interrupted by SIGINT; the run was stopped on every host")
+    assert_nothing_left(str(out))
 
 
 def test_a_host_that_cannot_run_the_job_is_named_before_anything_starts(ssh_hosts):
