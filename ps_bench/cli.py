@@ -52,6 +52,9 @@ subcommands (each has --help):
   bench.py [run] [options]     one run (the default)
   bench.py sweep FILE --out DIR   every point of a sweep file, one process tree each
   bench.py report DIR|FILE...     compare runs: table, speedups, CSV, plot
+  bench.py slurm --nodes N -- [options]   an sbatch script: one torchrun per node (--submit runs it)
+  bench.py launch --hosts H1,H2 -- [options]  one torchrun per host of your own, over ssh
+  bench.py cloud --nodes N -- [options]   a SkyPilot task YAML for cloud machines
 
 examples:
   python bench.py                                          # 2 trainers, 1 server, CPU
@@ -60,6 +63,8 @@ examples:
   python bench.py --config configs/runs/upstream_ps.json --rounds 5
   python bench.py --dry-run --ntrainer 3 --nserver 2       # ranks, roles, mapping; no run
   torchrun --nproc-per-node 4 bench.py --ntrainer 2 --nserver 1   # one process per rank
+  torchrun --standalone --nproc-per-node 4 --max-restarts 1 bench.py --inject-fault trainer:1:5:exit:first
+                                                           # a worker lost once; torchrun restarts the job
 
 precedence: command line > --config JSON > defaults. Every option also has an
 underscore spelling (--batch_size), so upstream command lines run unchanged.
@@ -251,6 +256,266 @@ def report_parser() -> Parser:
     return parser
 
 
+SLURM_EPILOG = """\
+examples:
+  python bench.py slurm --nodes 2 -- --ntrainer 6 --nserver 1            # print the script
+  python bench.py slurm --nodes 2 --gpus-per-node 4 --partition gpu --time 00:30:00 \\
+      --iface eth1 -o job.sbatch -- --ntrainer 6 --nserver 1 --backend nccl
+  python bench.py slurm --nodes 2 --submit -- --ntrainer 2 --nserver 1  # sbatch --wait, its status
+
+The bench options after -- are checked here first (bad ones exit 2 before anything queues).
+nodes x processes per node must equal the job's trainers + servers + 1; the master (last rank)
+runs on the last node, which writes the results file (--out, relative to the submit folder).
+The job's log is %x-%j.out (job name, job id).
+"""
+
+
+def slurm_parser() -> Parser:
+    parser = Parser(prog="bench.py slurm", description=(
+        "Write an sbatch script that runs this benchmark on N nodes: srun starts one task per node, each "
+        "starts a torchrun agent (static rendezvous, the first node hosts the store, node rank from "
+        "$SLURM_NODEID), and torchrun starts and supervises the ranks."),
+        epilog=SLURM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", required=True, type=typed(int, "nodes"), metavar="N", help="nodes to use")
+    parser.add_argument("--gpus-per-node", type=typed(int, "gpus-per-node"), default=0, metavar="G",
+                        help="GPUs to ask for on each node (default: 0)")
+    parser.add_argument("--partition", metavar="P", help="SLURM partition (default: the cluster's)")
+    parser.add_argument("--time", metavar="T", help="time limit, e.g. 00:30:00 (default: the partition's)")
+    parser.add_argument("--job-name", default="ps_bench", metavar="J", help="job name (default: ps_bench)")
+    parser.add_argument("--iface", metavar="NAME", help="network interface between the nodes: exported as "
+                        "TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME, checked on each node")
+    parser.add_argument("--port", type=typed(int, "port"), default=29500, metavar="P",
+                        help="port of torchrun's store on the first node (default: 29500)")
+    parser.add_argument("--max-restarts", type=typed(int, "max-restarts"), default=0, metavar="K",
+                        help="torchrun restarts the whole job up to K times after a failure (default: 0)")
+    parser.add_argument("--python", default=sys.executable, metavar="PATH",
+                        help=f"interpreter on the nodes (default: this one, {sys.executable})")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the script here instead of printing it")
+    parser.add_argument("--submit", action="store_true", help="submit with sbatch --wait and exit with the "
+                        "job's status")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors in the input")
+    return parser
+
+
+def split_bench_options(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``[own options] -- [bench options]``."""
+    if "--" not in argv:
+        return argv, []
+    at = argv.index("--")
+    return argv[:at], argv[at + 1:]
+
+
+def bench_values(argv: list[str]) -> tuple[dict[str, Any], str | None]:
+    """Parses bench options (a bad flag exits 2 with one line); returns them and --config."""
+    args = vars(build_parser().parse_args(argv))
+    config_path = args.pop("config", None)
+    return {k: v for k, v in args.items() if not k.startswith("ignored_")}, config_path
+
+
+UNKNOWN_GPUS = -1
+
+
+def cluster_job(bench_argv: list[str], nodes: int, gpus_per_node: int, hosts: bool = False):
+    """Validates bench options for a job of ``nodes`` nodes as it will run there; returns the
+    config and the layout. The interface is checked by each node when its ranks start."""
+    from ps_bench.cluster.torchrun import layout_for, trainers_per_node
+
+    values, config_path = bench_values(bench_argv)
+    cfg = build_config(values, config_path)
+    cfg.iface = None
+    layout = layout_for(cfg, nodes, hosts)
+    wants_cuda = cfg.backend != "gloo" or cfg.ncudatrainer or cfg.ncudaserver
+    if gpus_per_node == UNKNOWN_GPUS:  # hosts of one's own: assume what the options ask for, each host checks
+        gpus_per_node = trainers_per_node(cfg, layout) + cfg.ncudaserver if wants_cuda else 0
+    if wants_cuda and gpus_per_node < 1:
+        raise ConfigError("the bench options use CUDA (--backend nccl/multi, --ncudatrainer or --ncudaserver): "
+                          "set --gpus-per-node")
+    if gpus_per_node < 0:
+        raise ConfigError(f"--gpus-per-node must be 0 or more; got {gpus_per_node}")
+    validate(cfg, gpus=gpus_per_node, trainers_on_node=trainers_per_node(cfg, layout))
+    return cfg, layout
+
+
+def run_slurm(argv: list[str]) -> int:
+    from ps_bench.cluster import slurm
+
+    own, bench_argv = split_bench_options(argv)
+    args = slurm_parser().parse_args(own)
+    try:
+        if not 1 <= args.port <= 65535:
+            raise ConfigError(f"--port must be in 1..65535; got {args.port}")
+        if args.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be 0 or more; got {args.max_restarts}")
+        cfg, layout = cluster_job(bench_argv, args.nodes, args.gpus_per_node)
+        job = slurm.SlurmJob(
+            layout, slurm.bench_args_with_iface(bench_argv, args.iface), job_name=args.job_name,
+            gpus_per_node=args.gpus_per_node, partition=args.partition, time=args.time, iface=args.iface,
+            port=args.port, max_restarts=args.max_restarts, python=args.python,
+            summary=f"{plural(cfg.num_trainers, 'trainer')}, {plural(cfg.num_servers, 'server')}, 1 master")
+        script = slurm.sbatch_script(job)
+        if args.submit:
+            return slurm.submit(script, args.output)
+        slurm.write_or_print(script, args.output)
+        return EXIT_OK
+    except ConfigError as error:
+        if args.debug:
+            traceback.print_exc()
+        sys.stderr.write(f"ps_bench: error: {error}\n")
+        return EXIT_USAGE
+
+
+LAUNCH_EPILOG = """\
+examples:
+  python bench.py launch --hosts node1,node2 -- --ntrainer 6 --nserver 1
+  python bench.py launch --hostfile hosts.txt --ssh-key ~/.ssh/bench --iface eth1 \\
+      --python /opt/venv/bin/python --workdir /srv/ps_bench -- --ntrainer 6 --nserver 1 --out results/r.json
+  python bench.py launch --hosts alice@10.0.0.1,alice@10.0.0.2 --ssh-option StrictHostKeyChecking=accept-new -- --rounds 3
+
+A hostfile lists one [user@]host per line, optionally with slots=N (DeepSpeed's and MPI's
+format; N must be the processes per host). Every host must be reachable with ssh without a
+password, and have ps_bench and torch at this machine's versions (checked first). The first
+host hosts torchrun's store (--port); the last host runs the master and writes the results
+file (--out, relative to --workdir). Ctrl-C or a failed host stops every host's processes.
+"""
+
+
+def launch_parser() -> Parser:
+    parser = Parser(prog="bench.py launch", description=(
+        "Run this benchmark on your own hosts: one torchrun agent per host, started over OpenSSH's ssh "
+        "(static rendezvous; node ranks in host order), each host's output prefixed with its name."),
+        epilog=LAUNCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    hosts = parser.add_mutually_exclusive_group(required=True)
+    hosts.add_argument("--hosts", metavar="[USER@]H1,H2,...", help="the hosts, the first one is the head")
+    hosts.add_argument("--hostfile", metavar="FILE", help="the hosts, one per line ([user@]host [slots=N])")
+    parser.add_argument("--ssh-key", metavar="FILE", help="private key for ssh -i (default: ssh's own choice)")
+    parser.add_argument("--ssh-port", type=typed(int, "ssh-port"), metavar="P", help="sshd's port on every host")
+    parser.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="passed to ssh as -o KEY=VALUE (repeat for more)")
+    parser.add_argument("--iface", metavar="NAME", help="network interface between the hosts: exported as "
+                        "TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME, checked on each host")
+    parser.add_argument("--python", default="python3", metavar="PATH",
+                        help="interpreter on the hosts; an ssh session has a bare PATH, so prefer an absolute "
+                             "path (default: python3)")
+    parser.add_argument("--workdir", metavar="DIR", help="folder to run in on every host (default: the login folder)")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="environment variable for the job on every host (repeat for more)")
+    parser.add_argument("--port", type=typed(int, "port"), default=29500, metavar="P",
+                        help="port of torchrun's store on the first host (default: 29500)")
+    parser.add_argument("--master-addr", metavar="ADDR", help="address the hosts reach the first host at "
+                        "(default: the first host's name as given)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors in the input")
+    return parser
+
+
+def run_launch(argv: list[str]) -> int:
+    from ps_bench.cluster import hosts
+    from ps_bench.topology import Topology
+
+    own, bench_argv = split_bench_options(argv)
+    args = launch_parser().parse_args(own)
+    try:
+        targets = hosts.parse_hosts(args.hosts) if args.hosts else hosts.read_hostfile(args.hostfile)
+        if not 1 <= args.port <= 65535:
+            raise ConfigError(f"--port must be in 1..65535; got {args.port}")
+        env = {}
+        for item in args.env:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise ConfigError(f"--env: expected KEY=VALUE; got {item!r}")
+            env[key] = value
+        cfg, layout = cluster_job(bench_argv, len(targets), UNKNOWN_GPUS, hosts=True)
+        hosts.check_targets(targets, layout)
+        job = hosts.HostJob(targets, layout, [*bench_argv, *(["--iface", args.iface] if args.iface else [])],
+                            hosts.SshOptions(args.ssh_key, args.ssh_port, args.ssh_option), python=args.python,
+                            workdir=args.workdir, env=env, iface=args.iface, port=args.port,
+                            master_addr=args.master_addr)
+        hosts.preflight(job)
+    except ConfigError as error:
+        if args.debug:
+            traceback.print_exc()
+        sys.stderr.write(f"ps_bench: error: {error}\n")
+        return EXIT_USAGE
+    topology = Topology(cfg.ntrainer, cfg.ncudatrainer, cfg.nserver, cfg.ncudaserver, cfg.mapping,
+                        cuda_collectives=cfg.backend != "gloo")
+    names = ", ".join(target.host for target in targets)
+    print(f"ps_bench: {layout.world_size} processes on {layout.nodes} hosts ({names}), {layout.nproc_per_node} "
+          f"each; the master and the results file are on {targets[-1].host}", flush=True)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return hosts.run(job, lambda rank: topology.info(rank).describe())
+    except hosts.HostsFailed as error:
+        sys.stderr.write(f"ps_bench: error: {error}; the run was stopped on every host ({names})\n")
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        sys.stderr.write(f"ps_bench: interrupted by SIGINT; the run was stopped on every host ({names})\n")
+        return EXIT_SIGINT
+    except Terminated:
+        sys.stderr.write(f"ps_bench: terminated by SIGTERM; the run was stopped on every host ({names})\n")
+        return EXIT_SIGTERM
+
+
+CLOUD_EPILOG = """\
+examples:
+  python bench.py cloud --nodes 2 --accelerators H100:8 -- --ntrainer 14 --nserver 1 --backend nccl
+  python bench.py cloud --nodes 2 --cloud aws --use-spot --name ps-cpu -o cpu.yaml -- --ntrainer 6 --nserver 1
+  sky launch -c ps-bench ps_bench-sky.yaml    # what it prints: run it where SkyPilot is installed
+
+The YAML copies this checkout to every node (workdir), installs torch pinned to this
+machine's version and ps_bench from the checkout (setup), and starts torchrun on every node
+with the static rendezvous from SKYPILOT_NODE_RANK and the first line of SKYPILOT_NODE_IPS
+(run). The master runs on the last node, which writes the results file under ~/sky_workdir.
+ps_bench does not need SkyPilot installed to write it.
+"""
+
+
+def cloud_parser() -> Parser:
+    parser = Parser(prog="bench.py cloud", description=(
+        "Write a SkyPilot task YAML that runs this benchmark on N cloud machines, and print the sky launch "
+        "command that runs it."), epilog=CLOUD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", required=True, type=typed(int, "nodes"), metavar="N", help="machines to use")
+    parser.add_argument("--accelerators", metavar="NAME[:COUNT]", help="GPUs per machine, e.g. H100:8 "
+                        "(default: none)")
+    parser.add_argument("--cloud", metavar="C", help="aws, gcp, azure, ... (default: SkyPilot's choice)")
+    parser.add_argument("--use-spot", action="store_true", help="spot instances")
+    parser.add_argument("--name", default="ps-bench", metavar="J", help="task and cluster name (default: ps-bench)")
+    parser.add_argument("--iface", metavar="NAME", help="network interface between the machines: exported as "
+                        "TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME, checked on each machine")
+    parser.add_argument("--port", type=typed(int, "port"), default=29500, metavar="P",
+                        help="port of torchrun's store on the first machine (default: 29500)")
+    parser.add_argument("-o", "--output", default="ps_bench-sky.yaml", metavar="FILE",
+                        help="where to write the YAML (default: ps_bench-sky.yaml)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors in the input")
+    return parser
+
+
+def run_cloud(argv: list[str]) -> int:
+    from ps_bench.cluster import cloud
+
+    own, bench_argv = split_bench_options(argv)
+    args = cloud_parser().parse_args(own)
+    try:
+        if not 1 <= args.port <= 65535:
+            raise ConfigError(f"--port must be in 1..65535; got {args.port}")
+        cfg, layout = cluster_job(bench_argv, args.nodes, cloud.gpus_of(args.accelerators))
+        job = cloud.CloudJob(
+            layout, [*bench_argv, *(["--iface", args.iface] if args.iface else [])], name=args.name,
+            accelerators=args.accelerators, cloud=args.cloud, use_spot=args.use_spot, iface=args.iface,
+            port=args.port,
+            summary=f"{plural(cfg.num_trainers, 'trainer')}, {plural(cfg.num_servers, 'server')}, 1 master")
+        Path(args.output).write_text(cloud.task_yaml(job))
+    except ConfigError as error:
+        if args.debug:
+            traceback.print_exc()
+        sys.stderr.write(f"ps_bench: error: {error}\n")
+        return EXIT_USAGE
+    except OSError as error:
+        sys.stderr.write(f"ps_bench: error: -o {args.output}: {error.strerror}\n")
+        return EXIT_USAGE
+    print(f"ps_bench: wrote {args.output}; run it with: {cloud.launch_hint(job, args.output)}")
+    return EXIT_OK
+
+
 def run_subcommand(command: str, argv: list[str]) -> int:
     args = (sweep_parser() if command == "sweep" else report_parser()).parse_args(argv)
     try:
@@ -277,6 +542,12 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     if argv[:1] in (["sweep"], ["report"]):
         return run_subcommand(argv[0], argv[1:])
+    if argv[:1] == ["slurm"]:
+        return run_slurm(argv[1:])
+    if argv[:1] == ["launch"]:
+        return run_launch(argv[1:])
+    if argv[:1] == ["cloud"]:
+        return run_cloud(argv[1:])
     args = vars(build_parser().parse_args(argv))
     config_path = args.pop("config", None)
     cli_values = {k: v for k, v in args.items() if not k.startswith(("ignored_", "refused_"))}

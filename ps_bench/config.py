@@ -71,13 +71,18 @@ class RunConfig:
     rpc_threads: int = option(8, "TensorPipe worker threads per process")
     master_addr: str = option("127.0.0.1", "address of the rendezvous store (a private interface: RPC trusts its peers)")
     master_port: int | None = option(None, "port of the rendezvous store (default: a free one)")
+    iface: str | None = option(
+        None, "network interface that connects the nodes, e.g. eth1: exported to every rank as "
+        "TP_SOCKET_IFNAME (TensorPipe) and GLOO_SOCKET_IFNAME (gloo); must exist on every node (default: "
+        "let them choose)")
     timeout: float | None = option(
         None, "watchdog for the whole job in seconds: on expiry every rank's Python stacks go to the "
         "log and the job ends with status 1 (default: none)")
     inject_fault: str | None = option(
-        None, "make one rank fail on purpose: ROLE:INDEX:ITER:KIND with ROLE trainer|server|master, "
+        None, "make one rank fail on purpose: ROLE:INDEX:ITER:KIND[:first] with ROLE trainer|server|master, "
         "INDEX among that role from 0, ITER from 1 (a training iteration; the master's round), "
-        "KIND exit|raise|hang (default: none)")
+        "KIND exit|raise|hang; a trailing :first fails only torchrun's first attempt, so "
+        "--max-restarts can recover (default: none)")
     out: str | None = option(None, "results file (default: a new name under results/; never overwritten)")
     per_rank: bool = option(False, "also print one table row per rank")
     dry_run: bool = option(False, "print the rank/role/name/mapping table and exit")
@@ -269,6 +274,16 @@ def model_size(network: Any) -> dict[str, int]:
     }
 
 
+def check_interface(name: str) -> None:
+    """Raises ConfigError unless this node has a network interface called ``name``."""
+    import socket
+
+    names = sorted(interface for _, interface in socket.if_nameindex())
+    if name not in names:
+        raise ConfigError(f"--iface {name!r}: no such network interface on {socket.gethostname()}; "
+                          f"it has {', '.join(names)}")
+
+
 def cuda_device_count() -> int:
     import torch
 
@@ -309,6 +324,8 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
     need(cfg.num_trainers >= 1, "at least one trainer is needed: set --ntrainer or --ncudatrainer to 1 or more")
     if cfg.master_port is not None:
         need(1 <= cfg.master_port <= 65535, f"--master-port must be in 1..65535; got {cfg.master_port}")
+    if cfg.iface is not None:
+        check_interface(cfg.iface)
     for name, allowed in (("backend", ("gloo", "nccl", "multi")), ("mapping", ("shard", "group"))):
         value = getattr(cfg, name)
         need(value in allowed, f"--{name} must be one of {', '.join(allowed)}; got {value!r}")

@@ -49,13 +49,42 @@ def error_file(run_dir: str | os.PathLike, rank: int) -> Path:
     return Path(run_dir) / f"error-rank{rank}.json"
 
 
+_sinks: list[Callable[[dict], None]] = []
+
+
+def add_sink(sink: Callable[[dict], None]) -> None:
+    """Also hands every failure record to ``sink`` (under torchrun: the store a restarted
+    attempt reads, to say what it recovered from)."""
+    _sinks.append(sink)
+
+
+def _entry(error: BaseException) -> dict:
+    text = "".join(traceback.format_exception(error))
+    return {**asdict(_identity), "error": f"{type(error).__name__}: {error}".strip(), "traceback": text,
+            "time": time.time()}
+
+
+def announce(error: BaseException) -> None:
+    """Hands a failure to the sinks only: for a rank about to vanish on purpose, whose exit
+    the launcher reports by itself."""
+    if _identity is None:
+        return
+    entry = _entry(error)
+    for sink in _sinks:
+        try:
+            sink(entry)
+        except Exception:  # noqa: BLE001 - a failing rank must still reach its exit
+            pass
+
+
 def record(error: BaseException) -> None:
     """Writes this rank's failure record (first one wins)."""
     me = _identity
     if me is None:
         return
+    announce(error)
     text = "".join(traceback.format_exception(error))
-    entry = {**asdict(me), "error": f"{type(error).__name__}: {error}".strip(), "traceback": text, "time": time.time()}
+    entry = _entry(error)
     path = error_file(me.run_dir, me.rank)
     try:
         if not path.exists():

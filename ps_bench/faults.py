@@ -1,10 +1,11 @@
-"""``--inject-fault ROLE:INDEX:ITER:KIND``: make one rank fail on purpose.
+"""``--inject-fault ROLE:INDEX:ITER:KIND[:first]``: make one rank fail on purpose.
 
 ROLE is trainer, server or master; INDEX counts ranks of that role from 0 (trainer 1,
 server 0, master 0). ITER counts from 1: a trainer's training iterations (warmup included),
 the training iteration of the gradient a server receives, or the master's round. KIND is
 ``exit`` (the process dies at once), ``raise`` (an exception) or ``hang`` (stops
-responding, for ever).
+responding, for ever). A trailing ``:first`` limits the fault to torchrun's first attempt
+(``TORCHELASTIC_RESTART_COUNT`` 0), so a job started with ``--max-restarts`` can recover.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import os
 import threading
 from dataclasses import dataclass
 
+from ps_bench import failures
+
 ROLES = ("trainer", "server", "master")
 KINDS = ("exit", "raise", "hang")
-FORMAT = "ROLE:INDEX:ITER:KIND, e.g. trainer:1:3:hang"
+FIRST_ATTEMPT = "first"
+FORMAT = "ROLE:INDEX:ITER:KIND[:first], e.g. trainer:1:3:hang or trainer:1:5:exit:first"
 
 
 class InjectedFault(RuntimeError):
@@ -28,14 +32,17 @@ class Fault:
     index: int
     iteration: int
     kind: str
+    first_attempt_only: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "Fault":
         """Raises ValueError with a sentence for people."""
         parts = text.split(":")
-        if len(parts) != 4:
+        if len(parts) not in (4, 5):
             raise ValueError(f"expected {FORMAT}; got {text!r}")
-        role, index, iteration, kind = parts
+        role, index, iteration, kind = parts[:4]
+        if len(parts) == 5 and parts[4] != FIRST_ATTEMPT:
+            raise ValueError(f"the optional 5th field must be {FIRST_ATTEMPT!r} (first attempt only); got {parts[4]!r}")
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
         if kind not in KINDS:
@@ -46,18 +53,26 @@ class Fault:
             raise ValueError(f"INDEX and ITER must be integers; got {index!r} and {iteration!r}") from None
         if index_value < 0 or iteration_value < 1:
             raise ValueError(f"INDEX must be 0 or more and ITER 1 or more; got {index_value} and {iteration_value}")
-        return cls(role, index_value, iteration_value, kind)
+        return cls(role, index_value, iteration_value, kind, first_attempt_only=len(parts) == 5)
 
     def matches(self, role: str, index: int, iteration: int) -> bool:
+        if self.first_attempt_only and restart_count() > 0:
+            return False
         return (self.role, self.index, self.iteration) == (role, index, iteration)
 
     def trigger(self) -> None:
         where = f"{self.role} {self.index} at iteration {self.iteration}"
         if self.kind == "exit":
+            failures.announce(InjectedFault(f"injected fault: {where} (exit)"))
             os._exit(3)
         if self.kind == "raise":
             raise InjectedFault(f"injected fault: {where}")
         threading.Event().wait()  # hang: never returns
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this job (0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def maybe_inject(fault: "Fault | None", role: str, index: int, iteration: int) -> None:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 
-from ps_bench import failures
+from ps_bench import failures, rendezvous
 from ps_bench.config import ConfigError, Entry, RunConfig
 from ps_bench.metrics.results import write_results
 from ps_bench.topology import MASTER, TRAINER, Topology
@@ -88,7 +88,7 @@ def rpc_options(spec: LaunchSpec, rank: int) -> rpc.TensorPipeRpcBackendOptions:
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=cfg.rpc_threads,
         rpc_timeout=cfg.rpc_timeout,
-        init_method="env://",
+        init_method=rendezvous.INIT_METHOD,  # this attempt's keys only (elastic restarts)
     )
     maps = topology.device_maps(rank, spec.local_world_size, spec.gpus_per_node)
     for peer, device_map in maps.items():
@@ -118,7 +118,11 @@ def worker(rank: int, spec: LaunchSpec) -> None:
     if spec.torchrun and cfg.timeout:  # no launcher of ours to enforce --timeout: each rank does
         faulthandler.dump_traceback_later(cfg.timeout, exit=True)
     master = None
+    if cfg.iface:  # read by TensorPipe and gloo when they open their sockets
+        os.environ.update(TP_SOCKET_IFNAME=cfg.iface, GLOO_SOCKET_IFNAME=cfg.iface)
     try:
+        store_timeout = max(cfg.rpc_timeout, 60.0)
+        store, view = rendezvous.join(rank, int(os.environ.get("LOCAL_RANK", rank)), store_timeout)
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(1)
         torch.manual_seed(cfg.torch_seed)
@@ -128,22 +132,28 @@ def worker(rank: int, spec: LaunchSpec) -> None:
             torch.cuda.manual_seed_all(cfg.cuda_seed)
         if info.role == TRAINER:  # before RPC, so the group exists when the master builds DDP
             dist.init_process_group(
-                PG_BACKENDS[cfg.backend], init_method="env://", rank=info.index,
-                world_size=topology.num_trainers, timeout=timedelta(seconds=max(cfg.rpc_timeout, 60.0)),
+                PG_BACKENDS[cfg.backend], store=dist.PrefixStore("trainers/", rendezvous.attempt_view(store_timeout)),
+                rank=info.index, world_size=topology.num_trainers, timeout=timedelta(seconds=store_timeout),
             )
         rpc.init_rpc(info.name, rank=rank, world_size=topology.world_size,
                      rpc_backend_options=rpc_options(spec, rank))
         if info.role == MASTER:
             from ps_bench.master import Master
 
+            recovered = rendezvous.recovered_failures(store, topology.world_size)
+            if recovered:
+                print(f"ps_bench: torchrun restart {len(recovered)} of {rendezvous.max_restarts()}: starting the job "
+                      f"over after {recovered[-1]['failure']}", flush=True)
             master = Master(cfg, topology, spec.model, spec.data, spec.device_of, spec.argv,
-                            spec.run_dir, spec.results_path, spec.launched_at)
+                            spec.run_dir, spec.results_path, spec.launched_at,
+                            hosts=rendezvous.gather_hosts(view, topology.world_size), recovered=recovered)
             master.run()
         rpc.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
     except BaseException as error:  # noqa: BLE001 - every failure must reach the launcher
-        if master is not None and spec.torchrun:  # no launcher of ours to keep the finished rounds
+        # no launcher of ours to keep the finished rounds; a job torchrun restarts writes its file later
+        if master is not None and spec.torchrun and not rendezvous.restarts_left():
             path = write_results(master.results("failed", error=f"{info.describe()} failed: {error}"),
                                  spec.results_path)
             print(f"results (failed run): {path}", flush=True)

@@ -54,7 +54,8 @@ def read_snapshot(run_dir: str) -> dict | None:
 class Master:
     def __init__(self, config: RunConfig, topology: Topology, model: Entry, data: Entry,
                  device_of: Callable[[int], int | None], argv: list[str], run_dir: str, results_path: str,
-                 launched_at: float | None = None) -> None:
+                 launched_at: float | None = None, hosts: list[dict] | None = None,
+                 recovered: list[dict] | None = None) -> None:
         self.config, self.topology = config, topology
         self.model, self.data = model, data
         self.device_of = device_of
@@ -64,7 +65,8 @@ class Master:
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.started = iso_now()
         self.launched_at = time.time() if launched_at is None else launched_at
-        self.environment = environment(config.backend)  # read once: every snapshot repeats it
+        self.environment = {**environment(config.backend), "hosts": hosts or []}  # read once: every snapshot repeats it
+        self.recovered = recovered or []  # earlier attempts torchrun restarted the job after
         self.trainer_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.server_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.trainer_bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])
@@ -237,6 +239,8 @@ class Master:
             "config": {**cfg.to_dict(), "model_config": self.model.to_dict(), "data_config": self.data.to_dict(),
                        "model_size": {**self.model.size, "ddp_buckets": self.buckets}},
             "env": self.environment,
+            "restarts": len(self.recovered),
+            "recovered": self.recovered,
             "rounds_completed": self.rounds_done,
             "summary": [r.to_dict() for r in self.rows() if r.unit == "ms"],
             "throughput": {

@@ -1,0 +1,149 @@
+"""The store every rank of a job shares, seen one attempt at a time.
+
+Both launch paths give every rank a store at ``MASTER_ADDR:MASTER_PORT`` (ours under
+``spawn``, torchrun's agent store under torchrun). torchrun keeps that store across elastic
+restarts (``--max-restarts``), so the keys a failed attempt wrote are still there when the
+group starts again, and RPC's and gloo's start-up would read the dead attempt's addresses.
+Each attempt therefore works under its own prefix, named by ``TORCHELASTIC_RESTART_COUNT``.
+Only failure records live outside it, on purpose: they are how a restarted attempt learns
+what it recovered from. Each rank also leaves a description of its host in its attempt's
+view, which the master gathers into the results' ``env.hosts``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from datetime import timedelta
+from urllib.parse import parse_qs, urlparse
+
+import torch.distributed as dist
+
+from ps_bench import failures
+from ps_bench.faults import restart_count
+
+SCHEME = "ps-bench-attempt"
+INIT_METHOD = f"{SCHEME}://"  # what RPC is given: the store of this attempt, see _rendezvous
+FAILURES_PREFIX = "ps_bench/failures"
+
+_timeout_s: float | None = None  # set by join(): how long store operations may wait
+
+
+def max_restarts() -> int:
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+
+
+def restarts_left() -> bool:
+    """True when torchrun will start the job again if this attempt fails."""
+    return restart_count() < max_restarts()
+
+
+def attempt_prefix(attempt: int) -> str:
+    return f"ps_bench/attempt{attempt}/"
+
+
+def failure_key(attempt: int, rank: int) -> str:
+    return f"{FAILURES_PREFIX}/attempt{attempt}/rank{rank}"
+
+
+def connect(timeout_s: float) -> dist.Store:
+    """A client of the job's store (never its host: the launcher or torchrun's agent is)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+def attempt_view(timeout_s: float) -> dist.Store:
+    """A client of its own, seen through this attempt's prefix. RPC and the trainers' group each
+    get one, as ``env://`` gave them: RPC sets its own timeout on the store it is handed."""
+    return dist.PrefixStore(attempt_prefix(restart_count()), connect(timeout_s))
+
+
+def join(rank: int, local_rank: int, timeout_s: float) -> tuple[dist.Store, dist.Store]:
+    """Connects to the store, publishes this rank's host, and, under torchrun, keeps failure
+    records where the next attempt finds them. Returns (whole store, this attempt's view).
+    From here on RPC started with ``INIT_METHOD`` rendezvouses in this attempt."""
+    global _timeout_s
+    store = connect(timeout_s)
+    attempt = restart_count()
+    if max_restarts() > 0:
+        failures.add_sink(lambda entry: store.set(failure_key(attempt, rank), json.dumps(
+            {**entry, "host": socket.gethostname()})))
+    view = dist.PrefixStore(attempt_prefix(attempt), store)
+    view.set(f"host/rank{rank}", json.dumps(describe_host(rank, local_rank)))
+    _timeout_s = timeout_s
+    return store, view
+
+
+def _rendezvous(url: str, **kwargs):
+    """``torch.distributed.rendezvous`` handler: a store of this attempt, and the rank and world
+    size from the query RPC adds."""
+    if _timeout_s is None:
+        raise RuntimeError(f"{INIT_METHOD} needs ps_bench.rendezvous.join() first")
+    query = parse_qs(urlparse(url).query)
+    yield attempt_view(_timeout_s), int(query["rank"][0]), int(query["world_size"][0])
+    raise RuntimeError(f"{INIT_METHOD} cannot rendezvous twice")
+
+
+try:
+    dist.register_rendezvous_handler(SCHEME, _rendezvous)
+except RuntimeError:  # already registered (module reloaded)
+    pass
+
+
+# -- hosts ------------------------------------------------------------------------------------
+def address_towards(host: str) -> str:
+    """The local address the kernel would use to reach ``host`` (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def describe_host(rank: int, local_rank: int) -> dict:
+    return {
+        "hostname": socket.gethostname(),
+        "address": address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")),
+        "rank": rank,
+        "local_rank": local_rank,
+        "cpus": os.cpu_count() or 0,
+        "gpus": gpu_count(),
+    }
+
+
+def gather_hosts(view: dist.Store, world_size: int) -> list[dict]:
+    """One entry per host (hostname and address), with the ranks it runs, in rank order."""
+    hosts: dict[tuple[str, str], dict] = {}
+    for rank in range(world_size):
+        rank_host = json.loads(view.get(f"host/rank{rank}"))
+        key = (rank_host["hostname"], rank_host["address"])
+        entry = hosts.setdefault(key, {"hostname": key[0], "address": key[1], "ranks": [],
+                                       "cpus": rank_host["cpus"], "gpus": rank_host["gpus"]})
+        entry["ranks"].append(rank)
+    return list(hosts.values())
+
+
+# -- restarts ---------------------------------------------------------------------------------
+def recovered_failures(store: dist.Store, world_size: int) -> list[dict]:
+    """What ended each earlier attempt: the first failure any rank recorded in it."""
+    recovered = []
+    for attempt in range(restart_count()):
+        keys = [failure_key(attempt, rank) for rank in range(world_size)]
+        records = [json.loads(store.get(key)) for key in keys if store.check([key])]
+        if not records:
+            recovered.append({"attempt": attempt, "failure": "no rank recorded a cause (killed by a signal, "
+                                                             "or stopped by torchrun)"})
+            continue
+        first = min(records, key=lambda record: record["time"])
+        who = f"{first['role']} {first['index']} (rank {first['rank']}, {first['name']}) on {first['host']}"
+        recovered.append({"attempt": attempt, "role": first["role"], "rank": first["rank"], "host": first["host"],
+                          "failure": f"{who} failed: {first['error'].splitlines()[0]}"})
+    return recovered

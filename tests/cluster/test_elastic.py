@@ -1,0 +1,54 @@
+"""torchrun's elastic restarts: a worker lost on the first attempt, the job started over and completed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from benchrun import ROOT, communicate
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")]
+
+QUICK = ("--warmup-rounds", "1", "--rounds", "2")
+
+
+def torchrun(*args: str, timeout_s: float = 300) -> tuple[int, str]:
+    command = [sys.executable, "-m", "torch.distributed.run", *args]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    stdout, _, _ = communicate(process, timeout_s, " ".join(args))
+    return process.returncode, stdout
+
+
+def test_a_worker_lost_on_the_first_attempt_is_recovered_by_a_restart(tmp_path):
+    out = tmp_path / "results.json"
+    code, output = torchrun("--standalone", "--nproc-per-node", "4", "--max-restarts", "1", "bench.py",
+                            "--ntrainer", "2", "--nserver", "1", "--inject-fault", "trainer:1:5:exit:first",
+                            *QUICK, "--out", str(out))
+    assert code == 0, output
+    assert "torchrun restart 1 of 1" in output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]  # the lost attempt wrote no file
+    results = json.loads(out.read_text())
+    assert results["status"] == "ok"
+    assert results["restarts"] == 1
+    [recovered] = results["recovered"]
+    assert recovered["attempt"] == 0 and recovered["role"] == "trainer" and recovered["rank"] == 1
+    assert "injected fault: trainer 1 at iteration 5" in recovered["failure"]
+    assert results["replicas"]["identical"] is True
+    [host] = results["env"]["hosts"]
+    assert host["ranks"] == [0, 1, 2, 3] and host["cpus"] >= 1
+
+
+def test_without_restarts_left_the_first_attempt_fault_ends_the_job(tmp_path):
+    out = tmp_path / "results.json"
+    code, output = torchrun("--standalone", "--nproc-per-node", "2", "bench.py", "--ntrainer", "1", "--nserver", "0",
+                            "--hook", "allreduce", "--inject-fault", "master:0:2:raise:first", *QUICK, "--out", str(out))
+    assert code != 0
+    results = json.loads(out.read_text())
+    assert results["status"] == "failed" and results["restarts"] == 0
+    assert "injected fault: master 0 at iteration 2" in results["error"]

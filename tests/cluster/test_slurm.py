@@ -1,0 +1,87 @@
+"""``bench.py slurm`` on a real SLURM: the script it writes runs, and scancel ends all of it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchrun import ROOT, communicate
+
+pytestmark = pytest.mark.integration
+
+QUICK = ("--warmup-rounds", "1", "--rounds", "2")
+
+
+def bench_slurm(cluster, folder: Path, *args: str, timeout_s: float = 300) -> tuple[int, str]:
+    """``python bench.py slurm ARGS`` run from ``folder`` (where sbatch writes the job's log)."""
+    process = subprocess.Popen([sys.executable, str(ROOT / "bench.py"), "slurm", *args], cwd=folder,
+                               env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    stdout, _, _ = communicate(process, timeout_s, f"bench.py slurm {' '.join(args)}")
+    return process.returncode, stdout
+
+
+def test_the_generated_script_runs_on_two_nodes(local_slurm, tmp_path):
+    out = tmp_path / "results.json"
+    code, output = bench_slurm(local_slurm, tmp_path, "--nodes", "2", "--submit", "-o", "job.sbatch", "--",
+                               "--ntrainer", "2", "--nserver", "1", *QUICK, "--out", str(out))
+    logs = list(tmp_path.glob("ps_bench-*.out"))
+    job_log = logs[0].read_text() if logs else "(no job log)"
+    assert code == 0, output + job_log
+    assert '--node-rank "$SLURM_NODEID"' in (tmp_path / "job.sbatch").read_text()
+    results = json.loads(out.read_text())
+    assert results["status"] == "ok" and results["replicas"]["identical"] is True
+    assert sorted(rank for host in results["env"]["hosts"] for rank in host["ranks"]) == [0, 1, 2, 3]
+    assert "results: " in job_log  # the master's output reaches the job log %x-%j.out
+
+
+def job_processes(job_id: str) -> list[int]:
+    """Live processes of a SLURM job: its steps' slurmstepd and everything carrying its id."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # exited, waiting to be reaped
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError):
+            continue
+        if f"SLURM_JOB_ID={job_id}".encode() in environ or cmdline.startswith(f"slurmstepd: [{job_id}.".encode()):
+            found.append(int(proc.name))
+    return found
+
+
+def ranks_started(job_id: str) -> int:
+    count = 0
+    for pid in job_processes(job_id):
+        try:
+            if b"-u\0-m\0ps_bench" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                count += 1
+        except FileNotFoundError:
+            continue
+    return count
+
+
+def test_scancel_ends_every_process_of_the_job(local_slurm, tmp_path):
+    code, output = bench_slurm(local_slurm, tmp_path, "--nodes", "2", "-o", "hang.sbatch", "--",
+                               "--inject-fault", "trainer:0:3:hang", *QUICK)
+    assert code == 0, output
+    submitted = local_slurm.run("sbatch", "--parsable", "hang.sbatch", cwd=tmp_path)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 240  # both agents and all four ranks up: an event, not a guess
+    while ranks_started(job_id) < 4 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ranks_started(job_id) == 4, local_slurm.run("squeue").stdout
+    assert local_slurm.run("scancel", job_id).returncode == 0
+    deadline = time.monotonic() + 120
+    while job_processes(job_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert job_processes(job_id) == [], "processes of the cancelled job survived"
