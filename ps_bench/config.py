@@ -63,7 +63,9 @@ class RunConfig:
     torch_seed: int = option(0, "seed for data, model initialisation and CPU randomness")
     cuda_seed: int = option(0, "seed for CUDA randomness")
     rpc_timeout: float = option(60.0, "seconds before an RPC call fails")
-    rpc_threads: int = option(8, "TensorPipe worker threads per process")
+    rpc_threads: int | None = option(
+        None, "TensorPipe worker threads per process (default: sized to the role, 4 or more: a server one "
+        "per trainer and server plus one, a trainer two plus one per server)")
     master_addr: str = option("127.0.0.1", "address of the rendezvous store (a private interface: RPC trusts its peers)")
     master_port: int | None = option(None, "port of the rendezvous store (default: a free one)")
     timeout: float | None = option(
@@ -248,7 +250,7 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
     for name in ("ntrainer", "ncudatrainer", "nserver", "ncudaserver", "warmup_rounds"):
         need(getattr(cfg, name) >= 0, f"--{name.replace('_', '-')} must be 0 or more; got {getattr(cfg, name)}")
     for name in ("epochs", "batch_size", "rounds", "rpc_threads"):
-        need(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be at least 1; got {getattr(cfg, name)}")
+        need(getattr(cfg, name) is None or getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be at least 1; got {getattr(cfg, name)}")
     for name in ("lr", "rpc_timeout", "bucket_cap_mb", "timeout"):
         value = getattr(cfg, name)
         need(value is None or value > 0, f"--{name.replace('_', '-')} must be positive; got {value}")

@@ -72,7 +72,7 @@ def stacks_file(run_dir: str, rank: int) -> Path:
 def rpc_options(spec: LaunchSpec, rank: int) -> rpc.TensorPipeRpcBackendOptions:
     topology, cfg = spec.topology(), spec.config
     options = rpc.TensorPipeRpcBackendOptions(
-        num_worker_threads=cfg.rpc_threads,
+        num_worker_threads=cfg.rpc_threads or topology.rpc_worker_threads(rank),
         rpc_timeout=cfg.rpc_timeout,
         init_method="env://",
     )
