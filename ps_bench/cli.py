@@ -115,6 +115,8 @@ def metavar(name: str, kind: type) -> str:
         return "PATH"
     if name == "rpc_timeout":
         return "SECONDS"
+    if name == "profile":
+        return "DIR"
     return {int: "N", float: "X"}.get(kind, "NAME")
 
 

@@ -75,6 +75,11 @@ class RunConfig:
         None, "make one rank fail on purpose: ROLE:INDEX:ITER:KIND with ROLE trainer|server|master, "
         "INDEX among that role from 0, ITER from 1 (a training iteration; the master's round), "
         "KIND exit|raise|hang (default: none)")
+    limits: bool = option(False, "after the timed rounds, measure the floors with this run's bytes and processes: "
+                                 "raw RPC round trips to the servers, raw all-reduce among the trainers, memory-copy "
+                                 "bandwidth; adds 'limits' and 'efficiency' (floor p50 / trainer comm p50) to the results")
+    profile: str | None = option(None, "write torch.profiler Chrome traces of a few timed iterations of every trainer "
+                                       "into this folder, one file per rank (open in ui.perfetto.dev or chrome://tracing)")
     out: str | None = option(None, "results file (default: a new name under results/; never overwritten)")
     per_rank: bool = option(False, "also print one table row per rank")
     dry_run: bool = option(False, "print the rank/role/name/mapping table and exit")
@@ -226,6 +231,16 @@ def load_entry(path: str, entry_id: str, class_key: str, registry: Any, option_n
     return Entry(entry_id, registry.canonical(entry[class_key]), dict(kwargs))
 
 
+def check_writable_folder(path: str, option_name: str) -> None:
+    """Creates the folder if needed; a ConfigError if it cannot be made or written."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"{option_name} {path!r} cannot be created: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option_name} {path!r} is not writable; choose another folder")
+
+
 def cuda_device_count() -> int:
     import torch
 
@@ -264,6 +279,8 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
         count = {"trainer": cfg.num_trainers, "server": cfg.num_servers, "master": 1}[fault.role]
         need(fault.index < count, f"--inject-fault: there is no {fault.role} {fault.index}; "
                                   f"this run has {count} {fault.role}(s), numbered from 0")
+    if cfg.profile is not None:
+        check_writable_folder(cfg.profile, "--profile")
     need(cfg.num_trainers >= 1, "at least one trainer is needed: set --ntrainer or --ncudatrainer to 1 or more")
     if cfg.master_port is not None:
         need(1 <= cfg.master_port <= 65535, f"--master-port must be in 1..65535; got {cfg.master_port}")

@@ -16,6 +16,8 @@ import torch.distributed.rpc as rpc
 from ps_bench.config import Entry, RunConfig
 from ps_bench.data import build_data
 from ps_bench.faults import Fault, maybe_inject
+from ps_bench.metrics import limits
+from ps_bench.metrics.memory import combine_peaks, peak_memory
 from ps_bench.metrics.results import SCHEMA, environment, iso_now, print_report, write_results
 from ps_bench.metrics.stats import SummaryRow, summary_rows
 from ps_bench.servers import SERVERS
@@ -68,6 +70,8 @@ class Master:
         self.grad_errors: list[float] = []
         self.verified_iterations = 0
         self.replicas: dict | None = None
+        self.limits: dict | None = None
+        self.memory: dict[str, dict[int, dict]] = {"trainer": {}, "server": {}}
         self.snapshot_at = self.snapshot_cost = 0.0
 
     # -- setting up ------------------------------------------------------------------------
@@ -135,7 +139,10 @@ class Master:
             maybe_inject(self.fault, "master", 0, round_index + 1)
             timed = round_index >= cfg.warmup_rounds
             start = time.perf_counter()
-            futures = [t.rpc_async(timeout=0).run_round(verify=timed and cfg.verify) for t in trainers]
+            profiled = cfg.profile is not None and round_index == total - 1
+            futures = [t.rpc_async(timeout=0).run_round(verify=timed and cfg.verify,
+                                                        profile_path=self.trace_path(info) if profiled else None)
+                       for t, info in zip(trainers, self.topology.trainers)]
             rounds = [f.wait() for f in futures]
             elapsed = time.perf_counter() - start
             served = [s.rpc_sync().take_metrics() for s in servers]
@@ -151,6 +158,8 @@ class Master:
                 flush=True,
             )
         self.replicas = self.compare_replicas(trainers)
+        if cfg.limits:
+            self.limits = self.measure_limits(trainers)
         results = self.results("ok")
         print_report(results, self.rows(split_ranks=cfg.per_rank))
         path = write_results(results, self.results_path)
@@ -172,7 +181,10 @@ class Master:
         for result in rounds:
             self.grad_errors.extend(result["grad_errors"])
         self.verified_iterations += rounds[0]["verified_iterations"]
+        for info, result in zip(topo.trainers, rounds):
+            self.memory["trainer"][info.rank] = result["memory"]
         for info, result in zip(topo.servers, served):
+            self.memory["server"][info.rank] = result["memory"]
             for metric, values in result["samples"].items():
                 self.server_samples[info.rank][metric].extend(values)
             self.server_bytes[info.rank][0] += result["bytes"]["recv"]
@@ -230,6 +242,12 @@ class Master:
             "replicas": self.replicas,
             "loss": {"first": self.losses[0], "last": self.losses[-1]} if self.losses else None,
             **({"verify": self.verify_summary()} if cfg.verify else {}),
+            "memory": {
+                "trainer": combine_peaks(list(self.memory["trainer"].values())),
+                "server": combine_peaks(list(self.memory["server"].values())) if topo.num_servers else None,
+                "master": peak_memory(),
+            },
+            **({"limits": self.limits, "efficiency": self.efficiency()} if self.limits else {}),
             "samples": [
                 {"role": info.role, "rank": info.rank, "name": info.name, "metrics": dict(samples.get(info.rank, {}))}
                 for info, samples in [(i, self.trainer_samples) for i in topo.trainers]
@@ -237,6 +255,38 @@ class Master:
             ],
         }
         return results
+
+    def trace_path(self, info) -> str:
+        return str(Path(self.config.profile) / f"{info.role}{info.index}-rank{info.rank}.json")
+
+    def measure_limits(self, trainers: list[rpc.RRef]) -> dict:
+        """The floors (see ``ps_bench.metrics.limits``), with the buckets of the run's last iteration."""
+        topo = self.topology
+        layout = trainers[0].rpc_sync().bucket_layout()
+        per_iteration = sum(layout.values())
+        targets = [rpc.remote(info.name, limits.RpcFloorTarget, args=(layout,)) for info in topo.servers]
+        floors = [f.wait() for f in [t.rpc_async(timeout=0).measure_floors(targets) for t in trainers]]
+        rpc_samples = [v for floor in floors for v in floor.get("rpc_ms", [])]
+        collective_samples = [v for floor in floors for v in floor["collective_ms"]]
+        return {
+            "bytes_per_iter": per_iteration,
+            "buckets": len(layout),
+            "rpc": limits.floor_summary(rpc_samples, per_iteration) if rpc_samples else None,
+            "collective": {**limits.floor_summary(collective_samples, per_iteration, world=topo.num_trainers),
+                           "backend": self.config.backend},
+            "memcpy": limits.memcpy_floor(per_iteration),
+        }
+
+    def efficiency(self) -> dict | None:
+        """The strategy's floor p50 over its trainer ``comm`` p50 (None for strategies that move nothing)."""
+        kind = limits.floor_for(self.config.hook)
+        floor = self.limits.get(kind) if kind else None
+        comm = [r for r in self.rows() if r.role == "trainer" and r.metric == "comm"]
+        if floor is None or not comm:
+            return None
+        cost_ms = comm[0].p50
+        return {"floor": kind, "floor_ms": floor["p50_ms"], "cost": "trainer comm p50", "cost_ms": cost_ms,
+                "value": limits.efficiency(floor["p50_ms"], cost_ms)}
 
     def verify_summary(self) -> dict:
         errors = sorted(self.grad_errors)

@@ -20,6 +20,7 @@ from torch.futures import Future
 
 from ps_bench.failures import fatal_on_error
 from ps_bench.faults import Fault, maybe_inject
+from ps_bench.metrics.memory import peak_memory
 from ps_bench.metrics.timers import now_ms, tensor_bytes
 
 
@@ -130,7 +131,7 @@ class ParameterServer:
     def take_metrics(self) -> dict:
         """Samples (ms) and byte counts since the last call, then clears them."""
         with self._metrics_lock:
-            out = {"samples": dict(self._samples), "bytes": dict(self._bytes)}
+            out = {"samples": dict(self._samples), "bytes": dict(self._bytes), "memory": peak_memory(self.device)}
             self._samples = defaultdict(list)
             self._bytes = {"recv": 0, "sent": 0}
         return out

@@ -72,6 +72,8 @@ class HookContext:
     iteration: int = 0  # the trainer's current training iteration, from 1
     capturing: bool = False  # --verify: keep this iteration's buckets
     captures: list[Capture] = field(default_factory=list)
+    bucket_bytes: dict[int, int] = field(default_factory=dict)  # the last whole iteration's buckets (--limits)
+    _filling: dict[int, int] = field(default_factory=dict)
     _layout: dict[int, int] = field(default_factory=dict)
     _seen: dict[int, int] = field(default_factory=dict)
     _owners: dict[int, int] = field(default_factory=dict)
@@ -97,6 +99,13 @@ class HookContext:
                 self._owners = balance_buckets(self._layout, len(self.servers))
             self._seen = {}
         return owner
+
+
+    def note_bucket(self, bucket: dist.GradBucket) -> None:
+        """Keeps the bucket sizes DDP hands the hook, one whole iteration at a time."""
+        self._filling[bucket.index()] = tensor_bytes(bucket.buffer())
+        if bucket.is_last():
+            self.bucket_bytes, self._filling = self._filling, {}
 
 
 def stateless(name: str, aliases: tuple[str, ...] = ()) -> Callable[[Hook], Hook]:
@@ -155,16 +164,22 @@ def instrument(hook: Hook) -> Hook:
         if ctx.capturing:
             capture = Capture(ctx.iteration, bucket.index(), bucket.buffer().detach().clone())
             ctx.captures.append(capture)
+        ctx.note_bucket(bucket)
         start = now_ms()
 
-        def finished(fut: Future) -> torch.Tensor:
+        def finished(fut: Future) -> None:
             ctx.comm.add(start, now_ms())
-            value = fut.value()
             if capture is not None:
-                capture.delivered = value.detach().clone()
-            return value
+                try:
+                    capture.delivered = fut.value().detach().clone()
+                except Exception:  # noqa: BLE001 - DDP raises the failure itself when it waits
+                    pass
 
-        return hook(ctx, bucket).then(finished)
+        # A done callback on the hook's own future, not a chained one: no extra future and no
+        # extra hop per bucket (DDP's own callback, added after this one, runs after it).
+        future = hook(ctx, bucket)
+        future.add_done_callback(finished)
+        return future
 
     return run
 
