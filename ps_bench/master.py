@@ -268,6 +268,7 @@ class Master:
         floors = [f.wait() for f in [t.rpc_async(timeout=0).measure_floors(targets) for t in trainers]]
         rpc_samples = [v for floor in floors for v in floor.get("rpc_ms", [])]
         collective_samples = [v for floor in floors for v in floor["collective_ms"]]
+        compute_samples = [v for floor in floors for v in floor["compute_ms"]]
         return {
             "bytes_per_iter": per_iteration,
             "buckets": len(layout),
@@ -275,18 +276,20 @@ class Master:
             "collective": {**limits.floor_summary(collective_samples, per_iteration, world=topo.num_trainers),
                            "backend": self.config.backend},
             "memcpy": limits.memcpy_floor(per_iteration),
+            "compute": {"count": len(compute_samples), "p50_ms": float(np.median(compute_samples))},
         }
 
     def efficiency(self) -> dict | None:
         """The strategy's floor p50 over its trainer ``comm`` p50 (None for strategies that move nothing)."""
         kind = limits.floor_for(self.config.hook)
         floor = self.limits.get(kind) if kind else None
-        comm = [r for r in self.rows() if r.role == "trainer" and r.metric == "comm"]
-        if floor is None or not comm:
+        p50 = {r.metric: r.p50 for r in self.rows() if r.role == "trainer" and r.unit == "ms"}
+        if floor is None or "comm" not in p50:
             return None
-        cost_ms = comm[0].p50
-        return {"floor": kind, "floor_ms": floor["p50_ms"], "cost": "trainer comm p50", "cost_ms": cost_ms,
-                "value": limits.efficiency(floor["p50_ms"], cost_ms)}
+        exposed_ms = max(0.0, p50["batch"] - self.limits["compute"]["p50_ms"])
+        return {"floor": kind, "floor_ms": floor["p50_ms"], "cost": "trainer comm p50", "cost_ms": p50["comm"],
+                "value": limits.efficiency(floor["p50_ms"], p50["comm"]),
+                "exposed_ms": exposed_ms, "exposed_value": limits.efficiency(floor["p50_ms"], exposed_ms)}
 
     def verify_summary(self) -> dict:
         errors = sorted(self.grad_errors)

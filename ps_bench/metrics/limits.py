@@ -7,12 +7,16 @@ agent and trainer process group:
   the server adds it into a preallocated buffer and answers with that buffer (the round trip
   a parameter server costs with nothing of ours around it);
 - the raw collective floor: the same bucket tensors all-reduced among the trainers;
-- the memory-copy bandwidth of one process (the ceiling of one machine).
+- the memory-copy bandwidth of one process (the ceiling of one machine);
+- the compute-only iteration: forward, backward and optimizer step of a copy of the model with
+  no DDP and no hook, every trainer at once (what an iteration costs with no communication).
 
 Bandwidths follow nccl-tests: ``algbw = bytes / time``; for an all-reduce
 ``busbw = algbw * 2(n-1)/n``, comparable across trainer counts and with the hardware's link
 bandwidth. ``efficiency`` is a floor's time divided by the strategy's measured cost (trainer
-``comm`` p50): 1.0 means the strategy costs no more than the raw transport.
+``comm`` p50): 1.0 means the strategy costs no more than the raw transport. ``comm`` includes
+the backward compute it overlaps; the exposed cost, trainer ``batch`` p50 minus the compute-only
+p50, is what communication adds to an iteration, and ``exposed_value`` is the floor over it.
 """
 
 from __future__ import annotations
@@ -146,6 +150,28 @@ def collective_floor_ms(bucket_bytes: dict[int, int], device: torch.device, grou
             work.wait()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+    return _timed(repeat, once, sync)
+
+
+def compute_floor_ms(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int,
+                     group: dist.ProcessGroup, lr: float, repeat: int = FLOOR_ITERATIONS) -> list[float]:
+    """Forward, loss, backward and SGD step of ``model`` (a copy, outside DDP) per iteration."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x, y = inputs[:batch_size], targets[:batch_size]
+
+    def sync() -> None:
+        dist.barrier(group=group)
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+
+    def once() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
 
     return _timed(repeat, once, sync)
 

@@ -125,6 +125,8 @@ def render_limits(limits: dict, efficiency: dict | None) -> str:
                  collective["algbw_gbps"], collective["busbw_gbps"]])
     memcpy = limits["memcpy"]
     rows.append(["memcpy, one process", memcpy["p50_ms"], None, memcpy["gbps"], None])
+    if limits.get("compute"):
+        rows.append(["compute only (no DDP, no hook)", limits["compute"]["p50_ms"], None, None, None])
     lines = [
         f"\nFloors (--limits: {limits['bytes_per_iter']} B per trainer per iteration in {limits['buckets']} "
         f"bucket(s), {collective['count']} samples pooled over trainers)",
@@ -134,6 +136,9 @@ def render_limits(limits: dict, efficiency: dict | None) -> str:
     if efficiency:
         lines.append(f"efficiency: {efficiency['value']:.3f} ({efficiency['floor']} floor p50 "
                      f"{efficiency['floor_ms']:.3f} ms / {efficiency['cost']} {efficiency['cost_ms']:.3f} ms)")
+        if efficiency.get("exposed_value") is not None:
+            lines.append(f"exposed: {efficiency['exposed_value']:.3f} ({efficiency['floor']} floor p50 / "
+                         f"{efficiency['exposed_ms']:.3f} ms = trainer batch p50 - compute-only p50)")
     else:
         lines.append("efficiency: - (this strategy moves nothing)")
     return "\n".join(lines)

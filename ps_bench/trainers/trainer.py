@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import defaultdict
 
@@ -194,8 +195,9 @@ class DdpTrainer:
     @fatal_on_error
     def measure_floors(self, targets: list[rpc.RRef]) -> dict[str, list[float]]:
         """``--limits``: the raw RPC floor (to ``targets``, one per server, when there are
-        servers) and the raw collective floor, with this run's buckets; not counted as wire
-        bytes. Every trainer must call it at once (each repetition starts with a barrier)."""
+        servers) and the raw collective floor, with this run's buckets, not counted as wire
+        bytes; and the compute-only iteration. Every trainer must call it at once (each
+        repetition starts with a barrier)."""
         ctx = self.hook_context
         layout = self.bucket_layout()
         out: dict[str, list[float]] = {}
@@ -208,6 +210,9 @@ class DdpTrainer:
                     owners = {index: targets[s] for index, s in balance_buckets(layout, len(targets)).items()}
                 out["rpc_ms"] = limits.rpc_floor_ms(layout, owners, ctx.process_group)
             out["collective_ms"] = limits.collective_floor_ms(layout, self.device, ctx.process_group)
+            out["compute_ms"] = limits.compute_floor_ms(copy.deepcopy(self.model.module), self.inputs,
+                                                        self.targets, self.batch_size, ctx.process_group,
+                                                        self.optimizer.defaults["lr"])
         finally:
             ctx.wire.paused = False
         return out

@@ -168,11 +168,13 @@ def test_limits_memory_and_profile_in_one_run(tmp_path):
     for floor in (limits["rpc"], limits["collective"]):
         assert floor["count"] > 0 and floor["p50_ms"] > 0 and floor["algbw_gbps"] > 0
     assert limits["collective"]["busbw_gbps"] == limits["collective"]["algbw_gbps"]  # 2 trainers: 2(n-1)/n = 1
-    assert limits["memcpy"]["gbps"] > 0
+    assert limits["memcpy"]["gbps"] > 0 and limits["compute"]["p50_ms"] > 0
     efficiency = results["efficiency"]
     assert efficiency["floor"] == "rpc" and efficiency["floor_ms"] == limits["rpc"]["p50_ms"]
     comm = next(r for r in results["summary"] if r["role"] == "trainer" and r["metric"] == "comm")
     assert efficiency["cost_ms"] == comm["p50"] and efficiency["value"] == efficiency["floor_ms"] / comm["p50"]
+    batch = next(r for r in results["summary"] if r["role"] == "trainer" and r["metric"] == "batch")
+    assert efficiency["exposed_ms"] == max(0.0, batch["p50"] - limits["compute"]["p50_ms"])
     for role in ("trainer", "server", "master"):
         assert results["memory"][role]["peak_rss_bytes"] > 10 * 2**20
         assert results["memory"][role]["peak_cuda_bytes"] is None
@@ -182,5 +184,4 @@ def test_limits_memory_and_profile_in_one_run(tmp_path):
     names = {event.get("name") for event in trace["traceEvents"]}
     assert "autograd::engine::evaluate_function: AddmmBackward0" in names or any("Backward" in str(n) for n in names)
     # the traced iterations are left out of the samples
-    batches = next(r for r in results["summary"] if r["role"] == "trainer" and r["metric"] == "batch")["count"]
-    assert batches == 2 * (2 * 32 - 3)
+    assert batch["count"] == 2 * (2 * 32 - 3)

@@ -81,10 +81,12 @@ def test_limits_render_after_the_tables():
               "rpc": {"count": 2, "p50_ms": 2.0, "p90_ms": 3.0, "algbw_gbps": 0.1},
               "collective": {"count": 2, "p50_ms": 1.0, "p90_ms": 1.5, "algbw_gbps": 0.2, "busbw_gbps": 0.2,
                              "backend": "gloo"},
-              "memcpy": {"bytes": 100, "count": 2, "p50_ms": 0.1, "gbps": 1.0}}
+              "memcpy": {"bytes": 100, "count": 2, "p50_ms": 0.1, "gbps": 1.0},
+              "compute": {"count": 2, "p50_ms": 5.0}}
     text = render_limits(floors, {"floor": "rpc", "floor_ms": 2.0, "cost": "trainer comm p50", "cost_ms": 4.0,
-                                  "value": 0.5})
+                                  "value": 0.5, "exposed_ms": 2.5, "exposed_value": 0.8})
     assert "raw RPC round trip" in text and "raw all-reduce (gloo)" in text and "efficiency: 0.500" in text
+    assert "compute only" in text and "exposed: 0.800" in text
 
 
 def test_scaling_view_puts_each_point_next_to_its_bound():
