@@ -31,10 +31,10 @@ WORKLOADS = {
                       "--model-config-path", str(HERE / "workloads.json"),
                       "--data-config-path", str(HERE / "workload_data.json"), "--rounds", "2"],
 }
-# Set from measurement on the 2-core development machine while other jobs shared it: ps reached
-# 0.76-0.93 of the raw RPC floor there (README, "How far from the floor"); below this, something
-# in the parameter-server path regressed.
-MIN_PS_EFFICIENCY = 0.6
+# Set from measurement on the 2-core development machine while other jobs shared it (load average
+# 8 to 17): ps reached 0.61 to 0.85 of the raw RPC floor in four runs; below 0.5, something in the
+# parameter-server path regressed (or the machine is far busier than that).
+MIN_PS_EFFICIENCY = 0.5
 
 
 def p50(results: dict, metric: str) -> float | None:

@@ -77,7 +77,8 @@ class RunConfig:
         "KIND exit|raise|hang (default: none)")
     limits: bool = option(False, "after the timed rounds, measure the floors with this run's bytes and processes: "
                                  "raw RPC round trips to the servers, raw all-reduce among the trainers, memory-copy "
-                                 "bandwidth; adds 'limits' and 'efficiency' (floor p50 / trainer comm p50) to the results")
+                                 "bandwidth, a compute-only iteration; adds 'limits' and 'efficiency' (floor p50 / "
+                                 "trainer comm p50) to the results")
     profile: str | None = option(None, "write torch.profiler Chrome traces of a few timed iterations of every trainer "
                                        "into this folder, one file per rank (open in ui.perfetto.dev or chrome://tracing)")
     out: str | None = option(None, "results file (default: a new name under results/; never overwritten)")
@@ -265,7 +266,8 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
     for name in ("ntrainer", "ncudatrainer", "nserver", "ncudaserver", "warmup_rounds"):
         need(getattr(cfg, name) >= 0, f"--{name.replace('_', '-')} must be 0 or more; got {getattr(cfg, name)}")
     for name in ("epochs", "batch_size", "rounds", "rpc_threads"):
-        need(getattr(cfg, name) is None or getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be at least 1; got {getattr(cfg, name)}")
+        value = getattr(cfg, name)
+        need(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1; got {value}")
     for name in ("lr", "rpc_timeout", "bucket_cap_mb", "timeout"):
         value = getattr(cfg, name)
         need(value is None or value > 0, f"--{name.replace('_', '-')} must be positive; got {value}")
