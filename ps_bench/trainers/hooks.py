@@ -100,7 +100,6 @@ class HookContext:
             self._seen = {}
         return owner
 
-
     def note_bucket(self, bucket: dist.GradBucket) -> None:
         """Keeps the bucket sizes DDP hands the hook, one whole iteration at a time."""
         self._filling[bucket.index()] = tensor_bytes(bucket.buffer())
@@ -167,19 +166,17 @@ def instrument(hook: Hook) -> Hook:
         ctx.note_bucket(bucket)
         start = now_ms()
 
-        def finished(fut: Future) -> None:
+        def finished(fut: Future) -> torch.Tensor:
             ctx.comm.add(start, now_ms())
+            value = fut.value()
             if capture is not None:
-                try:
-                    capture.delivered = fut.value().detach().clone()
-                except Exception:  # noqa: BLE001 - DDP raises the failure itself when it waits
-                    pass
+                capture.delivered = value.detach().clone()
+            return value
 
-        # A done callback on the hook's own future, not a chained one: no extra future and no
-        # extra hop per bucket (DDP's own callback, added after this one, runs after it).
-        future = hook(ctx, bucket)
-        future.add_done_callback(finished)
-        return future
+        # A chained future, not a done callback: DDP waits on what the hook returns, and a done
+        # callback may still be running (recording the interval, copying the answer) after that
+        # wait has returned and the next iteration has begun.
+        return hook(ctx, bucket).then(finished)
 
     return run
 
