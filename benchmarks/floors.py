@@ -32,7 +32,7 @@ WORKLOADS = {
                       "--data-config-path", str(HERE / "workload_data.json"), "--rounds", "2"],
 }
 # Set from measurement on the 2-core development machine while other jobs shared it (load average
-# 8 to 18): ps reached 0.53 to 0.85 of the raw RPC floor in four runs. Below 0.4, ps costs more
+# 8 to 18): ps reached 0.53 to 0.85 of the raw RPC floor in five runs. Below 0.4, ps costs more
 # than 2.5 times its floor: something in the parameter-server path regressed (or the machine is
 # far busier than that).
 MIN_PS_EFFICIENCY = 0.4
