@@ -142,6 +142,8 @@ def metavar(name: str, kind: type) -> str:
         return "PATH"
     if name == "rpc_timeout":
         return "SECONDS"
+    if name == "profile":
+        return "DIR"
     return {int: "N", float: "X"}.get(kind, "NAME")
 
 
@@ -252,6 +254,12 @@ def report_parser() -> Parser:
                         help="summary metric to compare, e.g. batch, comm, backward, round (default: batch)")
     parser.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the comparison (needs the 'plot' extra)")
+    parser.add_argument("--scaling", action="store_true",
+                        help="per-iteration time for each trainers x servers point next to the analytic "
+                             "parameter-server bound and BytePS's optimum (bandwidth: --link-gbps, else each "
+                             "point's memcpy floor from --limits)")
+    parser.add_argument("--link-gbps", type=typed(float, "link-gbps"), metavar="X",
+                        help="bandwidth B in GB/s for --scaling (default: each point's memcpy floor)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors in the input")
     return parser
 
@@ -527,7 +535,10 @@ def run_subcommand(command: str, argv: list[str]) -> int:
                              bench=Path(__file__).resolve().parent.parent / "bench.py")
         from ps_bench.report import run_report
 
-        return run_report(args.sources, args.baseline, args.metric, args.csv, args.plot)
+        if args.link_gbps is not None and args.link_gbps <= 0:
+            raise ConfigError(f"--link-gbps must be positive; got {args.link_gbps}")
+        return run_report(args.sources, args.baseline, args.metric, args.csv, args.plot, args.scaling,
+                          args.link_gbps)
     except ConfigError as error:
         if args.debug:
             traceback.print_exc()

@@ -68,7 +68,9 @@ class RunConfig:
     torch_seed: int = option(0, "seed for data, model initialisation and CPU randomness")
     cuda_seed: int = option(0, "seed for CUDA randomness")
     rpc_timeout: float = option(60.0, "seconds before an RPC call fails")
-    rpc_threads: int = option(8, "TensorPipe worker threads per process")
+    rpc_threads: int | None = option(
+        None, "TensorPipe worker threads per process (default: sized to the role, 4 or more: a server one "
+        "per trainer and server plus one, a trainer two plus one per server)")
     master_addr: str = option("127.0.0.1", "address of the rendezvous store (a private interface: RPC trusts its peers)")
     master_port: int | None = option(None, "port of the rendezvous store (default: a free one)")
     iface: str | None = option(
@@ -83,6 +85,12 @@ class RunConfig:
         "INDEX among that role from 0, ITER from 1 (a training iteration; the master's round), "
         "KIND exit|raise|hang; a trailing :first fails only torchrun's first attempt, so "
         "--max-restarts can recover (default: none)")
+    limits: bool = option(False, "after the timed rounds, measure the floors with this run's bytes and processes: "
+                                 "raw RPC round trips to the servers, raw all-reduce among the trainers, memory-copy "
+                                 "bandwidth, a compute-only iteration; adds 'limits' and 'efficiency' (floor p50 / "
+                                 "trainer comm p50) to the results")
+    profile: str | None = option(None, "write torch.profiler Chrome traces of a few timed iterations of every trainer "
+                                       "into this folder, one file per rank (open in ui.perfetto.dev or chrome://tracing)")
     out: str | None = option(None, "results file (default: a new name under results/; never overwritten)")
     per_rank: bool = option(False, "also print one table row per rank")
     dry_run: bool = option(False, "print the rank/role/name/mapping table and exit")
@@ -284,6 +292,16 @@ def check_interface(name: str) -> None:
                           f"it has {', '.join(names)}")
 
 
+def check_writable_folder(path: str, option_name: str) -> None:
+    """Creates the folder if needed; a ConfigError if it cannot be made or written."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"{option_name} {path!r} cannot be created: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option_name} {path!r} is not writable; choose another folder")
+
+
 def cuda_device_count() -> int:
     import torch
 
@@ -307,7 +325,8 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
     for name in ("ntrainer", "ncudatrainer", "nserver", "ncudaserver", "warmup_rounds"):
         need(getattr(cfg, name) >= 0, f"--{name.replace('_', '-')} must be 0 or more; got {getattr(cfg, name)}")
     for name in ("epochs", "batch_size", "rounds", "rpc_threads"):
-        need(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be at least 1; got {getattr(cfg, name)}")
+        value = getattr(cfg, name)
+        need(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1; got {value}")
     for name in ("lr", "rpc_timeout", "bucket_cap_mb", "timeout"):
         value = getattr(cfg, name)
         need(value is None or value > 0, f"--{name.replace('_', '-')} must be positive; got {value}")
@@ -321,6 +340,8 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
         count = {"trainer": cfg.num_trainers, "server": cfg.num_servers, "master": 1}[fault.role]
         need(fault.index < count, f"--inject-fault: there is no {fault.role} {fault.index}; "
                                   f"this run has {count} {fault.role}(s), numbered from 0")
+    if cfg.profile is not None:
+        check_writable_folder(cfg.profile, "--profile")
     need(cfg.num_trainers >= 1, "at least one trainer is needed: set --ntrainer or --ncudatrainer to 1 or more")
     if cfg.master_port is not None:
         need(1 <= cfg.master_port <= 65535, f"--master-port must be in 1..65535; got {cfg.master_port}")

@@ -86,7 +86,7 @@ def listen_for_stack_requests(run_dir: str, rank: int) -> None:
 def rpc_options(spec: LaunchSpec, rank: int) -> rpc.TensorPipeRpcBackendOptions:
     topology, cfg = spec.topology(), spec.config
     options = rpc.TensorPipeRpcBackendOptions(
-        num_worker_threads=cfg.rpc_threads,
+        num_worker_threads=cfg.rpc_threads or topology.rpc_worker_threads(rank),
         rpc_timeout=cfg.rpc_timeout,
         init_method=rendezvous.INIT_METHOD,  # this attempt's keys only (elastic restarts)
     )

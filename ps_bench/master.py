@@ -15,12 +15,14 @@ import torch.distributed.rpc as rpc
 
 from ps_bench.config import Entry, RunConfig
 from ps_bench.faults import Fault, maybe_inject
+from ps_bench.metrics import limits
+from ps_bench.metrics.memory import combine_peaks, peak_memory
 from ps_bench.metrics.results import SCHEMA, environment, format_bytes, iso_now, print_report, write_results
 from ps_bench.models import build_data
 from ps_bench.metrics.stats import SummaryRow, summary_rows
 from ps_bench.servers import SERVERS
 from ps_bench.topology import Topology
-from ps_bench.trainers.trainer import BYTE_METRICS, TRAINER_METRICS, TRAINERS
+from ps_bench.trainers.trainer import BYTE_METRICS, TRAINER_METRICS, TRAINERS, bucket_bytes
 
 SERVER_METRICS = ("straggler", "aggregate", "round")
 PARTIAL_NAME = "partial.json"
@@ -32,7 +34,7 @@ def device_name(index: int | None) -> str:
 
 
 def describe_buckets(buckets: list[dict]) -> str:
-    sizes = ", ".join(format_bytes(b["bytes"]) + (" sparse" if b["sparse"] else "") for b in buckets)
+    sizes = ", ".join(format_bytes(b["bytes"]) + (" sparse, this iteration's" if b["sparse"] else "") for b in buckets)
     return f"DDP buckets, as DDP built them: {len(buckets)} ({sizes})"
 
 
@@ -78,6 +80,8 @@ class Master:
         self.verified_iterations = 0
         self.replicas: dict | None = None
         self.buckets: list[dict] | None = None  # DDP's buckets as it built them, from trainer 0
+        self.limits: dict | None = None
+        self.memory: dict[str, dict[int, dict]] = {"trainer": {}, "server": {}}
         self.snapshot_at = self.snapshot_cost = 0.0
 
     # -- setting up ------------------------------------------------------------------------
@@ -149,7 +153,10 @@ class Master:
             maybe_inject(self.fault, "master", 0, round_index + 1)
             timed = round_index >= cfg.warmup_rounds
             start = time.perf_counter()
-            futures = [t.rpc_async(timeout=0).run_round(verify=timed and cfg.verify) for t in trainers]
+            profiled = cfg.profile is not None and round_index == total - 1
+            futures = [t.rpc_async(timeout=0).run_round(verify=timed and cfg.verify,
+                                                        profile_path=self.trace_path(info) if profiled else None)
+                       for t, info in zip(trainers, self.topology.trainers)]
             rounds = [f.wait() for f in futures]
             elapsed = time.perf_counter() - start
             served = [s.rpc_sync().take_metrics() for s in servers]
@@ -168,6 +175,8 @@ class Master:
                 flush=True,
             )
         self.replicas = self.compare_replicas(trainers)
+        if cfg.limits:
+            self.limits = self.measure_limits(trainers)
         results = self.results("ok")
         print_report(results, self.rows(split_ranks=cfg.per_rank))
         path = write_results(results, self.results_path)
@@ -189,7 +198,10 @@ class Master:
         for result in rounds:
             self.grad_errors.extend(result["grad_errors"])
         self.verified_iterations += rounds[0]["verified_iterations"]
+        for info, result in zip(topo.trainers, rounds):
+            self.memory["trainer"][info.rank] = result["memory"]
         for info, result in zip(topo.servers, served):
+            self.memory["server"][info.rank] = result["memory"]
             for metric, values in result["samples"].items():
                 self.server_samples[info.rank][metric].extend(values)
             self.server_bytes[info.rank][0] += result["bytes"]["recv"]
@@ -257,6 +269,12 @@ class Master:
             "replicas": self.replicas,
             "loss": {"first": self.losses[0], "last": self.losses[-1]} if self.losses else None,
             **({"verify": self.verify_summary()} if cfg.verify else {}),
+            "memory": {
+                "trainer": combine_peaks(list(self.memory["trainer"].values())),
+                "server": combine_peaks(list(self.memory["server"].values())) if topo.num_servers else None,
+                "master": peak_memory(),
+            },
+            **({"limits": self.limits, "efficiency": self.efficiency()} if self.limits else {}),
             "samples": [
                 {"role": info.role, "rank": info.rank, "name": info.name, "metrics": dict(samples.get(info.rank, {}))}
                 for info, samples in [(i, self.trainer_samples) for i in topo.trainers]
@@ -264,6 +282,41 @@ class Master:
             ],
         }
         return results
+
+    def trace_path(self, info) -> str:
+        return str(Path(self.config.profile) / f"{info.role}{info.index}-rank{info.rank}.json")
+
+    def measure_limits(self, trainers: list[rpc.RRef]) -> dict:
+        """The floors (see ``ps_bench.metrics.limits``), with the buckets of the run's last iteration."""
+        topo = self.topology
+        layout = bucket_bytes(trainers[0].rpc_sync().bucket_layout())
+        per_iteration = sum(layout.values())
+        targets = [rpc.remote(info.name, limits.RpcFloorTarget, args=(layout,)) for info in topo.servers]
+        floors = [f.wait() for f in [t.rpc_async(timeout=0).measure_floors(targets) for t in trainers]]
+        rpc_samples = [v for floor in floors for v in floor.get("rpc_ms", [])]
+        collective_samples = [v for floor in floors for v in floor["collective_ms"]]
+        compute_samples = [v for floor in floors for v in floor["compute_ms"]]
+        return {
+            "bytes_per_iter": per_iteration,
+            "buckets": len(layout),
+            "rpc": limits.floor_summary(rpc_samples, per_iteration) if rpc_samples else None,
+            "collective": {**limits.floor_summary(collective_samples, per_iteration, world=topo.num_trainers),
+                           "backend": self.config.backend},
+            "memcpy": limits.memcpy_floor(per_iteration),
+            "compute": {"count": len(compute_samples), "p50_ms": float(np.median(compute_samples))},
+        }
+
+    def efficiency(self) -> dict | None:
+        """The strategy's floor p50 over its trainer ``comm`` p50 (None for strategies that move nothing)."""
+        kind = limits.floor_for(self.config.hook)
+        floor = self.limits.get(kind) if kind else None
+        p50 = {r.metric: r.p50 for r in self.rows() if r.role == "trainer" and r.unit == "ms"}
+        if floor is None or "comm" not in p50:
+            return None
+        exposed_ms = max(0.0, p50["batch"] - self.limits["compute"]["p50_ms"])
+        return {"floor": kind, "floor_ms": floor["p50_ms"], "cost": "trainer comm p50", "cost_ms": p50["comm"],
+                "value": limits.efficiency(floor["p50_ms"], p50["comm"]),
+                "exposed_ms": exposed_ms, "exposed_value": limits.efficiency(floor["p50_ms"], exposed_ms)}
 
     def verify_summary(self) -> dict:
         errors = sorted(self.grad_errors)

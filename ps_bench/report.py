@@ -12,6 +12,7 @@ import numpy as np
 from tabulate import tabulate
 
 from ps_bench.config import ConfigError
+from ps_bench.metrics.limits import byteps_optimum_ms, ps_bound_ms
 from ps_bench.sweep import RESULTS_NAME, read_lines
 
 # Resolved options never shown as columns: they describe the output, or repeat another column.
@@ -198,12 +199,55 @@ def plot(path: str, rows: list[Row], metric: str, title: str) -> None:
     plt.close(figure)
 
 
+def scaling_table(rows: list[Row], link_gbps: float | None) -> tuple[list[str], list[list]]:
+    """Per-iteration time for each trainers x servers point next to the analytic bounds.
+
+    M is the point's bytes per trainer per iteration, B ``link_gbps`` or else the point's own
+    memcpy floor (``--limits``): the parameter-server bound ``max(M, n·M/k) / B`` (a worker
+    moves M, each of k servers n·M/k) and BytePS's optimum ``2n(n-1)M / ((n² + kn - 2k)·B)``."""
+    headers = ["hook", "trainers", "servers", "batch p50 ms", "comm p50 ms", "MB/iter", "B GB/s",
+               "PS bound ms", "BytePS optimum ms", "comm / PS bound"]
+    body = []
+    for row in sorted((r for r in rows if r.ok), key=lambda r: (str(r.option("hook")), trainers_of(r),
+                                                                  servers_of(r))):
+        n, k = trainers_of(row), servers_of(row)
+        moved = (row.results.get("bytes") or {}).get("trainer_sent_per_iter") or 0.0
+        memcpy = ((row.results.get("limits") or {}).get("memcpy") or {}).get("gbps")
+        gbps = link_gbps or memcpy
+        bound = ps_bound_ms(n, k, moved, gbps) if gbps and k and moved else None
+        optimum = byteps_optimum_ms(n, k, moved, gbps) if gbps and moved else None
+        comm = row.stat("comm", "p50")
+        body.append([row.option("hook"), n, k, fixed(row.stat("batch", "p50"), 3), fixed(comm, 3),
+                     fixed(moved / 1e6, 3), fixed(gbps, 2), fixed(bound, 3), fixed(optimum, 3),
+                     f"{comm / bound:.2f}" if bound and comm else None])
+    return headers, body
+
+
+def trainers_of(row: Row) -> int:
+    config = row.results.get("config", {})
+    return int(config.get("ntrainer", 0)) + int(config.get("ncudatrainer", 0))
+
+
+def servers_of(row: Row) -> int:
+    config = row.results.get("config", {})
+    return int(config.get("nserver", 0)) + int(config.get("ncudaserver", 0))
+
+
 def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: str | None,
-               plot_path: str | None) -> int:
+               plot_path: str | None, scaling: bool = False, link_gbps: float | None = None) -> int:
     rows = load_rows(sources)
     if not any(row.stat(metric, "p50") is not None for row in rows):
         known = sorted({r["metric"] for row in rows for r in row.results.get("summary", [])})
         raise ConfigError(f"--metric {metric!r} is in no results; known: {', '.join(known) or 'none'}")
+    if scaling:
+        headers, body = scaling_table(rows, link_gbps)
+        print(tabulate(body, headers=headers, missingval="-", disable_numparse=True))
+        print("\nPS bound: max(M, n*M/k) / B; BytePS optimum: 2n(n-1)M / ((n^2 + kn - 2k) * B); "
+              "B = --link-gbps, else the point's memcpy floor (--limits)")
+        if csv_path:
+            write_csv(csv_path, headers, body)
+            print(f"csv: {csv_path}")
+        return 0
     reference = find_baseline(rows, baseline)
     headers, body = table(rows, metric, reference)
     print(tabulate(body, headers=headers, missingval="-", disable_numparse=True))

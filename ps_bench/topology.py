@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TRAINER, SERVER, MASTER = "trainer", "server", "master"
+RPC_THREADS_MIN, RPC_THREADS_MAX = 4, 32
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,21 @@ class Topology:
                 theirs = self.device_index(peer.rank, local_world_size, gpus_per_node)
                 maps[peer.name] = {mine: theirs}
         return maps
+
+    def rpc_worker_threads(self, rank: int) -> int:
+        """TensorPipe worker threads this rank needs, no more: on a few cores every extra thread
+        competes with the ones doing work. Servers never park a thread (async execution), so one
+        per peer that can call at once (trainers, other servers, the master) suffices; a trainer
+        parks one thread for the round the master asked for and handles each server's answers;
+        the master only waits on its own calls."""
+        role = self.info(rank).role
+        if role == SERVER:
+            wanted = self.num_trainers + self.num_servers + 1
+        elif role == TRAINER:
+            wanted = self.num_servers + 2
+        else:
+            wanted = 2
+        return min(RPC_THREADS_MAX, max(RPC_THREADS_MIN, wanted))
 
     def describe_mapping(self, info: RankInfo) -> str:
         if info.role == TRAINER:

@@ -16,6 +16,7 @@ from tabulate import tabulate
 from ps_bench.metrics.stats import TABLE_HEADERS, SummaryRow
 
 SCHEMA = "ps_bench.result/1"
+MIB = 1024 * 1024
 
 
 def iso_now() -> str:
@@ -105,3 +106,47 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
         print(f"gradient error vs exact mean: p50 {check['grad_rel_error_p50']:.3g}, max "
               f"{check['grad_rel_error_max']:.3g} over {check['iterations']} iterations "
               f"({check['buckets_checked']} buckets, every trainer)")
+    if results.get("memory"):
+        print("\nMemory (peak per process, largest of the role)")
+        print(render_memory(results["memory"]))
+    if results.get("limits"):
+        print(render_limits(results["limits"], results.get("efficiency")))
+
+
+def render_memory(memory: dict) -> str:
+    rows = []
+    for role, peaks in memory.items():
+        if peaks:
+            cuda = peaks.get("peak_cuda_bytes")
+            rows.append([role, peaks["peak_rss_bytes"] / MIB, None if cuda is None else cuda / MIB])
+    return tabulate(rows, headers=["role", "peak RSS MiB", "peak CUDA MiB"], floatfmt=".1f", missingval="-")
+
+
+def render_limits(limits: dict, efficiency: dict | None) -> str:
+    """The floors and the strategy's efficiency, printed after the tables."""
+    rows = []
+    if limits.get("rpc"):
+        floor = limits["rpc"]
+        rows.append(["raw RPC round trip", floor["p50_ms"], floor["p90_ms"], floor["algbw_gbps"], None])
+    collective = limits["collective"]
+    rows.append([f"raw all-reduce ({collective['backend']})", collective["p50_ms"], collective["p90_ms"],
+                 collective["algbw_gbps"], collective["busbw_gbps"]])
+    memcpy = limits["memcpy"]
+    rows.append(["memcpy, one process", memcpy["p50_ms"], None, memcpy["gbps"], None])
+    if limits.get("compute"):
+        rows.append(["compute only (no DDP, no hook)", limits["compute"]["p50_ms"], None, None, None])
+    lines = [
+        f"\nFloors (--limits: {limits['bytes_per_iter']} B per trainer per iteration in {limits['buckets']} "
+        f"bucket(s), {collective['count']} samples pooled over trainers)",
+        tabulate(rows, headers=["floor", "p50 ms", "p90 ms", "algbw GB/s", "busbw GB/s"], floatfmt=".3f",
+                 missingval="-"),
+    ]
+    if efficiency:
+        lines.append(f"efficiency: {efficiency['value']:.3f} ({efficiency['floor']} floor p50 "
+                     f"{efficiency['floor_ms']:.3f} ms / {efficiency['cost']} {efficiency['cost_ms']:.3f} ms)")
+        if efficiency.get("exposed_value") is not None:
+            lines.append(f"exposed: {efficiency['exposed_value']:.3f} ({efficiency['floor']} floor p50 / "
+                         f"{efficiency['exposed_ms']:.3f} ms = trainer batch p50 - compute-only p50)")
+    else:
+        lines.append("efficiency: - (this strategy moves nothing)")
+    return "\n".join(lines)

@@ -15,10 +15,14 @@ class AverageParameterServer(ParameterServer):
     """Adds each gradient into a running sum as it arrives."""
 
     def accumulate(self, state: BucketState, tensor: torch.Tensor) -> None:
-        if state.accumulator is None:
-            state.accumulator = tensor.clone()
+        # The first contribution is kept as it came (no copy); the second is added to it into
+        # the bucket's buffer, the others in place.
+        if state.count == 0:
+            state.accumulator = tensor
         elif tensor.is_sparse:
             state.accumulator = state.accumulator + tensor
+        elif state.count == 1:
+            state.accumulator = torch.add(state.accumulator, tensor, out=state.buffer_like(tensor))
         else:
             state.accumulator.add_(tensor)
 
@@ -39,4 +43,9 @@ class AverageBatchParameterServer(ParameterServer):
         tensors = state.accumulator
         if tensors[0].is_sparse:
             return functools.reduce(torch.add, tensors)
-        return torch.stack(tensors).sum(dim=0)
+        if len(tensors) == 1:
+            return tensors[0]
+        total = torch.add(tensors[0], tensors[1], out=state.buffer_like(tensors[0]))
+        for tensor in tensors[2:]:
+            total.add_(tensor)
+        return total

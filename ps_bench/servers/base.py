@@ -20,24 +20,44 @@ from torch.futures import Future
 
 from ps_bench.failures import fatal_on_error
 from ps_bench.faults import Fault, maybe_inject
+from ps_bench.metrics.memory import peak_memory
 from ps_bench.metrics.timers import now_ms, tensor_bytes
 
 
 @dataclass
 class BucketState:
-    """What one bucket has received so far in the current iteration."""
+    """What one bucket has received so far in the current iteration, and the buffers it keeps
+    across iterations."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     count: int = 0
-    accumulator: object = None  # algorithm-specific: a running sum or a list of tensors
+    accumulator: object = None  # algorithm-specific: a received tensor, a running sum or a list of tensors
     waiting: list[tuple[Future, bool, torch.dtype]] = field(default_factory=list)  # future, on device, wire dtype
     first_ms: float = 0.0
     aggregate_ms: float = 0.0
     shape: torch.Size | None = None
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    turn: int = 0
 
     def clear(self) -> None:
+        """Forgets this iteration's contributions; the buffers stay."""
         self.count, self.accumulator, self.waiting = 0, None, []
         self.aggregate_ms, self.shape = 0.0, None
+
+    def buffer_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This iteration's sum buffer, allocated once and reused.
+
+        Two buffers take turns, one per iteration: an answer may still be on its way to a trainer
+        (TensorPipe sends from the tensor's memory) when the others' next contributions arrive,
+        and none of them can arrive before every trainer has its answer, so the buffer two
+        iterations back is always free."""
+        self.turn ^= 1
+        if len(self.buffers) < 2:
+            self.buffers = [torch.empty_like(tensor), torch.empty_like(tensor)]
+        buffer = self.buffers[self.turn]
+        if buffer.shape != tensor.shape or buffer.dtype != tensor.dtype or buffer.device != tensor.device:
+            buffer = self.buffers[self.turn] = torch.empty_like(tensor)
+        return buffer
 
 
 class ParameterServer:
@@ -98,17 +118,20 @@ class ParameterServer:
         self.peers = peers
 
     def reset_state(self) -> None:
-        """Forgets every bucket; called by the master between rounds."""
+        """Forgets every bucket's contributions (not its buffers); called by the master between rounds."""
         with self._table_lock:
-            pending = [i for i, s in {**self._buckets, **self._partials}.items() if s.count]
-            self._buckets, self._partials = {}, {}
+            states = {**self._buckets, **self._partials}
+        pending = [i for i, state in states.items() if state.count]
+        for state in states.values():
+            with state.lock:
+                state.clear()
         if pending:
             raise RuntimeError(f"server {self.server_index}: buckets {pending} were incomplete at reset")
 
     def take_metrics(self) -> dict:
         """Samples (ms) and byte counts since the last call, then clears them."""
         with self._metrics_lock:
-            out = {"samples": dict(self._samples), "bytes": dict(self._bytes)}
+            out = {"samples": dict(self._samples), "bytes": dict(self._bytes), "memory": peak_memory(self.device)}
             self._samples = defaultdict(list)
             self._bytes = {"recv": 0, "sent": 0}
         return out
@@ -147,6 +170,16 @@ class ParameterServer:
         state.count += 1
         return state.count == expected, arrived
 
+    def _divide(self, state: BucketState, summed: torch.Tensor) -> torch.Tensor:
+        """The average, in the bucket's sum buffer: one division, no new tensor. A sum that is
+        not in a buffer of ours (a lone contribution) is divided into one, so the caller's
+        tensor is left as it was."""
+        if summed.is_sparse:
+            return summed / self.num_trainers
+        if not any(summed is buffer for buffer in state.buffers):
+            return torch.div(summed, self.num_trainers, out=state.buffer_like(summed))
+        return summed.div_(self.num_trainers)
+
     def _new_future(self) -> Future:
         return Future(devices=[self.device] if self.device.type == "cuda" else None)
 
@@ -173,7 +206,7 @@ class ParameterServer:
             result = self._global_average(bucket_index, summed)
         else:
             result = Future()
-            result.set_result(summed / self.num_trainers)
+            result.set_result(self._divide(state, summed))
         result.add_done_callback(lambda fut: self._answer(waiting, fut, first_ms, straggler_ms, aggregate_ms))
         return future
 
@@ -203,7 +236,7 @@ class ParameterServer:
                 complete, _ = self._add(state, partial, self.num_servers)
                 if not complete:
                     return future
-                average = (self.total(state) / self.num_trainers).cpu()
+                average = self._divide(state, self.total(state)).cpu()
                 waiting = state.waiting
                 state.clear()
         except Exception as error:

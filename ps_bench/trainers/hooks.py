@@ -72,7 +72,9 @@ class HookContext:
     iteration: int = 0  # the trainer's current training iteration, from 1
     capturing: bool = False  # --verify: keep this iteration's buckets
     captures: list[Capture] = field(default_factory=list)
-    buckets: dict[int, tuple[int, bool]] = field(default_factory=dict)  # index -> (dense bytes, sparse)
+    # the last whole iteration's buckets, index -> (payload bytes, sparse): the size report, --limits
+    buckets: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    _filling: dict[int, tuple[int, bool]] = field(default_factory=dict)
     _layout: dict[int, int] = field(default_factory=dict)
     _seen: dict[int, int] = field(default_factory=dict)
     _owners: dict[int, int] = field(default_factory=dict)
@@ -98,6 +100,13 @@ class HookContext:
                 self._owners = balance_buckets(self._layout, len(self.servers))
             self._seen = {}
         return owner
+
+    def note_bucket(self, bucket: dist.GradBucket) -> None:
+        """Keeps the bucket sizes DDP hands the hook, one whole iteration at a time."""
+        buffer = bucket.buffer()
+        self._filling[bucket.index()] = (tensor_bytes(buffer), buffer.is_sparse)
+        if bucket.is_last():
+            self.buckets, self._filling = self._filling, {}
 
 
 def stateless(name: str, aliases: tuple[str, ...] = ()) -> Callable[[Hook], Hook]:
@@ -152,12 +161,11 @@ def instrument(hook: Hook) -> Hook:
     """Times the hook's future and, on captured iterations, keeps its input and output."""
 
     def run(ctx, bucket):  # unannotated: DDP rejects string annotations
-        buffer = bucket.buffer()
-        ctx.buckets[bucket.index()] = (buffer.numel() * buffer.element_size(), buffer.is_sparse)
         capture = None
         if ctx.capturing:
             capture = Capture(ctx.iteration, bucket.index(), bucket.buffer().detach().clone())
             ctx.captures.append(capture)
+        ctx.note_bucket(bucket)
         start = now_ms()
 
         def finished(fut: Future) -> torch.Tensor:
@@ -167,6 +175,9 @@ def instrument(hook: Hook) -> Hook:
                 capture.delivered = value.detach().clone()
             return value
 
+        # A chained future, not a done callback: DDP waits on what the hook returns, and a done
+        # callback may still be running (recording the interval, copying the answer) after that
+        # wait has returned and the next iteration has begun.
         return hook(ctx, bucket).then(finished)
 
     return run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import defaultdict
 
@@ -13,8 +14,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ps_bench.failures import fatal_on_error
 from ps_bench.faults import Fault, maybe_inject
-from ps_bench.metrics import wire
+from ps_bench.metrics import limits, wire
+from ps_bench.metrics.memory import peak_memory
 from ps_bench.metrics.timers import StepTimer
+from ps_bench.topology import balance_buckets
 from ps_bench.models import build_model
 from ps_bench.registry import Registry
 from ps_bench.trainers.hooks import HookContext, ServerHandle, build_hook, instrument
@@ -23,6 +26,12 @@ TRAINERS: Registry = Registry("trainer")
 TRAINER_METRICS = ("batch", "forward", "backward", "optimizer", "comm")
 BYTE_METRICS = ("bytes_sent", "bytes_recv")
 VERIFIED_PER_ROUND = 4  # --verify checks at most this many evenly spaced iterations per round
+PROFILED_ITERATIONS = 3  # --profile traces this many iterations, from the second of the round on
+
+
+def bucket_bytes(layout: list[dict]) -> dict[int, int]:
+    """Bucket index -> payload bytes, from ``DdpTrainer.bucket_layout``."""
+    return {bucket["index"]: bucket["bytes"] for bucket in layout}
 
 
 def verified_steps(iterations: int) -> set[int]:
@@ -93,12 +102,13 @@ class DdpTrainer:
         return self.iterations_per_epoch * self.epochs
 
     @fatal_on_error
-    def run_round(self, verify: bool = False) -> dict:
+    def run_round(self, verify: bool = False, profile_path: str | None = None) -> dict:
         """Runs ``epochs`` passes over the shard; returns per-iteration samples (ms, bytes).
 
         With ``verify``, a few iterations keep each bucket's local gradient and what the
         strategy returned; they are left out of the timing samples, and compared with the exact
-        mean after the round, outside the timed region.
+        mean after the round, outside the timed region. With ``profile_path``, a few iterations
+        are traced by torch.profiler into that Chrome trace file, also left out of the samples.
         """
         ctx = self.hook_context
         samples: dict[str, list[float]] = defaultdict(list)
@@ -108,6 +118,8 @@ class DdpTrainer:
         ctx.wire.take()
         iterations = self.iterations_per_epoch * self.epochs
         checked = verified_steps(iterations) if verify else set()
+        traced = set(range(1, 1 + PROFILED_ITERATIONS)) & set(range(iterations)) if profile_path else set()
+        profiler = None
         for step in range(iterations):
             batch = slice((step % self.iterations_per_epoch) * self.batch_size,
                           (step % self.iterations_per_epoch + 1) * self.batch_size)
@@ -116,6 +128,8 @@ class DdpTrainer:
             ctx.iteration = self.iteration
             ctx.capturing = step in checked
             maybe_inject(self.fault, "trainer", self.index, self.iteration)
+            if step in traced and profiler is None:
+                profiler = start_profiler(self.device)
             timer.mark("start")
             self.optimizer.zero_grad(set_to_none=True)
             loss = self.loss_fn(self.model(*x), y)
@@ -130,7 +144,10 @@ class DdpTrainer:
             losses.append(loss.detach())
             samples["bytes_sent"].append(sent)
             samples["bytes_recv"].append(recv)
-            if ctx.capturing:
+            if profiler is not None and step == max(traced):
+                profiler.stop()
+                profiler.export_chrome_trace(profile_path)
+            if ctx.capturing or step in traced:
                 continue
             for name, value in phases.items():
                 samples[name].append(value)
@@ -146,6 +163,7 @@ class DdpTrainer:
             "losses": torch.stack(losses).float().cpu().tolist(),
             "verified_iterations": len(checked),
             "grad_errors": self.gradient_errors(),
+            "memory": peak_memory(self.device),
         }
 
     def gradient_errors(self) -> list[float]:
@@ -172,11 +190,46 @@ class DdpTrainer:
         return errors
 
     def bucket_layout(self) -> list[dict]:
-        """DDP's buckets in index order, as the last iteration saw them: dense size in bytes
-        (a sparse bucket's size is that of its dense gradient) and whether it is sparse."""
+        """DDP's buckets in index order, as the last whole iteration handed them to the hook:
+        payload bytes (a sparse bucket's indices and values, which vary with the batch) and
+        whether it is sparse."""
         return [{"index": i, "bytes": nbytes, "sparse": sparse}
                 for i, (nbytes, sparse) in sorted(self.hook_context.buckets.items())]
 
     def parameters_vector(self) -> torch.Tensor:
         """All parameters, flattened on the CPU, for the replica check."""
         return torch.cat([p.detach().reshape(-1).cpu() for p in self.model.parameters()])
+
+    @fatal_on_error
+    def measure_floors(self, targets: list[rpc.RRef]) -> dict[str, list[float]]:
+        """``--limits``: the raw RPC floor (to ``targets``, one per server, when there are
+        servers) and the raw collective floor, with this run's buckets, not counted as wire
+        bytes; and the compute-only iteration. Every trainer must call it at once (each
+        repetition starts with a barrier)."""
+        ctx = self.hook_context
+        layout = bucket_bytes(self.bucket_layout())
+        out: dict[str, list[float]] = {}
+        ctx.wire.paused = True
+        try:
+            if targets:
+                if ctx.mapping == "group":
+                    owners = {index: targets[ctx.group_server] for index in layout}
+                else:
+                    owners = {index: targets[s] for index, s in balance_buckets(layout, len(targets)).items()}
+                out["rpc_ms"] = limits.rpc_floor_ms(layout, owners, ctx.process_group)
+            out["collective_ms"] = limits.collective_floor_ms(layout, self.device, ctx.process_group)
+            out["compute_ms"] = limits.compute_floor_ms(copy.deepcopy(self.model.module), self.inputs,
+                                                        self.targets, self.batch_size, ctx.process_group,
+                                                        self.optimizer.defaults["lr"])
+        finally:
+            ctx.wire.paused = False
+        return out
+
+
+def start_profiler(device: torch.device) -> torch.profiler.profile:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities)
+    profiler.start()
+    return profiler

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
 import subprocess
 
@@ -159,3 +160,36 @@ def test_wrong_process_count_under_torchrun():
     process = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, start_new_session=True)
     assert process.returncode != 0
     assert "torchrun started 3 processes but this run needs 4" in process.stderr
+
+
+def test_limits_memory_and_profile_in_one_run(tmp_path):
+    """--limits measures every floor with the run's buckets; memory per role; one trace per trainer."""
+    traces = tmp_path / "traces"
+    run = run_bench("--limits", "--profile", str(traces), *QUICK, out=tmp_path / "run.json", timeout_s=180)
+    assert run.returncode == 0, run.output
+    results = run.results
+    check_contract(results)
+    assert results["replicas"]["identical"] is True
+    limits = results["limits"]
+    assert limits["bytes_per_iter"] == results["bytes"]["trainer_sent_per_iter"] > 0
+    assert limits["buckets"] >= 1
+    for floor in (limits["rpc"], limits["collective"]):
+        assert floor["count"] > 0 and floor["p50_ms"] > 0 and floor["algbw_gbps"] > 0
+    assert limits["collective"]["busbw_gbps"] == limits["collective"]["algbw_gbps"]  # 2 trainers: 2(n-1)/n = 1
+    assert limits["memcpy"]["gbps"] > 0 and limits["compute"]["p50_ms"] > 0
+    efficiency = results["efficiency"]
+    assert efficiency["floor"] == "rpc" and efficiency["floor_ms"] == limits["rpc"]["p50_ms"]
+    comm = next(r for r in results["summary"] if r["role"] == "trainer" and r["metric"] == "comm")
+    assert efficiency["cost_ms"] == comm["p50"] and efficiency["value"] == efficiency["floor_ms"] / comm["p50"]
+    batch = next(r for r in results["summary"] if r["role"] == "trainer" and r["metric"] == "batch")
+    assert efficiency["exposed_ms"] == max(0.0, batch["p50"] - limits["compute"]["p50_ms"])
+    for role in ("trainer", "server", "master"):
+        assert results["memory"][role]["peak_rss_bytes"] > 10 * 2**20
+        assert results["memory"][role]["peak_cuda_bytes"] is None
+    assert "Floors (--limits" in run.stdout and "efficiency: " in run.stdout and "peak RSS MiB" in run.stdout
+    assert sorted(p.name for p in traces.iterdir()) == ["trainer0-rank0.json", "trainer1-rank1.json"]
+    trace = json.loads((traces / "trainer0-rank0.json").read_text())
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert "autograd::engine::evaluate_function: AddmmBackward0" in names or any("Backward" in str(n) for n in names)
+    # the traced iterations are left out of the samples
+    assert batch["count"] == 2 * (2 * 32 - 3)

@@ -49,3 +49,20 @@ def test_dry_run_prints_the_layout(capsys):
     assert "6 processes: 3 trainers, 2 servers" in out
     assert "sends to server4" in out  # the third trainer is in the second group
     assert "group: trainer0, trainer1" in out
+
+
+def test_profile_into_a_folder_that_cannot_be_made_is_one_line_and_exit_2(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["--profile", str(blocker / "traces"), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--profile" in err and "cannot be created" in err, err
+
+
+def test_new_options_explain_themselves(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--limits" in out and "raw RPC round trips" in out
+    assert "--profile DIR" in out and "ui.perfetto.dev" in out
+    assert "--rpc-threads N" in out and "sized to the role" in out

@@ -105,3 +105,19 @@ def test_metrics_and_reset():
 def test_upstream_names_are_aliases():
     assert SERVERS.canonical("AverageParameterServer") == "average"
     assert SERVERS.canonical("AverageBatchParameterServer") == "average_batch"
+
+
+@pytest.mark.parametrize("name", SERVER_NAMES)
+def test_sums_go_into_two_buffers_kept_across_iterations(name):
+    """No allocation per iteration; an answer is never overwritten by the very next iteration."""
+    server = make(name, contributors=3)
+    answers = []
+    for iteration in range(4):
+        futures = [server.contribute(0, torch.full((1024,), float(i + iteration))) for i in range(3)]
+        answers.append(futures[0].value())
+        torch.testing.assert_close(answers[-1], torch.full((1024,), 1.0 + iteration))
+    pointers = [a.data_ptr() for a in answers]
+    assert pointers[0] == pointers[2] and pointers[1] == pointers[3] and pointers[0] != pointers[1]
+    server.reset_state()  # between rounds: contributions go, buffers stay
+    again = [server.contribute(0, torch.ones(1024)) for _ in range(3)]
+    assert again[0].value().data_ptr() in pointers

@@ -1,0 +1,87 @@
+"""What ps_bench's own timing costs: a ``noop`` trainer round with and without instrumentation.
+
+One process, a one-rank gloo group, the default model and data. "timed" is
+``DdpTrainer.run_round`` exactly as a run uses it (phase marks, the hook wrapper that tracks
+comm intervals and bucket sizes, byte counters, per-iteration samples, peak memory); "untimed"
+is the same model, data and iterations with the bare noop hook and none of that. The two
+alternate, PAIRS times each, and the medians are compared. Prints the overhead in percent.
+
+    python benchmarks/timer_overhead.py [--pairs N] [--epochs N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from ps_bench.config import RunConfig, validate  # noqa: E402
+from ps_bench.data import build_data  # noqa: E402
+from ps_bench.models import build_model  # noqa: E402
+from ps_bench.trainers.trainer import DdpTrainer  # noqa: E402
+
+
+def untimed_round(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+                  targets: torch.Tensor, batch_size: int, iterations: int) -> None:
+    loss_fn = nn.CrossEntropyLoss()
+    per_epoch = len(targets) // batch_size
+    for step in range(iterations):
+        batch = slice((step % per_epoch) * batch_size, (step % per_epoch + 1) * batch_size)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(inputs[batch]), targets[batch])
+        loss.backward()
+        optimizer.step()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=15, help="timed/untimed pairs (default 15)")
+    parser.add_argument("--epochs", type=int, default=10, help="passes over the shard per round (default 10)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cfg = RunConfig(hook="noop", nserver=0, ntrainer=1, epochs=args.epochs)
+    model_entry, data_entry = validate(cfg, gpus=0)
+    dataset = build_data(data_entry.class_name, data_entry.kwargs, cfg.torch_seed)
+    store = Path(tempfile.mkdtemp()) / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    timed = DdpTrainer(0, model_entry.class_name, model_entry.kwargs, cfg.torch_seed, dataset.inputs,
+                       dataset.targets, cfg.batch_size, cfg.epochs, cfg.lr, "noop", {}, [], cfg.mapping, None,
+                       False, "cpu", cfg.rpc_timeout, cfg.bucket_cap_mb)
+    bare = DistributedDataParallel(build_model(model_entry.class_name, model_entry.kwargs, cfg.torch_seed))
+    bare.register_comm_hook(None, debugging_hooks.noop_hook)
+    optimizer = torch.optim.SGD(bare.parameters(), lr=cfg.lr)
+    iterations = timed.ready()
+    durations: dict[str, list[float]] = {"timed": [], "untimed": []}
+    for pair in range(args.pairs + 1):  # the first pair warms up and is dropped
+        for kind in ("untimed", "timed") if pair % 2 else ("timed", "untimed"):
+            start = time.perf_counter()
+            if kind == "timed":
+                timed.run_round()
+            else:
+                untimed_round(bare, optimizer, dataset.inputs, dataset.targets, cfg.batch_size, iterations)
+            if pair:
+                durations[kind].append((time.perf_counter() - start) * 1000 / iterations)
+    dist.destroy_process_group()
+    print(f"noop, default model, {iterations} iterations per round, {args.pairs} pairs")
+    # The minimum is the least disturbed round (the better estimate on a shared machine); the
+    # median shows how much the machine moved under both.
+    for statistic in (min, statistics.median):
+        untimed_ms, timed_ms = (statistic(durations[k]) for k in ("untimed", "timed"))
+        print(f"{statistic.__name__:>6}: untimed {untimed_ms:.4f} ms, timed {timed_ms:.4f} ms per iteration, "
+              f"instrumentation overhead {100 * (timed_ms - untimed_ms) / untimed_ms:+.2f} %")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

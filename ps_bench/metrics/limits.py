@@ -1,0 +1,187 @@
+"""Floors (``--limits``): what the transports and the machine can do with the run's exact bytes.
+
+Measured after the timed rounds, in the same job, by the same processes, over the same RPC
+agent and trainer process group:
+
+- the raw RPC floor: every trainer sends each of its buckets to the bucket's server at once;
+  the server adds it into a preallocated buffer and answers with that buffer (the round trip
+  a parameter server costs with nothing of ours around it);
+- the raw collective floor: the same bucket tensors all-reduced among the trainers;
+- the memory-copy bandwidth of one process (the ceiling of one machine);
+- the compute-only iteration: forward, backward and optimizer step of a copy of the model with
+  no DDP and no hook, every trainer at once (what an iteration costs with no communication).
+
+Bandwidths follow nccl-tests: ``algbw = bytes / time``; for an all-reduce
+``busbw = algbw * 2(n-1)/n``, comparable across trainer counts and with the hardware's link
+bandwidth. ``efficiency`` is a floor's time divided by the strategy's measured cost (trainer
+``comm`` p50): 1.0 means the strategy costs no more than the raw transport. ``comm`` includes
+the backward compute it overlaps; the exposed cost, trainer ``batch`` p50 minus the compute-only
+p50, is what communication adds to an iteration, and ``exposed_value`` is the floor over it.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from ps_bench.metrics.timers import now_ms
+
+FLOOR_WARMUP = 3  # untimed repetitions before each floor: connections, allocations, caches
+FLOOR_ITERATIONS = 20
+MEMCPY_ITERATIONS = 20
+# Which floor each strategy is held against; strategies not listed move nothing (noop).
+RPC_FLOOR_HOOKS = {"ps", "sparse_ps", "ps_fp16", "ps_bf16"}
+COLLECTIVE_FLOOR_HOOKS = {"allreduce", "hybrid", "fp16", "bf16", "powersgd", "batched_powersgd"}
+
+
+# -- pure arithmetic ---------------------------------------------------------------------------
+def algbw_gbps(nbytes: float, milliseconds: float) -> float:
+    """Algorithm bandwidth in GB/s (10^9 bytes): the payload over the time it took."""
+    return nbytes / (milliseconds / 1000.0) / 1e9 if milliseconds > 0 else 0.0
+
+
+def busbw_gbps(algbw: float, world: int) -> float:
+    """nccl-tests' bus bandwidth of an all-reduce among ``world`` ranks: ``algbw * 2(n-1)/n``."""
+    return algbw * 2 * (world - 1) / world if world > 0 else 0.0
+
+
+def efficiency(floor_ms: float | None, cost_ms: float | None) -> float | None:
+    """Floor time over the measured cost; None when either is missing or the cost is zero."""
+    if floor_ms is None or cost_ms is None or cost_ms <= 0:
+        return None
+    return floor_ms / cost_ms
+
+
+def floor_for(hook: str) -> str | None:
+    """The floor a strategy is compared with: ``rpc``, ``collective`` or None (noop)."""
+    if hook in RPC_FLOOR_HOOKS:
+        return "rpc"
+    if hook in COLLECTIVE_FLOOR_HOOKS:
+        return "collective"
+    return None
+
+
+def ps_bound_ms(trainers: int, servers: int, bytes_per_trainer: float, gbps: float) -> float:
+    """Lower bound of one parameter-server iteration when every link moves ``gbps`` each way:
+    a trainer sends and receives M, each of k servers receives and sends n·M/k; the busiest
+    side sets the pace, ``max(M, n·M/k) / B``."""
+    bandwidth = gbps * 1e9
+    return max(bytes_per_trainer, trainers * bytes_per_trainer / servers) / bandwidth * 1000.0
+
+
+def byteps_optimum_ms(trainers: int, servers: int, bytes_per_trainer: float, gbps: float) -> float:
+    """BytePS's optimal communication time with n workers and k CPU servers:
+    ``2n(n-1)M / ((n² + kn - 2k) · B)``."""
+    n, k = trainers, servers
+    denominator = (n * n + k * n - 2 * k) * gbps * 1e9
+    return 2 * n * (n - 1) * bytes_per_trainer / denominator * 1000.0 if denominator > 0 else 0.0
+
+
+def floor_summary(samples_ms: list[float], nbytes: int, world: int | None = None) -> dict:
+    """p50/p90 of a floor's samples, its algbw and, for collectives (``world``), busbw."""
+    ordered = sorted(samples_ms)
+    p50 = statistics.median(ordered)
+    out = {
+        "count": len(ordered),
+        "p50_ms": p50,
+        "p90_ms": ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))],
+        "algbw_gbps": algbw_gbps(nbytes, p50),
+    }
+    if world is not None:
+        out["busbw_gbps"] = busbw_gbps(out["algbw_gbps"], world)
+    return out
+
+
+# -- the server side of the RPC floor ----------------------------------------------------------
+class RpcFloorTarget:
+    """Lives on a parameter server: one preallocated buffer per bucket, nothing else."""
+
+    def __init__(self, bucket_bytes: dict[int, int]) -> None:
+        self.buffers = {index: torch.zeros(nbytes // 4) for index, nbytes in bucket_bytes.items()}
+
+    @staticmethod
+    def add_and_answer(target: rpc.RRef, bucket_index: int, tensor: torch.Tensor) -> torch.Tensor:
+        buffer = target.local_value().buffers[bucket_index]
+        buffer.add_(tensor)  # trainers race on it: the floor's numbers are never used
+        return buffer
+
+
+# -- the trainer side --------------------------------------------------------------------------
+def _timed(repeat: int, once, sync) -> list[float]:
+    samples = []
+    for index in range(FLOOR_WARMUP + repeat):
+        sync()
+        start = now_ms()
+        once()
+        if index >= FLOOR_WARMUP:
+            samples.append(now_ms() - start)
+    return samples
+
+
+def rpc_floor_ms(bucket_bytes: dict[int, int], owners: dict[int, rpc.RRef], group: dist.ProcessGroup,
+                 repeat: int = FLOOR_ITERATIONS) -> list[float]:
+    """Round trips of every bucket to its owner's floor target, all sent at once, per iteration."""
+    tensors = {index: torch.ones(nbytes // 4) for index, nbytes in bucket_bytes.items()}
+
+    def once() -> None:
+        futures = [rpc.rpc_async(owners[i].owner(), RpcFloorTarget.add_and_answer, args=(owners[i], i, t))
+                   for i, t in tensors.items()]
+        torch.futures.wait_all(futures)
+
+    return _timed(repeat, once, lambda: dist.barrier(group=group))
+
+
+def collective_floor_ms(bucket_bytes: dict[int, int], device: torch.device, group: dist.ProcessGroup,
+                        repeat: int = FLOOR_ITERATIONS) -> list[float]:
+    """All-reduces of every bucket among the trainers, all launched at once, per iteration."""
+    tensors = [torch.ones(nbytes // 4, device=device) for nbytes in bucket_bytes.values()]
+
+    def sync() -> None:
+        dist.barrier(group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def once() -> None:
+        works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
+        for work in works:
+            work.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return _timed(repeat, once, sync)
+
+
+def compute_floor_ms(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor,
+                     batch_size: int, group: dist.ProcessGroup, lr: float,
+                     repeat: int = FLOOR_ITERATIONS) -> list[float]:
+    """Forward, loss, backward and SGD step of ``model`` (a copy, outside DDP) per iteration."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x, y = tuple(t[:batch_size] for t in inputs), targets[:batch_size]
+
+    def sync() -> None:
+        dist.barrier(group=group)
+        if y.is_cuda:
+            torch.cuda.synchronize(y.device)
+
+    def once() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(*x), y).backward()
+        optimizer.step()
+        if y.is_cuda:
+            torch.cuda.synchronize(y.device)
+
+    return _timed(repeat, once, sync)
+
+
+def memcpy_floor(nbytes: int, repeat: int = MEMCPY_ITERATIONS) -> dict:
+    """Copy bandwidth of this process: ``nbytes`` from one preallocated buffer into another."""
+    source = torch.ones(max(1, nbytes // 4))
+    target = torch.empty_like(source)
+    samples = _timed(repeat, lambda: target.copy_(source), lambda: None)
+    p50 = statistics.median(samples)
+    return {"bytes": source.numel() * 4, "count": repeat, "p50_ms": p50,
+            "gbps": algbw_gbps(source.numel() * 4, p50)}

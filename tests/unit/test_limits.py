@@ -1,0 +1,109 @@
+"""Floors arithmetic (--limits), the analytic parameter-server bounds, and peak memory."""
+
+import pytest
+import torch
+
+from ps_bench.metrics import limits
+from ps_bench.metrics.memory import combine_peaks, peak_memory
+from ps_bench.metrics.results import render_limits, render_memory
+
+MB = 1e6
+
+
+def test_bandwidths_follow_nccl_tests():
+    assert limits.algbw_gbps(2e9, 1000.0) == pytest.approx(2.0)
+    assert limits.busbw_gbps(2.0, 2) == pytest.approx(2.0)  # 2(n-1)/n = 1 for two ranks
+    assert limits.busbw_gbps(2.0, 4) == pytest.approx(3.0)
+    assert limits.busbw_gbps(2.0, 1) == 0.0  # one rank moves nothing
+
+
+def test_efficiency_is_floor_over_cost():
+    assert limits.efficiency(9.0, 10.0) == pytest.approx(0.9)
+    assert limits.efficiency(None, 10.0) is None
+    assert limits.efficiency(9.0, 0.0) is None
+
+
+def test_each_strategy_has_its_floor():
+    from ps_bench.trainers.hooks import HOOKS
+
+    assert limits.floor_for("ps") == limits.floor_for("ps_fp16") == "rpc"
+    assert limits.floor_for("allreduce") == limits.floor_for("powersgd") == "collective"
+    assert limits.floor_for("noop") is None
+    assert set(HOOKS.names()) == limits.RPC_FLOOR_HOOKS | limits.COLLECTIVE_FLOOR_HOOKS | {"noop"}
+
+
+def test_parameter_server_bound_is_set_by_the_busier_side():
+    # 4 trainers, 1 server, 100 MB at 1 GB/s: the server moves 400 MB each way
+    assert limits.ps_bound_ms(4, 1, 100 * MB, 1.0) == pytest.approx(400.0)
+    # as many servers as trainers: each side moves M
+    assert limits.ps_bound_ms(4, 4, 100 * MB, 1.0) == pytest.approx(100.0)
+
+
+def test_byteps_optimum_matches_its_special_cases():
+    n, m, gbps = 8, 100 * MB, 1.0
+    # no servers: all-reduce's 2(n-1)/n · M / B
+    assert limits.byteps_optimum_ms(n, 0, m, gbps) == pytest.approx(2 * (n - 1) / n * m / 1e9 * 1000)
+    # as many servers as workers: M / B
+    assert limits.byteps_optimum_ms(n, n, m, gbps) == pytest.approx(m / 1e9 * 1000)
+
+
+def test_floor_summary_and_memcpy():
+    summary = limits.floor_summary([3.0, 1.0, 2.0], nbytes=2_000_000, world=4)
+    assert summary["count"] == 3 and summary["p50_ms"] == 2.0 and summary["p90_ms"] == 3.0
+    assert summary["algbw_gbps"] == pytest.approx(1.0) and summary["busbw_gbps"] == pytest.approx(1.5)
+    copy = limits.memcpy_floor(1 << 20, repeat=3)
+    assert copy["bytes"] == 1 << 20 and copy["gbps"] > 0
+
+
+def test_rpc_floor_target_adds_into_its_preallocated_buffer():
+    target = limits.RpcFloorTarget({0: 16, 3: 8})
+    buffer = target.buffers[3]
+
+    class LocalRef:
+        def local_value(self):
+            return target
+
+    answer = limits.RpcFloorTarget.add_and_answer(LocalRef(), 3, torch.ones(2))
+    assert answer is buffer and answer.tolist() == [1.0, 1.0]
+
+
+def test_peak_memory_per_role():
+    peaks = peak_memory(torch.device("cpu"))
+    assert peaks["peak_rss_bytes"] > 10 * 2**20 and peaks["peak_cuda_bytes"] is None
+    assert combine_peaks([{"peak_rss_bytes": 5, "peak_cuda_bytes": None},
+                          {"peak_rss_bytes": 7, "peak_cuda_bytes": None}]) == {"peak_rss_bytes": 7,
+                                                                                "peak_cuda_bytes": None}
+    assert "trainer" in render_memory({"trainer": peaks, "server": None})
+
+
+def test_limits_render_after_the_tables():
+    floors = {"bytes_per_iter": 100, "buckets": 1,
+              "rpc": {"count": 2, "p50_ms": 2.0, "p90_ms": 3.0, "algbw_gbps": 0.1},
+              "collective": {"count": 2, "p50_ms": 1.0, "p90_ms": 1.5, "algbw_gbps": 0.2, "busbw_gbps": 0.2,
+                             "backend": "gloo"},
+              "memcpy": {"bytes": 100, "count": 2, "p50_ms": 0.1, "gbps": 1.0},
+              "compute": {"count": 2, "p50_ms": 5.0}}
+    text = render_limits(floors, {"floor": "rpc", "floor_ms": 2.0, "cost": "trainer comm p50", "cost_ms": 4.0,
+                                  "value": 0.5, "exposed_ms": 2.5, "exposed_value": 0.8})
+    assert "raw RPC round trip" in text and "raw all-reduce (gloo)" in text and "efficiency: 0.500" in text
+    assert "compute only" in text and "exposed: 0.800" in text
+
+
+def test_scaling_view_puts_each_point_next_to_its_bound():
+    from ps_bench.report import Row, scaling_table
+
+    def point(ntrainer: int, nserver: int, comm_ms: float) -> Row:
+        return Row(f"{ntrainer}x{nserver}", {
+            "status": "ok", "config": {"hook": "ps", "ntrainer": ntrainer, "nserver": nserver},
+            "summary": [{"role": "trainer", "metric": "comm", "p50": comm_ms},
+                        {"role": "trainer", "metric": "batch", "p50": 2 * comm_ms}],
+            "bytes": {"trainer_sent_per_iter": 100e6}, "limits": {"memcpy": {"gbps": 2.0}}})
+
+    headers, body = scaling_table([point(4, 2, 400.0), point(2, 1, 150.0)], link_gbps=None)
+    by_point = {(line[1], line[2]): dict(zip(headers, line)) for line in body}
+    assert [key for key in by_point] == [(2, 1), (4, 2)]
+    assert by_point[(4, 2)]["PS bound ms"] == "100.000"  # 4 x 100 MB / 2 servers at 2 GB/s
+    assert by_point[(4, 2)]["comm / PS bound"] == "4.00"
+    assert by_point[(2, 1)]["BytePS optimum ms"] == "50.000"  # 2·2·1·M / (4 + 2 - 2) / B = M / B
+    _, linked = scaling_table([point(2, 1, 150.0)], link_gbps=1.0)
+    assert linked[0][7] == "200.000"
