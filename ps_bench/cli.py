@@ -12,7 +12,7 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ps_bench.config import OPTIONS, ConfigError, build_config, field_type, validate
+from ps_bench.config import OPTIONS, ConfigError, build_config, check_port, field_type, validate
 from ps_bench.failures import Terminated
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
@@ -350,8 +350,7 @@ def run_slurm(argv: list[str]) -> int:
     own, bench_argv = split_bench_options(argv)
     args = slurm_parser().parse_args(own)
     try:
-        if not 1 <= args.port <= 65535:
-            raise ConfigError(f"--port must be in 1..65535; got {args.port}")
+        check_port("--port", args.port)
         if args.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more; got {args.max_restarts}")
         cfg, layout = cluster_job(bench_argv, args.nodes, args.gpus_per_node)
@@ -423,8 +422,7 @@ def run_launch(argv: list[str]) -> int:
     args = launch_parser().parse_args(own)
     try:
         targets = hosts.parse_hosts(args.hosts) if args.hosts else hosts.read_hostfile(args.hostfile)
-        if not 1 <= args.port <= 65535:
-            raise ConfigError(f"--port must be in 1..65535; got {args.port}")
+        check_port("--port", args.port)
         env = {}
         for item in args.env:
             key, sep, value = item.partition("=")
@@ -503,8 +501,7 @@ def run_cloud(argv: list[str]) -> int:
     own, bench_argv = split_bench_options(argv)
     args = cloud_parser().parse_args(own)
     try:
-        if not 1 <= args.port <= 65535:
-            raise ConfigError(f"--port must be in 1..65535; got {args.port}")
+        check_port("--port", args.port)
         cfg, layout = cluster_job(bench_argv, args.nodes, cloud.gpus_of(args.accelerators))
         job = cloud.CloudJob(
             layout, [*bench_argv, *(["--iface", args.iface] if args.iface else [])], name=args.name,

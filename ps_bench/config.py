@@ -302,6 +302,12 @@ def check_writable_folder(path: str, option_name: str) -> None:
         raise ConfigError(f"{option_name} {path!r} is not writable; choose another folder")
 
 
+def check_port(flag: str, port: int) -> None:
+    """Raises ConfigError unless ``port`` is a TCP port number."""
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{flag} must be in 1..65535; got {port}")
+
+
 def cuda_device_count() -> int:
     import torch
 
@@ -344,7 +350,7 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
         check_writable_folder(cfg.profile, "--profile")
     need(cfg.num_trainers >= 1, "at least one trainer is needed: set --ntrainer or --ncudatrainer to 1 or more")
     if cfg.master_port is not None:
-        need(1 <= cfg.master_port <= 65535, f"--master-port must be in 1..65535; got {cfg.master_port}")
+        check_port("--master-port", cfg.master_port)
     if cfg.iface is not None:
         check_interface(cfg.iface)
     for name, allowed in (("backend", ("gloo", "nccl", "multi")), ("mapping", ("shard", "group"))):
