@@ -123,8 +123,6 @@ def worker(rank: int, spec: LaunchSpec) -> None:
     try:
         store_timeout = max(cfg.rpc_timeout, 60.0)
         store, view = rendezvous.join(rank, int(os.environ.get("LOCAL_RANK", rank)), store_timeout)
-        if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(1)
         torch.manual_seed(cfg.torch_seed)
         device = spec.device_of(rank)
         if device is not None:

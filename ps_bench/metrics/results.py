@@ -31,6 +31,7 @@ def environment(backend: str) -> dict:
         "hostname": socket.gethostname(),
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
         "backend": backend,
+        "intra_op_threads": torch.get_num_threads(),
     }
 
 
