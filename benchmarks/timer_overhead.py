@@ -4,7 +4,9 @@ One process, a one-rank gloo group, the default model and data. "timed" is
 ``DdpTrainer.run_round`` exactly as a run uses it (phase marks, the hook wrapper that tracks
 comm intervals and bucket sizes, byte counters, per-iteration samples, peak memory); "untimed"
 is the same model, data and iterations with the bare noop hook and none of that. The two
-alternate, PAIRS times each, and the medians are compared. Prints the overhead in percent.
+alternate, PAIRS times each; each pair gives the relative difference of two rounds run back to
+back, and the median of those is the overhead (a shared machine moves both rounds of a pair
+alike). Prints it in percent, with the quartiles, and the per-iteration medians.
 
     python benchmarks/timer_overhead.py [--pairs N] [--epochs N]
 """
@@ -27,27 +29,26 @@ from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks  # noqa:
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from ps_bench.config import RunConfig, validate  # noqa: E402
-from ps_bench.data import build_data  # noqa: E402
-from ps_bench.models import build_model  # noqa: E402
+from ps_bench.models import build_data, build_model  # noqa: E402
 from ps_bench.trainers.trainer import DdpTrainer  # noqa: E402
 
 
-def untimed_round(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+def untimed_round(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: tuple[torch.Tensor, ...],
                   targets: torch.Tensor, batch_size: int, iterations: int) -> None:
     loss_fn = nn.CrossEntropyLoss()
     per_epoch = len(targets) // batch_size
     for step in range(iterations):
         batch = slice((step % per_epoch) * batch_size, (step % per_epoch + 1) * batch_size)
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(inputs[batch]), targets[batch])
+        loss = loss_fn(model(*(t[batch] for t in inputs)), targets[batch])
         loss.backward()
         optimizer.step()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=15, help="timed/untimed pairs (default 15)")
-    parser.add_argument("--epochs", type=int, default=10, help="passes over the shard per round (default 10)")
+    parser.add_argument("--pairs", type=int, default=200, help="timed/untimed pairs (default 200)")
+    parser.add_argument("--epochs", type=int, default=1, help="passes over the shard per round (default 1)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     cfg = RunConfig(hook="noop", nserver=0, ntrainer=1, epochs=args.epochs)
@@ -73,13 +74,13 @@ def main() -> int:
             if pair:
                 durations[kind].append((time.perf_counter() - start) * 1000 / iterations)
     dist.destroy_process_group()
+    untimed, timed_ms = durations["untimed"], durations["timed"]
+    overheads = sorted(100 * (t - u) / u for t, u in zip(timed_ms, untimed))
+    q1, median, q3 = statistics.quantiles(overheads, n=4)
     print(f"noop, default model, {iterations} iterations per round, {args.pairs} pairs")
-    # The minimum is the least disturbed round (the better estimate on a shared machine); the
-    # median shows how much the machine moved under both.
-    for statistic in (min, statistics.median):
-        untimed_ms, timed_ms = (statistic(durations[k]) for k in ("untimed", "timed"))
-        print(f"{statistic.__name__:>6}: untimed {untimed_ms:.4f} ms, timed {timed_ms:.4f} ms per iteration, "
-              f"instrumentation overhead {100 * (timed_ms - untimed_ms) / untimed_ms:+.2f} %")
+    print(f"per iteration (medians): untimed {statistics.median(untimed):.4f} ms, "
+          f"timed {statistics.median(timed_ms):.4f} ms")
+    print(f"instrumentation overhead, median of the pairs: {median:+.2f} % (quartiles {q1:+.2f} % to {q3:+.2f} %)")
     return 0
 
 

@@ -20,32 +20,36 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 class StepTimer:
-    """Marks phases of one iteration; ``intervals()`` returns ms between consecutive marks.
+    """Times the phases of one iteration: ``start()``, then ``mark()`` at the end of each phase;
+    ``intervals()`` returns the phases' durations in ms, in order.
 
-    On a GPU, marks are CUDA events and ``intervals()`` synchronises before reading them,
-    so the clock stops only once the device has finished the work.
+    On a GPU, marks are CUDA events and ``intervals()`` synchronises before reading them, so
+    the clock stops only once the device has finished the work. On the CPU a mark is one clock
+    read (every timed iteration pays for it).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.marks: list[tuple[str, object]] = []
+        self.marks: list = []
 
-    def mark(self, name: str) -> None:
+    def start(self) -> None:
+        self.marks.clear()
+        self.mark()
+
+    def mark(self) -> None:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            self.marks.append((name, event))
+            self.marks.append(event)
         else:
-            self.marks.append((name, now_ms()))
+            self.marks.append(time.perf_counter())
 
-    def intervals(self) -> dict[str, float]:
+    def intervals(self) -> list[float]:
+        marks = self.marks
         if self.cuda:
             torch.cuda.synchronize()
-        out = {}
-        for (_, start), (name, end) in zip(self.marks, self.marks[1:]):
-            out[name] = start.elapsed_time(end) if self.cuda else end - start
-        self.marks.clear()
-        return out
+            return [start.elapsed_time(end) for start, end in zip(marks, marks[1:])]
+        return [(end - start) * 1000.0 for start, end in zip(marks, marks[1:])]
 
 
 class IntervalTracker:
@@ -62,7 +66,10 @@ class IntervalTracker:
 
     def drain(self) -> float:
         with self._lock:
-            intervals, self._intervals = sorted(self._intervals), []
+            intervals, self._intervals = self._intervals, []
+        if len(intervals) < 2:  # the common case of one bucket, paid every iteration
+            return intervals[0][1] - intervals[0][0] if intervals else 0.0
+        intervals.sort()
         covered, current_start, current_end = 0.0, None, None
         for start, end in intervals:
             if current_end is None or start > current_end:

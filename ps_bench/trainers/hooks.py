@@ -71,6 +71,7 @@ class HookContext:
     wire: ByteCounter = field(default_factory=ByteCounter)
     iteration: int = 0  # the trainer's current training iteration, from 1
     capturing: bool = False  # --verify: keep this iteration's buckets
+    noting: bool = True  # record this iteration's bucket sizes (the trainer asks once per round)
     captures: list[Capture] = field(default_factory=list)
     # the last whole iteration's buckets, index -> (payload bytes, sparse): the size report, --limits
     buckets: dict[int, tuple[int, bool]] = field(default_factory=dict)
@@ -165,8 +166,13 @@ def instrument(hook: Hook) -> Hook:
         if ctx.capturing:
             capture = Capture(ctx.iteration, bucket.index(), bucket.buffer().detach().clone())
             ctx.captures.append(capture)
-        ctx.note_bucket(bucket)
+        if ctx.noting:
+            ctx.note_bucket(bucket)
         start = now_ms()
+        future = hook(ctx, bucket)
+        if future.done() and capture is None:  # finished already (noop, a local fast path): nothing to wait for
+            ctx.comm.add(start, now_ms())
+            return future
 
         def finished(fut: Future) -> torch.Tensor:
             ctx.comm.add(start, now_ms())
@@ -178,7 +184,7 @@ def instrument(hook: Hook) -> Hook:
         # A chained future, not a done callback: DDP waits on what the hook returns, and a done
         # callback may still be running (recording the interval, copying the answer) after that
         # wait has returned and the next iteration has begun.
-        return hook(ctx, bucket).then(finished)
+        return future.then(finished)
 
     return run
 
