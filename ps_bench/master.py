@@ -81,6 +81,9 @@ class Master:
         self.replicas: dict | None = None
         self.buckets: list[dict] | None = None  # DDP's buckets as it built them, from trainer 0
         self.limits: dict | None = None
+        self.floor_layout: dict[int, int] | None = None  # --limits: the buckets every floor moves
+        self.floor_targets: list[rpc.RRef] = []
+        self.floor_samples: dict[str, list[float]] = defaultdict(list)
         self.memory: dict[str, dict[int, dict]] = {"trainer": {}, "server": {}}
         self.snapshot_at = self.snapshot_cost = 0.0
 
@@ -174,9 +177,11 @@ class Master:
                 f"{elapsed:7.2f} s  (elapsed {time.perf_counter() - run_start:6.1f} s)  loss {mean_loss:.4f}",
                 flush=True,
             )
+            if timed and cfg.limits:
+                self.measure_floors(trainers)
         self.replicas = self.compare_replicas(trainers)
         if cfg.limits:
-            self.limits = self.measure_limits(trainers)
+            self.limits = self.summarize_limits()
         results = self.results("ok")
         print_report(results, self.rows(split_ranks=cfg.per_rank))
         path = write_results(results, self.results_path)
@@ -286,24 +291,35 @@ class Master:
     def trace_path(self, info) -> str:
         return str(Path(self.config.profile) / f"{info.role}{info.index}-rank{info.rank}.json")
 
-    def measure_limits(self, trainers: list[rpc.RRef]) -> dict:
-        """The floors (see ``ps_bench.metrics.limits``), with the buckets of the run's last iteration."""
+    def measure_floors(self, trainers: list[rpc.RRef]) -> None:
+        """``--limits``: a share of every floor's repetitions, after each timed round, so floors and
+        strategy are sampled under the same conditions of the machine (see ``ps_bench.metrics.limits``).
+        The buckets are trainer 0's of the first timed round's last iteration, the same for every
+        trainer and every round."""
         topo = self.topology
-        layout = bucket_bytes(trainers[0].rpc_sync().bucket_layout())
-        per_iteration = sum(layout.values())
-        targets = [rpc.remote(info.name, limits.RpcFloorTarget, args=(layout,)) for info in topo.servers]
-        floors = [f.wait() for f in [t.rpc_async(timeout=0).measure_floors(targets) for t in trainers]]
-        rpc_samples = [v for floor in floors for v in floor.get("rpc_ms", [])]
-        collective_samples = [v for floor in floors for v in floor["collective_ms"]]
-        compute_samples = [v for floor in floors for v in floor["compute_ms"]]
+        if self.floor_layout is None:
+            self.floor_layout = bucket_bytes(trainers[0].rpc_sync().bucket_layout())
+            self.floor_targets = [rpc.remote(info.name, limits.RpcFloorTarget, args=(self.floor_layout,))
+                                  for info in topo.servers]
+        repeat = limits.repeats_per_round(self.config.rounds)
+        futures = [t.rpc_async(timeout=0).measure_floors(self.floor_layout, self.floor_targets, repeat)
+                   for t in trainers]
+        for floors in [f.wait() for f in futures]:
+            for kind, samples in floors.items():
+                self.floor_samples[kind].extend(samples)
+
+    def summarize_limits(self) -> dict:
+        """The floors' statistics over every round's samples, pooled over trainers, and memcpy."""
+        topo, samples = self.topology, self.floor_samples
+        per_iteration = sum(self.floor_layout.values())
         return {
             "bytes_per_iter": per_iteration,
-            "buckets": len(layout),
-            "rpc": limits.floor_summary(rpc_samples, per_iteration) if rpc_samples else None,
-            "collective": {**limits.floor_summary(collective_samples, per_iteration, world=topo.num_trainers),
+            "buckets": len(self.floor_layout),
+            "rpc": limits.floor_summary(samples["rpc_ms"], per_iteration) if samples["rpc_ms"] else None,
+            "collective": {**limits.floor_summary(samples["collective_ms"], per_iteration, world=topo.num_trainers),
                            "backend": self.config.backend},
             "memcpy": limits.memcpy_floor(per_iteration),
-            "compute": {"count": len(compute_samples), "p50_ms": float(np.median(compute_samples))},
+            "compute": {"count": len(samples["compute_ms"]), "p50_ms": float(np.median(samples["compute_ms"]))},
         }
 
     def efficiency(self) -> dict | None:

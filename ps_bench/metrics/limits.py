@@ -1,7 +1,8 @@
 """Floors (``--limits``): what the transports and the machine can do with the run's exact bytes.
 
-Measured after the timed rounds, in the same job, by the same processes, over the same RPC
-agent and trainer process group:
+Measured in the same job, by the same processes, over the same RPC agent and trainer process
+group, a share of the repetitions after each timed round (so that a machine whose speed drifts
+moves floors and strategy alike):
 
 - the raw RPC floor: every trainer sends each of its buckets to the bucket's server at once;
   the server adds it into a preallocated buffer and answers with that buffer (the round trip
@@ -30,7 +31,8 @@ import torch.distributed.rpc as rpc
 from ps_bench.metrics.timers import now_ms
 
 FLOOR_WARMUP = 3  # untimed repetitions before each floor: connections, allocations, caches
-FLOOR_ITERATIONS = 20
+FLOOR_ITERATIONS = 20  # per floor and trainer, spread over the timed rounds
+FLOOR_MIN_PER_ROUND = 4
 MEMCPY_ITERATIONS = 20
 # Which floor each strategy is held against; strategies not listed move nothing (noop).
 RPC_FLOOR_HOOKS = {"ps", "sparse_ps", "ps_fp16", "ps_bf16"}
@@ -93,6 +95,11 @@ def floor_summary(samples_ms: list[float], nbytes: int, world: int | None = None
     if world is not None:
         out["busbw_gbps"] = busbw_gbps(out["algbw_gbps"], world)
     return out
+
+
+def repeats_per_round(rounds: int) -> int:
+    """Timed repetitions of each floor after each of ``rounds`` timed rounds."""
+    return max(FLOOR_MIN_PER_ROUND, -(-FLOOR_ITERATIONS // max(1, rounds)))
 
 
 # -- the server side of the RPC floor ----------------------------------------------------------

@@ -138,7 +138,7 @@ def render_limits(limits: dict, efficiency: dict | None) -> str:
         rows.append(["compute only (no DDP, no hook)", limits["compute"]["p50_ms"], None, None, None])
     lines = [
         f"\nFloors (--limits: {limits['bytes_per_iter']} B per trainer per iteration in {limits['buckets']} "
-        f"bucket(s), {collective['count']} samples pooled over trainers)",
+        f"bucket(s), {collective['count']} samples taken after each timed round, pooled over trainers)",
         tabulate(rows, headers=["floor", "p50 ms", "p90 ms", "algbw GB/s", "busbw GB/s"], floatfmt=".3f",
                  missingval="-"),
     ]

@@ -96,6 +96,7 @@ class DdpTrainer:
         self.batch_size = batch_size
         self.epochs = epochs
         self.iterations_per_epoch = len(targets) // batch_size
+        self._compute_copy: nn.Module | None = None  # --limits: the model outside DDP, made once
 
     def ready(self) -> int:
         return self.iterations_per_epoch * self.epochs
@@ -211,14 +212,15 @@ class DdpTrainer:
         return torch.cat([p.detach().reshape(-1).cpu() for p in self.model.parameters()])
 
     @fatal_on_error
-    def measure_floors(self, targets: list[rpc.RRef]) -> dict[str, list[float]]:
-        """``--limits``: the raw RPC floor (to ``targets``, one per server, when there are
-        servers) and the raw collective floor, with this run's buckets, not counted as wire
-        bytes; and the compute-only iteration. Every trainer must call it at once (each
-        repetition starts with a barrier)."""
+    def measure_floors(self, layout: dict[int, int], targets: list[rpc.RRef], repeat: int) -> dict[str, list[float]]:
+        """``--limits``: ``repeat`` repetitions of the raw RPC floor (to ``targets``, one per server,
+        when there are servers) and of the raw collective floor, moving ``layout``'s buckets (not
+        counted as wire bytes), and of the compute-only iteration. Every trainer must call it at
+        once (each repetition starts with a barrier)."""
         ctx = self.hook_context
-        layout = bucket_bytes(self.bucket_layout())
         out: dict[str, list[float]] = {}
+        if self._compute_copy is None:
+            self._compute_copy = copy.deepcopy(self.model.module)
         ctx.wire.paused = True
         try:
             if targets:
@@ -226,11 +228,10 @@ class DdpTrainer:
                     owners = {index: targets[ctx.group_server] for index in layout}
                 else:
                     owners = {index: targets[s] for index, s in balance_buckets(layout, len(targets)).items()}
-                out["rpc_ms"] = limits.rpc_floor_ms(layout, owners, ctx.process_group)
-            out["collective_ms"] = limits.collective_floor_ms(layout, self.device, ctx.process_group)
-            out["compute_ms"] = limits.compute_floor_ms(copy.deepcopy(self.model.module), self.inputs,
-                                                        self.targets, self.batch_size, ctx.process_group,
-                                                        self.optimizer.defaults["lr"])
+                out["rpc_ms"] = limits.rpc_floor_ms(layout, owners, ctx.process_group, repeat)
+            out["collective_ms"] = limits.collective_floor_ms(layout, self.device, ctx.process_group, repeat)
+            out["compute_ms"] = limits.compute_floor_ms(self._compute_copy, self.inputs, self.targets, self.batch_size,
+                                                        ctx.process_group, self.optimizer.defaults["lr"], repeat)
         finally:
             ctx.wire.paused = False
         return out
