@@ -161,7 +161,8 @@ def build_parser() -> Parser:
     }
     topology = {"ntrainer", "ncudatrainer", "nserver", "ncudaserver", "mapping", "backend"}
     strategy = {"hook", "server", "trainer", "epochs", "batch_size", "lr", "data", "model",
-                "data_config_path", "model_config_path", "bucket_cap_mb", "torch_seed", "cuda_seed"}
+                "data_config_path", "model_config_path", "bucket_cap_mb", "gradient_as_bucket_view", "torch_seed",
+                "cuda_seed"}
     for name, field in OPTIONS.items():
         group = groups["topology" if name in topology else "strategy" if name in strategy else "run"]
         meta = field.metadata

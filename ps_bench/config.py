@@ -65,6 +65,9 @@ class RunConfig:
     data_config_path: str = option("configs/data_configurations.json", "data configuration file")
     model_config_path: str = option("configs/model_configurations.json", "model configuration file")
     bucket_cap_mb: float = option(25.0, "DDP bucket size cap in MiB (more buckets spread over more servers)")
+    gradient_as_bucket_view: bool = option(
+        False, "DDP's gradient_as_bucket_view: dense gradients are views into DDP's buckets, which saves "
+               "their size in memory and the copy of every answer back into them")
     torch_seed: int = option(0, "seed for data, model initialisation and CPU randomness")
     cuda_seed: int = option(0, "seed for CUDA randomness")
     rpc_timeout: float = option(60.0, "seconds before an RPC call fails")

@@ -134,6 +134,7 @@ class Master:
                 device=device_name(self.device_of(info.rank)),
                 rpc_timeout=cfg.rpc_timeout,
                 bucket_cap_mb=cfg.bucket_cap_mb,
+                gradient_as_bucket_view=cfg.gradient_as_bucket_view,
                 fault=cfg.inject_fault,
             )))
         for trainer in trainers:  # waits until every DDP replica is built

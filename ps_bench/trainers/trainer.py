@@ -65,6 +65,7 @@ class DdpTrainer:
         rpc_timeout: float,
         bucket_cap_mb: float,
         fault: str | None = None,
+        gradient_as_bucket_view: bool = False,
     ) -> None:
         self.index = trainer_index
         self.fault = Fault.parse(fault) if fault else None
@@ -77,6 +78,7 @@ class DdpTrainer:
             model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
         )
         self.hook_context = HookContext(
             process_group=dist.group.WORLD,

@@ -81,3 +81,17 @@ def test_powersgd_options_reach_the_hook(tmp_path):
         assert run.results["config"]["hook_options"] == {"matrix_approximation_rank": rank}
         errors[rank] = (run.results["verify"]["grad_rel_error_p50"], run.results["bytes"]["trainer_sent_per_iter"])
     assert errors[4][0] < errors[1][0] and errors[4][1] > errors[1][1]
+
+
+def test_gradients_as_bucket_views_train_exactly_as_copies(tmp_path, tmp_path_factory):
+    """--gradient-as-bucket-view only removes copies: the same run reaches the same parameters."""
+    copies = verified("ps", tmp_path_factory)
+    run = run_bench("--hook", "ps", "--verify", "--rounds", "2", "--gradient-as-bucket-view",
+                    out=tmp_path / "views.json", timeout_s=120)
+    assert run.returncode == 0, run.output
+    views = run.results
+    assert views["config"]["gradient_as_bucket_view"] is True and copies["config"]["gradient_as_bucket_view"] is False
+    assert views["replicas"]["identical"] is True
+    assert views["replicas"]["param_norm"] == copies["replicas"]["param_norm"]
+    assert views["loss"] == copies["loss"]
+    assert views["verify"]["grad_rel_error_max"] <= 1e-6
