@@ -1,6 +1,6 @@
 """What ps_bench's own timing costs: a ``noop`` trainer round with and without instrumentation.
 
-One process, a one-rank gloo group, the default model and data. "timed" is
+One process, a one-rank gloo group, the default model and data (or ``--model``/``--data``). "timed" is
 ``DdpTrainer.run_round`` exactly as a run uses it (phase marks, the hook wrapper that tracks
 comm intervals and bucket sizes, byte counters, per-iteration samples, peak memory); "untimed"
 is the same model, data and iterations with the bare noop hook and none of that. The two
@@ -8,7 +8,7 @@ alternate, PAIRS times each; each pair gives the relative difference of two roun
 back, and the median of those is the overhead (a shared machine moves both rounds of a pair
 alike). Prints it in percent, with the quartiles, and the per-iteration medians.
 
-    python benchmarks/timer_overhead.py [--pairs N] [--epochs N]
+    python benchmarks/timer_overhead.py [--pairs N] [--epochs N] [--model NAME [--data NAME]]
 """
 
 from __future__ import annotations
@@ -49,9 +49,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=200, help="timed/untimed pairs (default 200)")
     parser.add_argument("--epochs", type=int, default=1, help="passes over the shard per round (default 1)")
+    parser.add_argument("--model", default=RunConfig.model,
+                        help=f"model entry or zoo model (default {RunConfig.model}, the default run's)")
+    parser.add_argument("--data", default=None, help="data entry (default: the model's own, as bench.py chooses)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cfg = RunConfig(hook="noop", nserver=0, ntrainer=1, epochs=args.epochs)
+    cfg = RunConfig(hook="noop", nserver=0, ntrainer=1, epochs=args.epochs, model=args.model, data=args.data)
     model_entry, data_entry = validate(cfg, gpus=0)
     dataset = build_data(data_entry.class_name, data_entry.kwargs, cfg.torch_seed)
     store = Path(tempfile.mkdtemp()) / "store"
@@ -77,10 +80,12 @@ def main() -> int:
     untimed, timed_ms = durations["untimed"], durations["timed"]
     overheads = sorted(100 * (t - u) / u for t, u in zip(timed_ms, untimed))
     q1, median, q3 = statistics.quantiles(overheads, n=4)
-    print(f"noop, default model, {iterations} iterations per round, {args.pairs} pairs")
+    print(f"noop, model {cfg.model}, {iterations} iterations per round, {args.pairs} pairs")
     print(f"per iteration (medians): untimed {statistics.median(untimed):.4f} ms, "
           f"timed {statistics.median(timed_ms):.4f} ms")
-    print(f"instrumentation overhead, median of the pairs: {median:+.2f} % (quartiles {q1:+.2f} % to {q3:+.2f} %)")
+    extra_us = statistics.median(1000 * (t - u) for t, u in zip(timed_ms, untimed))
+    print(f"instrumentation overhead, median of the pairs: {median:+.2f} % (quartiles {q1:+.2f} % to {q3:+.2f} %), "
+          f"{extra_us:+.1f} us per iteration")
     return 0
 
 
