@@ -2,7 +2,7 @@
 
 Runs ``bench.py --limits`` with ``allreduce``, ``ps`` and ``noop`` on the default model and on
 a bandwidth-bound one (upstream's DummyModel at 1024 wide: 9.4 M parameters, 37.8 MB of
-gradients per iteration), prints batch p50, comm p50, the floors and each strategy's
+gradients per iteration, 4 timed rounds), prints batch p50, comm p50, the floors and each strategy's
 efficiency (floor p50 / trainer comm p50), and exits 1 when ``ps`` on the bandwidth-bound
 model is below ``--min-ps-efficiency``. Not a test: it takes minutes and its numbers depend on
 the machine and what else runs on it.
@@ -28,10 +28,10 @@ WORKLOADS = {
     "default": [],
     BANDWIDTH_BOUND: ["--model", "DummyModel", "--data", "DummyData", "--rounds", "4"],  # upstream's sizes
 }
-# Set from measurement on the 2-core development machine while other jobs shared it (load average
-# 8 to 18): ps reached 0.53 to 0.85 of the raw RPC floor in five runs. Below 0.4, ps costs more
-# than 2.5 times its floor: something in the parameter-server path regressed (or the machine is
-# far busier than that).
+# Set from measurement on the 2-core development machine, torch 2.14.1: ps reached 0.69 to 0.85 of
+# the raw RPC floor in three quiet runs, and 0.53 while other jobs loaded the machine to 8 and more.
+# Below 0.4, ps costs more than 2.5 times its floor: something in the parameter-server path
+# regressed (or the machine is far busier than that).
 MIN_PS_EFFICIENCY = 0.4
 
 
