@@ -2,9 +2,9 @@
 
 Runs ``bench.py --limits`` with ``allreduce``, ``ps`` and ``noop`` on the default model and on
 a bandwidth-bound one (upstream's DummyModel at 1024 wide: 9.4 M parameters, 37.8 MB of
-gradients per iteration, 4 timed rounds), prints batch p50, comm p50, the floors and each strategy's
-efficiency (floor p50 / trainer comm p50), and exits 1 when ``ps`` on the bandwidth-bound
-model is below ``--min-ps-efficiency``. Not a test: it takes minutes and its numbers depend on
+gradients per iteration, 4 timed rounds), prints batch p50, comm p50, the floors and each
+strategy's efficiency (floor p50 / trainer comm p50), and exits 1 when ``ps`` on the
+bandwidth-bound model is below ``--min-ps-efficiency``. Not a test: it takes minutes and its numbers depend on
 the machine and what else runs on it.
 
     python benchmarks/floors.py [--min-ps-efficiency X] [--keep DIR]
