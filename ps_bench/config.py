@@ -296,12 +296,14 @@ def check_interface(name: str) -> None:
 
 
 def check_writable_folder(path: str, option_name: str) -> None:
-    """Creates the folder if needed; a ConfigError if it cannot be made or written."""
-    try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"{option_name} {path!r} cannot be created: {error.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
+    """A ConfigError unless the folder exists and is writable, or could be created; creates
+    nothing (a ``--dry-run`` leaves no trace; the folder is made where the files are written)."""
+    existing = Path(path).absolute()
+    while not existing.exists():  # the nearest part of the path that exists
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{option_name} {path!r} cannot be created: {str(existing)!r} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{option_name} {path!r} is not writable; choose another folder")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -158,6 +159,7 @@ class DdpTrainer:
             append_recv(recv)
             if profiler is not None and step == max(traced):
                 profiler.stop()
+                Path(profile_path).parent.mkdir(parents=True, exist_ok=True)
                 profiler.export_chrome_trace(profile_path)
             if step in untimed:
                 continue

@@ -59,6 +59,11 @@ def test_profile_into_a_folder_that_cannot_be_made_is_one_line_and_exit_2(capsys
     assert err.count("\n") == 1 and "--profile" in err and "cannot be created" in err, err
 
 
+def test_profile_folder_is_not_made_by_a_dry_run(capsys, tmp_path):
+    assert main(["--profile", str(tmp_path / "new" / "traces"), "--dry-run"]) == 0
+    assert not (tmp_path / "new").exists()
+
+
 def test_new_options_explain_themselves(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
