@@ -1,12 +1,13 @@
 """What ps_bench's own timing costs: a ``noop`` trainer round with and without instrumentation.
 
-One process, a one-rank gloo group, the default model and data (or ``--model``/``--data``). "timed" is
-``DdpTrainer.run_round`` exactly as a run uses it (phase marks, the hook wrapper that tracks
-comm intervals and bucket sizes, byte counters, per-iteration samples, peak memory); "untimed"
-is the same model, data and iterations with the bare noop hook and none of that. The two
-alternate, PAIRS times each; each pair gives the relative difference of two rounds run back to
-back, and the median of those is the overhead (a shared machine moves both rounds of a pair
-alike). Prints it in percent, with the quartiles, and the per-iteration medians.
+One process, a one-rank gloo group, the default model and data (or ``--model``/``--data``).
+"timed" is ``DdpTrainer.run_round`` exactly as a run uses it (phase marks, the hook wrapper
+that tracks comm intervals and bucket sizes, byte counters, per-iteration samples, peak
+memory); "untimed" is the same loop (model, data, iterations, the loss record) with the bare
+noop hook and none of that. The two alternate, PAIRS times each; each pair gives the relative
+difference of two rounds run back to back, and the median of those is the overhead (a shared
+machine moves both rounds of a pair alike). Prints it in percent, with the quartiles, and the
+per-iteration medians.
 
     python benchmarks/timer_overhead.py [--pairs N] [--epochs N] [--model NAME [--data NAME]]
 """
@@ -34,15 +35,22 @@ from ps_bench.trainers.trainer import DdpTrainer  # noqa: E402
 
 
 def untimed_round(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: tuple[torch.Tensor, ...],
-                  targets: torch.Tensor, batch_size: int, iterations: int) -> None:
+                  targets: torch.Tensor, batch_size: int, iterations: int) -> list[float]:
+    """``DdpTrainer.run_round``'s loop with nothing timed: the same batches, training step and
+    loss record (a result, not a timer); no phase marks, no hook wrapper, no bucket notes, no
+    byte counters, no samples."""
     loss_fn = nn.CrossEntropyLoss()
     per_epoch = len(targets) // batch_size
+    losses = []
     for step in range(iterations):
-        batch = slice((step % per_epoch) * batch_size, (step % per_epoch + 1) * batch_size)
+        first = (step % per_epoch) * batch_size
+        x, y = [t[first:first + batch_size] for t in inputs], targets[first:first + batch_size]
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(*(t[batch] for t in inputs)), targets[batch])
+        loss = loss_fn(model(*x), y)
         loss.backward()
         optimizer.step()
+        losses.append(loss.detach())
+    return torch.stack(losses).float().cpu().tolist()
 
 
 def main() -> int:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import threading
 import time
+from collections import deque
 
 import torch
 
@@ -48,25 +48,27 @@ class StepTimer:
         marks = self.marks
         if self.cuda:
             torch.cuda.synchronize()
-            return [start.elapsed_time(end) for start, end in zip(marks, marks[1:])]
-        return [(end - start) * 1000.0 for start, end in zip(marks, marks[1:])]
+            return [marks[i].elapsed_time(marks[i + 1]) for i in range(len(marks) - 1)]
+        return [(marks[i + 1] - marks[i]) * 1000.0 for i in range(len(marks) - 1)]
 
 
 class IntervalTracker:
     """Collects (start, end) intervals from several threads; ``drain()`` gives the time in ms
-    during which at least one interval was open, and clears them."""
+    during which at least one interval was open, and clears them.
+
+    Lock-free, since ``add`` runs once per bucket on every iteration: deque appends and pops
+    are atomic, and ``drain`` pops only what was there when it began, so an interval added
+    meanwhile waits for the next drain instead of being lost."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._intervals: list[tuple[float, float]] = []
+        self._intervals: deque[tuple[float, float]] = deque()
 
     def add(self, start_ms: float, end_ms: float) -> None:
-        with self._lock:
-            self._intervals.append((start_ms, end_ms))
+        self._intervals.append((start_ms, end_ms))
 
     def drain(self) -> float:
-        with self._lock:
-            intervals, self._intervals = self._intervals, []
+        pop = self._intervals.popleft
+        intervals = [pop() for _ in range(len(self._intervals))]
         if len(intervals) < 2:  # the common case of one bucket, paid every iteration
             return intervals[0][1] - intervals[0][0] if intervals else 0.0
         intervals.sort()
