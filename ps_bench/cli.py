@@ -214,6 +214,14 @@ def dry_run_table(cfg, topology, device_of) -> str:
     return header + "\n" + tabulate(rows, headers=["rank", "role", "rpc name", "rpc tensors", "device", "mapping"])
 
 
+def usage_error(error: ConfigError, debug: bool) -> int:
+    """Bad input: one line on stderr (the traceback too with --debug), and the usage exit status."""
+    if debug:
+        traceback.print_exc()
+    sys.stderr.write(f"ps_bench: error: {error}\n")
+    return EXIT_USAGE
+
+
 def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
@@ -366,10 +374,7 @@ def run_slurm(argv: list[str]) -> int:
         slurm.write_or_print(script, args.output)
         return EXIT_OK
     except ConfigError as error:
-        if args.debug:
-            traceback.print_exc()
-        sys.stderr.write(f"ps_bench: error: {error}\n")
-        return EXIT_USAGE
+        return usage_error(error, args.debug)
 
 
 LAUNCH_EPILOG = """\
@@ -438,10 +443,7 @@ def run_launch(argv: list[str]) -> int:
                             master_addr=args.master_addr)
         hosts.preflight(job)
     except ConfigError as error:
-        if args.debug:
-            traceback.print_exc()
-        sys.stderr.write(f"ps_bench: error: {error}\n")
-        return EXIT_USAGE
+        return usage_error(error, args.debug)
     topology = Topology(cfg.ntrainer, cfg.ncudatrainer, cfg.nserver, cfg.ncudaserver, cfg.mapping,
                         cuda_collectives=cfg.backend != "gloo")
     names = ", ".join(target.host for target in targets)
@@ -511,10 +513,7 @@ def run_cloud(argv: list[str]) -> int:
             summary=f"{plural(cfg.num_trainers, 'trainer')}, {plural(cfg.num_servers, 'server')}, 1 master")
         Path(args.output).write_text(cloud.task_yaml(job))
     except ConfigError as error:
-        if args.debug:
-            traceback.print_exc()
-        sys.stderr.write(f"ps_bench: error: {error}\n")
-        return EXIT_USAGE
+        return usage_error(error, args.debug)
     except OSError as error:
         sys.stderr.write(f"ps_bench: error: -o {args.output}: {error.strerror}\n")
         return EXIT_USAGE
@@ -538,10 +537,7 @@ def run_subcommand(command: str, argv: list[str]) -> int:
         return run_report(args.sources, args.baseline, args.metric, args.csv, args.plot, args.scaling,
                           args.link_gbps)
     except ConfigError as error:
-        if args.debug:
-            traceback.print_exc()
-        sys.stderr.write(f"ps_bench: error: {error}\n")
-        return EXIT_USAGE
+        return usage_error(error, args.debug)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -588,10 +584,7 @@ def main(argv: list[str] | None = None) -> int:
               f"mapping {cfg.mapping}, backend {cfg.backend}", flush=True)
         return spawn(spec)
     except ConfigError as error:
-        if debug:
-            traceback.print_exc()
-        sys.stderr.write(f"ps_bench: error: {error}\n")
-        return EXIT_USAGE
+        return usage_error(error, debug)
     except KeyboardInterrupt:
         sys.stderr.write("ps_bench: interrupted by SIGINT; every process was stopped\n")
         return EXIT_SIGINT
