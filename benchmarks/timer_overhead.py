@@ -6,8 +6,11 @@ that tracks comm intervals and bucket sizes, byte counters, per-iteration sample
 memory); "untimed" is the same loop (model, data, iterations, the loss record) with the bare
 noop hook and none of that. The two alternate, PAIRS times each; each pair gives the relative
 difference of two rounds run back to back, and the median of those is the overhead (a shared
-machine moves both rounds of a pair alike). Prints it in percent, with the quartiles, and the
-per-iteration medians.
+machine moves both rounds of a pair alike). Prints it in percent with its 95 % confidence
+interval (from the order statistics of the pairs, no assumption about their distribution),
+the quartiles, and the per-iteration medians. Rounds of a few dozen sub-millisecond iterations
+differ by several percent from one to the next on a small VM, so a figure of 1-2 % needs
+about a thousand pairs to be told apart from zero.
 
     python benchmarks/timer_overhead.py [--pairs N] [--epochs N] [--model NAME [--data NAME]]
 """
@@ -15,6 +18,7 @@ per-iteration medians.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -30,32 +34,57 @@ from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks  # noqa:
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from ps_bench.config import RunConfig, validate  # noqa: E402
+from ps_bench.faults import Fault, maybe_inject  # noqa: E402
 from ps_bench.models import build_data, build_model  # noqa: E402
+from ps_bench.trainers.hooks import HookContext  # noqa: E402
 from ps_bench.trainers.trainer import DdpTrainer  # noqa: E402
 
 
-def untimed_round(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: tuple[torch.Tensor, ...],
-                  targets: torch.Tensor, batch_size: int, iterations: int) -> list[float]:
-    """``DdpTrainer.run_round``'s loop with nothing timed: the same batches, training step and
-    loss record (a result, not a timer); no phase marks, no hook wrapper, no bucket notes, no
-    byte counters, no samples."""
+def untimed_round(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: HookContext, fault: Fault | None,
+                  inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, batch_size: int,
+                  iterations: int) -> list[float]:
+    """``DdpTrainer.run_round``'s loop with its timers taken out. Kept, since a run needs them
+    without any timing: the batches, the training step, the loss record, the iteration count
+    the hooks read, the fault check and the flags of the round's special iterations (here only
+    the last, which notes the bucket sizes). Gone: the clock readings, the hook wrapper that
+    times each bucket, the byte-counter readings, and turning them into samples after the round."""
     loss_fn = nn.CrossEntropyLoss()
     per_epoch = len(targets) // batch_size
     losses = []
+    last = iterations - 1
+    special = {last}
+    iteration = ctx.iteration
     for step in range(iterations):
         first = (step % per_epoch) * batch_size
         x, y = [t[first:first + batch_size] for t in inputs], targets[first:first + batch_size]
+        iteration += 1
+        ctx.iteration = iteration
+        marked = step in special
+        if marked:
+            ctx.capturing, ctx.noting = False, step == last
+        if fault is not None:
+            maybe_inject(fault, "trainer", 0, iteration)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(*x), y)
         loss.backward()
         optimizer.step()
         losses.append(loss.detach())
+        if marked:
+            ctx.capturing = ctx.noting = False
     return torch.stack(losses).float().cpu().tolist()
+
+
+def median_interval(ordered: list[float], z: float = 1.96) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median of sorted samples: the order
+    statistics ``n/2 -+ z*sqrt(n)/2`` (the binomial count of samples below the median)."""
+    n = len(ordered)
+    half_width = z * math.sqrt(n) / 2
+    return ordered[max(0, math.floor(n / 2 - half_width))], ordered[min(n - 1, math.ceil(n / 2 + half_width))]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=200, help="timed/untimed pairs (default 200)")
+    parser.add_argument("--pairs", type=int, default=1000, help="timed/untimed pairs (default 1000)")
     parser.add_argument("--epochs", type=int, default=1, help="passes over the shard per round (default 1)")
     parser.add_argument("--model", default=RunConfig.model,
                         help=f"model entry or zoo model (default {RunConfig.model}, the default run's)")
@@ -70,9 +99,11 @@ def main() -> int:
     timed = DdpTrainer(0, model_entry.class_name, model_entry.kwargs, cfg.torch_seed, dataset.inputs,
                        dataset.targets, cfg.batch_size, cfg.epochs, cfg.lr, "noop", {}, [], cfg.mapping, None,
                        False, "cpu", cfg.rpc_timeout, cfg.bucket_cap_mb)
-    bare = DistributedDataParallel(build_model(model_entry.class_name, model_entry.kwargs, cfg.torch_seed))
+    bare = DistributedDataParallel(build_model(model_entry.class_name, model_entry.kwargs, cfg.torch_seed),
+                                   bucket_cap_mb=cfg.bucket_cap_mb)  # the trainer's buckets
     bare.register_comm_hook(None, debugging_hooks.noop_hook)
     optimizer = torch.optim.SGD(bare.parameters(), lr=cfg.lr)
+    bare_context = HookContext(dist.group.WORLD, [], cfg.mapping, None, False, cfg.rpc_timeout)  # the hook ignores it
     iterations = timed.ready()
     durations: dict[str, list[float]] = {"timed": [], "untimed": []}
     for pair in range(args.pairs + 1):  # the first pair warms up and is dropped
@@ -81,19 +112,21 @@ def main() -> int:
             if kind == "timed":
                 timed.run_round()
             else:
-                untimed_round(bare, optimizer, dataset.inputs, dataset.targets, cfg.batch_size, iterations)
+                untimed_round(bare, optimizer, bare_context, None, dataset.inputs, dataset.targets, cfg.batch_size,
+                              iterations)
             if pair:
                 durations[kind].append((time.perf_counter() - start) * 1000 / iterations)
     dist.destroy_process_group()
     untimed, timed_ms = durations["untimed"], durations["timed"]
     overheads = sorted(100 * (t - u) / u for t, u in zip(timed_ms, untimed))
     q1, median, q3 = statistics.quantiles(overheads, n=4)
+    low, high = median_interval(overheads)
     print(f"noop, model {cfg.model}, {iterations} iterations per round, {args.pairs} pairs")
     print(f"per iteration (medians): untimed {statistics.median(untimed):.4f} ms, "
           f"timed {statistics.median(timed_ms):.4f} ms")
     extra_us = statistics.median(1000 * (t - u) for t, u in zip(timed_ms, untimed))
-    print(f"instrumentation overhead, median of the pairs: {median:+.2f} % (quartiles {q1:+.2f} % to {q3:+.2f} %), "
-          f"{extra_us:+.1f} us per iteration")
+    print(f"instrumentation overhead, median of the pairs: {median:+.2f} % (95 % CI {low:+.2f} % to {high:+.2f} %; "
+          f"quartiles {q1:+.2f} % to {q3:+.2f} %), {extra_us:+.1f} us per iteration")
     return 0
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 import time
 from collections import deque
 
+import numpy as np
 import torch
 
 
@@ -20,66 +23,70 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 class StepTimer:
-    """Times the phases of one iteration: ``start()``, then ``mark()`` at the end of each phase;
-    ``intervals()`` returns the phases' durations in ms, in order.
+    """Clock readings at the phase boundaries of each iteration, turned into milliseconds after
+    the round, so the training loop pays only for the readings themselves.
 
-    On a GPU, marks are CUDA events and ``intervals()`` synchronises before reading them, so
-    the clock stops only once the device has finished the work. On the CPU a mark is one clock
-    read (every timed iteration pays for it).
+    The loop calls ``clock()`` at each boundary and ``stop()`` at the last one of an iteration.
+    On the CPU both are ``time.perf_counter``, a C call with no Python frame around it. On a GPU
+    a reading is a recorded CUDA event, and ``stop()`` also waits for the device, so an
+    iteration's clock stops only once the device has finished its work. ``phases(readings)``
+    gives each iteration's phase durations in ms.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.marks: list = []
+        self.clock = self._event if self.cuda else time.perf_counter
+        self.stop = self._synchronized_event if self.cuda else time.perf_counter
 
-    def start(self) -> None:
-        self.marks.clear()
-        self.mark()
+    @staticmethod
+    def _event() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-    def mark(self) -> None:
+    def _synchronized_event(self) -> torch.cuda.Event:
+        event = self._event()
+        torch.cuda.synchronize()
+        return event
+
+    def phases(self, readings: list[tuple]) -> np.ndarray:
+        """One row per iteration (at least one), one column per phase: the ms between
+        consecutive readings."""
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def intervals(self) -> list[float]:
-        marks = self.marks
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [marks[i].elapsed_time(marks[i + 1]) for i in range(len(marks) - 1)]
-        return [(marks[i + 1] - marks[i]) * 1000.0 for i in range(len(marks) - 1)]
+            return np.array([[a.elapsed_time(b) for a, b in zip(row, row[1:])] for row in readings])
+        return np.diff(np.asarray(readings, dtype=np.float64), axis=1) * 1000.0
 
 
 class IntervalTracker:
-    """Collects (start, end) intervals from several threads; ``drain()`` gives the time in ms
-    during which at least one interval was open, and clears them.
+    """Collects ``(iteration, start, end)`` intervals (``time.perf_counter`` seconds) from
+    several threads; ``drain()`` gives, per iteration, the ms during which at least one of its
+    intervals was open, and clears them.
 
-    Lock-free, since ``add`` runs once per bucket on every iteration: deque appends and pops
-    are atomic, and ``drain`` pops only what was there when it began, so an interval added
-    meanwhile waits for the next drain instead of being lost."""
+    ``add`` is the deque's own append, a C call: it runs once per bucket on every iteration,
+    from the hook's thread or a future's callback. Deque appends and pops are atomic, and
+    ``drain`` pops only what was there when it began, so an interval added meanwhile waits
+    for the next drain instead of being lost."""
 
     def __init__(self) -> None:
-        self._intervals: deque[tuple[float, float]] = deque()
+        self._intervals: deque[tuple[int, float, float]] = deque()
+        self.add = self._intervals.append
 
-    def add(self, start_ms: float, end_ms: float) -> None:
-        self._intervals.append((start_ms, end_ms))
-
-    def drain(self) -> float:
+    def drain(self) -> dict[int, float]:
         pop = self._intervals.popleft
-        intervals = [pop() for _ in range(len(self._intervals))]
-        if len(intervals) < 2:  # the common case of one bucket, paid every iteration
-            return intervals[0][1] - intervals[0][0] if intervals else 0.0
-        intervals.sort()
-        covered, current_start, current_end = 0.0, None, None
-        for start, end in intervals:
-            if current_end is None or start > current_end:
-                if current_end is not None:
-                    covered += current_end - current_start
-                current_start, current_end = start, end
-            else:
-                current_end = max(current_end, end)
-        if current_end is not None:
-            covered += current_end - current_start
-        return covered
+        intervals = sorted(pop() for _ in range(len(self._intervals)))
+        if len({iteration for iteration, _, _ in intervals}) == len(intervals):  # one bucket: nothing to merge
+            return {iteration: 1000.0 * (end - start) for iteration, start, end in intervals}
+        return {iteration: 1000.0 * covered_seconds([(start, end) for _, start, end in group])
+                for iteration, group in itertools.groupby(intervals, key=operator.itemgetter(0))}
+
+
+def covered_seconds(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` spans sorted by start."""
+    covered, (low, high) = 0.0, spans[0]
+    for start, end in spans[1:]:
+        if start > high:
+            covered += high - low
+            low, high = start, end
+        else:
+            high = max(high, end)
+    return covered + high - low

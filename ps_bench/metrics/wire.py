@@ -35,7 +35,10 @@ def allgather_bytes(nbytes: int, world: int) -> int:
 
 
 class ByteCounter:
-    """Sent and received bytes of one trainer; thread-safe; ``paused`` stops counting."""
+    """Bytes one trainer has sent and received so far; thread-safe; ``paused`` stops counting.
+
+    The trainer reads ``sent`` and ``recv`` at the end of each iteration, once every bucket's
+    future has completed, and takes differences after the round."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -48,12 +51,6 @@ class ByteCounter:
         with self._lock:
             self.sent += sent
             self.recv += recv
-
-    def take(self) -> tuple[int, int]:
-        with self._lock:
-            out = (self.sent, self.recv)
-            self.sent = self.recv = 0
-        return out
 
 
 _counter: ByteCounter | None = None

@@ -6,6 +6,7 @@ import copy
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
@@ -113,62 +114,58 @@ class DdpTrainer:
         mean after the round, outside the timed region. With ``profile_path``, a few iterations
         are traced by torch.profiler into that Chrome trace file, also left out of the samples.
         """
-        ctx = self.hook_context
-        samples: dict[str, list[float]] = {name: [] for name in TRAINER_METRICS + BYTE_METRICS}
-        losses = []
+        ctx, wire = self.hook_context, self.hook_context.wire
         timer = StepTimer(self.device)
         ctx.comm.drain()
-        ctx.wire.take()
         iterations = self.iterations_per_epoch * self.epochs
         checked = verified_steps(iterations) if verify else set()
         traced = set(range(1, 1 + PROFILED_ITERATIONS)) & set(range(iterations)) if profile_path else set()
-        untimed = checked | traced  # kept out of the timing samples
+        last = iterations - 1
+        special = checked | traced | {last}  # iterations that capture, trace or note the bucket sizes
         profiler = None
-        # The loop body is what every timed iteration pays on top of training: plain appends to
-        # lists bound once, no per-iteration dictionaries (benchmarks/timer_overhead.py measures it).
-        append_sent, append_recv = samples["bytes_sent"].append, samples["bytes_recv"].append
-        append_forward, append_backward = samples["forward"].append, samples["backward"].append
-        append_optimizer, append_batch = samples["optimizer"].append, samples["batch"].append
-        append_comm, append_loss = samples["comm"].append, losses.append
+        # What every iteration pays on top of training: four clock reads, two byte-counter reads
+        # and one append. Everything else waits for the end of the round
+        # (benchmarks/timer_overhead.py measures it).
+        records: list[tuple] = []  # per iteration: four clock readings, bytes sent and received so far
+        losses: list[torch.Tensor] = []
+        record, append_loss = records.append, losses.append
+        sent_before, recv_before = wire.sent, wire.recv
+        clock, stop = timer.clock, timer.stop
         model, loss_fn, optimizer, inputs, targets = self.model, self.loss_fn, self.optimizer, self.inputs, self.targets
-        per_epoch, batch_size = self.iterations_per_epoch, self.batch_size
+        per_epoch, batch_size, fault, iteration = self.iterations_per_epoch, self.batch_size, self.fault, self.iteration
         for step in range(iterations):
             first = (step % per_epoch) * batch_size
             x, y = [t[first:first + batch_size] for t in inputs], targets[first:first + batch_size]
-            self.iteration += 1
-            ctx.iteration = self.iteration
-            ctx.capturing = step in checked
-            ctx.noting = step == iterations - 1  # the bucket sizes of the round's last iteration
-            if self.fault is not None:
-                maybe_inject(self.fault, "trainer", self.index, self.iteration)
-            if step in traced and profiler is None:
-                profiler = start_profiler(self.device)
-            timer.start()
+            iteration += 1
+            ctx.iteration = iteration
+            marked = step in special
+            if marked:
+                ctx.capturing, ctx.noting = step in checked, step == last
+                if step in traced and profiler is None:
+                    profiler = start_profiler(self.device)
+            if fault is not None:
+                maybe_inject(fault, "trainer", self.index, iteration)
+            t0 = clock()
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model(*x), y)
-            timer.mark()
+            t1 = clock()
             loss.backward()
-            timer.mark()
+            t2 = clock()
             optimizer.step()
-            timer.mark()
-            forward_ms, backward_ms, optimizer_ms = timer.intervals()
-            comm_ms = ctx.comm.drain()
-            sent, recv = ctx.wire.take()
+            t3 = stop()
+            record((t0, t1, t2, t3, wire.sent, wire.recv))
             append_loss(loss.detach())
-            append_sent(sent)
-            append_recv(recv)
-            if profiler is not None and step == max(traced):
-                profiler.stop()
-                Path(profile_path).parent.mkdir(parents=True, exist_ok=True)
-                profiler.export_chrome_trace(profile_path)
-            if step in untimed:
-                continue
-            append_forward(forward_ms)
-            append_backward(backward_ms)
-            append_optimizer(optimizer_ms)
-            append_batch(forward_ms + backward_ms + optimizer_ms)
-            append_comm(comm_ms)
-        ctx.capturing = False
+            if marked:
+                ctx.capturing = ctx.noting = False
+                if profiler is not None and step == max(traced):
+                    profiler.stop()
+                    Path(profile_path).parent.mkdir(parents=True, exist_ok=True)
+                    profiler.export_chrome_trace(profile_path)
+        self.iteration = iteration
+        readings = [record[:4] for record in records]
+        moved = np.diff([(sent_before, recv_before)] + [record[4:] for record in records], axis=0)
+        samples = self.round_samples(timer.phases(readings), moved, ctx.comm.drain(), iteration - iterations + 1,
+                                     untimed=checked | traced)
         return {
             "samples": samples,
             "iterations": iterations,
@@ -179,6 +176,25 @@ class DdpTrainer:
             "verified_iterations": len(checked),
             "grad_errors": self.gradient_errors(),
             "memory": peak_memory(self.device),
+        }
+
+    @staticmethod
+    def round_samples(phases: np.ndarray, moved: np.ndarray, comm: dict[int, float], first_iteration: int,
+                      untimed: set[int]) -> dict[str, list]:
+        """A round's per-iteration samples from what its loop recorded: ``phases`` (forward,
+        backward, optimizer ms per iteration), ``moved`` (bytes sent and received per iteration)
+        and ``comm`` (iteration -> ms during which a bucket's communication was open). Bytes
+        count every iteration; times leave out ``untimed`` steps (captured or traced)."""
+        timed = [step for step in range(len(phases)) if step not in untimed]
+        phases = phases[timed]
+        return {
+            "batch": phases.sum(axis=1).tolist(),
+            "forward": phases[:, 0].tolist(),
+            "backward": phases[:, 1].tolist(),
+            "optimizer": phases[:, 2].tolist(),
+            "comm": [comm.get(first_iteration + step, 0.0) for step in timed],
+            "bytes_sent": moved[:, 0].tolist(),
+            "bytes_recv": moved[:, 1].tolist(),
         }
 
     def gradient_errors(self) -> list[float]:

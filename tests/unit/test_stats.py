@@ -1,10 +1,12 @@
 import math
+import time
 
 import numpy as np
 import pytest
 
 from ps_bench.metrics.stats import SummaryRow, summarize, summary_rows
-from ps_bench.metrics.timers import IntervalTracker, tensor_bytes
+from ps_bench.metrics.timers import IntervalTracker, StepTimer, tensor_bytes
+from ps_bench.trainers.trainer import DdpTrainer
 
 import torch
 
@@ -46,12 +48,33 @@ def test_row_renders_same_numbers_as_json_and_table():
                                                          ("count", "mean", "std", "min", "p50", "p90", "p99", "max")]
 
 
-def test_interval_tracker_counts_overlaps_once():
+def test_interval_tracker_counts_overlaps_once_per_iteration():
     tracker = IntervalTracker()
-    for start, end in [(0, 2), (1, 3), (5, 6), (5.5, 5.7)]:
-        tracker.add(start, end)
-    assert tracker.drain() == pytest.approx(4.0)
-    assert tracker.drain() == 0.0
+    # seconds; iteration 7 overlaps itself, iteration 8's interval overlaps 7's in time but is its own
+    for start, end in [(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (5.5, 5.7)]:
+        tracker.add((7, start, end))
+    tracker.add((8, 1.0, 1.5))
+    assert tracker.drain() == {7: pytest.approx(4000.0), 8: pytest.approx(500.0)}
+    assert tracker.drain() == {}
+
+
+def test_step_timer_turns_cpu_readings_into_phase_milliseconds():
+    timer = StepTimer(torch.device("cpu"))
+    assert timer.clock is timer.stop is time.perf_counter  # the loop pays for a C call, nothing else
+    phases = timer.phases([(10.0, 10.002, 10.005, 10.006), (20.0, 20.001, 20.001, 20.004)])
+    assert phases == pytest.approx(np.array([[2.0, 3.0, 1.0], [1.0, 0.0, 3.0]]))
+
+
+def test_round_samples_leave_untimed_steps_out_of_times_but_not_bytes():
+    phases = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    moved = np.array([[100, 10], [200, 20], [300, 30]])
+    comm = {11: 0.5, 13: 1.5}  # iteration 12 had no communication
+    samples = DdpTrainer.round_samples(phases, moved, comm, first_iteration=11, untimed={0})
+    assert samples["forward"] == [4.0, 7.0] and samples["optimizer"] == [6.0, 9.0]
+    assert samples["batch"] == [15.0, 24.0]
+    assert samples["comm"] == [0.0, 1.5]
+    assert samples["bytes_sent"] == [100, 200, 300] and samples["bytes_recv"] == [10, 20, 30]
+    assert all(type(b) is int for b in samples["bytes_sent"])
 
 
 def test_tensor_bytes_dense_and_sparse():
