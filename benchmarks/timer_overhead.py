@@ -1,16 +1,17 @@
 """What ps_bench's own timing costs: a ``noop`` trainer round with and without instrumentation.
 
 One process, a one-rank gloo group, the default model and data (or ``--model``/``--data``).
-"timed" is ``DdpTrainer.run_round`` exactly as a run uses it (phase marks, the hook wrapper
-that tracks comm intervals and bucket sizes, byte counters, per-iteration samples, peak
-memory); "untimed" is the same loop (model, data, iterations, the loss record) with the bare
-noop hook and none of that. The two alternate, PAIRS times each; each pair gives the relative
-difference of two rounds run back to back, and the median of those is the overhead (a shared
-machine moves both rounds of a pair alike). Prints it in percent with its 95 % confidence
-interval (from the order statistics of the pairs, no assumption about their distribution),
-the quartiles, and the per-iteration medians. Rounds of a few dozen sub-millisecond iterations
-differ by several percent from one to the next on a small VM, so a figure of 1-2 % needs
-about a thousand pairs to be told apart from zero.
+"timed" is ``DdpTrainer.run_round`` exactly as a run uses it (clock readings, the hook wrapper
+that times each bucket, byte-counter readings, the samples worked out after the round, peak
+memory); "untimed" is the same loop with only the timing taken out (see ``untimed_round``) and
+the bare noop hook. The two alternate, PAIRS times each, on two sets of models (each side has
+one built early and one built late); each pair gives the relative difference of two rounds run
+back to back, and the median of those is the overhead (a shared machine moves both rounds of a
+pair alike). Prints it in percent with its 95 % confidence interval (from the order statistics
+of the pairs, no assumption about their distribution), the quartiles, and the per-iteration
+medians. Rounds of a few dozen sub-millisecond iterations differ by several percent from one to
+the next on a small VM, so a figure of 1-2 % needs about a thousand pairs to be told apart
+from zero.
 
     python benchmarks/timer_overhead.py [--pairs N] [--epochs N] [--model NAME [--data NAME]]
 """
@@ -96,25 +97,37 @@ def main() -> int:
     dataset = build_data(data_entry.class_name, data_entry.kwargs, cfg.torch_seed)
     store = Path(tempfile.mkdtemp()) / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    timed = DdpTrainer(0, model_entry.class_name, model_entry.kwargs, cfg.torch_seed, dataset.inputs,
-                       dataset.targets, cfg.batch_size, cfg.epochs, cfg.lr, "noop", {}, [], cfg.mapping, None,
-                       False, "cpu", cfg.rpc_timeout, cfg.bucket_cap_mb)
-    bare = DistributedDataParallel(build_model(model_entry.class_name, model_entry.kwargs, cfg.torch_seed),
-                                   bucket_cap_mb=cfg.bucket_cap_mb)  # the trainer's buckets
-    bare.register_comm_hook(None, debugging_hooks.noop_hook)
-    optimizer = torch.optim.SGD(bare.parameters(), lr=cfg.lr)
+
+    def timed_trainer() -> DdpTrainer:
+        return DdpTrainer(0, model_entry.class_name, model_entry.kwargs, cfg.torch_seed, dataset.inputs,
+                          dataset.targets, cfg.batch_size, cfg.epochs, cfg.lr, "noop", {}, [], cfg.mapping, None,
+                          False, "cpu", cfg.rpc_timeout, cfg.bucket_cap_mb)
+
+    def untimed_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+        bare = DistributedDataParallel(build_model(model_entry.class_name, model_entry.kwargs, cfg.torch_seed),
+                                       bucket_cap_mb=cfg.bucket_cap_mb)  # the trainer's buckets
+        bare.register_comm_hook(None, debugging_hooks.noop_hook)
+        return bare, torch.optim.SGD(bare.parameters(), lr=cfg.lr)
+
+    # Built in the order timed, untimed, untimed, timed, and used in turn: on a small VM a model
+    # built later ran a few us per iteration faster (where its memory landed), so each side gets
+    # one model built early and one built late.
+    early_timed, early_untimed = timed_trainer(), untimed_model()
+    late_untimed, late_timed = untimed_model(), timed_trainer()
+    sides = [(early_timed, early_untimed), (late_timed, late_untimed)]
     bare_context = HookContext(dist.group.WORLD, [], cfg.mapping, None, False, cfg.rpc_timeout)  # the hook ignores it
-    iterations = timed.ready()
+    iterations = early_timed.ready()
     durations: dict[str, list[float]] = {"timed": [], "untimed": []}
-    for pair in range(args.pairs + 1):  # the first pair warms up and is dropped
-        for kind in ("untimed", "timed") if pair % 2 else ("timed", "untimed"):
+    for pair in range(args.pairs + 2):  # the first pair of each set warms it up and is dropped
+        timed, (bare, optimizer) = sides[pair % 2]
+        for kind in ("untimed", "timed") if (pair // 2) % 2 else ("timed", "untimed"):
             start = time.perf_counter()
             if kind == "timed":
                 timed.run_round()
             else:
                 untimed_round(bare, optimizer, bare_context, None, dataset.inputs, dataset.targets, cfg.batch_size,
                               iterations)
-            if pair:
+            if pair > 1:
                 durations[kind].append((time.perf_counter() - start) * 1000 / iterations)
     dist.destroy_process_group()
     untimed, timed_ms = durations["untimed"], durations["timed"]
