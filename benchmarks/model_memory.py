@@ -25,7 +25,8 @@ def measure(model_name: str, batch_size: int) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ps_bench.config import RunConfig, validate
+    from ps_bench.config import RunConfig
+    from ps_bench.job import validate
     from ps_bench.models import build_data, build_model
 
     torch.set_num_threads(1)

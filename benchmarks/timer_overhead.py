@@ -34,8 +34,9 @@ from torch import nn  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-from ps_bench.config import RunConfig, validate  # noqa: E402
+from ps_bench.config import RunConfig  # noqa: E402
 from ps_bench.faults import Fault, maybe_inject  # noqa: E402
+from ps_bench.job import validate  # noqa: E402
 from ps_bench.models import build_data, build_model  # noqa: E402
 from ps_bench.trainers.hooks import HookContext  # noqa: E402
 from ps_bench.trainers.trainer import DdpTrainer  # noqa: E402
@@ -99,9 +100,8 @@ def main() -> int:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
 
     def timed_trainer() -> DdpTrainer:
-        return DdpTrainer(0, model_entry.class_name, model_entry.kwargs, cfg.torch_seed, dataset.inputs,
-                          dataset.targets, cfg.batch_size, cfg.epochs, cfg.lr, "noop", {}, [], cfg.mapping, None,
-                          False, "cpu", cfg.rpc_timeout, cfg.bucket_cap_mb)
+        return DdpTrainer(0, cfg, model_entry, dataset.inputs, dataset.targets, servers=[], group_server=None,
+                          cuda_rpc=False, device="cpu")
 
     def untimed_model() -> tuple[nn.Module, torch.optim.Optimizer]:
         bare = DistributedDataParallel(build_model(model_entry.class_name, model_entry.kwargs, cfg.torch_seed),

@@ -40,6 +40,11 @@ class Terminated(BaseException):
     """SIGTERM reached the launcher (raised by its signal handler)."""
 
 
+def raise_terminated(signum: int, frame: object) -> None:
+    """A SIGTERM handler: the launcher's ``try`` blocks stop what they started, as for Ctrl-C."""
+    raise Terminated()
+
+
 def set_identity(identity: Identity) -> None:
     global _identity
     _identity = identity

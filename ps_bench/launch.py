@@ -15,6 +15,7 @@ import faulthandler
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import warnings
@@ -28,8 +29,11 @@ import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 
 from ps_bench import failures, rendezvous
-from ps_bench.config import ConfigError, Entry, RunConfig
-from ps_bench.metrics.results import write_results
+from ps_bench.config import ConfigError, RunConfig
+from ps_bench.master import Master
+from ps_bench.metrics.record import failed_results, read_snapshot
+from ps_bench.metrics.results import environment, write_results
+from ps_bench.models.entries import Entry
 from ps_bench.topology import MASTER, TRAINER, Topology
 
 PG_BACKENDS = {"gloo": "gloo", "nccl": "nccl", "multi": "cpu:gloo,cuda:nccl"}
@@ -119,7 +123,7 @@ def worker(rank: int, spec: LaunchSpec) -> None:
         faulthandler.dump_traceback_later(cfg.timeout, exit=True)
     master = None
     if cfg.iface:  # read by TensorPipe and gloo when they open their sockets
-        os.environ.update(TP_SOCKET_IFNAME=cfg.iface, GLOO_SOCKET_IFNAME=cfg.iface)
+        os.environ.update(rendezvous.interface_env(cfg.iface))
     try:
         store_timeout = max(cfg.rpc_timeout, 60.0)
         store, view = rendezvous.join(rank, int(os.environ.get("LOCAL_RANK", rank)), store_timeout)
@@ -136,8 +140,6 @@ def worker(rank: int, spec: LaunchSpec) -> None:
         rpc.init_rpc(info.name, rank=rank, world_size=topology.world_size,
                      rpc_backend_options=rpc_options(spec, rank))
         if info.role == MASTER:
-            from ps_bench.master import Master
-
             recovered = rendezvous.recovered_failures(store, topology.world_size)
             if recovered:
                 print(f"ps_bench: torchrun restart {len(recovered)} of {rendezvous.max_restarts()}: starting the job "
@@ -152,7 +154,7 @@ def worker(rank: int, spec: LaunchSpec) -> None:
     except BaseException as error:  # noqa: BLE001 - every failure must reach the launcher
         # no launcher of ours to keep the finished rounds; a job torchrun restarts writes its file later
         if master is not None and spec.torchrun and not rendezvous.restarts_left():
-            path = write_results(master.results("failed", error=f"{info.describe()} failed: {error}"),
+            path = write_results(master.record.results("failed", error=f"{info.describe()} failed: {error}"),
                                  spec.results_path)
             print(f"results (failed run): {path}", flush=True)
         failures.fatal(error)
@@ -162,6 +164,12 @@ def _spawned(rank: int, spec: LaunchSpec) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how the job ends
     worker(rank, spec)
+    # The rank's work is done and RPC and its process group are shut down: end here rather than
+    # in the interpreter's teardown of torch, which took 1.3 s per rank on the development machine,
+    # the launcher waiting on it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class JobFailed(Exception):
@@ -288,19 +296,10 @@ def host_store(cfg: RunConfig) -> dist.TCPStore:
 
 
 def keep_finished_rounds(spec: LaunchSpec, error: str) -> Path | None:
-    """Writes the failed run's results file from the master's last snapshot."""
-    from ps_bench.master import read_snapshot
-
-    results = read_snapshot(spec.run_dir)
-    if results is None:  # the master never got going: keep at least what was asked
-        from ps_bench.metrics.results import SCHEMA, environment, iso_now
-
-        results = {"schema": SCHEMA, "argv": spec.argv, "config": spec.config.to_dict(),
-                   "env": environment(spec.config.backend), "rounds_completed": 0, "summary": [],
-                   "started": iso_now()}
-    from ps_bench.metrics.results import iso_now
-
-    results.update(status="failed", error=error, finished=iso_now())
+    """Writes the failed run's results file from the master's last snapshot (or, if the master
+    never got going, what was asked)."""
+    results = failed_results(read_snapshot(spec.run_dir), error, config=spec.config.to_dict(), argv=spec.argv,
+                             env=environment(spec.config.backend))
     try:
         return write_results(results, spec.results_path)
     except OSError:

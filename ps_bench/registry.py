@@ -1,9 +1,14 @@
-"""One small registry type shared by every extension point (servers, hooks, models, data)."""
+"""One small registry type shared by every extension point (servers, hooks, trainers, models, data).
+
+An entry is a factory registered under the name users type (plus aliases), and, for extension
+points that describe their pieces, a record: everything the rest of ps_bench needs to know
+about the piece without building it (validation, ``--limits``, the tests read records).
+"""
 
 from __future__ import annotations
 
 import difflib
-from typing import Callable, Generic, Iterator, TypeVar
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -16,20 +21,29 @@ class UnknownNameError(KeyError):
 
 
 class Registry(Generic[T]):
-    """Maps the names users type (canonical names and aliases) to factories."""
+    """Maps the names users type (canonical names and aliases) to factories and their records.
 
-    def __init__(self, kind: str) -> None:
+    ``record_type``, when given, is the type every entry must be registered with a record of."""
+
+    def __init__(self, kind: str, record_type: type | None = None) -> None:
         self.kind = kind
+        self.record_type = record_type
         self._entries: dict[str, T] = {}
+        self._records: dict[str, Any] = {}
         self._canonical: dict[str, str] = {}
 
-    def register(self, name: str, aliases: tuple[str, ...] = ()) -> Callable[[T], T]:
+    def register(self, name: str, aliases: tuple[str, ...] = (), record: Any = None) -> Callable[[T], T]:
+        if self.record_type is not None and not isinstance(record, self.record_type):
+            raise TypeError(f"{self.kind} {name!r} needs a {self.record_type.__name__} record; got {record!r}")
+
         def decorator(factory: T) -> T:
             for key in (name, *aliases):
                 if key in self._canonical:
                     raise ValueError(f"{self.kind} {key!r} is registered twice")
                 self._canonical[key] = name
             self._entries[name] = factory
+            if record is not None:
+                self._records[name] = record
             return factory
 
         return decorator
@@ -47,12 +61,24 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         return self._entries[self.canonical(name)]
 
+    def record(self, name: str) -> Any:
+        """The record ``name`` (or an alias of it) was registered with; None if it has none."""
+        return self._records.get(self.canonical(name))
+
     def names(self) -> list[str]:
         """Canonical names, sorted."""
         return sorted(self._entries)
 
     def aliases(self, name: str) -> list[str]:
         return sorted(k for k, v in self._canonical.items() if v == name and k != name)
+
+    def describe(self) -> str:
+        """``name: first line of its docstring; ...`` for every entry, for ``--help``."""
+        entries = []
+        for name in self.names():
+            doc = (self._entries[name].__doc__ or "").strip().splitlines()
+            entries.append(f"{name}: {doc[0].rstrip('.')}" if doc else name)
+        return "; ".join(entries)
 
     def __contains__(self, name: object) -> bool:
         return name in self._canonical

@@ -92,6 +92,11 @@ except RuntimeError:  # already registered (module reloaded)
 
 
 # -- hosts ------------------------------------------------------------------------------------
+def interface_env(iface: str) -> dict[str, str]:
+    """The variables that make TensorPipe and gloo open their sockets on ``iface``."""
+    return {"TP_SOCKET_IFNAME": iface, "GLOO_SOCKET_IFNAME": iface}
+
+
 def address_towards(host: str) -> str:
     """The local address the kernel would use to reach ``host`` (a UDP connect sends nothing)."""
     try:

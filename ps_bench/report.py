@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 from dataclasses import dataclass
@@ -13,7 +14,17 @@ from tabulate import tabulate
 
 from ps_bench.config import ConfigError
 from ps_bench.metrics.limits import byteps_optimum_ms, ps_bound_ms
+from ps_bench.options import typed
 from ps_bench.sweep import RESULTS_NAME, read_lines
+
+DESCRIPTION = (
+    "Compare runs: one row per point, with the options that vary across points, p50 and p90 of a "
+    "metric, samples/s, bytes per iteration, gradient error (runs with --verify) and the speedup "
+    "against a baseline point.")
+EPILOG = """\
+example:
+  python bench.py report results/hooks --baseline hook=allreduce --csv hooks.csv --plot hooks.png
+"""
 
 # Resolved options never shown as columns: they describe the output, or repeat another column.
 HIDDEN = {"out", "dry_run", "per_rank", "debug", "model_config", "data_config", "model_size", "master_port"}
@@ -260,3 +271,26 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
         plot(plot_path, rows, metric, f"{sweep + ': ' if sweep else ''}trainer {metric} time per iteration")
         print(f"plot: {plot_path}")
     return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("sources", nargs="+", metavar="DIR|FILE",
+                        help="sweep folders (their results.jsonl), .jsonl files or results files")
+    parser.add_argument("--baseline", metavar="KEY=VALUE", help="the point speedups are measured against "
+                        "(default: the first point)")
+    parser.add_argument("--metric", default="batch", metavar="NAME",
+                        help="summary metric to compare, e.g. batch, comm, backward, round (default: batch)")
+    parser.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw the comparison (needs the 'plot' extra)")
+    parser.add_argument("--scaling", action="store_true",
+                        help="per-iteration time for each trainers x servers point next to the analytic "
+                             "parameter-server bound and BytePS's optimum (bandwidth: --link-gbps, else each "
+                             "point's memcpy floor from --limits)")
+    parser.add_argument("--link-gbps", type=typed(float, "link-gbps"), metavar="X",
+                        help="bandwidth B in GB/s for --scaling (default: each point's memcpy floor)")
+
+
+def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
+    if args.link_gbps is not None and args.link_gbps <= 0:
+        raise ConfigError(f"--link-gbps must be positive; got {args.link_gbps}")
+    return run_report(args.sources, args.baseline, args.metric, args.csv, args.plot, args.scaling, args.link_gbps)

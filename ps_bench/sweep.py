@@ -11,6 +11,7 @@ results object plus ``point``: name, overrides and configuration hash) is append
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import itertools
 import json
@@ -23,8 +24,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ps_bench.config import JSON_KEYS, ConfigError, build_config, coerce, read_json, validate
-from ps_bench.metrics.results import SCHEMA, iso_now
+from ps_bench.config import JSON_KEYS, PROJECT_ROOT, ConfigError, build_config, coerce, read_json
+from ps_bench.job import validate
+from ps_bench.metrics.record import failed_results
+from ps_bench.metrics.results import environment, iso_now
+from ps_bench.options import typed
+
+DESCRIPTION = (
+    "Run every point of a sweep file, each in its own process tree, appending one JSON line per "
+    "point to OUT/results.jsonl (logs in OUT/logs/). A sweep file is {\"name\": ..., \"base\": {options}, "
+    "\"grid\": {option: [values]}, \"variants\": [{\"name\": ..., option: value}]}: the points are the "
+    "cartesian product of grid (times each variant), each base plus its overrides.")
+EPILOG = """\
+example:
+  python bench.py sweep configs/sweeps/hooks.json --out results/hooks && python bench.py report results/hooks
+"""
+BENCH = PROJECT_ROOT / "bench.py"
 
 SWEEP_KEYS = ("name", "base", "grid", "variants")
 RESULTS_NAME = "results.jsonl"
@@ -188,9 +203,9 @@ def run_point(point: Point, out_dir: Path, bench: Path, timeout_s: float | None)
         if error:
             results.update(status="failed", error=error)
         return results
-    return {"schema": SCHEMA, "status": "failed",
-            "error": error or f"bench.py exited with status {process.returncode} and wrote no results; see {log_file}",
-            "config": point.resolved, "finished": iso_now()}
+    return failed_results(None, error or f"bench.py exited with status {process.returncode} and wrote no results; "
+                                         f"see {log_file}",
+                          config=point.resolved, argv=command, env=environment(point.resolved["backend"]))
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -212,7 +227,21 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise Interrupted(143)
 
 
-def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None, bench: Path) -> int:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", metavar="FILE", help="sweep file (JSON)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="folder for results.jsonl, logs and point files")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip points already recorded ok in OUT (same resolved configuration); re-run the rest")
+    parser.add_argument("--point-timeout", type=typed(float, "point-timeout"), default=900.0, metavar="SECONDS",
+                        help="stop a point that runs longer than this and record it as failed (default: 900)")
+
+
+def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    return run_sweep(args.file, args.out, args.resume, args.point_timeout)
+
+
+def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None, bench: Path = BENCH) -> int:
     name, points = load_sweep(path)
     out_dir = Path(out)
     (out_dir / "points").mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ class BenchRun:
     stderr: str
     elapsed_s: float
     results: dict | None
+    out: Path | None = None  # the --out it was given
 
     @property
     def output(self) -> str:
@@ -74,7 +75,7 @@ def run_bench(*args: str, timeout_s: float = 300, out: Path | None = None, env: 
         start_new_session=True, env={**os.environ, **(env or {})},
     )
     stdout, stderr, elapsed = communicate(process, timeout_s, f"bench.py {' '.join(args)}")
-    return BenchRun(process.returncode, stdout, stderr, elapsed, printed_results(stdout))
+    return BenchRun(process.returncode, stdout, stderr, elapsed, printed_results(stdout), out)
 
 
 def printed_results(stdout: str) -> dict | None:

@@ -8,16 +8,39 @@ rendezvous from them. ps_bench does not depend on SkyPilot: the YAML is plain te
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shlex
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torchvision
 
 import ps_bench
-from ps_bench.cluster.torchrun import DEFAULT_PORT, NodeLayout, torchrun_command
+from ps_bench.cluster.torchrun import (DEFAULT_PORT, NodeLayout, add_engine_arguments, cluster_job, export_line,
+                                       summary, torchrun_command, with_iface)
 from ps_bench.config import PROJECT_ROOT, ConfigError
+from ps_bench.options import EXIT_OK, EXIT_USAGE, typed
 
 ACCELERATORS = re.compile(r"[A-Za-z0-9_-]+(:\d+)?")
+BENCH_OPTIONS = True
+DESCRIPTION = ("Write a SkyPilot task YAML that runs this benchmark on N cloud machines, and print the sky launch "
+               "command that runs it.")
+EPILOG = """\
+examples:
+  python bench.py cloud --nodes 2 --accelerators H100:8 -- --ntrainer 14 --nserver 1 --backend nccl
+  python bench.py cloud --nodes 2 --cloud aws --use-spot --name ps-cpu -o cpu.yaml -- --ntrainer 6 --nserver 1
+  sky launch -c ps-bench ps_bench-sky.yaml    # what it prints: run it where SkyPilot is installed
+
+The YAML copies this checkout to every node (workdir), installs torch pinned to this
+machine's version and ps_bench from the checkout (setup), and starts torchrun on every node
+with the static rendezvous from SKYPILOT_NODE_RANK and the first line of SKYPILOT_NODE_IPS
+(run). The master runs on the last node, which writes the results file under ~/sky_workdir.
+ps_bench does not need SkyPilot installed to write it.
+"""
 
 
 @dataclass
@@ -46,9 +69,6 @@ def gpus_of(accelerators: str | None) -> int:
 def torch_pins() -> str:
     """torch and torchvision at this machine's releases: torchvision's compiled operators work
     only with the torch they were built for."""
-    import torch
-    import torchvision
-
     # the local build tag (+cpu, +cu130) is not on PyPI's index
     return " ".join(f"{module.__name__}=={module.__version__.split('+')[0]}" for module in (torch, torchvision))
 
@@ -61,7 +81,7 @@ def run_script(job: CloudJob) -> str:
              "# the static rendezvous: the first address of SKYPILOT_NODE_IPS hosts the store",
              'PS_BENCH_HEAD=$(echo "$SKYPILOT_NODE_IPS" | head -n 1)']
     if job.iface:
-        lines.append(f"export TP_SOCKET_IFNAME={shlex.quote(job.iface)} GLOO_SOCKET_IFNAME={shlex.quote(job.iface)}")
+        lines.append(export_line(job.iface))
     return "\n".join([*lines, f"exec {line}"]) + "\n"
 
 
@@ -112,3 +132,29 @@ def last_node(job: CloudJob) -> str:
 
 def launch_hint(job: CloudJob, path: str) -> str:
     return f"sky launch -c {shlex.quote(job.name)} {shlex.quote(path)}"
+
+
+# -- the command line --------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", required=True, type=typed(int, "nodes"), metavar="N", help="machines to use")
+    parser.add_argument("--accelerators", metavar="NAME[:COUNT]", help="GPUs per machine, e.g. H100:8 "
+                        "(default: none)")
+    parser.add_argument("--cloud", metavar="C", help="aws, gcp, azure, ... (default: SkyPilot's choice)")
+    parser.add_argument("--use-spot", action="store_true", help="spot instances")
+    parser.add_argument("--name", default="ps-bench", metavar="J", help="task and cluster name (default: ps-bench)")
+    add_engine_arguments(parser, node="machine")
+    parser.add_argument("-o", "--output", default="ps_bench-sky.yaml", metavar="FILE",
+                        help="where to write the YAML (default: ps_bench-sky.yaml)")
+
+
+def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
+    cfg, layout = cluster_job(args, bench_argv, args.nodes, gpus_of(args.accelerators))
+    job = CloudJob(layout, with_iface(bench_argv, args.iface), name=args.name, accelerators=args.accelerators,
+                   cloud=args.cloud, use_spot=args.use_spot, iface=args.iface, port=args.port, summary=summary(cfg))
+    try:
+        Path(args.output).write_text(task_yaml(job))
+    except OSError as error:
+        sys.stderr.write(f"ps_bench: error: -o {args.output}: {error.strerror}\n")
+        return EXIT_USAGE
+    print(f"ps_bench: wrote {args.output}; run it with: {launch_hint(job, args.output)}")
+    return EXIT_OK

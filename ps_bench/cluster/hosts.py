@@ -11,6 +11,7 @@ every host.
 
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
 import signal
@@ -22,13 +23,37 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch
+
 import ps_bench
-from ps_bench.cluster.torchrun import DEFAULT_PORT, NodeLayout, torchrun_command
+from ps_bench.cluster.torchrun import (DEFAULT_PORT, UNKNOWN_GPUS, NodeLayout, add_engine_arguments, cluster_job,
+                                       torchrun_command, with_iface)
 from ps_bench.config import ConfigError
+from ps_bench.failures import Terminated, raise_terminated
+from ps_bench.options import EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM, typed
+from ps_bench.rendezvous import interface_env
+from ps_bench.topology import Topology
 
 STOP_GRACE_S = 10.0  # after the local ssh clients are told to stop, before they are killed
 PREFLIGHT_TIMEOUT_S = 60.0
 SETTLE_S = 5.0  # after a host fails, how long the others get to report their own failure
+BENCH_OPTIONS = True
+DESCRIPTION = (
+    "Run this benchmark on your own hosts: one torchrun agent per host, started over OpenSSH's ssh "
+    "(static rendezvous; node ranks in host order), each host's output prefixed with its name.")
+EPILOG = """\
+examples:
+  python bench.py launch --hosts node1,node2 -- --ntrainer 6 --nserver 1
+  python bench.py launch --hostfile hosts.txt --ssh-key ~/.ssh/bench --iface eth1 \\
+      --python /opt/venv/bin/python --workdir /srv/ps_bench -- --ntrainer 6 --nserver 1 --out results/r.json
+  python bench.py launch --hosts alice@10.0.0.1,alice@10.0.0.2 --ssh-option StrictHostKeyChecking=accept-new -- --rounds 3
+
+A hostfile lists one [user@]host per line, optionally with slots=N (DeepSpeed's and MPI's
+format; N must be the processes per host). Every host must be reachable with ssh without a
+password, and have ps_bench and torch at this machine's versions (checked first). The first
+host hosts torchrun's store (--port); the last host runs the master and writes the results
+file (--out, relative to --workdir). Ctrl-C or a failed host stops every host's processes.
+"""
 
 
 @dataclass(frozen=True)
@@ -123,9 +148,7 @@ def check_targets(targets: Sequence[Target], layout: NodeLayout) -> None:
 # -- commands --------------------------------------------------------------------------------------
 def remote_shell(job: HostJob, command: str) -> str:
     """The command line the remote shell runs: into the work folder, the job's variables, then ``command``."""
-    exports = dict(job.env)
-    if job.iface:
-        exports.update(TP_SOCKET_IFNAME=job.iface, GLOO_SOCKET_IFNAME=job.iface)
+    exports = {**job.env, **(interface_env(job.iface) if job.iface else {})}
     prefix = f"cd {shlex.quote(job.workdir)} && " if job.workdir else ""
     assignments = " ".join(f"{key}={shlex.quote(value)}" for key, value in exports.items())
     return f"{prefix}exec {'env ' + assignments + ' ' if assignments else ''}{command}"
@@ -144,8 +167,6 @@ def preflight_command(job: HostJob, target: Target) -> list[str]:
 
 
 def local_versions() -> str:
-    import torch
-
     return f"{ps_bench.__version__} {torch.__version__}"
 
 
@@ -310,3 +331,62 @@ def stop_all(agents: Sequence[Agent]) -> None:
 
 class HostsFailed(Exception):
     """A host's agent failed; ``str()`` names the host and the rank."""
+
+
+# -- the command line --------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    hosts = parser.add_mutually_exclusive_group(required=True)
+    hosts.add_argument("--hosts", metavar="[USER@]H1,H2,...", help="the hosts, the first one is the head")
+    hosts.add_argument("--hostfile", metavar="FILE", help="the hosts, one per line ([user@]host [slots=N])")
+    parser.add_argument("--ssh-key", metavar="FILE", help="private key for ssh -i (default: ssh's own choice)")
+    parser.add_argument("--ssh-port", type=typed(int, "ssh-port"), metavar="P", help="sshd's port on every host")
+    parser.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="passed to ssh as -o KEY=VALUE (repeat for more)")
+    add_engine_arguments(parser, node="host")
+    parser.add_argument("--python", default="python3", metavar="PATH",
+                        help="interpreter on the hosts; an ssh session has a bare PATH, so prefer an absolute "
+                             "path (default: python3)")
+    parser.add_argument("--workdir", metavar="DIR", help="folder to run in on every host (default: the login folder)")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="environment variable for the job on every host (repeat for more)")
+    parser.add_argument("--master-addr", metavar="ADDR", help="address the hosts reach the first host at "
+                        "(default: the first host's name as given)")
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--env: expected KEY=VALUE; got {item!r}")
+        env[key] = value
+    return env
+
+
+def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
+    targets = parse_hosts(args.hosts) if args.hosts else read_hostfile(args.hostfile)
+    env = parse_env(args.env)
+    cfg, layout = cluster_job(args, bench_argv, len(targets), UNKNOWN_GPUS, hosts=True)
+    check_targets(targets, layout)
+    job = HostJob(targets, layout, with_iface(bench_argv, args.iface), SshOptions(args.ssh_key, args.ssh_port,
+                  args.ssh_option), python=args.python, workdir=args.workdir, env=env, iface=args.iface,
+                  port=args.port, master_addr=args.master_addr)
+    preflight(job)
+    topology = Topology(cfg.ntrainer, cfg.ncudatrainer, cfg.nserver, cfg.ncudaserver, cfg.mapping,
+                        cuda_collectives=cfg.backend != "gloo")
+    names = ", ".join(target.host for target in targets)
+    print(f"ps_bench: {layout.world_size} processes on {layout.nodes} hosts ({names}), {layout.nproc_per_node} "
+          f"each; the master and the results file are on {targets[-1].host}", flush=True)
+    signal.signal(signal.SIGTERM, raise_terminated)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return run(job, lambda rank: topology.info(rank).describe())
+    except HostsFailed as error:
+        sys.stderr.write(f"ps_bench: error: {error}; the run was stopped on every host ({names})\n")
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        sys.stderr.write(f"ps_bench: interrupted by SIGINT; the run was stopped on every host ({names})\n")
+        return EXIT_SIGINT
+    except Terminated:
+        sys.stderr.write(f"ps_bench: terminated by SIGTERM; the run was stopped on every host ({names})\n")
+        return EXIT_SIGTERM

@@ -7,6 +7,7 @@ shell itself, so the script hands each task a single-quoted command that expands
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import shutil
 import subprocess
@@ -14,12 +15,30 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
-from ps_bench.cluster.torchrun import DEFAULT_PORT, NodeLayout, torchrun_command
+from ps_bench.cluster.torchrun import (DEFAULT_PORT, NodeLayout, add_engine_arguments, cluster_job, export_line,
+                                       summary, torchrun_command, with_iface)
 from ps_bench.config import ConfigError
+from ps_bench.options import EXIT_OK, typed
 
 OUTPUT = "%x-%j.out"  # job name and id: one log per job, next to where it was submitted
+BENCH_OPTIONS = True
+DESCRIPTION = (
+    "Write an sbatch script that runs this benchmark on N nodes: srun starts one task per node, each "
+    "starts a torchrun agent (static rendezvous, the first node hosts the store, node rank from "
+    "$SLURM_NODEID), and torchrun starts and supervises the ranks.")
+EPILOG = """\
+examples:
+  python bench.py slurm --nodes 2 -- --ntrainer 6 --nserver 1            # print the script
+  python bench.py slurm --nodes 2 --gpus-per-node 4 --partition gpu --time 00:30:00 \\
+      --iface eth1 -o job.sbatch -- --ntrainer 6 --nserver 1 --backend nccl
+  python bench.py slurm --nodes 2 --submit -- --ntrainer 2 --nserver 1  # sbatch --wait, its status
+
+The bench options after -- are checked here first (bad ones exit 2 before anything queues).
+nodes x processes per node must equal the job's trainers + servers + 1; the master (last rank)
+runs on the last node, which writes the results file (--out, relative to the submit folder).
+The job's log is %x-%j.out (job name, job id).
+"""
 
 
 @dataclass
@@ -70,7 +89,7 @@ def sbatch_script(job: SlurmJob) -> str:
         "export PS_BENCH_HEAD",
     ]
     if job.iface:
-        lines += [f"export TP_SOCKET_IFNAME={shlex.quote(job.iface)} GLOO_SOCKET_IFNAME={shlex.quote(job.iface)}"]
+        lines.append(export_line(job.iface))
     lines += [
         "",
         "# single quotes: $SLURM_NODEID must be expanded by each task (it is 0 in this batch shell)",
@@ -102,6 +121,33 @@ def write_or_print(script: str, path: str | None) -> None:
     print(f"ps_bench: wrote {path}; submit it with: sbatch {shlex.quote(path)}")
 
 
-def bench_args_with_iface(bench_args: Sequence[str], iface: str | None) -> list[str]:
-    """The ranks check the interface on their own node (it need not exist where the script is written)."""
-    return [*bench_args, "--iface", iface] if iface else list(bench_args)
+# -- the command line --------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", required=True, type=typed(int, "nodes"), metavar="N", help="nodes to use")
+    parser.add_argument("--gpus-per-node", type=typed(int, "gpus-per-node"), default=0, metavar="G",
+                        help="GPUs to ask for on each node (default: 0)")
+    parser.add_argument("--partition", metavar="P", help="SLURM partition (default: the cluster's)")
+    parser.add_argument("--time", metavar="T", help="time limit, e.g. 00:30:00 (default: the partition's)")
+    parser.add_argument("--job-name", default="ps_bench", metavar="J", help="job name (default: ps_bench)")
+    add_engine_arguments(parser)
+    parser.add_argument("--max-restarts", type=typed(int, "max-restarts"), default=0, metavar="K",
+                        help="torchrun restarts the whole job up to K times after a failure (default: 0)")
+    parser.add_argument("--python", default=sys.executable, metavar="PATH",
+                        help=f"interpreter on the nodes (default: this one, {sys.executable})")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the script here instead of printing it")
+    parser.add_argument("--submit", action="store_true", help="submit with sbatch --wait and exit with the "
+                        "job's status")
+
+
+def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be 0 or more; got {args.max_restarts}")
+    cfg, layout = cluster_job(args, bench_argv, args.nodes, args.gpus_per_node)
+    job = SlurmJob(layout, with_iface(bench_argv, args.iface), job_name=args.job_name,
+                   gpus_per_node=args.gpus_per_node, partition=args.partition, time=args.time, iface=args.iface,
+                   port=args.port, max_restarts=args.max_restarts, python=args.python, summary=summary(cfg))
+    script = sbatch_script(job)
+    if args.submit:
+        return submit(script, args.output)
+    write_or_print(script, args.output)
+    return EXIT_OK

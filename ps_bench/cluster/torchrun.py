@@ -1,20 +1,31 @@
-"""The one torchrun command line every engine runs, one per node, with the static rendezvous.
+"""What every cluster engine shares: the one torchrun command line it runs on each node (the
+static rendezvous), the flags every engine takes (``--iface``, ``--port``), the interface
+export, and the check of the bench options for the job as it will run on its nodes.
 
 The static rendezvous is the only one that honours ``--node-rank``, so ranks are dealt in
 node order and the roles (trainers first, servers, the master last) land on known nodes:
 the master, and so the results file, is on the last node.
+
+An engine is one module of ``ps_bench.cluster`` with ``DESCRIPTION``, ``EPILOG``,
+``BENCH_OPTIONS = True``, ``add_arguments(parser)`` and ``main(args, bench_argv)``, and one
+line in ``ps_bench.cli.SUBCOMMANDS``.
 """
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-from ps_bench.config import ConfigError, RunConfig
+from ps_bench.config import ConfigError, RunConfig, build_config, check_port
+from ps_bench.job import validate
+from ps_bench.options import parse_run_options, plural, typed
+from ps_bench.rendezvous import interface_env
 
 DEFAULT_PORT = 29500
+UNKNOWN_GPUS = -1  # hosts of one's own: the GPU count is what the options ask for, each host checks
 
 
 @dataclass(frozen=True)
@@ -69,3 +80,48 @@ def torchrun_command(layout: NodeLayout, node_rank: str, master_addr: str, bench
         "-m", "ps_bench", *(shlex.quote(arg) for arg in bench_args),
     ]
     return " ".join(command)
+
+
+# -- what every engine shares ------------------------------------------------------------------
+def add_engine_arguments(parser: argparse.ArgumentParser, node: str = "node") -> None:
+    """``--iface`` and ``--port``; ``node`` is what the engine calls a machine (node, host)."""
+    parser.add_argument("--iface", metavar="NAME", help=f"network interface between the {node}s: exported as "
+                        f"TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME, checked on each {node}")
+    parser.add_argument("--port", type=typed(int, "port"), default=DEFAULT_PORT, metavar="P",
+                        help=f"port of torchrun's store on the first {node} (default: {DEFAULT_PORT})")
+
+
+def export_line(iface: str) -> str:
+    """The shell line that exports the interface variables for ``iface``."""
+    return "export " + " ".join(f"{key}={shlex.quote(value)}" for key, value in interface_env(iface).items())
+
+
+def with_iface(bench_args: Sequence[str], iface: str | None) -> list[str]:
+    """The bench options, plus ``--iface`` so that each node's ranks check it where they run."""
+    return [*bench_args, "--iface", iface] if iface else list(bench_args)
+
+
+def summary(cfg: RunConfig) -> str:
+    return f"{plural(cfg.num_trainers, 'trainer')}, {plural(cfg.num_servers, 'server')}, 1 master"
+
+
+def cluster_job(args: argparse.Namespace, bench_argv: list[str], nodes: int, gpus_per_node: int,
+                hosts: bool = False) -> tuple[RunConfig, NodeLayout]:
+    """Checks the engine's ``--port`` and the bench options for a job of ``nodes`` nodes as it will
+    run there; returns the config and the layout. The interface is checked by each node when its
+    ranks start (it need not exist where the job is written)."""
+    check_port("--port", args.port)
+    values, config_path = parse_run_options(bench_argv)
+    cfg = build_config(values, config_path)
+    cfg.iface = None
+    layout = layout_for(cfg, nodes, hosts)
+    wants_cuda = cfg.backend != "gloo" or cfg.ncudatrainer or cfg.ncudaserver
+    if gpus_per_node == UNKNOWN_GPUS:
+        gpus_per_node = trainers_per_node(cfg, layout) + cfg.ncudaserver if wants_cuda else 0
+    if wants_cuda and gpus_per_node < 1:
+        raise ConfigError("the bench options use CUDA (--backend nccl/multi, --ncudatrainer or --ncudaserver): "
+                          "set --gpus-per-node")
+    if gpus_per_node < 0:
+        raise ConfigError(f"--gpus-per-node must be 0 or more; got {gpus_per_node}")
+    validate(cfg, gpus=gpus_per_node, trainers_on_node=trainers_per_node(cfg, layout))
+    return cfg, layout

@@ -15,7 +15,7 @@ moves floors and strategy alike):
 Bandwidths follow nccl-tests: ``algbw = bytes / time``; for an all-reduce
 ``busbw = algbw * 2(n-1)/n``, comparable across trainer counts and with the hardware's link
 bandwidth. ``efficiency`` is a floor's time divided by the strategy's measured cost (trainer
-``comm`` p50): 1.0 means the strategy costs no more than the raw transport. ``comm`` includes
+``comm`` p50), the floor being the one its ``Strategy`` record names (``floor``): 1.0 means the strategy costs no more than the raw transport. ``comm`` includes
 the backward compute it overlaps; the exposed cost, trainer ``batch`` p50 minus the compute-only
 p50, is what communication adds to an iteration, and ``exposed_value`` is the floor over it.
 """
@@ -34,9 +34,6 @@ FLOOR_WARMUP = 3  # untimed repetitions before each floor: connections, allocati
 FLOOR_ITERATIONS = 20  # per floor and trainer, spread over the timed rounds
 FLOOR_MIN_PER_ROUND = 4
 MEMCPY_ITERATIONS = 20
-# Which floor each strategy is held against; strategies not listed move nothing (noop).
-RPC_FLOOR_HOOKS = {"ps", "sparse_ps", "ps_fp16", "ps_bf16"}
-COLLECTIVE_FLOOR_HOOKS = {"allreduce", "hybrid", "fp16", "bf16", "powersgd", "batched_powersgd"}
 
 
 # -- pure arithmetic ---------------------------------------------------------------------------
@@ -55,15 +52,6 @@ def efficiency(floor_ms: float | None, cost_ms: float | None) -> float | None:
     if floor_ms is None or cost_ms is None or cost_ms <= 0:
         return None
     return floor_ms / cost_ms
-
-
-def floor_for(hook: str) -> str | None:
-    """The floor a strategy is compared with: ``rpc``, ``collective`` or None (noop)."""
-    if hook in RPC_FLOOR_HOOKS:
-        return "rpc"
-    if hook in COLLECTIVE_FLOOR_HOOKS:
-        return "collective"
-    return None
 
 
 def ps_bound_ms(trainers: int, servers: int, bytes_per_trainer: float, gbps: float) -> float:

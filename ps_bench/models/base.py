@@ -81,14 +81,21 @@ def build_data(class_name: str, kwargs: dict, seed: int) -> Dataset:
 MODEL_PRESETS: dict[str, dict] = {}
 DATA_PRESETS: dict[str, dict] = {}
 PRESET_DATA: dict[str, str] = {}  # zoo model -> the data entry it trains on by default
+TEST_SIZED: dict[str, str] = {}  # zoo model small enough for the tests -> the full-size model it shrinks
 
 
 def preset(name: str, model_class: str, model_kwargs: dict, data_name: str, data_class: str | None = None,
-           data_kwargs: dict | None = None) -> None:
-    """Registers a zoo model with the data it trains on (defined here, or by an earlier preset)."""
+           data_kwargs: dict | None = None, small_of: str | None = None) -> None:
+    """Registers a zoo model with the data it trains on (defined here, or by an earlier preset).
+    ``small_of`` marks a test-sized version of an earlier preset (the same model class): the
+    tests train every such model."""
     if name in MODEL_PRESETS:
         raise ValueError(f"zoo model {name!r} is registered twice")
+    if small_of is not None and MODEL_PRESETS.get(small_of, {}).get("model_class") != model_class:
+        raise ValueError(f"zoo model {name!r} is a small {small_of!r}, which must come first, of class {model_class}")
     MODEL_PRESETS[name] = {"model_class": model_class, "configurations": model_kwargs}
     if data_class is not None:
         DATA_PRESETS[data_name] = {"data_class": data_class, "configurations": data_kwargs or {}}
     PRESET_DATA[name] = data_name
+    if small_of is not None:
+        TEST_SIZED[name] = small_of

@@ -87,4 +87,5 @@ class DLRM(BenchmarkModel):
 preset("dlrm", "DLRM", {}, "clicks", "SyntheticClicks", {"sample_count": 2048})
 preset("dlrm_small", "DLRM", {"tables": 4, "rows_per_table": 1000, "embedding_dim": 16, "bottom_mlp": [32],
                               "top_mlp": [32]},
-       "clicks_small", "SyntheticClicks", {"sample_count": 512, "tables": 4, "rows_per_table": 1000})
+       "clicks_small", "SyntheticClicks", {"sample_count": 512, "tables": 4, "rows_per_table": 1000},
+       small_of="dlrm")

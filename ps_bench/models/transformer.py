@@ -71,4 +71,5 @@ class GPT(BenchmarkModel):
 
 preset("gpt2_small", "GPT", {}, "tokens1024", "SyntheticTokens", {"sample_count": 64, "sequence_length": 1024})
 preset("gpt2_tiny", "GPT", {"vocab_size": 512, "context_length": 64, "layers": 2, "heads": 2, "width": 32},
-       "tokens64", "SyntheticTokens", {"sample_count": 64, "sequence_length": 64, "vocab_size": 512})
+       "tokens64", "SyntheticTokens", {"sample_count": 64, "sequence_length": 64, "vocab_size": 512},
+       small_of="gpt2_small")

@@ -70,5 +70,6 @@ class ResNet(BenchmarkModel):
 preset("resnet18", "ResNet", {"depth": 18}, "images224", "SyntheticImages", {"sample_count": 128, "image_size": 224})
 preset("resnet50", "ResNet", {"depth": 50}, "images224")
 preset("resnet18_small", "ResNet", {"depth": 18, "num_classes": 10, "layers": [1, 1, 1, 1]},
-       "images32", "SyntheticImages", {"sample_count": 32, "image_size": 32, "num_classes": 10})
-preset("resnet50_small", "ResNet", {"depth": 50, "num_classes": 10, "layers": [1, 1, 1, 1]}, "images32")
+       "images32", "SyntheticImages", {"sample_count": 32, "image_size": 32, "num_classes": 10}, small_of="resnet18")
+preset("resnet50_small", "ResNet", {"depth": 50, "num_classes": 10, "layers": [1, 1, 1, 1]}, "images32",
+       small_of="resnet50")

@@ -1,8 +1,4 @@
-"""Parameter servers: every aggregation algorithm lives in this package."""
+"""Parameter servers: every aggregation algorithm lives in this package, registered in ``SERVERS``."""
 
-from ps_bench.registry import Registry
-
-SERVERS: Registry = Registry("server")
-
-from ps_bench.servers import average  # noqa: E402,F401  (registers the servers)
-from ps_bench.servers.base import ParameterServer  # noqa: E402,F401
+from ps_bench.servers import average  # noqa: F401  (registers the servers)
+from ps_bench.servers.base import SERVERS, ParameterServer  # noqa: F401

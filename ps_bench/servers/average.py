@@ -6,8 +6,7 @@ import functools
 
 import torch
 
-from ps_bench.servers import SERVERS
-from ps_bench.servers.base import BucketState, ParameterServer
+from ps_bench.servers.base import SERVERS, BucketState, ParameterServer
 
 
 @SERVERS.register("average", aliases=("AverageParameterServer",))

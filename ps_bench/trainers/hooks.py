@@ -3,9 +3,13 @@
 A registry entry is a factory: ``factory(ctx, **options)`` returns a callable
 ``(HookContext, GradBucket) -> Future[Tensor]``. Stateless strategies are plain functions
 (``@stateless``); stateful ones (PowerSGD) are classes whose keyword arguments are the hook's
-options (``--hook-option KEY=VALUE`` or ``"hook_options"`` in JSON). Every hook is wrapped by
-``instrument``, which measures ``comm`` (the time during which at least one of the iteration's
-hook futures was outstanding) and, with ``--verify``, captures what went in and came out.
+options (``--hook-option KEY=VALUE`` or ``"hook_options"`` in JSON). Each is registered with
+its ``Strategy`` record, the one place that says what it sends and what it costs: validation,
+``--limits`` and the tests read the record. Every hook is wrapped by ``instrument``, which
+measures ``comm`` (the time during which at least one of the iteration's hook futures was
+outstanding) and, with ``--verify``, captures what went in and came out.
+
+Adding a strategy is one function (or class) here, registered with its record.
 """
 
 from __future__ import annotations
@@ -35,11 +39,42 @@ from ps_bench.servers.base import ParameterServer
 from ps_bench.topology import balance_buckets
 
 Hook = Callable[["HookContext", dist.GradBucket], Future]
-HOOKS: Registry = Registry("hook")
-# Strategies that send gradients to parameter servers (they need at least one server).
-SERVER_HOOKS = {"ps", "sparse_ps", "ps_fp16", "ps_bf16"}
-# Strategies that all-reduce sparse gradients as they are (impossible over NCCL).
-SPARSE_ALLREDUCE_HOOKS = {"allreduce", "fp16", "bf16", "powersgd", "batched_powersgd"}
+COLLECTIVE, RPC = "collective", "rpc"  # transports
+PAYLOADS = ("float32", "float16", "bfloat16", "low-rank factors", "nothing")
+# What a strategy does with a sparse bucket: all-reduce it as it is on the trainers' group
+# (NCCL cannot), all-reduce it through the CPU over gloo (needs gloo in the group: multi), or
+# send it to a parameter server.
+SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS = "allreduce", "gloo", "servers"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Everything ps_bench knows about a strategy without running it."""
+
+    transport: str | None  # COLLECTIVE: all-reduce among trainers; RPC: buckets to parameter servers; None: nothing
+    payload: str  # what crosses the transport, one of PAYLOADS
+    lossless: bool  # every trainer receives the exact mean gradient
+    sparse_buckets: str | None  # SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS; None: it moves nothing
+    uncompressed: str | None = None  # a lossy strategy: the lossless one whose bytes it reduces
+
+    def __post_init__(self) -> None:
+        if (self.transport not in (COLLECTIVE, RPC, None) or self.payload not in PAYLOADS
+                or self.sparse_buckets not in (SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS, None)):
+            raise ValueError(f"bad strategy record {self}")
+        if self.transport is not None and self.lossless == (self.uncompressed is not None):
+            raise ValueError(f"a lossy strategy names the lossless one it compresses, and only it: {self}")
+
+    @property
+    def needs_servers(self) -> bool:
+        return self.transport == RPC
+
+    @property
+    def floor(self) -> str | None:
+        """The ``--limits`` floor it is held against: the raw transfer over its transport."""
+        return self.transport
+
+
+HOOKS: Registry = Registry("hook", record_type=Strategy)
 
 
 @dataclass
@@ -111,7 +146,7 @@ class HookContext:
             self.buckets, self._filling = self._filling, {}
 
 
-def stateless(name: str, aliases: tuple[str, ...] = ()) -> Callable[[Hook], Hook]:
+def stateless(name: str, record: Strategy, aliases: tuple[str, ...] = ()) -> Callable[[Hook], Hook]:
     """Registers a plain hook function (it takes no options)."""
 
     def decorator(function: Hook) -> Hook:
@@ -119,7 +154,7 @@ def stateless(name: str, aliases: tuple[str, ...] = ()) -> Callable[[Hook], Hook
             return function
 
         factory.__doc__ = function.__doc__
-        HOOKS.register(name, aliases)(factory)
+        HOOKS.register(name, aliases, record)(factory)
         return function
 
     return decorator
@@ -195,13 +230,15 @@ def instrument(hook: Hook) -> Hook:
 
 
 # -- collectives -------------------------------------------------------------------------------
-@stateless("allreduce", aliases=("allreduce_hook",))
+@stateless("allreduce", Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=SPARSE_ALLREDUCE),
+           aliases=("allreduce_hook",))
 def allreduce(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     """All-reduce average over the trainer process group (DDP's default); lossless."""
     return default_hooks.allreduce_hook(ctx.process_group, bucket)
 
 
-@stateless("hybrid", aliases=("hybrid_hook",))
+@stateless("hybrid", Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=SPARSE_GLOO),
+           aliases=("hybrid_hook",))
 def hybrid(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     """All-reduce, sparse buckets through the CPU (gloo), dense on the trainer's device (nccl with --backend multi); lossless."""
     tensor = bucket.buffer()
@@ -223,14 +260,18 @@ def dense_only(compressed: Hook) -> Hook:
     return run
 
 
-@stateless("fp16", aliases=("fp16_hook", "fp16_compress_hook"))
+@stateless("fp16", Strategy(COLLECTIVE, "float16", lossless=False, sparse_buckets=SPARSE_ALLREDUCE,
+                             uncompressed="allreduce"),
+           aliases=("fp16_hook", "fp16_compress_hook"))
 @dense_only
 def fp16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     """All-reduce in float16 (torch's fp16_compress_hook); lossy."""
     return default_hooks.fp16_compress_hook(ctx.process_group, bucket)
 
 
-@stateless("bf16", aliases=("bf16_hook", "bf16_compress_hook"))
+@stateless("bf16", Strategy(COLLECTIVE, "bfloat16", lossless=False, sparse_buckets=SPARSE_ALLREDUCE,
+                             uncompressed="allreduce"),
+           aliases=("bf16_hook", "bf16_compress_hook"))
 @dense_only
 def bf16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     """All-reduce in bfloat16 (torch's bf16_compress_hook); lossy."""
@@ -310,7 +351,12 @@ class PowerSGD:
         return done
 
 
-@HOOKS.register("powersgd", aliases=("powerSGD_hook",))
+# Both PowerSGD hooks send three all-reduces of low-rank factors (sparse buckets whole).
+POWERSGD = Strategy(COLLECTIVE, "low-rank factors", lossless=False, sparse_buckets=SPARSE_ALLREDUCE,
+                    uncompressed="allreduce")
+
+
+@HOOKS.register("powersgd", aliases=("powerSGD_hook",), record=POWERSGD)
 class PowerSGDHook(PowerSGD):
     """Low-rank compression around all-reduce (torch's powerSGD_hook, per tensor); lossy."""
 
@@ -324,7 +370,7 @@ def _orthogonalize_one_or_many(matrices: torch.Tensor, epsilon: float = 0) -> No
 _orthogonalize_batch = powerSGD_hook._orthogonalize
 
 
-@HOOKS.register("batched_powersgd", aliases=("batched_powerSGD_hook",))
+@HOOKS.register("batched_powersgd", aliases=("batched_powerSGD_hook",), record=POWERSGD)
 class BatchedPowerSGDHook(PowerSGD):
     """Low-rank compression of each whole bucket as one square matrix (torch's batched_powerSGD_hook); lossy."""
 
@@ -365,25 +411,27 @@ def send_to_server(ctx: HookContext, bucket: dist.GradBucket, wire_dtype: torch.
     return reply.then(received)
 
 
-@stateless("ps", aliases=("rpc_hook",))
+@stateless("ps", Strategy(RPC, "float32", lossless=True, sparse_buckets=SPARSE_SERVERS), aliases=("rpc_hook",))
 def parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     """Every bucket to its parameter server over RPC, which answers with the average; lossless."""
     return send_to_server(ctx, bucket)
 
 
-@stateless("ps_fp16")
+@stateless("ps_fp16", Strategy(RPC, "float16", lossless=False, sparse_buckets=SPARSE_SERVERS, uncompressed="ps"))
 def parameter_server_fp16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     """The ps strategy with float16 on the wire (servers add in float32); lossy."""
     return send_to_server(ctx, bucket, torch.float16)
 
 
-@stateless("ps_bf16")
+@stateless("ps_bf16", Strategy(RPC, "bfloat16", lossless=False, sparse_buckets=SPARSE_SERVERS, uncompressed="ps"))
 def parameter_server_bf16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     """The ps strategy with bfloat16 on the wire (servers add in float32); lossy."""
     return send_to_server(ctx, bucket, torch.bfloat16)
 
 
-@stateless("sparse_ps", aliases=("sparse_rpc_hook",))
+# held against the RPC floor: its dense buckets are all-reduced, but what it is for is the servers
+@stateless("sparse_ps", Strategy(RPC, "float32", lossless=True, sparse_buckets=SPARSE_SERVERS),
+           aliases=("sparse_rpc_hook",))
 def sparse_parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     """Sparse gradients to the parameter servers, dense ones all-reduced among trainers; lossless."""
     if bucket.buffer().is_sparse:
@@ -391,7 +439,8 @@ def sparse_parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future
     return allreduce(ctx, bucket)
 
 
-@HOOKS.register("noop", aliases=("noop_hook",))
+@HOOKS.register("noop", aliases=("noop_hook",),
+                record=Strategy(None, "nothing", lossless=False, sparse_buckets=None))
 def noop(ctx: HookContext) -> Hook:
     """No communication, the compute-only headroom: replicas drift apart by design."""
     return debugging_hooks.noop_hook  # torch's own, called directly: it ignores the state

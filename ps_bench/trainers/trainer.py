@@ -13,19 +13,19 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ps_bench.config import RunConfig
 from ps_bench.failures import fatal_on_error
 from ps_bench.faults import Fault, maybe_inject
 from ps_bench.metrics import limits, wire
 from ps_bench.metrics.memory import peak_memory
 from ps_bench.metrics.timers import StepTimer
-from ps_bench.topology import balance_buckets
-from ps_bench.models import build_model
+from ps_bench.models.base import build_model
+from ps_bench.models.entries import Entry
 from ps_bench.registry import Registry
+from ps_bench.topology import balance_buckets
 from ps_bench.trainers.hooks import HookContext, ServerHandle, build_hook, instrument
 
 TRAINERS: Registry = Registry("trainer")
-TRAINER_METRICS = ("batch", "forward", "backward", "optimizer", "comm")
-BYTE_METRICS = ("bytes_sent", "bytes_recv")
 VERIFIED_PER_ROUND = 4  # --verify checks at most this many evenly spaced iterations per round
 PROFILED_ITERATIONS = 3  # --profile traces this many iterations, from the second of the round on
 
@@ -43,63 +43,57 @@ def verified_steps(iterations: int) -> set[int]:
 
 @TRAINERS.register("ddp", aliases=("DdpTrainer",))
 class DdpTrainer:
-    """Wraps the model in DDP over the trainer-only process group and registers the hook."""
+    """Synchronous data parallel: a DDP replica over the trainers' process group, gradients combined by the hook.
+
+    Every iteration waits for every bucket's combined gradient before its optimizer step."""
 
     @fatal_on_error
     def __init__(
         self,
         trainer_index: int,
-        model_class: str,
-        model_kwargs: dict,
-        seed: int,
+        config: RunConfig,
+        model: Entry,
         inputs: tuple[torch.Tensor, ...],
         targets: torch.Tensor,
-        batch_size: int,
-        epochs: int,
-        lr: float,
-        hook: str,
-        hook_options: dict,
         servers: list[tuple[rpc.RRef, bool]],
-        mapping: str,
         group_server: int | None,
         cuda_rpc: bool,
         device: str,
-        rpc_timeout: float,
-        bucket_cap_mb: float,
-        fault: str | None = None,
-        gradient_as_bucket_view: bool = False,
     ) -> None:
+        """Trainer ``trainer_index`` of a run configured by ``config``: its data shard (``inputs``,
+        ``targets``), the servers as (reference, takes CUDA tensors) and, with the ``group``
+        mapping, the index of its group's server."""
         self.index = trainer_index
-        self.fault = Fault.parse(fault) if fault else None
+        self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.iteration = 0  # training iterations run so far, warmup included
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        model = build_model(model_class, model_kwargs, seed).to(self.device)
+        network = build_model(model.class_name, model.kwargs, config.torch_seed).to(self.device)
         self.model = DistributedDataParallel(
-            model,
+            network,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            bucket_cap_mb=bucket_cap_mb,
-            gradient_as_bucket_view=gradient_as_bucket_view,
+            bucket_cap_mb=config.bucket_cap_mb,
+            gradient_as_bucket_view=config.gradient_as_bucket_view,
         )
         self.hook_context = HookContext(
             process_group=dist.group.WORLD,
             servers=[ServerHandle(rref, is_cuda) for rref, is_cuda in servers],
-            mapping=mapping,
+            mapping=config.mapping,
             group_server=group_server,
             cuda_rpc=cuda_rpc,
-            rpc_timeout=rpc_timeout,
+            rpc_timeout=config.rpc_timeout,
         )
         wire.install(self.hook_context.wire)
-        strategy = build_hook(hook, self.hook_context, hook_options)
+        strategy = build_hook(config.hook, self.hook_context, config.hook_options)
         self.model.register_comm_hook(self.hook_context, instrument(strategy))
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=config.lr)
         self.loss_fn = nn.CrossEntropyLoss()
         self.inputs = tuple(t.to(self.device) for t in inputs)
         self.targets = targets.to(self.device)
-        self.batch_size = batch_size
-        self.epochs = epochs
-        self.iterations_per_epoch = len(targets) // batch_size
+        self.batch_size = config.batch_size
+        self.epochs = config.epochs
+        self.iterations_per_epoch = len(targets) // config.batch_size
         self._compute_copy: nn.Module | None = None  # --limits: the model outside DDP, made once
 
     def ready(self) -> int:

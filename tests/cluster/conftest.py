@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from machines import (HostPair, LocalSlurm, SshHosts, Unavailable, make_host_pair, remove_host_pair, start_slurm,
-                      start_sshd, stop_slurm, stop_sshd)
+from tests.cluster.machines import (HostPair, LocalSlurm, SshHosts, Unavailable, make_host_pair, remove_host_pair,
+                                    start_slurm, start_sshd, stop_slurm, stop_sshd)
 
 
 @pytest.fixture(scope="session")

@@ -22,10 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/benchrun.py
-
-from benchrun import ROOT  # noqa: E402
+from tests.benchrun import ROOT
 
 INSTALL_HINT = "apt-get install -y slurm-wlm munge openssh-server iproute2 (see README)"
 LINK = "psb0"

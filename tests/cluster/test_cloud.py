@@ -6,12 +6,8 @@ import json
 import subprocess
 import sys
 
-import pytest
-
-from benchrun import ROOT, communicate
-from machines import project_env
-
-pytestmark = pytest.mark.integration
+from tests.benchrun import ROOT, communicate
+from tests.cluster.machines import project_env
 
 QUICK = ("--warmup-rounds", "1", "--rounds", "2")
 

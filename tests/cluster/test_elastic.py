@@ -9,10 +9,9 @@ import sys
 
 import pytest
 
-from benchrun import ROOT, communicate
+from tests.benchrun import ROOT, communicate
 
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")]
+pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
 
 QUICK = ("--warmup-rounds", "1", "--rounds", "2")
 

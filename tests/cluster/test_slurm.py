@@ -8,11 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from benchrun import ROOT, communicate
-
-pytestmark = pytest.mark.integration
+from tests.benchrun import ROOT, communicate
 
 QUICK = ("--warmup-rounds", "1", "--rounds", "2")
 

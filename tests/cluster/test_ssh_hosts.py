@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from benchrun import ROOT, communicate
-from machines import project_env
-
-pytestmark = pytest.mark.integration
+from tests.benchrun import ROOT, communicate
+from tests.cluster.machines import project_env
 
 QUICK = ("--warmup-rounds", "1", "--rounds", "2")
 

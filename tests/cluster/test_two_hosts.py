@@ -6,13 +6,9 @@ import json
 import subprocess
 import sys
 
-import pytest
-
-from benchrun import ROOT, communicate
-from machines import project_env
 from ps_bench.cluster.torchrun import NodeLayout, torchrun_command
-
-pytestmark = pytest.mark.integration
+from tests.benchrun import ROOT, communicate
+from tests.cluster.machines import project_env
 
 QUICK = ("--warmup-rounds", "1", "--rounds", "2")
 
@@ -44,4 +40,4 @@ def test_an_interface_missing_on_a_host_is_one_line(host_pair):
     process = subprocess.run(host.command(sys.executable, str(ROOT / "bench.py"), "--iface", "eth7"), cwd=ROOT,
                              env=project_env(), capture_output=True, text=True, timeout=120)
     assert process.returncode == 2
-    assert process.stderr.strip() == f"ps_bench: error: --iface 'eth7': no such network interface on psb-a; it has lo, psb0"
+    assert process.stderr.strip() == "ps_bench: error: --iface 'eth7': no such network interface on psb-a; it has lo, psb0"

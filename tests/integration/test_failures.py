@@ -11,9 +11,8 @@ import subprocess
 
 import pytest
 
-from benchrun import communicate, read_until, rank_pids, run_bench, start_bench
+from tests.benchrun import communicate, rank_pids, read_until, run_bench, start_bench
 
-pytestmark = pytest.mark.integration
 # Failures must end the job because the launcher sees them, never by an RPC timeout; and set-up
 # calls on a busy machine can take tens of seconds: so a long one.
 RPC_TIMEOUT = 300
@@ -72,10 +71,10 @@ def test_injected_fault_is_named_with_its_cause(fault, message, results_path):
 
 
 @pytest.fixture(scope="module")
-def startup_s(tmp_path_factory) -> float:
+def startup_s(bench_runs) -> float:
     """How long a default job takes to get every rank ready on this machine, now (it varies
     with the load): budgets that must outlast start-up are derived from it."""
-    run = run_bench("--rounds", "1", out=tmp_path_factory.mktemp("startup") / "results.json")
+    run = bench_runs.get()  # the default run, shared
     assert run.returncode == 0, run.output
     return ready_after(run.stdout)
 
@@ -168,53 +167,14 @@ def test_concurrent_runs_pick_different_free_ports(tmp_path):
     assert (tmp_path / "0.json").exists() and (tmp_path / "1.json").exists()
 
 
-def test_existing_results_file_is_never_overwritten(results_path):
-    results_path.write_text("keep me")
-    run = run_bench("--rounds", "1", out=results_path)
-    assert run.returncode == 0
-    assert results_path.read_text() == "keep me"
-    suffixed = results_path.with_name("results-1.json")
-    assert f"results: {suffixed}" in run.stdout
-    assert json.loads(suffixed.read_text())["status"] == "ok"
-
-
+# The real binary on a few bad inputs, one of each kind (the whole table runs in-process in
+# tests/unit/test_cli.py): a bad flag, a bad option value, a bad run file.
 BAD_INPUTS = [
     (["--ntrainer", "two"], "--ntrainer: expected int"),
-    (["--ntrainer", "0"], "at least one trainer"),
-    (["--nserver", "-1"], "--nserver must be 0 or more"),
-    (["--batch-size", "0"], "--batch-size must be at least 1"),
-    (["--lr", "-0.1"], "--lr must be positive"),
-    (["--rounds", "0"], "--rounds must be at least 1"),
-    (["--timeout", "0"], "--timeout must be positive"),
-    (["--backend", "mpi"], "invalid choice: 'mpi'"),
-    (["--mapping", "ring"], "invalid choice: 'ring'"),
     (["--hook", "allredcue"], "did you mean 'allreduce'"),
-    (["--server", "averge"], "did you mean 'average'"),
-    (["--model", "DummyModelBig"], "entries: DummyModel"),
-    (["--data-config-path", "missing.json"], "'missing.json' does not exist"),
-    (["--config", "missing.json"], "run config 'missing.json' does not exist"),
     (["--config", "{bad_json}"], "not valid JSON: Expecting ',' delimiter at line 2 column 2"),
-    (["--config", "{unknown_key}"], "unknown key 'trainers'; valid keys:"),
-    (["--config", "{wrong_type}"], "'rounds' must be int, got \"3\""),
-    (["--master-port", "70000"], "--master-port must be in 1..65535"),
-    (["--backend", "nccl"], "CUDA is needed for --backend nccl"),
-    (["--ncudaserver", "1"], "CUDA is needed for --ncudaserver 1"),
-    (["--mapping", "group", "--nserver", "3"], "3 servers need 3 trainers; got 2"),
-    (["--hook", "ps", "--nserver", "0"], "--hook ps sends gradients to parameter servers"),
-    (["--batch-size", "1000"], "fewer than --batch-size 1000"),
-    (["--inject-fault", "trainer:9:1:exit"], "there is no trainer 9"),
-    (["--inject-fault", "trainer:1:hang"], "expected ROLE:INDEX:ITER:KIND"),
-    (["--inject-fault", "trainer:1:1:explode"], "kind must be one of exit, raise, hang"),
-    (["--no-such-option"], "unrecognized arguments: --no-such-option"),
-    (["--create_criterion=mse"], "invalid choice: 'mse' (choose from 'cel')"),
-    (["--trainer_config_path=trainer.json"], "--trainer_config_path: ps_bench has no trainer configuration file"),
-    (["--model", "dlrm_small", "--data", "DummyDataSmall"], "--model dlrm_small takes dense features"),
 ]
-CONFIG_FILES = {
-    "{bad_json}": '{"ntrainer": 2\n "rounds": 3}',
-    "{unknown_key}": '{"trainers": 2}',
-    "{wrong_type}": '{"rounds": "3"}',
-}
+CONFIG_FILES = {"{bad_json}": '{"ntrainer": 2\n "rounds": 3}'}
 
 
 @pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
@@ -231,9 +191,3 @@ def test_bad_input_exits_2_with_one_line(argv, message, tmp_path):
     assert "Traceback" not in run.output
     assert message in run.stderr, run.stderr
     assert run.stdout == ""
-
-
-def test_debug_shows_the_traceback_for_bad_input():
-    run = run_bench("--rounds", "0", "--debug", timeout_s=120)
-    assert run.returncode == 2
-    assert "Traceback" in run.stderr and "ConfigError" in run.stderr

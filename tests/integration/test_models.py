@@ -8,38 +8,28 @@ import os
 import pytest
 import torch
 
-from benchrun import run_bench
-from ps_bench.models import DATA_PRESETS, MODEL_PRESETS, PRESET_DATA, build_model
+from ps_bench.models import DATA_PRESETS, MODEL_PRESETS, PRESET_DATA, TEST_SIZED, build_model
 
-pytestmark = pytest.mark.integration
-
-FULL = ("resnet18", "resnet50", "gpt2_small", "dlrm")  # GPT-2 small is the full-size model's own name
-SMALL = ("resnet18_small", "resnet50_small", "gpt2_tiny", "dlrm_small")
+SMALL = sorted(TEST_SIZED)  # every zoo model registered as a test-sized version of a full-size one
 QUICK = ("--warmup-rounds", "1", "--rounds", "1", "--batch-size", "4")
-_runs: dict[tuple, dict] = {}
 
 
-def results_of(model: str, hook: str, tmp_path_factory, *extra: str) -> dict:
+def results_of(bench_runs, model: str, hook: str, *extra: str) -> dict:
     """One run per (model, hook, options), shared by the tests that read it."""
-    key = (model, hook, extra)
-    if key not in _runs:
-        out = tmp_path_factory.mktemp(model) / "results.json"
-        run = run_bench("--model", model, "--hook", hook, *QUICK, *extra, out=out)
-        assert run.returncode == 0, run.output
-        _runs[key] = run.results
-    return _runs[key]
+    return bench_runs.ok("--model", model, "--hook", hook, *QUICK, *extra)
 
 
 def test_every_zoo_model_has_a_small_variant_that_is_tested():
-    assert set(MODEL_PRESETS) == set(FULL) | set(SMALL)
-    for full, small in zip(FULL, SMALL):  # the same model class at a smaller size
+    full_size = set(MODEL_PRESETS) - set(TEST_SIZED)
+    assert set(TEST_SIZED.values()) == full_size, "a zoo model without a test-sized version is never trained here"
+    for small, full in TEST_SIZED.items():  # the same model class at a smaller size
         assert MODEL_PRESETS[full]["model_class"] == MODEL_PRESETS[small]["model_class"]
 
 
 @pytest.mark.parametrize("hook", ["ps", "allreduce"])
 @pytest.mark.parametrize("model", SMALL)
-def test_zoo_model_trains_with_identical_replicas(model, hook, tmp_path_factory):
-    results = results_of(model, hook, tmp_path_factory)
+def test_zoo_model_trains_with_identical_replicas(model, hook, bench_runs):
+    results = results_of(bench_runs, model, hook)
     assert results["status"] == "ok"
     assert results["replicas"]["identical"] is True, results["replicas"]
     assert results["config"]["data"] == PRESET_DATA[model]  # the model's own data, unasked
@@ -47,8 +37,8 @@ def test_zoo_model_trains_with_identical_replicas(model, hook, tmp_path_factory)
 
 
 @pytest.mark.parametrize("model", SMALL)
-def test_size_up_front_matches_the_model(model, tmp_path_factory):
-    results = results_of(model, "ps", tmp_path_factory)
+def test_size_up_front_matches_the_model(model, bench_runs):
+    results = results_of(bench_runs, model, "ps")
     size = results["config"]["model_size"]
     network = build_model(MODEL_PRESETS[model]["model_class"], MODEL_PRESETS[model]["configurations"], 0)
     parameters = list(network.parameters())
@@ -76,10 +66,10 @@ def powersgd_elements(network: torch.nn.Module, rank: int, min_compression_rate:
     return total
 
 
-def test_powersgd_bytes_are_what_its_rule_predicts(tmp_path_factory):
+def test_powersgd_bytes_are_what_its_rule_predicts(bench_runs):
     model = "resnet18_small"
     # several buckets in flight: PowerSGD's chained all-reduces must still match across trainers
-    results = results_of(model, "powersgd", tmp_path_factory, "--hook-option", "matrix_approximation_rank=2",
+    results = results_of(bench_runs, model, "powersgd", "--hook-option", "matrix_approximation_rank=2",
                          "--bucket-cap-mb", "2")
     assert len(results["config"]["model_size"]["ddp_buckets"]) > 1
     network = build_model(MODEL_PRESETS[model]["model_class"], MODEL_PRESETS[model]["configurations"], 0)

@@ -9,59 +9,42 @@ import subprocess
 
 import pytest
 
-from benchrun import ROOT, run_bench
 from ps_bench.metrics.limits import repeats_per_round as floor_repeats_per_round
-
-pytestmark = pytest.mark.integration
+from ps_bench.servers import SERVERS
+from ps_bench.trainers.hooks import HOOKS
+from tests.benchrun import ROOT, run_bench
+from tests.contract import SERVER_METRICS, TRAINER_METRICS, check_contract, metrics_of
 
 QUICK = ("--warmup-rounds", "1", "--rounds", "2")
-TRAINER_METRICS = {"batch", "forward", "backward", "optimizer", "comm"}
-SERVER_METRICS = {"straggler", "aggregate", "round"}
-STATS = {"role", "metric", "unit", "count", "mean", "std", "min", "p50", "p90", "p99", "max"}
+# Servers and mappings matter only to the lossless strategies that use servers (every server, both
+# mappings); the other strategies that reach the exact mean run once; all on a model with sparse
+# gradients, 3 trainers and 2 servers (so the group mapping has a group of two and one of one).
+SERVER_STRATEGIES = [name for name in HOOKS.names() if HOOKS.record(name).needs_servers and HOOKS.record(name).lossless]
+CASES = [(*case, ()) for case in itertools.product(SERVER_STRATEGIES, SERVERS.names(), ("shard", "group"))]
+CASES += [(hook, "average", "shard", ()) for hook in HOOKS.names() if hook not in SERVER_STRATEGIES
+          and (HOOKS.record(hook).lossless or HOOKS.record(hook).transport is None)]
+CASES += [("ps", "average", "shard", ("--bucket-cap-mb", "0.001"))]  # many buckets, owners balanced over servers
 
 
-def check_contract(results: dict) -> None:
-    """The results-file contract other tools rely on."""
-    assert results["schema"] == "ps_bench.result/1"
-    assert results["status"] == "ok"
-    for key in ("started", "finished", "argv", "config", "env", "summary", "throughput", "bytes", "replicas", "samples"):
-        assert key in results, key
-    assert set(results["env"]) >= {"torch", "python", "hostname", "cuda_devices", "backend"}
-    for row in results["summary"]:
-        assert set(row) == STATS and row["unit"] == "ms" and row["count"] > 0
-        assert row["min"] <= row["p50"] <= row["p90"] <= row["p99"] <= row["max"]
-    assert set(results["bytes"]) == {"trainer_sent_per_iter", "trainer_recv_per_iter",
-                                     "server_recv_per_iter", "server_sent_per_iter"}
-    assert set(results["replicas"]) == {"identical", "param_norm", "max_abs_diff"}
-    assert results["throughput"]["samples_per_s"] > 0
+def case_run(bench_runs, hook: str, server: str, mapping: str, extra: tuple[str, ...]) -> dict:
+    return bench_runs.ok("--hook", hook, "--server", server, "--mapping", mapping, "--ntrainer", "3", "--nserver",
+                         "2", "--model", "DummyModelSmallSparse", *QUICK, *extra, timeout_s=120)
 
 
-def metrics_of(results: dict, role: str) -> set[str]:
-    return {row["metric"] for row in results["summary"] if row["role"] == role}
-
-
-# Servers and mappings matter only to the hooks that use servers; the others run once.
-CASES = list(itertools.product(("ps", "sparse_ps"), ("average", "average_batch"), ("shard", "group")))
-CASES += [("allreduce", "average", "shard"), ("noop", "average", "shard")]
-
-
-@pytest.mark.parametrize("hook, server, mapping", CASES, ids=["-".join(c) for c in CASES])
-def test_every_hook_server_and_mapping_on_gloo(hook, server, mapping, results_path):
-    run = run_bench("--hook", hook, "--server", server, "--mapping", mapping, "--ntrainer", "3", "--nserver", "2",
-                    "--model", "DummyModelSmallSparse", *QUICK, out=results_path, timeout_s=120)
-    assert run.returncode == 0, run.output
-    results = run.results
+@pytest.mark.parametrize("hook, server, mapping, extra", CASES, ids=["-".join(c[:3] + c[3][:1]) for c in CASES])
+def test_every_hook_server_and_mapping_on_gloo(hook, server, mapping, extra, bench_runs):
+    results = case_run(bench_runs, hook, server, mapping, extra)
     check_contract(results)
     assert results["config"]["hook"] == hook and results["config"]["mapping"] == mapping
     assert metrics_of(results, "trainer") == TRAINER_METRICS
     moved = results["bytes"]
-    if hook in ("ps", "sparse_ps"):
+    if hook in SERVER_STRATEGIES:
         assert metrics_of(results, "server") == SERVER_METRICS
         assert moved["trainer_sent_per_iter"] > 0 and moved["server_recv_per_iter"] > 0
     else:
         assert metrics_of(results, "server") == set()
         assert moved["server_recv_per_iter"] == 0
-    if hook == "noop":
+    if HOOKS.record(hook).transport is None:
         assert moved["trainer_sent_per_iter"] == 0
         assert results["replicas"]["identical"] is False  # no communication: replicas drift apart
     else:
@@ -69,46 +52,35 @@ def test_every_hook_server_and_mapping_on_gloo(hook, server, mapping, results_pa
         assert results["replicas"]["max_abs_diff"] == 0.0
 
 
-def test_parameter_servers_and_allreduce_reach_the_same_parameters(tmp_path):
-    """Fails if servers summed (or averaged only their group) instead of averaging."""
-    norms = {}
-    for name, args in {
-        "allreduce": ("--hook", "allreduce"),
-        "ps-group": ("--hook", "ps", "--mapping", "group"),
-        "ps-shard": ("--hook", "ps", "--mapping", "shard", "--bucket-cap-mb", "0.001"),
-        "ps-batch": ("--hook", "ps", "--server", "average_batch", "--mapping", "group"),
-    }.items():
-        run = run_bench("--ntrainer", "3", "--nserver", "2", "--torch-seed", "7", *QUICK, *args,
-                        out=tmp_path / f"{name}.json", timeout_s=120)
-        assert run.returncode == 0, run.output
-        assert run.results["replicas"]["identical"] is True
-        norms[name] = run.results["replicas"]["param_norm"]
-    reference = norms["allreduce"]
+def test_every_lossless_way_reaches_the_same_parameters(bench_runs):
+    """Every lossless strategy, server and mapping trains the same model from the same seed to the
+    same parameters as all-reduce: fails if servers summed (or averaged only their group) instead
+    of averaging, or if a strategy mishandled sparse gradients."""
+    norms = {"-".join(case[:3] + case[3][:1]): case_run(bench_runs, *case)["replicas"]["param_norm"]
+             for case in CASES if HOOKS.record(case[0]).lossless}
+    reference = norms["allreduce-average-shard"]
+    assert len(norms) >= 10
     for name, norm in norms.items():
         assert abs(norm - reference) / reference < 1e-5, norms
 
 
-def test_same_seed_same_result(tmp_path):
-    norms = [run_bench("--torch-seed", "3", *QUICK, out=tmp_path / f"{i}.json").results["replicas"]["param_norm"]
-             for i in range(2)]
-    assert norms[0] == norms[1]
-
-
-def test_default_run_prints_tables_and_results_path(results_path):
-    run = run_bench(out=results_path, timeout_s=120)
+def test_default_run_prints_tables_and_results_path(bench_runs):
+    run = bench_runs.get()  # the default run, shared
     assert run.returncode == 0, run.output
     for text in ("Trainers (timed rounds)", "Parameter servers (timed rounds)", "bytes_sent", "p50", "p90", "p99",
-                 "[round 1/6] warmup", "[round 6/6] timed", f"results: {results_path}"):
+                 "[round 1/6] warmup", "[round 6/6] timed", f"results: {run.out}"):
         assert text in run.stdout, text
     assert "replicas: identical=true" in run.stdout
     check_contract(run.results)
     assert run.results["throughput"]["iterations"] == 5 * (1024 // 2 // 16)
 
 
-def test_per_rank_tables(results_path):
-    run = run_bench("--per-rank", *QUICK, out=results_path)
-    assert run.returncode == 0
-    assert "trainer 0" in run.stdout and "trainer 1" in run.stdout and "server 2" in run.stdout
+def test_same_seed_same_result(bench_runs, results_path):
+    first = bench_runs.ok()
+    again = run_bench(out=results_path)
+    assert again.returncode == 0, again.output
+    assert again.results["replicas"]["param_norm"] == first["replicas"]["param_norm"]
+    assert again.results["loss"] == first["loss"]
 
 
 def test_upstream_experiment_command_line_runs(results_path):
@@ -132,12 +104,18 @@ def test_upstream_experiment_command_line_runs(results_path):
     assert "model DummyModelSparse: 9,445,376 parameters" in run.stdout
 
 
-def test_run_config_file_with_command_line_override(tmp_path, results_path):
+def test_run_config_file_with_command_line_override_and_a_file_kept(tmp_path, results_path):
+    """--config fills what the command line leaves out; an existing results file is never overwritten."""
     config = tmp_path / "run.json"
     config.write_text('{"ntrainer": 3, "hook": "allreduce", "rounds": 4, "nserver": 0}')
+    results_path.write_text("keep me")
     run = run_bench("--config", str(config), "--rounds", "1", out=results_path)
     assert run.returncode == 0, run.output
     assert run.results["config"]["ntrainer"] == 3 and run.results["config"]["rounds"] == 1
+    assert results_path.read_text() == "keep me"
+    suffixed = results_path.with_name("results-1.json")
+    assert f"results: {suffixed}" in run.stdout
+    assert json.loads(suffixed.read_text())["status"] == "ok"
 
 
 def test_cuda_backend_without_gpu_is_one_line_exit_2():
@@ -163,11 +141,14 @@ def test_wrong_process_count_under_torchrun():
     assert "torchrun started 3 processes but this run needs 4" in process.stderr
 
 
-def test_limits_memory_and_profile_in_one_run(tmp_path):
-    """--limits measures every floor with the run's buckets; memory per role; one trace per trainer."""
+def test_limits_memory_profile_and_per_rank_tables_in_one_run(tmp_path):
+    """--limits measures every floor with the run's buckets; memory per role; one trace per trainer;
+    --per-rank adds a row per rank to the printed tables."""
     traces = tmp_path / "traces"
-    run = run_bench("--limits", "--profile", str(traces), *QUICK, out=tmp_path / "run.json", timeout_s=180)
+    run = run_bench("--limits", "--profile", str(traces), "--per-rank", *QUICK, out=tmp_path / "run.json",
+                    timeout_s=180)
     assert run.returncode == 0, run.output
+    assert "trainer 0" in run.stdout and "trainer 1" in run.stdout and "server 2" in run.stdout
     results = run.results
     check_contract(results)
     assert results["replicas"]["identical"] is True

@@ -1,37 +1,30 @@
-"""Every registered strategy, for real: speed aside, what it costs in bytes and in accuracy."""
+"""Every registered strategy, for real: speed aside, what it costs in bytes and in accuracy, as
+its ``Strategy`` record says (a new strategy is tested here without editing a table)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchrun import run_bench
 from ps_bench.trainers.hooks import HOOKS
 
-pytestmark = pytest.mark.integration
-
-LOSSLESS = {"allreduce", "ps", "sparse_ps", "hybrid"}
-LOSSY = {"fp16": "allreduce", "bf16": "allreduce", "powersgd": "allreduce", "batched_powersgd": "allreduce",
-         "ps_fp16": "ps", "ps_bf16": "ps"}  # strategy -> the uncompressed strategy it must beat in bytes
-NO_COMMUNICATION = {"noop"}
-_results: dict[str, dict] = {}
+LOSSLESS = [name for name in HOOKS.names() if HOOKS.record(name).lossless]
+LOSSY = [name for name in HOOKS.names() if HOOKS.record(name).uncompressed]
+SILENT = [name for name in HOOKS.names() if HOOKS.record(name).transport is None]
+HALF_WIDTH = ("float16", "bfloat16")
 
 
-def verified(hook: str, tmp_path_factory) -> dict:
-    if hook not in _results:
-        out = tmp_path_factory.mktemp(hook) / "results.json"
-        run = run_bench("--hook", hook, "--verify", "--rounds", "2", out=out, timeout_s=120)
-        assert run.returncode == 0, run.output
-        _results[hook] = run.results
-    return _results[hook]
+def verified(bench_runs, hook: str) -> dict:
+    """One verified run per strategy, shared by every test that reads it."""
+    return bench_runs.ok("--hook", hook, "--verify", "--rounds", "2", timeout_s=120)
 
 
-def test_every_registered_strategy_is_in_this_table():
-    assert set(HOOKS.names()) == LOSSLESS | set(LOSSY) | NO_COMMUNICATION
+def test_every_strategy_is_lossless_lossy_or_silent():
+    assert sorted(LOSSLESS + LOSSY + SILENT) == HOOKS.names()
 
 
-@pytest.mark.parametrize("hook", sorted(LOSSLESS))
-def test_lossless_strategy(hook, tmp_path_factory):
-    results = verified(hook, tmp_path_factory)
+@pytest.mark.parametrize("hook", LOSSLESS)
+def test_lossless_strategy(hook, bench_runs):
+    results = verified(bench_runs, hook)
     assert results["replicas"]["identical"] is True
     check = results["verify"]
     assert check["iterations"] > 0 and check["buckets_checked"] > 0
@@ -40,56 +33,41 @@ def test_lossless_strategy(hook, tmp_path_factory):
     assert results["loss"]["first"] > 0
 
 
-@pytest.mark.parametrize("hook", sorted(LOSSY))
-def test_lossy_strategy_costs_accuracy_and_saves_bytes(hook, tmp_path_factory):
-    results = verified(hook, tmp_path_factory)
-    baseline = verified(LOSSY[hook], tmp_path_factory)
+@pytest.mark.parametrize("hook", LOSSY)
+def test_lossy_strategy_costs_accuracy_and_saves_bytes(hook, bench_runs):
+    record = HOOKS.record(hook)
+    results, baseline = verified(bench_runs, hook), verified(bench_runs, record.uncompressed)
     assert results["replicas"]["identical"] is True
     assert results["verify"]["grad_rel_error_p50"] > 1e-6
-    assert results["bytes"]["trainer_sent_per_iter"] < baseline["bytes"]["trainer_sent_per_iter"]
-    assert results["bytes"]["trainer_recv_per_iter"] < baseline["bytes"]["trainer_recv_per_iter"]
-    if hook.startswith("ps_"):  # 16-bit on the wire: exactly half of fp32
-        assert results["bytes"]["trainer_sent_per_iter"] * 2 == baseline["bytes"]["trainer_sent_per_iter"]
-        assert results["bytes"]["server_recv_per_iter"] * 2 == baseline["bytes"]["server_recv_per_iter"]
+    for key in ("trainer_sent_per_iter", "trainer_recv_per_iter"):
+        assert results["bytes"][key] < baseline["bytes"][key]
+    if record.payload in HALF_WIDTH:  # 16 bits on the wire: exactly half of float32, to servers and back
+        for key, moved in results["bytes"].items():
+            assert moved * 2 == baseline["bytes"][key], key
 
 
-def test_no_communication_is_not_the_mean(tmp_path_factory):
-    results = verified("noop", tmp_path_factory)
+@pytest.mark.parametrize("hook", SILENT)
+def test_no_communication_is_not_the_mean(hook, bench_runs):
+    results = verified(bench_runs, hook)
     assert results["bytes"]["trainer_sent_per_iter"] == 0
     assert results["verify"]["grad_rel_error_p50"] > 1e-3
 
 
-def test_sparse_model_reaches_the_same_parameters_with_every_sparse_capable_strategy(tmp_path):
-    norms = {}
-    for hook in ("allreduce", "ps", "sparse_ps", "hybrid"):
-        run = run_bench("--hook", hook, "--model", "DummyModelSmallSparse", "--batch-size", "10",
-                        "--rounds", "2", out=tmp_path / f"{hook}.json", timeout_s=120)
-        assert run.returncode == 0, run.output
-        assert run.results["replicas"]["identical"] is True
-        norms[hook] = run.results["replicas"]["param_norm"]
-    for hook, norm in norms.items():
-        assert abs(norm - norms["allreduce"]) / norms["allreduce"] < 1e-5, norms
+def test_powersgd_options_reach_the_hook(bench_runs):
+    """A lower rank than the default (2) approximates worse and sends less: the option really
+    changes what runs."""
+    default = verified(bench_runs, "powersgd")
+    low = bench_runs.ok("--hook", "powersgd", "--hook-option", "matrix_approximation_rank=1", "--verify",
+                        "--rounds", "2", timeout_s=120)
+    assert low["config"]["hook_options"] == {"matrix_approximation_rank": 1} and default["config"]["hook_options"] == {}
+    assert low["verify"]["grad_rel_error_p50"] > default["verify"]["grad_rel_error_p50"]
+    assert low["bytes"]["trainer_sent_per_iter"] < default["bytes"]["trainer_sent_per_iter"]
 
 
-def test_powersgd_options_reach_the_hook(tmp_path):
-    """A higher rank approximates better: the option really changes what runs."""
-    errors = {}
-    for rank in (1, 4):
-        run = run_bench("--hook", "powersgd", "--hook-option", f"matrix_approximation_rank={rank}", "--verify",
-                        "--rounds", "1", out=tmp_path / f"{rank}.json", timeout_s=120)
-        assert run.returncode == 0, run.output
-        assert run.results["config"]["hook_options"] == {"matrix_approximation_rank": rank}
-        errors[rank] = (run.results["verify"]["grad_rel_error_p50"], run.results["bytes"]["trainer_sent_per_iter"])
-    assert errors[4][0] < errors[1][0] and errors[4][1] > errors[1][1]
-
-
-def test_gradients_as_bucket_views_train_exactly_as_copies(tmp_path, tmp_path_factory):
+def test_gradients_as_bucket_views_train_exactly_as_copies(bench_runs):
     """--gradient-as-bucket-view only removes copies: the same run reaches the same parameters."""
-    copies = verified("ps", tmp_path_factory)
-    run = run_bench("--hook", "ps", "--verify", "--rounds", "2", "--gradient-as-bucket-view",
-                    out=tmp_path / "views.json", timeout_s=120)
-    assert run.returncode == 0, run.output
-    views = run.results
+    copies = verified(bench_runs, "ps")
+    views = bench_runs.ok("--hook", "ps", "--verify", "--rounds", "2", "--gradient-as-bucket-view", timeout_s=120)
     assert views["config"]["gradient_as_bucket_view"] is True and copies["config"]["gradient_as_bucket_view"] is False
     assert views["replicas"]["identical"] is True
     assert views["replicas"]["param_norm"] == copies["replicas"]["param_norm"]

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from ps_bench.config import ConfigError, RunConfig, build_config, load_run_file, validate
+from ps_bench.config import ConfigError, RunConfig, build_config, load_run_file
+from ps_bench.job import validate
 from ps_bench.registry import Registry
 
 

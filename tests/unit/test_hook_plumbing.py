@@ -5,7 +5,9 @@ import torch
 
 from ps_bench.metrics.timers import tensor_bytes
 from ps_bench.metrics.wire import ByteCounter, allgather_bytes, allreduce_bytes
-from ps_bench.trainers.hooks import HOOKS, check_hook_options
+from ps_bench.config import ConfigError, RunConfig
+from ps_bench.job import validate
+from ps_bench.trainers.hooks import COLLECTIVE, HOOKS, RPC, SPARSE_ALLREDUCE, SPARSE_GLOO, Strategy, check_hook_options
 from ps_bench.trainers.trainer import VERIFIED_PER_ROUND, verified_steps
 
 
@@ -71,3 +73,54 @@ def test_verified_iterations_are_few_and_spread(iterations):
     steps = verified_steps(iterations)
     assert 1 <= len(steps) <= VERIFIED_PER_ROUND
     assert min(steps) == 0 and max(steps) < iterations
+
+
+def test_each_strategy_has_its_floor():
+    assert HOOKS.record("ps").floor == HOOKS.record("ps_fp16").floor == HOOKS.record("sparse_ps").floor == RPC
+    assert {HOOKS.record(name).floor for name in ("allreduce", "powersgd", "hybrid", "fp16")} == {COLLECTIVE}
+    assert HOOKS.record("noop").floor is None
+    assert HOOKS.record("rpc_hook") is HOOKS.record("ps")  # aliases reach the record
+
+
+def test_a_lossy_strategy_names_the_lossless_one_it_compresses():
+    for name in HOOKS.names():
+        record = HOOKS.record(name)
+        if record.uncompressed:
+            baseline = HOOKS.record(record.uncompressed)
+            assert baseline.lossless and baseline.transport == record.transport, name
+    with pytest.raises(ValueError, match="names the lossless one it compresses"):
+        Strategy(RPC, "float16", lossless=False, sparse_buckets=None)
+    with pytest.raises(ValueError, match="bad strategy record"):
+        Strategy("carrier pigeon", "float32", lossless=True, sparse_buckets=None)
+
+
+def test_a_strategy_without_a_record_is_refused():
+    with pytest.raises(TypeError, match="hook 'unrecorded' needs a Strategy record"):
+        HOOKS.register("unrecorded")(lambda ctx: None)
+
+
+@pytest.fixture
+def made_up_strategies(monkeypatch):
+    """Registers strategies for one test: a new strategy is its function and its record."""
+    for table in ("_entries", "_records", "_canonical"):
+        monkeypatch.setattr(HOOKS, table, dict(getattr(HOOKS, table)))
+
+    def register(name: str, record: Strategy) -> None:
+        HOOKS.register(name, record=record)(lambda ctx: None)
+
+    return register
+
+
+def test_validation_reads_a_new_strategys_record(made_up_strategies):
+    made_up_strategies("ps_half", Strategy(RPC, "float16", lossless=False, sparse_buckets=None, uncompressed="ps"))
+    made_up_strategies("ring_half", Strategy(COLLECTIVE, "float16", lossless=False, sparse_buckets=SPARSE_ALLREDUCE,
+                                             uncompressed="allreduce"))
+    made_up_strategies("gloo_sparse", Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=SPARSE_GLOO))
+    with pytest.raises(ConfigError, match="--hook ps_half sends gradients to parameter servers: set --nserver"):
+        validate(RunConfig(hook="ps_half", nserver=0), gpus=0)
+    validate(RunConfig(hook="ring_half", nserver=0), gpus=0)
+    with pytest.raises(ConfigError, match="sparse gradients, which NCCL cannot all-reduce .--hook ring_half"):
+        validate(RunConfig(hook="ring_half", backend="nccl", ntrainer=1, model="DummyModelSmallSparse"), gpus=1)
+    with pytest.raises(ConfigError, match="--hook gloo_sparse all-reduces sparse gradients over gloo"):
+        validate(RunConfig(hook="gloo_sparse", backend="nccl", ntrainer=1, model="DummyModelSmallSparse"), gpus=1)
+    validate(RunConfig(hook="gloo_sparse", backend="multi", ntrainer=1, model="DummyModelSmallSparse"), gpus=1)

@@ -23,15 +23,6 @@ def test_efficiency_is_floor_over_cost():
     assert limits.efficiency(9.0, 0.0) is None
 
 
-def test_each_strategy_has_its_floor():
-    from ps_bench.trainers.hooks import HOOKS
-
-    assert limits.floor_for("ps") == limits.floor_for("ps_fp16") == "rpc"
-    assert limits.floor_for("allreduce") == limits.floor_for("powersgd") == "collective"
-    assert limits.floor_for("noop") is None
-    assert set(HOOKS.names()) == limits.RPC_FLOOR_HOOKS | limits.COLLECTIVE_FLOOR_HOOKS | {"noop"}
-
-
 def test_parameter_server_bound_is_set_by_the_busier_side():
     # 4 trainers, 1 server, 100 MB at 1 GB/s: the server moves 400 MB each way
     assert limits.ps_bound_ms(4, 1, 100 * MB, 1.0) == pytest.approx(400.0)

@@ -1,0 +1,153 @@
+"""A job checked as a whole before any process starts.
+
+``validate`` holds a ``RunConfig`` against the registered pieces (each strategy's record,
+the servers, trainers, models and data) and against the GPUs of the node, and returns the
+model and data entries it names. Every problem is a ``ConfigError``: one line that names the
+input and what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ps_bench.config import ConfigError, RunConfig, check_interface, check_port, check_writable_folder
+from ps_bench.faults import Fault
+from ps_bench.models import DATA, DATA_PRESETS, MODEL_PRESETS, MODELS, PRESET_DATA
+from ps_bench.models.entries import DEFAULT_DATA, ZOO, Entry, construct, load_entry, model_size
+from ps_bench.registry import UnknownNameError
+from ps_bench.servers import SERVERS
+from ps_bench.trainers.hooks import HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, check_hook_options
+from ps_bench.trainers.trainer import TRAINERS
+
+
+def cuda_device_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def need(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def check_options(cfg: RunConfig) -> None:
+    """Each option on its own: ranges, formats, ports, folders, the interface."""
+    for name in ("ntrainer", "ncudatrainer", "nserver", "ncudaserver", "warmup_rounds"):
+        need(getattr(cfg, name) >= 0, f"{flag(name)} must be 0 or more; got {getattr(cfg, name)}")
+    for name in ("epochs", "batch_size", "rounds", "rpc_threads"):
+        value = getattr(cfg, name)
+        need(value is None or value >= 1, f"{flag(name)} must be at least 1; got {value}")
+    for name in ("lr", "rpc_timeout", "bucket_cap_mb", "timeout"):
+        value = getattr(cfg, name)
+        need(value is None or value > 0, f"{flag(name)} must be positive; got {value}")
+    if cfg.inject_fault is not None:
+        try:
+            fault = Fault.parse(cfg.inject_fault)
+        except ValueError as error:
+            raise ConfigError(f"--inject-fault: {error}") from None
+        count = {"trainer": cfg.num_trainers, "server": cfg.num_servers, "master": 1}[fault.role]
+        need(fault.index < count, f"--inject-fault: there is no {fault.role} {fault.index}; "
+                                  f"this run has {count} {fault.role}(s), numbered from 0")
+    if cfg.profile is not None:
+        check_writable_folder(cfg.profile, "--profile")
+    need(cfg.num_trainers >= 1, "at least one trainer is needed: set --ntrainer or --ncudatrainer to 1 or more")
+    if cfg.master_port is not None:
+        check_port("--master-port", cfg.master_port)
+    if cfg.iface is not None:
+        check_interface(cfg.iface)
+    for name in ("backend", "mapping"):
+        allowed, value = RunConfig.__dataclass_fields__[name].metadata["choices"], getattr(cfg, name)
+        need(value in allowed, f"--{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def check_pieces(cfg: RunConfig) -> None:
+    """Strategy, server and trainer by their registered names (upstream's become ours), the
+    hook's options, and what the strategy's record needs of the topology."""
+    for name, registry in (("hook", HOOKS), ("server", SERVERS), ("trainer", TRAINERS)):
+        try:
+            setattr(cfg, name, registry.canonical(getattr(cfg, name)))
+        except UnknownNameError as error:
+            raise ConfigError(f"--{name}: {error}") from None
+    try:
+        cfg.hook_options = check_hook_options(cfg.hook, cfg.hook_options)
+    except ValueError as error:
+        raise ConfigError(f"--hook-option: {error}") from None
+    if HOOKS.record(cfg.hook).needs_servers:
+        need(cfg.num_servers >= 1, f"--hook {cfg.hook} sends gradients to parameter servers: set --nserver 1 or more")
+    if cfg.mapping == "group" and cfg.num_servers:
+        need(
+            cfg.num_servers <= cfg.num_trainers,
+            f"--mapping group needs at least as many trainers as servers: {cfg.num_servers} servers "
+            f"need {cfg.num_servers} trainers; got {cfg.num_trainers}",
+        )
+
+
+def check_workload(cfg: RunConfig) -> tuple[Entry, Entry, torch.nn.Module]:
+    """The model and data entries, built on the meta device: they fit each other and the batch."""
+    model = load_entry(cfg.model_config_path, cfg.model, "model_class", MODELS, "model", MODEL_PRESETS)
+    if cfg.data is None:
+        cfg.data = PRESET_DATA.get(cfg.model, DEFAULT_DATA) if model.source == ZOO else DEFAULT_DATA
+    data = load_entry(cfg.data_config_path, cfg.data, "data_class", DATA, "data", DATA_PRESETS)
+    network, dataset = construct(model, MODELS), construct(data, DATA)
+    model = dataclasses.replace(model, size=model_size(network))
+    need(network.takes == dataset.gives,
+         f"--model {cfg.model} takes {network.takes} but --data {cfg.data} gives {dataset.gives}; "
+         f"leave --data out to use the model's own data")
+    mismatch = network.fits(dataset)
+    need(mismatch is None, f"--data {cfg.data} {mismatch} (--model {cfg.model})")
+    samples = dataset.sample_count
+    need(
+        samples // cfg.num_trainers >= cfg.batch_size,
+        f"--data {cfg.data} has {samples} samples: {cfg.num_trainers} trainers get {samples // cfg.num_trainers} "
+        f"each, fewer than --batch-size {cfg.batch_size}; lower --batch-size or use more samples",
+    )
+    smallest = getattr(network, "min_batch_size", 1)
+    need(cfg.batch_size >= smallest, f"--model {cfg.model} needs --batch-size {smallest} or more (BatchNorm); "
+                                     f"got {cfg.batch_size}")
+    return model, data, network
+
+
+def check_devices(cfg: RunConfig, network: torch.nn.Module, gpus: int, trainers_on_node: int) -> None:
+    """CUDA where the options ask for it, one GPU per NCCL trainer, no sparse all-reduce on NCCL."""
+    wants_cuda = [
+        f"--backend {cfg.backend}" if cfg.backend != "gloo" else "",
+        f"--ncudatrainer {cfg.ncudatrainer}" if cfg.ncudatrainer else "",
+        f"--ncudaserver {cfg.ncudaserver}" if cfg.ncudaserver else "",
+    ]
+    wants_cuda = [w for w in wants_cuda if w]
+    if wants_cuda and gpus == 0:
+        raise ConfigError(f"CUDA is needed for {' and '.join(wants_cuda)}, but no GPU is available here "
+                          f"(torch.cuda.is_available() is False); use --backend gloo with CPU trainers and servers")
+    if cfg.backend not in ("nccl", "multi"):
+        return
+    need(
+        trainers_on_node <= gpus,
+        f"--backend {cfg.backend} needs one GPU per trainer: {trainers_on_node} trainers on this node, "
+        f"{gpus} GPUs; lower --ntrainer/--ncudatrainer or use --backend gloo",
+    )
+    if not any(getattr(m, "sparse", False) for m in network.modules()):
+        return
+    sparse_buckets = HOOKS.record(cfg.hook).sparse_buckets
+    if sparse_buckets == SPARSE_ALLREDUCE:
+        raise ConfigError(f"--model {cfg.model} has sparse gradients, which NCCL cannot all-reduce "
+                          f"(--hook {cfg.hook}, --backend {cfg.backend}); use --hook hybrid with "
+                          f"--backend multi, --hook sparse_ps or ps, or --backend gloo")
+    if sparse_buckets == SPARSE_GLOO and cfg.backend == "nccl":
+        raise ConfigError(f"--hook {cfg.hook} all-reduces sparse gradients over gloo: use --backend multi")
+
+
+def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | None = None) -> tuple[Entry, Entry]:
+    """Checks a whole configuration before any process starts (canonicalising the names it
+    holds); returns the model and data entries it names. ``gpus`` defaults to the CUDA devices
+    visible here, ``trainers_on_node`` to every trainer (one machine)."""
+    check_options(cfg)
+    check_pieces(cfg)
+    model, data, network = check_workload(cfg)
+    check_devices(cfg, network, cuda_device_count() if gpus is None else gpus,
+                  cfg.num_trainers if trainers_on_node is None else trainers_on_node)
+    return model, data

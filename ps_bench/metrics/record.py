@@ -1,0 +1,238 @@
+"""The books of one run: what the master gathers from each round, turned into the results file.
+
+``RunRecord`` takes plain data (the dicts trainers and servers return for a round, floor
+samples, the replicas' comparison) and builds the ``ps_bench.result/1`` object, for a run that
+finished and for one that failed half-way alike; it starts no process and calls no RPC, so the
+contract is unit-tested with made-up rounds. ``failed_results`` is the shape of a run that has
+nothing of its own to report (the master never got going, or wrote no file): the launcher and
+the sweep build those through it, and ``write_snapshot``/``read_snapshot`` hand a running
+job's finished rounds from the master to its launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ps_bench.config import RunConfig
+from ps_bench.metrics import limits
+from ps_bench.metrics.memory import combine_peaks, peak_memory
+from ps_bench.metrics.results import SCHEMA, iso_now
+from ps_bench.metrics.stats import SummaryRow, summary_rows
+from ps_bench.models.entries import Entry
+from ps_bench.topology import Topology
+from ps_bench.trainers.hooks import HOOKS
+
+TRAINER_METRICS = ("batch", "forward", "backward", "optimizer", "comm")  # ms, per iteration
+BYTE_METRICS = ("bytes_sent", "bytes_recv")  # B, per iteration
+SERVER_METRICS = ("straggler", "aggregate", "round")  # ms, per bucket and iteration
+SNAPSHOT_NAME = "partial.json"
+
+
+def failed_results(results: dict | None, error: str, *, config: dict, argv: list[str] | None = None,
+                   env: dict | None = None) -> dict:
+    """``results`` (what finished, or None when nothing did) marked failed with ``error``. With
+    nothing finished, the contract's identifying keys are kept and nothing is measured:
+    ``rounds_completed`` 0, an empty ``summary``."""
+    if results is None:
+        results = {"schema": SCHEMA, "started": iso_now(), "argv": argv or [], "config": config, "env": env or {},
+                   "rounds_completed": 0, "summary": []}
+    return {**results, "status": "failed", "error": error, "finished": iso_now()}
+
+
+def write_snapshot(results: dict, run_dir: str | os.PathLike) -> None:
+    """What has finished so far, for the launcher to keep if the job fails later."""
+    path = Path(run_dir) / SNAPSHOT_NAME
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(results))
+    os.replace(temporary, path)
+
+
+def read_snapshot(run_dir: str | os.PathLike) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / SNAPSHOT_NAME).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def replica_summary(vectors: list[torch.Tensor]) -> dict:
+    """Whether every trainer holds the same parameters (flattened), and how far apart they are."""
+    reference = vectors[0]
+    return {
+        "identical": all(torch.equal(v, reference) for v in vectors),
+        "param_norm": reference.double().norm().item(),
+        "max_abs_diff": max((v - reference).abs().max().item() for v in vectors),
+    }
+
+
+class RunRecord:
+    """Everything a run's results file says, kept as the master's rounds arrive.
+
+    The master calls ``add_round`` after each timed round (with what every trainer's
+    ``run_round`` and every server's ``take_metrics`` returned), ``add_floors`` after it with
+    ``--limits``, and sets ``buckets`` and ``replicas`` once they are known; ``results`` builds
+    the results object at any point, ``rows`` the printed tables."""
+
+    def __init__(self, config: RunConfig, topology: Topology, model: Entry, data: Entry, argv: list[str],
+                 environment: dict, recovered: list[dict] | None = None) -> None:
+        self.config, self.topology = config, topology
+        self.model, self.data = model, data
+        self.argv = argv
+        self.environment = environment
+        self.recovered = recovered or []  # earlier attempts torchrun restarted the job after
+        self.started = iso_now()
+        self.trainer_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self.server_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self.trainer_bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # sent, received
+        self.server_bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # received, sent
+        self.iterations = self.processed = self.rounds_done = 0
+        self.timed_s = 0.0
+        self.losses: list[float] = []  # mean training loss of each timed round
+        self.grad_errors: list[float] = []
+        self.verified_iterations = 0
+        self.memory: dict[str, dict[int, dict]] = {"trainer": {}, "server": {}}
+        self.buckets: list[dict] | None = None  # DDP's buckets as it built them, from trainer 0
+        self.replicas: dict | None = None
+        self.floor_layout: dict[int, int] | None = None  # --limits: bucket index -> bytes every floor moves
+        self.floor_samples: dict[str, list[float]] = defaultdict(list)
+        self.memcpy: dict | None = None  # --limits: the memory-copy floor, measured once the rounds are over
+
+    # -- what the master hands in ------------------------------------------------------------
+    def add_round(self, elapsed_s: float, rounds: list[dict], served: list[dict]) -> float:
+        """One timed round: ``rounds`` in trainer order, ``served`` in server order. Returns the
+        round's mean training loss."""
+        topo = self.topology
+        self.rounds_done += 1
+        self.timed_s += elapsed_s
+        self.iterations += rounds[0]["iterations"]
+        self.verified_iterations += rounds[0]["verified_iterations"]
+        for info, result in zip(topo.trainers, rounds):
+            for metric, values in result["samples"].items():
+                self.trainer_samples[info.rank][metric].extend(values)
+            self.trainer_bytes[info.rank][0] += result["bytes_sent"]
+            self.trainer_bytes[info.rank][1] += result["bytes_recv"]
+            self.processed += result["samples_processed"]
+            self.grad_errors.extend(result["grad_errors"])
+            self.memory["trainer"][info.rank] = result["memory"]
+        for info, result in zip(topo.servers, served):
+            for metric, values in result["samples"].items():
+                self.server_samples[info.rank][metric].extend(values)
+            self.server_bytes[info.rank][0] += result["bytes"]["recv"]
+            self.server_bytes[info.rank][1] += result["bytes"]["sent"]
+            self.memory["server"][info.rank] = result["memory"]
+        loss = mean_loss(rounds)
+        self.losses.append(loss)
+        return loss
+
+    def add_floors(self, floors: list[dict[str, list[float]]]) -> None:
+        """``--limits``: every trainer's floor samples (ms) of one round, by floor."""
+        for samples in floors:
+            for kind, values in samples.items():
+                self.floor_samples[kind].extend(values)
+
+    # -- what it gives ---------------------------------------------------------------------------
+    def rows(self, split_ranks: bool = False) -> list[SummaryRow]:
+        """Timing rows (ms), then per-iteration bytes rows (B) for the printed tables."""
+        rows = summary_rows("trainer", self.trainer_samples, TRAINER_METRICS, split_ranks=split_ranks)
+        rows += summary_rows("trainer", self.trainer_samples, BYTE_METRICS, unit="B", split_ranks=split_ranks)
+        return rows + summary_rows("server", self.server_samples, SERVER_METRICS, split_ranks=split_ranks)
+
+    def results(self, status: str, error: str | None = None) -> dict:
+        """The ``ps_bench.result/1`` object of the run so far."""
+        cfg, topo = self.config, self.topology
+        floors = self.limits()
+        return {
+            "schema": SCHEMA,
+            "status": status,
+            **({"error": error} if error is not None else {}),
+            "started": self.started,
+            "finished": iso_now(),
+            "argv": self.argv,
+            "config": {**cfg.to_dict(), "model_config": self.model.to_dict(), "data_config": self.data.to_dict(),
+                       "model_size": {**self.model.size, "ddp_buckets": self.buckets}},
+            "env": self.environment,
+            "restarts": len(self.recovered),
+            "recovered": self.recovered,
+            "rounds_completed": self.rounds_done,
+            "summary": [r.to_dict() for r in self.rows() if r.unit == "ms"],
+            "throughput": {
+                "samples_per_s": self.processed / self.timed_s if self.timed_s else 0.0,
+                "iterations": self.iterations,
+                "timed_s": self.timed_s,
+            },
+            "bytes": {
+                "trainer_sent_per_iter": self.per_iteration(self.trainer_bytes, 0, topo.num_trainers),
+                "trainer_recv_per_iter": self.per_iteration(self.trainer_bytes, 1, topo.num_trainers),
+                "server_recv_per_iter": self.per_iteration(self.server_bytes, 0, topo.num_servers),
+                "server_sent_per_iter": self.per_iteration(self.server_bytes, 1, topo.num_servers),
+            },
+            "replicas": self.replicas,
+            "loss": {"first": self.losses[0], "last": self.losses[-1]} if self.losses else None,
+            **({"verify": self.verify_summary()} if cfg.verify else {}),
+            "memory": {
+                "trainer": combine_peaks(list(self.memory["trainer"].values())),
+                "server": combine_peaks(list(self.memory["server"].values())) if topo.num_servers else None,
+                "master": peak_memory(),
+            },
+            **({"limits": floors, "efficiency": self.efficiency(floors)} if floors else {}),
+            "samples": [
+                {"role": info.role, "rank": info.rank, "name": info.name, "metrics": dict(samples.get(info.rank, {}))}
+                for info, samples in [(i, self.trainer_samples) for i in topo.trainers]
+                + [(i, self.server_samples) for i in topo.servers]
+            ],
+        }
+
+    def per_iteration(self, counts: dict[int, list[int]], column: int, processes: int) -> float:
+        """Bytes per iteration, mean per process of the role."""
+        if not processes or not self.iterations:
+            return 0.0
+        return sum(c[column] for c in counts.values()) / processes / self.iterations
+
+    def verify_summary(self) -> dict:
+        errors = sorted(self.grad_errors)
+        return {
+            "grad_rel_error_p50": float(np.percentile(errors, 50)) if errors else None,
+            "grad_rel_error_max": errors[-1] if errors else None,
+            "iterations": self.verified_iterations,
+            "buckets_checked": len(errors),
+        }
+
+    def limits(self) -> dict | None:
+        """The floors' statistics over every round's samples, pooled over trainers, and memcpy;
+        None until the memcpy floor is in (``--limits``, once the rounds are over)."""
+        samples = self.floor_samples
+        if self.floor_layout is None or self.memcpy is None:
+            return None
+        per_iteration = sum(self.floor_layout.values())
+        return {
+            "bytes_per_iter": per_iteration,
+            "buckets": len(self.floor_layout),
+            "rpc": limits.floor_summary(samples["rpc_ms"], per_iteration) if samples["rpc_ms"] else None,
+            "collective": {**limits.floor_summary(samples["collective_ms"], per_iteration,
+                                                  world=self.topology.num_trainers),
+                           "backend": self.config.backend},
+            "memcpy": self.memcpy,
+            "compute": {"count": len(samples["compute_ms"]), "p50_ms": float(np.median(samples["compute_ms"]))},
+        }
+
+    def efficiency(self, floors: dict) -> dict | None:
+        """The strategy's floor p50 over its trainer ``comm`` p50 (None for strategies that move nothing)."""
+        kind = HOOKS.record(self.config.hook).floor
+        floor = floors.get(kind) if kind else None
+        p50 = {r.metric: r.p50 for r in self.rows() if r.role == "trainer" and r.unit == "ms"}
+        if floor is None or "comm" not in p50:
+            return None
+        exposed_ms = max(0.0, p50["batch"] - floors["compute"]["p50_ms"])
+        return {"floor": kind, "floor_ms": floor["p50_ms"], "cost": "trainer comm p50", "cost_ms": p50["comm"],
+                "value": limits.efficiency(floor["p50_ms"], p50["comm"]),
+                "exposed_ms": exposed_ms, "exposed_value": limits.efficiency(floor["p50_ms"], exposed_ms)}
+
+
+def mean_loss(rounds: list[dict]) -> float:
+    """The mean over trainers of each trainer's mean loss over the round."""
+    return sum(sum(r["losses"]) / len(r["losses"]) for r in rounds) / len(rounds)

@@ -1,0 +1,92 @@
+"""Model and data entries: one entry of an upstream-format configuration file
+(``{"Id": {"model_class" | "data_class": ..., "configurations": {...}}}``) or of the zoo,
+found, checked and sized before any process starts."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ps_bench.config import ConfigError, read_json, resolve_path
+from ps_bench.registry import Registry
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of an upstream-format data or model configuration file, or of the zoo."""
+
+    id: str
+    class_name: str
+    kwargs: dict[str, Any]
+    source: str  # the file it came from, or ZOO
+    size: dict[str, int] | None = None  # models: parameters and gradient bytes (see model_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "class": self.class_name, "configurations": self.kwargs, "source": self.source}
+
+
+ZOO = "the model zoo"
+DEFAULT_DATA = "DummyDataSmall"
+
+
+def load_entry(path: str, entry_id: str, class_key: str, registry: Registry, option_name: str,
+               zoo: dict[str, dict]) -> Entry:
+    """Finds ``entry_id`` in the file ``{"Id": {"<class_key>": ..., "configurations": {...}}}``,
+    else among the zoo's entries of the same format, and checks its keys."""
+    file_option = f"--{option_name}-config-path"
+    table = read_json(resolve_path(path), f"{file_option}")
+    if not isinstance(table, dict):
+        raise ConfigError(f"{file_option} {path!r} must hold a JSON object of entries")
+    if entry_id in table:
+        entry, source = table[entry_id], str(path)
+    elif entry_id in zoo:
+        entry, source = zoo[entry_id], ZOO
+    else:
+        close = difflib.get_close_matches(entry_id, [*table, *zoo], n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"--{option_name} {entry_id!r} is not in {path} or {ZOO}; {hint}entries: "
+                          f"{', '.join(sorted(table))}; zoo: {', '.join(zoo)}")
+    if not isinstance(entry, dict) or class_key not in entry:
+        raise ConfigError(f"{source}: entry {entry_id!r} needs a {class_key!r} key")
+    kwargs = entry.get("configurations", {})
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"{source}: entry {entry_id!r}: 'configurations' must be an object")
+    try:
+        factory = registry.get(entry[class_key])
+    except KeyError as error:
+        raise ConfigError(f"{source}: entry {entry_id!r}: {error}") from None
+    accepted = [name for name in inspect.signature(factory).parameters if name != "self"]
+    for key in kwargs:
+        if key not in accepted:
+            raise ConfigError(f"{source}: entry {entry_id!r}: unknown configuration {key!r}; valid: {', '.join(accepted)}")
+    return Entry(entry_id, registry.canonical(entry[class_key]), dict(kwargs), source)
+
+
+def construct(entry: Entry, registry: Registry) -> Any:
+    """Builds an entry's model (on the meta device: no weights are allocated) or data
+    description, so that any error in its configuration is one line naming the entry."""
+    try:
+        with torch.device("meta"):
+            return registry.get(entry.class_name)(**entry.kwargs)
+    except Exception as error:  # noqa: BLE001 - a constructor may raise anything on bad sizes
+        text = str(error).strip()
+        reason = text.splitlines()[0] if text else type(error).__name__
+        raise ConfigError(f"{entry.source}: entry {entry.id!r}: {reason}") from None
+
+
+def model_size(network: Any) -> dict[str, int]:
+    """Parameters (shared ones once) and the bytes of their gradients: dense, and sparse
+    (embeddings with sparse gradients, counted at their dense size; what they really send
+    depends on the rows a batch touches)."""
+    sparse = {id(module.weight) for module in network.modules() if getattr(module, "sparse", False)}
+    parameters = list(network.parameters())
+    nbytes = {id(p): p.numel() * p.element_size() for p in parameters}
+    return {
+        "parameters": sum(p.numel() for p in parameters),
+        "dense_gradient_bytes": sum(n for key, n in nbytes.items() if key not in sparse),
+        "sparse_gradient_bytes": sum(n for key, n in nbytes.items() if key in sparse),
+    }

@@ -1,0 +1,153 @@
+"""What every command line of ps_bench shares: the parser that reports bad input in one line
+with exit status 2, the exit statuses, and the run's own options (one flag per ``RunConfig``
+field, which subcommands that start runs parse after their ``--``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from typing import Any, NoReturn
+
+from ps_bench.config import OPTIONS, RUN, STRATEGY, TOPOLOGY, ConfigError, field_type
+from ps_bench.models import MODEL_PRESETS, TEST_SIZED
+from ps_bench.servers import SERVERS
+from ps_bench.trainers.hooks import HOOKS
+from ps_bench.trainers.trainer import TRAINERS
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
+# Options that name a registered piece: their --help lists the registry's entries.
+REGISTRIES = {"hook": HOOKS, "server": SERVERS, "trainer": TRAINERS}
+# Upstream launcher flags with nothing left to choose: each takes exactly the values upstream had
+# (None: any value), so upstream's command lines run unchanged and a value it never had is refused.
+UPSTREAM_FIXED = {
+    "filestore": None,
+    "create_criterion": ("cel",),
+    "create_ddp_model": ("basic_ddp_model",),
+    "create_optimizer": ("sgd_optimizer",),
+    "preprocess_data": ("preprocess_dummy_data",),
+    "iteration_step": ("basic_iteration_step",),
+    "hook_state": ("BasicHookState",),
+}
+# Upstream launcher flags that named JSON files ps_bench does not read: refused with what to do instead.
+UPSTREAM_REFUSED = {
+    "trainer_config_path": "ps_bench has no trainer configuration file: choose the trainer with --trainer and set "
+                           "its options (--batch-size, --lr, --epochs, --hook) on the command line or in a --config run file",
+    "server_config_path": "ps_bench has no server configuration file: choose the server with --server and the layout "
+                          "with --nserver, --ncudaserver and --mapping, on the command line or in a --config run file",
+}
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.exit(EXIT_USAGE)
+
+
+def usage_error(error: ConfigError, debug: bool) -> int:
+    """Bad input: one line on stderr (the traceback too with --debug), and the usage exit status."""
+    if debug:
+        traceback.print_exc()
+    sys.stderr.write(f"ps_bench: error: {error}\n")
+    return EXIT_USAGE
+
+
+def typed(kind: type, flag: str):
+    """An argparse ``type`` whose error names the type expected and the text given."""
+
+    def convert(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def flags(name: str) -> list[str]:
+    """Every spelling of an option: dashes and underscores, and its aliases."""
+    out = []
+    for spelling in (name, *OPTIONS[name].metadata["aliases"]):
+        for variant in (spelling.replace("_", "-"), spelling):
+            if f"--{variant}" not in out:
+                out.append(f"--{variant}")
+    return out
+
+
+class KeyValue(argparse.Action):
+    """Collects ``KEY=VALUE`` pairs into a dict; VALUE is parsed as JSON when it can be."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        key, sep, text = value.partition("=")
+        if not sep or not key:
+            parser.error(f"argument {option_string}: expected KEY=VALUE, got {value!r}")
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError:
+            parsed = text
+        options = dict(getattr(namespace, self.dest, None) or {})
+        options[key] = parsed
+        setattr(namespace, self.dest, options)
+
+
+class Refused(argparse.Action):
+    def __call__(self, parser, namespace, value, option_string=None):
+        parser.error(f"{option_string}: {UPSTREAM_REFUSED[self.dest.removeprefix('refused_')]}")
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``RunConfig`` field, grouped as the field says; given options only (argparse
+    sets no defaults, so a --config file fills the rest)."""
+    parser.add_argument("--config", "--config-file", metavar="FILE",
+                        help="run options as a JSON object whose keys are these option names")
+    groups = {name: parser.add_argument_group(name) for name in (TOPOLOGY, STRATEGY, RUN)}
+    for name, field in OPTIONS.items():
+        meta, default, kind = field.metadata, field.default, field_type(name)
+        group = groups[meta["group"]]
+        help_text = meta["help"] if default is None or kind is bool else f"{meta['help']} (default: {default})"
+        if name in REGISTRIES:
+            help_text += "; " + REGISTRIES[name].describe()
+        if name == "model":
+            help_text += (f"; zoo: {', '.join(m for m in MODEL_PRESETS if m not in TEST_SIZED)}, and their "
+                          f"test-sized {', '.join(TEST_SIZED)}")
+        if kind is dict:  # hook_options: --hook-option KEY=VALUE, repeated
+            group.add_argument("--hook-option", "--hook_option", dest=name, action=KeyValue, metavar="KEY=VALUE",
+                               help="an option of the hook (repeat for more); VALUE is JSON (4, true, 0.5) "
+                                    "or text; in a JSON run file: \"hook_options\": {...}")
+        elif kind is bool:
+            group.add_argument(*flags(name), dest=name, action="store_true", help=help_text)
+        else:
+            metavar = None if meta["choices"] else meta["metavar"] or {int: "N", float: "X"}.get(kind, "NAME")
+            group.add_argument(*flags(name), dest=name, type=typed(kind, name), choices=meta["choices"] or None,
+                               metavar=metavar, help=help_text)
+    compat = parser.add_argument_group(
+        "upstream launcher flags", "accepted so upstream's experiment command lines run unchanged; ps_bench has one "
+        "way to do each, so they choose nothing (the rendezvous uses a TCP store, not --filestore)")
+    for name, allowed in UPSTREAM_FIXED.items():
+        spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])
+        compat.add_argument(*spellings, dest=f"ignored_{name}", choices=allowed,
+                            metavar="PATH" if allowed is None else allowed[0],
+                            help="ignored" if allowed is None else "upstream's only value; anything else is refused")
+    for name in UPSTREAM_REFUSED:
+        spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])
+        compat.add_argument(*spellings, dest=f"refused_{name}", action=Refused, metavar="PATH",
+                            help="refused, with what to use instead")
+
+
+def parse_run_options(argv: list[str],
+                      parser: argparse.ArgumentParser | None = None) -> tuple[dict[str, Any], str | None]:
+    """The run options given in ``argv`` (a bad flag exits 2 with one line), and --config."""
+    if parser is None:
+        parser = Parser(prog="bench.py", argument_default=argparse.SUPPRESS)
+        add_run_options(parser)
+    args = vars(parser.parse_args(argv))
+    config_path = args.pop("config", None)
+    return {k: v for k, v in args.items() if not k.startswith(("ignored_", "refused_"))}, config_path

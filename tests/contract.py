@@ -1,0 +1,48 @@
+"""The results-file contract (``ps_bench.result/1``) other tools rely on, checked alike on files
+that real runs wrote and on what ``RunRecord`` builds from made-up rounds."""
+
+from __future__ import annotations
+
+import json
+
+SCHEMA = "ps_bench.result/1"
+TOP_LEVEL = {"schema", "status", "started", "finished", "argv", "config", "env", "summary", "throughput", "bytes",
+             "replicas", "samples", "restarts", "recovered", "rounds_completed", "loss", "memory"}
+FAILED_MINIMUM = {"schema", "status", "error", "started", "finished", "argv", "config", "env", "rounds_completed",
+                  "summary"}
+ENV = {"torch", "python", "hostname", "cuda_devices", "backend"}
+STATS = {"role", "metric", "unit", "count", "mean", "std", "min", "p50", "p90", "p99", "max"}
+BYTES = {"trainer_sent_per_iter", "trainer_recv_per_iter", "server_recv_per_iter", "server_sent_per_iter"}
+TRAINER_METRICS = {"batch", "forward", "backward", "optimizer", "comm"}
+SERVER_METRICS = {"straggler", "aggregate", "round"}
+
+
+def check_contract(results: dict, status: str = "ok") -> None:
+    """A finished run's results object (``status`` ok, or failed after some rounds)."""
+    assert results["schema"] == SCHEMA
+    assert results["status"] == status
+    assert ("error" in results) == (status == "failed")
+    missing = TOP_LEVEL - set(results)
+    assert not missing, f"missing keys: {sorted(missing)}"
+    assert set(results["env"]) >= ENV
+    for row in results["summary"]:
+        assert set(row) == STATS and row["unit"] == "ms" and row["count"] > 0
+        assert row["min"] <= row["p50"] <= row["p90"] <= row["p99"] <= row["max"]
+    assert set(results["bytes"]) == BYTES
+    if status == "ok":
+        assert set(results["replicas"]) == {"identical", "param_norm", "max_abs_diff"}
+        assert results["throughput"]["samples_per_s"] > 0
+    json.dumps(results)  # plain JSON all the way down
+
+
+def check_failed_minimum(results: dict) -> None:
+    """A failed run with nothing of its own to report still says what was asked and why it failed."""
+    assert results["schema"] == SCHEMA and results["status"] == "failed" and results["error"]
+    missing = FAILED_MINIMUM - set(results)
+    assert not missing, f"missing keys: {sorted(missing)}"
+    assert results["rounds_completed"] == 0 and results["summary"] == []
+    json.dumps(results)
+
+
+def metrics_of(results: dict, role: str) -> set[str]:
+    return {row["metric"] for row in results["summary"] if row["role"] == role}

@@ -1,0 +1,92 @@
+"""The package's imports form no circle: read from the source, and checked by importing every
+module with no other module of ps_bench loaded."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "ps_bench"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported_modules(node: ast.AST, importer: str) -> set[str]:
+    """The ps_bench modules an import statement loads (``from pkg import sub`` loads ``pkg.sub``)."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in MODULES}
+    if not isinstance(node, ast.ImportFrom) or node.level or not (node.module or "").startswith("ps_bench"):
+        return set()
+    found = {node.module} if node.module in MODULES else set()
+    found |= {f"{node.module}.{alias.name}" for alias in node.names if f"{node.module}.{alias.name}" in MODULES}
+    return found - {importer}
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {name: set().union(*(imported_modules(node, name) for node in ast.walk(ast.parse(path.read_text()))))
+            for name, path in MODULES.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        state[name] = 1
+        path.append(name)
+        for target in sorted(graph[name]):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        state[name] = 2
+        path.pop()
+        return None
+
+    for name in sorted(graph):
+        if name not in state and (cycle := visit(name)):
+            return cycle
+    return None
+
+
+def test_no_import_circle_in_the_package():
+    assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()))
+
+
+def test_no_module_of_ours_is_imported_inside_a_function():
+    """Imports of ps_bench modules stand at the top of each module, where the graph above sees them."""
+    late = []
+    for name, path in MODULES.items():
+        for function in ast.walk(ast.parse(path.read_text())):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                late += [f"{name}.{function.name}: {sorted(found)}" for node in ast.walk(function)
+                         if (found := imported_modules(node, name))]
+    assert late == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_every_module_imports_alone():
+    """Each module imported first, in one interpreter, with every module of ps_bench unloaded
+    before the next: a circle that only shows with another import order fails here."""
+    probe = (
+        "import importlib, sys, torch\n"
+        f"for name in {sorted(MODULES)!r}:\n"
+        "    for loaded in [m for m in sys.modules if m == 'ps_bench' or m.startswith('ps_bench.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    importlib.import_module(name)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=PACKAGE.parent, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr

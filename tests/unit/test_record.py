@@ -1,0 +1,143 @@
+"""The results object built from made-up rounds: no processes, every number derivable by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ps_bench.config import RunConfig
+from ps_bench.job import validate
+from ps_bench.metrics.record import RunRecord, failed_results, read_snapshot, replica_summary, write_snapshot
+from ps_bench.metrics.results import print_report, write_results
+from ps_bench.topology import Topology
+from tests.contract import TRAINER_METRICS, check_contract, check_failed_minimum, metrics_of
+
+ITERATIONS = 4
+BATCH = 16
+
+
+def trainer_round(offset: float, sent: int, losses: list[float], errors: tuple[float, ...] = ()) -> dict:
+    """What ``DdpTrainer.run_round`` returns, made up: ``ITERATIONS`` iterations, ``sent`` bytes
+    each way per iteration."""
+    phases = {"forward": 1.0, "backward": 2.0, "optimizer": 0.5}
+    samples = {metric: [value + offset] * ITERATIONS for metric, value in phases.items()}
+    samples["batch"] = [sum(phases.values()) + 3 * offset] * ITERATIONS
+    samples["comm"] = [1.5 + offset] * ITERATIONS
+    samples["bytes_sent"] = samples["bytes_recv"] = [sent] * ITERATIONS
+    return {"samples": samples, "iterations": ITERATIONS, "samples_processed": ITERATIONS * BATCH,
+            "bytes_sent": sent * ITERATIONS, "bytes_recv": sent * ITERATIONS, "losses": losses,
+            "verified_iterations": 1 if errors else 0, "grad_errors": list(errors),
+            "memory": {"peak_rss_bytes": 100 + int(offset), "peak_cuda_bytes": None}}
+
+
+def server_round(recv: int) -> dict:
+    return {"samples": {"straggler": [0.1] * ITERATIONS, "aggregate": [0.01] * ITERATIONS,
+                        "round": [0.2] * ITERATIONS},
+            "bytes": {"recv": recv, "sent": recv}, "memory": {"peak_rss_bytes": 50, "peak_cuda_bytes": None}}
+
+
+def make_record(**options) -> RunRecord:
+    cfg = RunConfig(**options)
+    model, data = validate(cfg, gpus=0)
+    topology = Topology(cfg.ntrainer, cfg.ncudatrainer, cfg.nserver, cfg.ncudaserver, cfg.mapping)
+    return RunRecord(cfg, topology, model, data, ["bench.py"], {"torch": torch.__version__, "python": "3",
+                                                                "hostname": "h", "cuda_devices": [],
+                                                                "backend": cfg.backend})
+
+
+def two_rounds(record: RunRecord) -> None:
+    for elapsed, losses in ((0.5, [2.0, 1.0]), (0.25, [1.0, 0.5])):
+        record.add_round(elapsed, [trainer_round(0.0, 3200, losses, errors=(1e-7,)),
+                                   trainer_round(1.0, 3200, losses, errors=(3e-7,))], [server_round(2 * 3200 * 4)])
+
+
+def test_an_ok_run_meets_the_contract_with_numbers_derived_from_the_rounds():
+    record = make_record(verify=True)
+    two_rounds(record)
+    record.buckets = [{"index": 0, "bytes": 3200, "sparse": False}]
+    record.replicas = replica_summary([torch.ones(3), torch.ones(3)])
+    results = record.results("ok")
+    check_contract(results)
+    assert results["rounds_completed"] == 2
+    assert metrics_of(results, "trainer") == TRAINER_METRICS and metrics_of(results, "server") == {
+        "straggler", "aggregate", "round"}
+    batch = next(r for r in results["summary"] if r["role"] == "trainer" and r["metric"] == "batch")
+    assert batch["count"] == 2 * 2 * ITERATIONS and batch["min"] == 3.5 and batch["max"] == 6.5
+    assert results["throughput"] == {"samples_per_s": 2 * 2 * ITERATIONS * BATCH / 0.75,
+                                     "iterations": 2 * ITERATIONS, "timed_s": 0.75}
+    assert results["bytes"] == {"trainer_sent_per_iter": 3200, "trainer_recv_per_iter": 3200,
+                                "server_recv_per_iter": 6400, "server_sent_per_iter": 6400}
+    assert results["loss"] == {"first": 1.5, "last": 0.75}
+    assert results["verify"] == {"grad_rel_error_p50": 2e-7, "grad_rel_error_max": 3e-7, "iterations": 2,
+                                 "buckets_checked": 4}
+    assert results["memory"]["trainer"] == {"peak_rss_bytes": 101, "peak_cuda_bytes": None}
+    assert results["replicas"] == {"identical": True, "param_norm": 3 ** 0.5, "max_abs_diff": 0.0}
+    assert results["config"]["model_size"]["ddp_buckets"] == record.buckets
+    assert [entry["name"] for entry in results["samples"]] == ["trainer0", "trainer1", "server2"]
+    assert results["samples"][1]["metrics"]["comm"] == [2.5] * 2 * ITERATIONS
+    assert "limits" not in results  # no --limits
+
+
+def test_units_live_in_the_rows():
+    record = make_record()
+    two_rounds(record)
+    units = {(row.metric, row.unit) for row in record.rows()}
+    assert ("bytes_sent", "B") in units and ("batch", "ms") in units and ("round", "ms") in units
+    assert all(row["unit"] == "ms" for row in record.results("ok")["summary"])  # bytes are not in the summary
+    assert {row.rank for row in record.rows(split_ranks=True)} == {None, 0, 1, 2}
+
+
+def test_a_run_that_failed_after_a_round_keeps_it():
+    record = make_record()
+    two_rounds(record)
+    results = record.results("failed", error="trainer 1 (rank 1, trainer1) was killed by SIGKILL")
+    check_contract(results, status="failed")
+    assert results["replicas"] is None and results["rounds_completed"] == 2
+
+
+def test_a_run_that_finished_nothing_still_says_what_was_asked(tmp_path):
+    config = RunConfig().to_dict()
+    results = failed_results(None, "interrupted by SIGINT", config=config, argv=["bench.py"], env={"torch": "x"})
+    check_failed_minimum(results)
+    assert results["config"] == config and results["error"] == "interrupted by SIGINT"
+    assert read_snapshot(tmp_path) is None
+    record = make_record()
+    two_rounds(record)
+    write_snapshot(record.results("failed", error="the job ended before it finished"), tmp_path)
+    kept = failed_results(read_snapshot(tmp_path), "interrupted by SIGTERM", config=config)
+    check_contract(kept, status="failed")
+    assert kept["error"] == "interrupted by SIGTERM" and kept["rounds_completed"] == 2
+
+
+def test_floors_and_efficiency_follow_the_strategys_record():
+    record = make_record(limits=True)
+    two_rounds(record)
+    record.floor_layout = {0: 3200}
+    record.add_floors([{"rpc_ms": [1.0, 3.0], "collective_ms": [0.5], "compute_ms": [2.0]},
+                       {"rpc_ms": [2.0], "collective_ms": [1.5], "compute_ms": [4.0]}])
+    assert record.limits() is None  # not before the memcpy floor is in, once the rounds are over
+    record.memcpy = {"bytes": 3200, "count": 1, "p50_ms": 0.01, "gbps": 0.32}
+    results = record.results("ok")
+    assert results["limits"]["rpc"]["p50_ms"] == 2.0 and results["limits"]["rpc"]["count"] == 3
+    assert results["limits"]["collective"]["busbw_gbps"] == results["limits"]["collective"]["algbw_gbps"]
+    assert results["limits"]["compute"] == {"count": 2, "p50_ms": 3.0}
+    efficiency = results["efficiency"]
+    assert efficiency["floor"] == "rpc" and efficiency["floor_ms"] == 2.0  # ps is held against the RPC floor
+    assert efficiency["cost_ms"] == 2.0 and efficiency["value"] == 1.0  # comm p50 over both trainers
+    assert efficiency["exposed_ms"] == pytest.approx(5.0 - 3.0)
+    json.dumps(results)
+
+
+def test_the_printed_report_and_the_file_come_from_the_same_record(tmp_path, capsys):
+    record = make_record()
+    two_rounds(record)
+    record.replicas = replica_summary([torch.ones(2), torch.tensor([1.0, 1.5])])
+    results = record.results("ok")
+    print_report(results, record.rows())
+    printed = capsys.readouterr().out
+    assert "Trainers (timed rounds)" in printed and "Parameter servers (timed rounds)" in printed
+    assert "replicas: identical=false" in printed and "max_abs_diff=0.5" in printed
+    assert "bytes per iteration: trainer sent 3200, recv 3200; server recv 6400, sent 6400" in printed
+    assert json.loads(write_results(results, tmp_path / "r.json").read_text()) == results
