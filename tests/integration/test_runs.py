@@ -176,3 +176,11 @@ def test_limits_memory_profile_and_per_rank_tables_in_one_run(tmp_path):
     assert "autograd::engine::evaluate_function: AddmmBackward0" in names or any("Backward" in str(n) for n in names)
     # the traced iterations are left out of the samples
     assert batch["count"] == 2 * (2 * 32 - 3)
+
+
+def test_the_gpu_check_without_a_gpu_is_one_line_exit_2(tmp_path):
+    check = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "report")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 2 and check.stdout == ""
+    assert check.stderr.count("\n") == 1 and "no GPU here" in check.stderr
+    assert not (tmp_path / "report").exists()  # nothing was made

@@ -1,0 +1,145 @@
+"""Every CUDA path as a real job on this machine's GPU(s): NCCL, ``multi``, CUDA tensors over
+TensorPipe device maps, compression on the GPU, floors, peak CUDA memory and CUDA-event timing.
+
+Each job runs with ``--verify`` where it checks a strategy, and its results file is held to what
+can be derived without running it: identical replicas where the strategy is lossless, and the
+bytes each trainer and server moves from the model's DDP buckets. With one GPU, NCCL takes one
+trainer; two-trainer strategies run with CUDA tensors over gloo (``--ncudatrainer 2``), the
+trainers sharing the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ps_bench.metrics.wire import allreduce_bytes
+from tests.benchrun import run_bench
+from tests.contract import check_contract
+from tests.gpu import GPUS
+
+QUICK = ("--warmup-rounds", "1", "--rounds", "2")
+# Two trainers that all-reduce on the GPU: NCCL where there are two GPUs, else gloo on CUDA tensors.
+TWO_CUDA_TRAINERS = (("--backend", "nccl", "--ntrainer", "2") if GPUS >= 2 else
+                     ("--backend", "gloo", "--ntrainer", "0", "--ncudatrainer", "2"))
+CUDA_RPC = ("--backend", "gloo", "--ntrainer", "0", "--ncudatrainer", "2", "--nserver", "0", "--ncudaserver", "1")
+
+
+def buckets(results: dict) -> list[int]:
+    """The dense bucket sizes (B) DDP built."""
+    return [b["bytes"] for b in results["config"]["model_size"]["ddp_buckets"] if not b["sparse"]]
+
+
+def allreduced(results: dict, trainers: int, halve: bool = False) -> int:
+    """What a ring all-reduce of the run's buckets moves per trainer (each way)."""
+    return sum(allreduce_bytes(size // 2 if halve else size, trainers) for size in buckets(results))
+
+
+def job(bench_runs, *args: str) -> dict:
+    results = bench_runs.ok(*args, timeout_s=300)
+    check_contract(results)
+    assert results["env"]["cuda_devices"], "the run did not see the GPU"
+    return results
+
+
+def lossless(results: dict) -> None:
+    assert results["replicas"]["identical"] is True, results["replicas"]
+    assert results["verify"]["buckets_checked"] > 0 and results["verify"]["grad_rel_error_max"] <= 1e-6
+
+
+def test_nccl_all_reduce_with_one_trainer(bench_runs):
+    results = job(bench_runs, "--backend", "nccl", "--ntrainer", "1", "--nserver", "0", "--hook", "allreduce",
+                  "--verify", *QUICK)
+    lossless(results)
+    assert results["bytes"]["trainer_sent_per_iter"] == 0  # alone: nothing crosses a wire
+    assert results["memory"]["trainer"]["peak_cuda_bytes"] > 0
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs two GPUs or more: NCCL takes one GPU per trainer")
+def test_nccl_all_reduce_with_a_trainer_on_every_gpu(bench_runs):
+    results = job(bench_runs, "--backend", "nccl", "--ntrainer", str(GPUS), "--nserver", "0", "--hook", "allreduce",
+                  "--verify", *QUICK)
+    lossless(results)
+    assert results["bytes"]["trainer_sent_per_iter"] == allreduced(results, GPUS)
+
+
+def test_more_nccl_trainers_than_gpus_is_refused_before_anything_starts():
+    run = run_bench("--backend", "nccl", "--ntrainer", str(GPUS + 1), "--nserver", "0", "--hook", "allreduce",
+                    timeout_s=120)
+    assert run.returncode == 2, run.output
+    assert run.stderr.count("\n") == 1 and run.stdout == ""
+    assert f"needs one GPU per trainer: {GPUS + 1} trainers on this node, {GPUS} GPUs" in run.stderr
+
+
+@pytest.mark.parametrize("server", ["average", "average_batch"])
+@pytest.mark.parametrize("mapping", ["shard", "group"])
+def test_cuda_tensors_cross_rpc_through_device_maps(mapping, server, bench_runs):
+    results = job(bench_runs, *CUDA_RPC, "--hook", "ps", "--mapping", mapping, "--server", server, "--verify",
+                  *QUICK)
+    lossless(results)
+    dense = results["config"]["model_size"]["dense_gradient_bytes"]
+    moved = results["bytes"]
+    assert moved["trainer_sent_per_iter"] == moved["trainer_recv_per_iter"] == dense
+    assert moved["server_recv_per_iter"] == moved["server_sent_per_iter"] == 2 * dense  # one server, two trainers
+    assert results["memory"]["server"]["peak_cuda_bytes"] > 0  # the server added on the GPU
+
+
+@pytest.mark.parametrize("hook, servers", [("hybrid", "0"), ("sparse_ps", "1")])
+def test_multi_backend_with_sparse_gradients(hook, servers, bench_runs):
+    trainers = str(min(GPUS, 2))
+    results = job(bench_runs, "--backend", "multi", "--ntrainer", trainers, "--nserver", servers, "--hook", hook,
+                  "--model", "DummyModelSparse", "--data", "DummyData", "--verify", *QUICK)
+    lossless(results)
+    assert results["config"]["model_size"]["sparse_gradient_bytes"] > 0
+    if hook == "sparse_ps":
+        assert results["bytes"]["server_recv_per_iter"] > 0  # the sparse buckets went to the server
+
+
+@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd", "batched_powersgd"])
+def test_compression_on_the_gpu(hook, bench_runs):
+    results = job(bench_runs, *TWO_CUDA_TRAINERS, "--nserver", "0", "--hook", hook, "--verify", *QUICK)
+    assert results["replicas"]["identical"] is True, results["replicas"]
+    assert results["verify"]["grad_rel_error_p50"] > 1e-6  # lossy, and measured as such
+    sent = results["bytes"]["trainer_sent_per_iter"]
+    if hook in ("fp16", "bf16"):
+        assert sent == allreduced(results, 2, halve=True)
+    else:
+        assert 0 < sent < allreduced(results, 2)
+
+
+def test_half_precision_to_a_cuda_server(bench_runs):
+    results = job(bench_runs, *CUDA_RPC, "--hook", "ps_fp16", "--verify", *QUICK)
+    assert results["replicas"]["identical"] is True
+    dense = results["config"]["model_size"]["dense_gradient_bytes"]
+    assert results["bytes"]["trainer_sent_per_iter"] * 2 == dense
+    assert results["bytes"]["server_recv_per_iter"] == dense  # two trainers' halves
+
+
+def test_floors_on_nccl_next_to_the_run(bench_runs):
+    trainers = str(min(GPUS, 2))
+    results = job(bench_runs, "--backend", "nccl", "--ntrainer", trainers, "--nserver", "0", "--hook", "allreduce",
+                  "--limits", *QUICK)
+    limits = results["limits"]
+    assert limits["collective"]["backend"] == "nccl" and limits["collective"]["p50_ms"] > 0
+    assert "busbw_gbps" in limits["collective"] and limits["compute"]["p50_ms"] > 0
+    assert results["efficiency"]["floor"] == "collective"
+    assert results["memory"]["trainer"]["peak_cuda_bytes"] > 0
+
+
+@pytest.mark.parametrize("args", [CUDA_RPC + ("--hook", "ps"),
+                                  ("--backend", "nccl", "--ntrainer", "1", "--nserver", "0", "--hook", "allreduce")],
+                         ids=["ps-cuda-rpc", "allreduce-nccl"])
+def test_a_zoo_model_on_the_gpu(args, bench_runs):
+    results = job(bench_runs, *args, "--model", "resnet18", "--batch-size", "16", "--verify", *QUICK)
+    lossless(results)
+    assert results["config"]["model_size"]["parameters"] > 11_000_000
+
+
+def test_gpu_batch_times_are_wall_clock_times(bench_runs):
+    """CUDA events, synchronised before the clock is read: an iteration's batch time is the time it
+    really took, so the p50 matches the round's wall-clock time per iteration (an unsynchronised
+    reading would see only the kernel launches)."""
+    results = job(bench_runs, "--backend", "nccl", "--ntrainer", "1", "--nserver", "0", "--hook", "allreduce",
+                  "--model", "resnet18", "--batch-size", "32", "--epochs", "8", *QUICK)
+    batch = next(r for r in results["summary"] if r["role"] == "trainer" and r["metric"] == "batch")
+    wall_ms = 1000 * results["throughput"]["timed_s"] / results["throughput"]["iterations"]
+    assert batch["p50"] == pytest.approx(wall_ms, rel=0.10), (batch, wall_ms)
