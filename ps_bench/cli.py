@@ -19,6 +19,7 @@ from typing import NoReturn
 
 from tabulate import tabulate
 
+from ps_bench import preload
 from ps_bench.config import ConfigError, RunConfig, build_config
 from ps_bench.failures import Terminated, raise_terminated
 from ps_bench.job import cuda_device_count, validate
@@ -116,7 +117,7 @@ def dry_run_table(cfg: RunConfig, topology: Topology, spec: LaunchSpec) -> str:
     return header + "\n" + tabulate(rows, headers=["rank", "role", "rpc name", "rpc tensors", "device", "mapping"])
 
 
-def launch_spec(cfg: RunConfig, argv: list[str], launched_at: float) -> LaunchSpec:
+def launch_spec(cfg: RunConfig, argv: list[str], launched_at: float, imported: float) -> LaunchSpec:
     """Validates ``cfg`` for the node this process runs on (all of the job, or torchrun's share)."""
     torchrun = under_torchrun()
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)) if torchrun else cfg.world_size
@@ -125,16 +126,26 @@ def launch_spec(cfg: RunConfig, argv: list[str], launched_at: float) -> LaunchSp
     model, data = validate(cfg, trainers_on_node=sum(r < cfg.num_trainers for r in node_ranks))
     results_path = cfg.out or str(default_results_path(cfg.hook, cfg.num_trainers, cfg.num_servers))
     return LaunchSpec(cfg, model, data, ["bench.py", *argv], "", results_path, local_world_size,
-                      cuda_device_count(), torchrun, launched_at)
+                      cuda_device_count(), torchrun, launched_at,
+                      milestones={"imported": imported, "validated": time.time()})
 
 
-def run(argv: list[str], launched_at: float) -> int:
+def run(argv: list[str], launched_at: float, imported: float) -> int:
+    """One run: validated, then started here (or this rank of it, under torchrun); the forkserver
+    bench.py may have started early is stopped however it ends."""
+    try:
+        return run_job(argv, launched_at, imported)
+    finally:
+        preload.stop()
+
+
+def run_job(argv: list[str], launched_at: float, imported: float) -> int:
     values, config_path = parse_run_options(argv, build_parser())
     debug = bool(values.get("debug"))
     try:
         cfg = build_config(values, config_path)
         debug = cfg.debug
-        spec = launch_spec(cfg, argv, launched_at)
+        spec = launch_spec(cfg, argv, launched_at, imported)
         if cfg.dry_run:
             print(dry_run_table(cfg, spec.topology(), spec))
             return EXIT_OK
@@ -165,15 +176,20 @@ def run(argv: list[str], launched_at: float) -> int:
         return EXIT_FAILED
 
 
-def main(argv: list[str] | None = None) -> int:
-    launched_at = time.time()
+def main(argv: list[str] | None = None, launched_at: float | None = None) -> int:
+    """``launched_at``: when the command started (``bench.py`` notes it before its imports)."""
+    imported = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
         argv = argv[1:]
     elif argv[:1] and argv[0] in SUBCOMMANDS:
         return run_subcommand(argv[0], argv[1:])
-    return run(argv, launched_at)
+    return run(argv, imported if launched_at is None else launched_at, imported)
 
 
 def entry_point() -> NoReturn:
-    sys.exit(main())
+    """The ``ps-bench`` command."""
+    launched_at = time.time()
+    if preload.starts_ranks(sys.argv[1:]):
+        preload.start(debug="--debug" in sys.argv)
+    sys.exit(main(launched_at=launched_at))

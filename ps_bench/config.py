@@ -105,6 +105,8 @@ class RunConfig:
     out: str | None = option(None, "results file (default: a new name under results/; never overwritten)",
                              metavar="PATH")
     per_rank: bool = option(False, "also print one table row per rank")
+    verbose: bool = option(False, "also print where the start-up time went, phase by phase (always in the results, "
+                                  "env.startup_s)")
     dry_run: bool = option(False, "print the rank/role/name/mapping table and exit")
     debug: bool = option(False, "show tracebacks for errors in the input")
 

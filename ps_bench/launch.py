@@ -1,11 +1,16 @@
 """Process start and supervision.
 
-Locally, ``spawn`` hosts the rendezvous store in the parent (bound before any child starts,
-so no other run can take its port), starts every rank with ``torch.multiprocessing`` and
-watches them: the first rank that fails ends the job, named by role and rank, no process is
-left running, and the results of the rounds that finished are kept. Under torchrun,
-``run_torchrun_rank`` runs the one rank torchrun started; torchrun's agent hosts the store
-and supervises.
+Locally, ``spawn`` hosts the rendezvous store in the parent (on a socket bound to
+``--master-addr``, loopback by default, before any child starts, so no other run can take its
+port), starts every rank from the preloaded forkserver (``ps_bench.preload``) and watches them:
+the first rank that fails ends the job, named by role and rank, no process is left running, and
+the results of the rounds that finished are kept. A local job's ranks bind RPC and gloo to the
+loopback interface. Under torchrun, ``run_torchrun_rank`` runs the one rank torchrun started;
+torchrun's agent hosts the store and supervises.
+
+A rank forked by the forkserver is the forkserver's child, not the launcher's: it dies with the
+forkserver (the kernel's parent-death signal) and with the launcher (a thread waits on the
+launcher's pidfd), so nothing outlives a launcher killed by SIGKILL.
 """
 
 from __future__ import annotations
@@ -13,14 +18,18 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import os
+import select
 import shutil
 import signal
+import socket
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import torch
@@ -28,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 
-from ps_bench import failures, rendezvous
+from ps_bench import failures, preload, rendezvous
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.master import Master
 from ps_bench.metrics.record import failed_results, read_snapshot
@@ -40,7 +49,7 @@ PG_BACKENDS = {"gloo": "gloo", "nccl": "nccl", "multi": "cpu:gloo,cuda:nccl"}
 GRACE_S = 2.0  # SIGTERM, then this long, then SIGKILL
 SETTLE_S = 0.3  # after a failure, how long the ranks it took down get to report theirs
 STACKS_WAIT_S = 5.0  # how long a rank asked for its stacks gets to write them
-PR_SET_PDEATHSIG = 1
+PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
 
 
 @dataclass
@@ -57,6 +66,10 @@ class LaunchSpec:
     gpus_per_node: int
     torchrun: bool = False
     launched_at: float = field(default_factory=time.time)  # when the command started: "ready after N s"
+    milestones: dict[str, float] = field(default_factory=dict)  # the launcher's start-up (time.time())
+    env: dict[str, str] = field(default_factory=dict)  # set by every local rank first: the store, the interface
+    log_path: str | None = None  # where local ranks write their output (a sweep point's log), else inherited
+    launcher_pid: int = field(default_factory=os.getpid)
 
     def topology(self) -> Topology:
         cfg = self.config
@@ -102,17 +115,37 @@ def rpc_options(spec: LaunchSpec, rank: int) -> rpc.TensorPipeRpcBackendOptions:
     return options
 
 
-def die_with_parent() -> None:
-    """Linux: the kernel kills this process if the launcher dies, even by SIGKILL."""
+def prctl(option: int, value: int | bytes) -> None:
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(option, value)
+    except (OSError, AttributeError):  # not Linux: the launcher's terminate() is what remains
         pass
 
 
-def worker(rank: int, spec: LaunchSpec) -> None:
+def die_with(launcher_pid: int) -> None:
+    """This rank ends when its parent (the forkserver) ends, by the kernel's parent-death
+    signal, and when the launcher ends, even by SIGKILL: a thread blocks on the launcher's
+    pidfd, which becomes readable when it exits."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    try:
+        pidfd = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:  # already gone
+        os._exit(1)
+    except (OSError, AttributeError):  # no pidfd here (not Linux 5.3+)
+        return
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
     """One rank from start to shutdown. Any exception ends the process with status 1 after
-    recording its role, rank and traceback for the launcher."""
+    recording its role, rank and traceback for the launcher. ``started``: when this rank's
+    process began (start-up phases)."""
+    started = time.time() if started is None else started
     topology, cfg = spec.topology(), spec.config
     info = topology.info(rank)
     failures.set_identity(failures.Identity(info.role, info.index, rank, info.name, spec.run_dir, spec.torchrun))
@@ -122,11 +155,14 @@ def worker(rank: int, spec: LaunchSpec) -> None:
     if spec.torchrun and cfg.timeout:  # no launcher of ours to enforce --timeout: each rank does
         faulthandler.dump_traceback_later(cfg.timeout, exit=True)
     master = None
-    if cfg.iface:  # read by TensorPipe and gloo when they open their sockets
-        os.environ.update(rendezvous.interface_env(cfg.iface))
+    # every rank on this machine: nothing needs more than loopback (and nothing else may reach it)
+    iface = cfg.iface or (rendezvous.loopback() if spec.local_world_size == topology.world_size else None)
+    if iface:  # read by TensorPipe and gloo when they open their sockets
+        os.environ.update(rendezvous.interface_env(iface))
     try:
         store_timeout = max(cfg.rpc_timeout, 60.0)
         store, view = rendezvous.join(rank, int(os.environ.get("LOCAL_RANK", rank)), store_timeout)
+        times = {"started": started, "joined": time.time()}
         torch.manual_seed(cfg.torch_seed)
         device = spec.device_of(rank)
         if device is not None:
@@ -137,8 +173,11 @@ def worker(rank: int, spec: LaunchSpec) -> None:
                 PG_BACKENDS[cfg.backend], store=dist.PrefixStore("trainers/", rendezvous.attempt_view(store_timeout)),
                 rank=info.index, world_size=topology.num_trainers, timeout=timedelta(seconds=store_timeout),
             )
+        times["grouped"] = time.time()
         rpc.init_rpc(info.name, rank=rank, world_size=topology.world_size,
                      rpc_backend_options=rpc_options(spec, rank))
+        times["connected"] = time.time()
+        rendezvous.publish_startup(view, rank, times)
         if info.role == MASTER:
             recovered = rendezvous.recovered_failures(store, topology.world_size)
             if recovered:
@@ -146,7 +185,9 @@ def worker(rank: int, spec: LaunchSpec) -> None:
                       f"over after {recovered[-1]['failure']}", flush=True)
             master = Master(cfg, topology, spec.model, spec.data, spec.device_of, spec.argv,
                             spec.run_dir, spec.results_path, spec.launched_at,
-                            hosts=rendezvous.gather_hosts(view, topology.world_size), recovered=recovered)
+                            hosts=rendezvous.gather_hosts(view, topology.world_size), recovered=recovered,
+                            startup=lambda: {"launcher": {"launched": spec.launched_at, **spec.milestones},
+                                             "ranks": rendezvous.gather_startup(view, topology.world_size)})
             master.run()
         rpc.shutdown()
         if dist.is_initialized():
@@ -161,9 +202,17 @@ def worker(rank: int, spec: LaunchSpec) -> None:
 
 
 def _spawned(rank: int, spec: LaunchSpec) -> None:
-    die_with_parent()
+    started = time.time()
+    die_with(spec.launcher_pid)
+    prctl(PR_SET_NAME, f"ps_bench r{rank}".encode())  # what ps -o comm and /proc/PID/comm show
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how the job ends
-    worker(rank, spec)
+    os.environ.update(spec.env)  # the forkserver kept the environment it started with
+    if spec.log_path is not None:
+        log = os.open(spec.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+    worker(rank, spec, started)
     # The rank's work is done and RPC and its process group are shut down: end here rather than
     # in the interpreter's teardown of torch, which took 1.3 s per rank on the development machine,
     # the launcher waiting on it.
@@ -283,13 +332,25 @@ def terminate(processes: list) -> None:
             process.join()
 
 
-def host_store(cfg: RunConfig) -> dist.TCPStore:
+def host_store(cfg: RunConfig) -> tuple[dist.TCPStore, int]:
+    """The job's store and its port, listening on a socket bound to ``--master-addr`` (loopback
+    by default) at ``--master-port`` (else a free port). torch's own TCPStore server would
+    listen on every interface; handed a bound socket, it listens only there (and closes it)."""
+    port = f"port {cfg.master_port}" if cfg.master_port else "a free port"
+    listener = socket.socket(socket.AF_INET6 if ":" in cfg.master_addr else socket.AF_INET)
     try:
-        return dist.TCPStore(cfg.master_addr, cfg.master_port or 0, is_master=True,
-                             wait_for_workers=False, timeout=timedelta(seconds=60))
+        listener.bind((cfg.master_addr, cfg.master_port or 0))
+        listener.listen(socket.SOMAXCONN)
+        store = dist.TCPStore(cfg.master_addr, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=60), master_listen_fd=listener.fileno())
+        bound = listener.getsockname()[1]
+        listener.detach()  # the store owns the socket now
+        return store, bound
     except (RuntimeError, OSError) as error:
-        port = f"port {cfg.master_port}" if cfg.master_port else "a free port"
+        listener.close()
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if isinstance(error, OSError) and error.strerror:
+            reason = error.strerror
         if cfg.master_port and "address already in use" in reason.lower():
             reason = "it is already in use; pick another --master-port or leave it out for a free one"
         raise ConfigError(f"cannot listen on --master-addr {cfg.master_addr} {port}: {reason}") from None
@@ -306,10 +367,11 @@ def keep_finished_rounds(spec: LaunchSpec, error: str) -> Path | None:
         return None
 
 
-def supervise(spec: LaunchSpec, processes: list) -> None:
-    """Returns when every rank exited 0; raises JobFailed otherwise."""
-    cfg = spec.config
-    deadline = time.monotonic() + cfg.timeout if cfg.timeout else None
+def supervise(spec: LaunchSpec, processes: list, watchdog: tuple[float, str] | None = None) -> None:
+    """Returns when every rank exited 0; raises JobFailed otherwise, or when ``watchdog``
+    (seconds, the option that set them) runs out. Waits on the ranks' sentinels: it wakes
+    when one ends, not on a polling interval."""
+    deadline = time.monotonic() + watchdog[0] if watchdog else None
     while True:
         codes = {rank: p.exitcode for rank, p in enumerate(processes)}
         if any(code not in (None, 0) for code in codes.values()):
@@ -322,30 +384,33 @@ def supervise(spec: LaunchSpec, processes: list) -> None:
         if deadline is not None and time.monotonic() > deadline:
             stacks = dump_stacks(spec, processes)
             terminate(processes)
-            raise JobFailed(f"the job did not finish within --timeout {cfg.timeout:g} s; {stacks.summary()}",
+            raise JobFailed(f"the job did not finish within {watchdog[1]} {watchdog[0]:g} s; {stacks.summary()}",
                             stacks.text)
-        time.sleep(0.1)
+        running = [p.sentinel for p in processes if p.exitcode is None]
+        wait(running, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
-def spawn(spec: LaunchSpec) -> int:
+def spawn(spec: LaunchSpec, watchdog: tuple[float, str] | None = None) -> int:
     """Runs every rank on this machine; returns 0 or raises (JobFailed, KeyboardInterrupt,
-    ...) after every process is gone and the finished rounds are written."""
+    ...) after every process is gone and the finished rounds are written. ``watchdog``
+    (seconds, option) ends a job that runs longer, as --timeout does (the shorter wins)."""
     cfg = spec.config
-    store = host_store(cfg)
+    if cfg.timeout and (watchdog is None or cfg.timeout < watchdog[0]):
+        watchdog = (cfg.timeout, "--timeout")
+    store, port = host_store(cfg)
     spec.run_dir = new_run_dir()
-    os.environ.update(
-        MASTER_ADDR=cfg.master_addr,
-        MASTER_PORT=str(store.port),
-        TORCHELASTIC_USE_AGENT_STORE="True",  # every rank is a client of the store above
-    )
-    if not cfg.debug:  # once a rank is gone, every peer's RPC agent logs each broken pipe
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    spec.env = {
+        "MASTER_ADDR": cfg.master_addr,
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank is a client of the store above
+    }
+    preload.start(cfg.debug)  # running already when bench.py started it
     processes = []
     try:
         context = mp.start_processes(_spawned, args=(spec,), nprocs=cfg.world_size, join=False,
-                                     start_method="spawn")
+                                     start_method=preload.START_METHOD)
         processes = context.processes
-        supervise(spec, processes)
+        supervise(spec, processes, watchdog)
         return 0
     except BaseException as error:
         terminate(processes)

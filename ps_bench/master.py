@@ -13,6 +13,7 @@ from ps_bench.faults import Fault, maybe_inject
 from ps_bench.metrics import limits
 from ps_bench.metrics.record import RunRecord, mean_loss, replica_summary, write_snapshot
 from ps_bench.metrics.results import environment, format_bytes, print_report, write_results
+from ps_bench.metrics.startup import render_startup, startup_phases
 from ps_bench.models import build_data
 from ps_bench.models.entries import Entry
 from ps_bench.servers import SERVERS
@@ -51,7 +52,7 @@ class Master:
     def __init__(self, config: RunConfig, topology: Topology, model: Entry, data: Entry,
                  device_of: Callable[[int], int | None], argv: list[str], run_dir: str, results_path: str,
                  launched_at: float | None = None, hosts: list[dict] | None = None,
-                 recovered: list[dict] | None = None) -> None:
+                 recovered: list[dict] | None = None, startup: Callable[[], dict] | None = None) -> None:
         self.config, self.topology = config, topology
         self.model, self.data = model, data
         self.device_of = device_of
@@ -62,6 +63,7 @@ class Master:
         self.record = RunRecord(config, topology, model, data, argv, {**environment(config.backend),
                                                                       "hosts": hosts or []}, recovered)
         self.floor_targets: list[rpc.RRef] = []  # --limits: one RpcFloorTarget per server
+        self.startup = startup  # () -> {"launcher": milestones, "ranks": [milestones]}, once every rank is up
         self.snapshot_at = self.snapshot_cost = 0.0
 
     # -- setting up ------------------------------------------------------------------------
@@ -103,13 +105,22 @@ class Master:
     # -- the rounds --------------------------------------------------------------------------
     def run(self) -> dict:
         cfg, record = self.config, self.record
-        self.snapshot()
+        # what was asked, should the job end before its first round; not a measure of what a
+        # snapshot of finished rounds costs
+        write_snapshot(record.results("failed", error="the job ended before it finished"), self.run_dir)
         servers = self.create_servers()
+        servers_at = time.time()
         trainers = self.create_trainers(servers)
+        ready_at = time.time()
         total = cfg.warmup_rounds + cfg.rounds
-        print(f"ps_bench: ready after {time.time() - self.launched_at:.1f} s (every rank started, servers created, "
+        print(f"ps_bench: ready after {ready_at - self.launched_at:.1f} s (every rank started, servers created, "
               f"DDP built on every trainer); {cfg.warmup_rounds} warmup and {cfg.rounds} timed rounds follow",
               flush=True)
+        if self.startup is not None:
+            times = self.startup()
+            record.environment["startup_s"] = startup_phases(times["launcher"], times["ranks"], servers_at, ready_at)
+            if cfg.verbose:
+                print(render_startup(record.environment["startup_s"]), flush=True)
         print(describe_workload(self.model, self.data), flush=True)
         run_start = time.perf_counter()
         for round_index in range(total):
@@ -146,10 +157,11 @@ class Master:
         return results
 
     def snapshot(self) -> None:
-        """Keeps the finished rounds for the launcher, after every round. The snapshot grows with
-        the run: once writing one costs more than SNAPSHOT_CHEAP_S, it is skipped while less than
-        ten times that cost has passed since the last one (at most about a tenth of the wall
-        time, between rounds, never inside the timed region)."""
+        """Keeps the finished rounds for the launcher, after every timed round. The snapshot grows
+        with the run: once writing one costs more than SNAPSHOT_CHEAP_S, it is skipped while less
+        than ten times that cost has passed since the last one (at most about a tenth of the wall
+        time, between rounds, never inside the timed region); the first timed round is always
+        kept."""
         start = time.perf_counter()
         if self.snapshot_cost > SNAPSHOT_CHEAP_S and start - self.snapshot_at < 10 * self.snapshot_cost:
             return

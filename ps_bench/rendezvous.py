@@ -26,6 +26,7 @@ from ps_bench.faults import restart_count
 SCHEME = "ps-bench-attempt"
 INIT_METHOD = f"{SCHEME}://"  # what RPC is given: the store of this attempt, see _rendezvous
 FAILURES_PREFIX = "ps_bench/failures"
+LOOPBACK = "lo"  # Linux's loopback interface
 
 _timeout_s: float | None = None  # set by join(): how long store operations may wait
 
@@ -97,6 +98,11 @@ def interface_env(iface: str) -> dict[str, str]:
     return {"TP_SOCKET_IFNAME": iface, "GLOO_SOCKET_IFNAME": iface}
 
 
+def loopback() -> str | None:
+    """The loopback interface's name, where this machine has one."""
+    return LOOPBACK if LOOPBACK in [name for _, name in socket.if_nameindex()] else None
+
+
 def address_towards(host: str) -> str:
     """The local address the kernel would use to reach ``host`` (a UDP connect sends nothing)."""
     try:
@@ -134,6 +140,17 @@ def gather_hosts(view: dist.Store, world_size: int) -> list[dict]:
                                        "cpus": rank_host["cpus"], "gpus": rank_host["gpus"]})
         entry["ranks"].append(rank)
     return list(hosts.values())
+
+
+def publish_startup(view: dist.Store, rank: int, times: dict[str, float]) -> None:
+    """This rank's start-up milestones (time.time()): process start, store joined, process
+    group ready, RPC up."""
+    view.set(f"startup/rank{rank}", json.dumps(times))
+
+
+def gather_startup(view: dist.Store, world_size: int) -> list[dict[str, float]]:
+    """Every rank's start-up milestones, in rank order (waits for the ones not written yet)."""
+    return [json.loads(view.get(f"startup/rank{rank}")) for rank in range(world_size)]
 
 
 # -- restarts ---------------------------------------------------------------------------------

@@ -3,31 +3,39 @@
 A sweep file is ``{"name": ..., "base": {options}, "grid": {option: [values]}, "variants":
 [{"name": ..., option: value}]}``. Its points are the cartesian product of ``grid`` (times each
 variant when both are given); a point is ``base`` plus its overrides. Every point is validated
-before anything runs. Each point runs as ``bench.py --config POINT.json`` in a session of its
-own, so a crash or hang there cannot take the sweep down; one JSON line per point (the full
-results object plus ``point``: name, overrides and configuration hash) is appended to
-``DIR/results.jsonl``, and each point's log is kept in ``DIR/logs/``.
+before anything runs. The sweep is every point's launcher: it starts the preloaded forkserver
+once (``ps_bench.preload``), and each point's ranks are new processes forked from it, so no
+point pays for importing torch and a crash or hang of one point's ranks ends only that point
+(its ranks are stopped, what finished is kept, the next point starts afresh). One JSON line per
+point (the full results object plus ``point``: name, overrides and configuration hash) is
+appended to ``DIR/results.jsonl``; each point's output (its run file, ``POINT.config.json``,
+reruns it alone with ``bench.py --config``) goes to its log in ``DIR/logs/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import itertools
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ps_bench.config import JSON_KEYS, PROJECT_ROOT, ConfigError, build_config, coerce, read_json
-from ps_bench.job import validate
+from ps_bench import preload
+from ps_bench.config import JSON_KEYS, ConfigError, RunConfig, build_config, coerce, read_json
+from ps_bench.failures import Terminated, raise_terminated
+from ps_bench.job import cuda_device_count, validate
+from ps_bench.launch import JobFailed, LaunchSpec, spawn
 from ps_bench.metrics.record import failed_results
 from ps_bench.metrics.results import environment, iso_now
+from ps_bench.models.entries import Entry
 from ps_bench.options import typed
 
 DESCRIPTION = (
@@ -39,13 +47,11 @@ EPILOG = """\
 example:
   python bench.py sweep configs/sweeps/hooks.json --out results/hooks && python bench.py report results/hooks
 """
-BENCH = PROJECT_ROOT / "bench.py"
 
 SWEEP_KEYS = ("name", "base", "grid", "variants")
 RESULTS_NAME = "results.jsonl"
 # Options a sweep sets itself, and options that change how a run reports, not what it measures.
 NOT_HASHED = ("out", "dry_run", "per_rank", "debug")
-STOP_GRACE_S = 5.0
 
 
 @dataclass
@@ -56,6 +62,9 @@ class Point:
     options: dict[str, Any]  # base plus overrides, as a run JSON
     config_hash: str
     resolved: dict[str, Any]
+    config: RunConfig  # validated
+    model: Entry
+    data: Entry
 
 
 def config_hash(resolved: dict[str, Any]) -> str:
@@ -133,7 +142,7 @@ def load_sweep(path: str) -> tuple[str, list[Point]]:
                 raise ConfigError(f"sweep {path!r}: point {index} ({label}): {error}") from None
             resolved = {**cfg.to_dict(), "model_config": model.to_dict(), "data_config": data.to_dict()}
             points.append(Point(index, label, {**overrides, **variant_options}, options, config_hash(resolved),
-                                resolved))
+                                resolved, cfg, model, data))
     return name, points
 
 
@@ -170,8 +179,9 @@ class Interrupted(Exception):
         self.exit_code = exit_code
 
 
-def run_point(point: Point, out_dir: Path, bench: Path, timeout_s: float | None) -> dict:
-    """Runs one point in its own session; returns its results (a failed stub if it wrote none)."""
+def run_point(point: Point, out_dir: Path, timeout_s: float | None) -> dict:
+    """Runs one point's job, its output to the point's log; returns its results (a failed stub
+    if it wrote none). Raises Interrupted on Ctrl-C or SIGTERM, once its ranks are stopped."""
     stem = f"{point.index:03d}-{point.config_hash}"
     attempt = 1
     while (out_dir / "points" / f"{stem}-{attempt}.json").exists():
@@ -180,51 +190,30 @@ def run_point(point: Point, out_dir: Path, bench: Path, timeout_s: float | None)
     config_file.write_text(json.dumps(point.options, indent=2))
     results_file = out_dir / "points" / f"{stem}-{attempt}.json"
     log_file = out_dir / "logs" / f"{stem}.log"
-    command = [sys.executable, str(bench), "--config", str(config_file), "--out", str(results_file)]
-    with open(log_file, "a") as log:
-        log.write(f"==== {iso_now()} attempt {attempt}: {' '.join(command)}\n")
-        log.flush()
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)
-        error = None
+    argv = ["bench.py", "--config", str(config_file), "--out", str(results_file)]
+    cfg = dataclasses.replace(point.config, out=str(results_file))
+    started = time.time()
+    spec = LaunchSpec(cfg, point.model, point.data, argv, "", str(results_file), cfg.world_size, cuda_device_count(),
+                      launched_at=started, milestones={"imported": started, "validated": started},
+                      log_path=str(log_file))
+    error = None
+    with open(log_file, "a") as log, redirect_stdout(log), redirect_stderr(log):
+        print(f"==== {iso_now()} attempt {attempt}: {' '.join(argv)}", flush=True)
         try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            stop(process)
-            error = f"the point did not finish within --point-timeout {timeout_s:g} s"
+            spawn(spec, watchdog=(timeout_s, "--point-timeout") if timeout_s else None)
+        except (JobFailed, ConfigError) as failure:
+            error = str(failure)
+            if isinstance(failure, JobFailed) and failure.detail:
+                print(failure.detail.rstrip())
+            print(f"ps_bench: error: {failure}", flush=True)
         except KeyboardInterrupt:
-            stop(process)
             raise Interrupted(130) from None
-        except Interrupted:
-            stop(process)
-            raise
+        except Terminated:
+            raise Interrupted(143) from None
     if results_file.exists():
-        results = json.loads(results_file.read_text())
-        if error:
-            results.update(status="failed", error=error)
-        return results
-    return failed_results(None, error or f"bench.py exited with status {process.returncode} and wrote no results; "
-                                         f"see {log_file}",
-                          config=point.resolved, argv=command, env=environment(point.resolved["backend"]))
-
-
-def stop(process: subprocess.Popen) -> None:
-    """Asks a point's launcher to stop (it stops its ranks and keeps what finished), then
-    kills its whole session if it has not gone within the grace period."""
-    try:
-        process.send_signal(signal.SIGINT)
-        process.wait(timeout=STOP_GRACE_S)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
-        pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
-
-
-def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Interrupted(143)
+        return json.loads(results_file.read_text())
+    return failed_results(None, error or f"the point wrote no results; see {log_file}", config=point.resolved,
+                          argv=argv, env=environment(cfg.backend))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -238,10 +227,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    return run_sweep(args.file, args.out, args.resume, args.point_timeout)
+    signal.signal(signal.SIGTERM, raise_terminated)
+    return run_sweep(args.file, args.out, args.resume, args.point_timeout, debug=args.debug)
 
 
-def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None, bench: Path = BENCH) -> int:
+def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None, debug: bool = False) -> int:
     name, points = load_sweep(path)
     out_dir = Path(out)
     (out_dir / "points").mkdir(parents=True, exist_ok=True)
@@ -255,13 +245,23 @@ def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None, bench:
     todo = [p for p in points if p.config_hash not in done]
     print(f"sweep {name}: {len(points)} points, {len(points) - len(todo)} already done, {len(todo)} to run; "
           f"results in {results_path}", flush=True)
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    if todo:
+        preload.start(debug)
+    try:
+        return run_points(name, points, todo, out_dir, timeout_s)
+    finally:
+        preload.stop()
+
+
+def run_points(name: str, points: list[Point], todo: list[Point], out_dir: Path, timeout_s: float | None) -> int:
+    """Runs the points not done yet, one after the other; returns the sweep's exit status."""
+    results_path = out_dir / RESULTS_NAME
     failed = 0
     started = time.monotonic()
     for number, point in enumerate(todo, start=1):
         point_start = time.monotonic()
         try:
-            results = run_point(point, out_dir, bench, timeout_s)
+            results = run_point(point, out_dir, timeout_s)
         except Interrupted as stopped:
             print(f"sweep stopped at point {point.index} ({point.name}); {number - 1} point(s) of this run "
                   f"are in {results_path}; --resume continues", file=sys.stderr, flush=True)

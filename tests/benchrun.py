@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -107,15 +108,53 @@ def read_until(process: subprocess.Popen, text: str, timeout_s: float = 120) -> 
     pytest.fail(f"never saw {text!r}")
 
 
+def descendants(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    children = [int(p) for p in out.split()]
+    return children + [d for child in children for d in descendants(child)]
+
+
 def rank_pids(launcher_pid: int) -> list[int]:
-    """The launcher's rank processes, in rank order (spawn starts them in order)."""
-    out = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout
-    pids = []
-    for pid in sorted(map(int, out.split())):
+    """The launcher's rank processes, in rank order: its descendants whose process name (what
+    ``ps -o comm`` shows) each rank sets to ``ps_bench rN``."""
+    ranks = {}
+    for pid in descendants(launcher_pid):
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
         except FileNotFoundError:
             continue
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-            pids.append(pid)
-    return pids
+        if name.startswith("ps_bench r"):
+            ranks[int(name.removeprefix("ps_bench r"))] = pid
+    return [ranks[rank] for rank in sorted(ranks)]
+
+
+def listening_sockets(pids: list[int]) -> dict[int, list[str]]:
+    """pid -> the TCP addresses ("127.0.0.1:41234", "[::]:29500") each of ``pids`` listens on,
+    from /proc: the socket inodes of its open files, matched against /proc/net/tcp and tcp6."""
+    listening: dict[int, str] = {}  # inode -> address
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for row in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] != "0A":  # TCP_LISTEN
+                continue
+            host, port = fields[1].split(":")
+            raw = bytes.fromhex(host)
+            # the kernel prints each 32-bit word of the address in host (little-endian) order
+            ordered = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            address = ipaddress.ip_address(ordered)
+            shown = f"[{address}]" if width == 32 else str(address)
+            listening[int(fields[9])] = f"{shown}:{int(port, 16)}"
+    out: dict[int, list[str]] = {}
+    for pid in pids:
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        inodes = [int(link[8:-1]) for link in links if link.startswith("socket:[")]
+        out[pid] = sorted(listening[inode] for inode in inodes if inode in listening)
+    return out
+
+
+def is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return ipaddress.ip_address(host).is_loopback

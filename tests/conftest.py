@@ -9,13 +9,12 @@ GPU (``gpu``). ``python -m pytest -m "not cluster"`` or ``-m cluster`` runs one 
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.benchrun import BenchRun, run_bench
+from tests.benchrun import BenchRun, descendants, run_bench
 
 TESTS = Path(__file__).resolve().parent
 FOLDER_MARKERS = {"integration": "integration", "cluster": "cluster", "gpu": "gpu"}
@@ -58,12 +57,6 @@ class BenchRuns:
 @pytest.fixture(scope="session")
 def bench_runs(tmp_path_factory) -> BenchRuns:
     return BenchRuns(tmp_path_factory.mktemp("shared-runs"))
-
-
-def descendants(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    children = [int(p) for p in out.split()]
-    return children + [d for child in children for d in descendants(child)]
 
 
 @pytest.fixture(scope="session", autouse=True)

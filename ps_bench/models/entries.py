@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ps_bench.config import ConfigError, read_json, resolve_path
 from ps_bench.registry import Registry
@@ -66,11 +67,28 @@ def load_entry(path: str, entry_id: str, class_key: str, registry: Registry, opt
     return Entry(entry_id, registry.canonical(entry[class_key]), dict(kwargs), source)
 
 
+class SkipMetaInit(TorchFunctionMode):
+    """Initialising a meta tensor computes nothing, yet torch runs some initialisers on the meta
+    device through Python reference code whose first call imports torch._dynamo (1 to 3 s on
+    the development machine, in the launcher, before any rank starts): skipped."""
+
+    RANDOM = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.random_, torch.Tensor.exponential_,
+              torch.Tensor.bernoulli_, torch.Tensor.log_normal_, torch.Tensor.cauchy_, torch.Tensor.geometric_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.RANDOM or getattr(func, "__module__", None) == "torch.nn.init":
+            tensor = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes it by name
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
 def construct(entry: Entry, registry: Registry) -> Any:
-    """Builds an entry's model (on the meta device: no weights are allocated) or data
-    description, so that any error in its configuration is one line naming the entry."""
+    """Builds an entry's model (on the meta device: no weights are allocated or initialised) or
+    data description, so that any error in its configuration is one line naming the entry."""
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), SkipMetaInit():
             return registry.get(entry.class_name)(**entry.kwargs)
     except Exception as error:  # noqa: BLE001 - a constructor may raise anything on bad sizes
         text = str(error).strip()

@@ -5,13 +5,18 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from tests.benchrun import communicate, rank_pids, read_until, run_bench, start_bench
+from tests.benchrun import (ROOT, communicate, descendants, is_loopback, listening_sockets, rank_pids, read_until,
+                            run_bench, start_bench)
 
 # Failures must end the job because the launcher sees them, never by an RPC timeout; and set-up
 # calls on a busy machine can take tens of seconds: so a long one.
@@ -44,6 +49,60 @@ def test_killed_worker_ends_the_job(rank, who, results_path):
     results = json.loads(results_path.read_text())
     assert results["status"] == "failed" and "killed by SIGKILL" in results["error"]
     assert results["rounds_completed"] >= 2 and results["summary"]  # the finished rounds are kept
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_a_launcher_killed_by_sigkill_leaves_no_process_behind(results_path):
+    """The ranks are the forkserver's children: they die with the launcher all the same."""
+    process = start_bench("--rounds", "100000", "--out", str(results_path))
+    read_until(process, "[round 2/")
+    job = descendants(process.pid)  # the forkserver, its resource tracker, the ranks
+    assert len(rank_pids(process.pid)) == 4, job
+    os.kill(process.pid, signal.SIGKILL)
+    process.communicate(timeout=60)
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in job) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in job if alive(pid)], "processes of the job outlived its launcher"
+
+
+def test_a_local_job_listens_on_loopback_only(results_path):
+    """The store, RPC and gloo of a job on one machine: nothing another host can reach."""
+    process = start_bench("--rounds", "100000", "--out", str(results_path))
+    try:
+        read_until(process, "[round 2/")
+        sockets = listening_sockets([process.pid, *descendants(process.pid)])
+    finally:
+        process.send_signal(signal.SIGINT)
+        finish(process, 60)
+    addresses = [address for found in sockets.values() for address in found]
+    assert len(addresses) >= 5, sockets  # the store, and every rank's RPC listener at least
+    assert all(is_loopback(address) for address in addresses), sockets
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
+def test_under_torchrun_on_one_host_only_torchruns_own_store_listens_beyond_loopback(results_path):
+    """The ranks bind RPC and gloo to loopback when torchrun runs them all on this host;
+    torchrun's agent hosts its store on every interface (torch's own choice; README, security)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "bench.py",
+               "--rounds", "100000", "--out", str(results_path)]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        read_until(process, "[round 2/")
+        sockets = listening_sockets([process.pid, *descendants(process.pid)])
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        finish(process, 60)
+    ranks = {pid: found for pid, found in sockets.items() if pid != process.pid}
+    assert sum(len(found) for found in ranks.values()) >= 4, sockets
+    assert all(is_loopback(address) for found in ranks.values() for address in found), sockets
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ps_bench.preload import PRELOAD
+
 PACKAGE = Path(__file__).resolve().parents[2] / "ps_bench"
 
 
@@ -70,6 +72,12 @@ def test_no_module_of_ours_is_imported_inside_a_function():
                 late += [f"{name}.{function.name}: {sorted(found)}" for node in ast.walk(function)
                          if (found := imported_modules(node, name))]
     assert late == []
+
+
+def test_only_the_forkserver_imports_the_module_that_ties_it_to_its_launcher():
+    """Importing ps_bench.forkserver sets the parent-death signal on the importing process."""
+    assert [name for name, targets in import_graph().items() if "ps_bench.forkserver" in targets] == []
+    assert PRELOAD[0] == "ps_bench.forkserver"
 
 
 def test_the_cycle_finder_finds_a_cycle():

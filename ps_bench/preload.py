@@ -1,0 +1,79 @@
+"""The interpreter local ranks start from: a forkserver that has already imported torch and ps_bench.
+
+A spawned rank is a new interpreter that imports torch again (about 1.5 s of CPU each, and on a
+few cores the ranks take turns). Instead, ``torch.multiprocessing``'s forkserver imports
+``PRELOAD`` once and forks every rank from there: a rank starts with everything imported. The
+forkserver is a fresh interpreter of its own, started by exec, so nothing the launcher did
+(CUDA, threads) is inherited, and it never initialises CUDA itself. ``start`` brings it up
+early, from ``bench.py`` before the launcher's own imports, so the two import side by side; a
+sweep starts it once and every point's ranks are forked from it.
+
+This module imports nothing heavy: ``bench.py`` calls it before torch is loaded.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from multiprocessing import forkserver, resource_tracker
+
+START_METHOD = "forkserver"
+PRELOAD = ["ps_bench.forkserver", "ps_bench.launch", "torch._dynamo"]  # torch, RPC, trainers, servers, models, metrics; and what
+# DistributedDataParallel imports when a trainer first builds one (1 to 2 s of CPU)
+RUN_ONLY_FLAGS = ("-h", "--help", "--dry-run", "--dry_run")
+
+
+def context() -> multiprocessing.context.BaseContext:
+    """The forkserver context ranks are started from, preloading ``PRELOAD``."""
+    ctx = multiprocessing.get_context(START_METHOD)
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def prepare_environment(debug: bool) -> None:
+    """What ranks read when torch loads, set before the forkserver starts (it keeps the
+    environment it started with): one intra-op thread (``ps_bench`` sets it), and torch's C++
+    log quiet unless ``--debug`` (once a rank is gone, every peer's RPC agent logs each broken
+    pipe)."""
+    if not debug:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
+def start(debug: bool = False) -> None:
+    """Starts the forkserver now (it imports ``PRELOAD`` while the caller goes on); a no-op
+    when it is running already."""
+    prepare_environment(debug)
+    os.environ["PS_BENCH_LAUNCHER_PID"] = str(os.getpid())  # read by ps_bench.forkserver
+    context()
+    forkserver.ensure_running()
+
+
+def stop() -> None:
+    """Ends the forkserver and the resource tracker multiprocessing started beside it, once the
+    launcher has no more ranks to start (its ranks have ended), and reaps both: left to end when
+    the launcher exits, they would wait for init to collect them. The forkserver is killed, not
+    asked: it may still be importing torch (bad input ends a run within a second). ``_stop`` is
+    what CPython's own tests use; where a Python lacks it, both still end with the launcher."""
+    server = getattr(forkserver, "_forkserver", None)
+    if getattr(server, "_forkserver_pid", None) is not None:
+        try:
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for helper in (server, getattr(resource_tracker, "_resource_tracker", None)):
+        if hasattr(helper, "_stop"):
+            helper._stop()
+
+
+def starts_ranks(argv: list[str]) -> bool:
+    """Whether this command line will start local ranks: a run (its words are all options; a
+    subcommand's first word is its name), not under torchrun, not --help or --dry-run. Judged
+    from the words alone, before they are parsed: a wrong guess costs an idle forkserver for a
+    moment, never a wrong result."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return False
+    words = argv[1:] if argv[:1] == ["run"] else argv
+    if words and not words[0].startswith("-"):
+        return False
+    return not any(word in RUN_ONLY_FLAGS for word in words)

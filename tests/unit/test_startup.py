@@ -1,0 +1,48 @@
+"""Start-up bookkeeping without processes: which command lines start ranks (and so warm the
+forkserver early), and how rank milestones become phases."""
+
+from __future__ import annotations
+
+import pytest
+
+from ps_bench.metrics.startup import render_startup, startup_phases
+from ps_bench.preload import starts_ranks
+
+
+@pytest.mark.parametrize("argv, starts", [
+    ([], True),
+    (["--ntrainer", "4", "--hook", "allreduce"], True),
+    (["run", "--rounds", "3"], True),
+    (["--dry-run"], False),
+    (["--ntrainer", "4", "--help"], False),
+    (["sweep", "configs/sweeps/hooks.json", "--out", "r"], False),
+    (["report", "r"], False),
+    (["slurm", "--nodes", "2", "--", "--ntrainer", "2"], False),
+])
+def test_which_command_lines_start_ranks(argv, starts, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert starts_ranks(argv) is starts
+
+
+def test_under_torchrun_no_forkserver_is_started(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert starts_ranks([]) is False
+
+
+def test_phases_follow_the_last_rank_to_reach_each_milestone():
+    launcher = {"launched": 100.0, "imported": 102.0, "validated": 102.25}
+    ranks = [{"started": 103.0, "joined": 103.1, "grouped": 103.5, "connected": 104.0},
+             {"started": 102.5, "joined": 103.3, "grouped": 103.3, "connected": 104.25}]
+    phases = startup_phases(launcher, ranks, servers_at=104.5, ready_at=105.0)
+    assert phases == {"launcher imports": 2.0, "validation": 0.25, "ranks started": 0.75, "rendezvous": 0.3,
+                      "trainers' process group": 0.2, "RPC": 0.75, "servers created": 0.25,
+                      "trainers built (DDP)": 0.5, "total": 5.0}
+    assert sum(seconds for phase, seconds in phases.items() if phase != "total") == pytest.approx(phases["total"])
+    assert render_startup(phases).endswith("trainers built (DDP) 0.50; ready after 5.00")
+
+
+def test_without_a_launcher_of_ours_the_phases_start_at_the_ranks():
+    """Under torchrun each rank is its own launcher: only the rank milestones are known."""
+    phases = startup_phases({"launched": 10.0}, [{"started": 11.0, "joined": 11.5, "grouped": 11.5,
+                                                  "connected": 12.0}], servers_at=12.0, ready_at=12.5)
+    assert "launcher imports" not in phases and phases["ranks started"] == 1.0 and phases["total"] == 2.5
