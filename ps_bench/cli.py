@@ -34,12 +34,14 @@ from ps_bench.topology import Topology
 # input; BENCH_OPTIONS = True: it takes run options after "--", handed to main as bench_argv.
 # A new subcommand is its module and one line here.
 SUBCOMMANDS = {
-    "sweep": ("ps_bench.sweep", "FILE --out DIR", "every point of a sweep file, one process tree each"),
+    "sweep": ("ps_bench.sweep", "FILE --out DIR", "every point of a sweep file, fresh ranks for each"),
     "report": ("ps_bench.report", "DIR|FILE...", "compare runs: table, speedups, CSV, plot"),
     "slurm": ("ps_bench.cluster.slurm", "--nodes N -- [options]",
               "an sbatch script: one torchrun per node (--submit runs it)"),
     "launch": ("ps_bench.cluster.hosts", "--hosts H1,H2 -- [options]", "one torchrun per host of your own, over ssh"),
     "cloud": ("ps_bench.cluster.cloud", "--nodes N -- [options]", "a SkyPilot task YAML for cloud machines"),
+    "emulate": ("ps_bench.cluster.emulate", "--link RATE -- [options]", "a cluster's network on this machine: every "
+                "rank behind a shaped link"),
 }
 
 DESCRIPTION = """\
@@ -83,7 +85,7 @@ def build_parser() -> Parser:
     return parser
 
 
-def run_subcommand(name: str, argv: list[str]) -> int:
+def run_subcommand(name: str, argv: list[str], launched_at: float) -> int:
     module = importlib.import_module(SUBCOMMANDS[name][0])
     own, bench_argv = argv, []
     if getattr(module, "BENCH_OPTIONS", False) and "--" in argv:
@@ -95,6 +97,7 @@ def run_subcommand(name: str, argv: list[str]) -> int:
     module.add_arguments(parser)
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors in the input")
     args = parser.parse_args(own)
+    args.launched_at = launched_at  # a subcommand that runs a job counts its start-up from here
     try:
         return module.main(args, bench_argv)
     except ConfigError as error:
@@ -120,6 +123,9 @@ def dry_run_table(cfg: RunConfig, topology: Topology, spec: LaunchSpec) -> str:
 def launch_spec(cfg: RunConfig, argv: list[str], launched_at: float, imported: float) -> LaunchSpec:
     """Validates ``cfg`` for the node this process runs on (all of the job, or torchrun's share)."""
     torchrun = under_torchrun()
+    if torchrun and cfg.emulate_link is not None:
+        raise ConfigError("--emulate-link emulates a network on this machine with ps_bench's own launcher: run "
+                          "python bench.py emulate, not under torchrun")
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)) if torchrun else cfg.world_size
     node = int(os.environ.get("GROUP_RANK", 0)) if torchrun else 0
     node_ranks = range(node * local_world_size, (node + 1) * local_world_size)
@@ -183,7 +189,7 @@ def main(argv: list[str] | None = None, launched_at: float | None = None) -> int
     if argv[:1] == ["run"]:
         argv = argv[1:]
     elif argv[:1] and argv[0] in SUBCOMMANDS:
-        return run_subcommand(argv[0], argv[1:])
+        return run_subcommand(argv[0], argv[1:], imported if launched_at is None else launched_at)
     return run(argv, imported if launched_at is None else launched_at, imported)
 
 

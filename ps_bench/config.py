@@ -26,6 +26,7 @@ class ConfigError(ValueError):
 
 
 TOPOLOGY, STRATEGY, RUN = "topology", "strategy and workload", "rounds, rendezvous and output"  # --help groups
+NETWORK = "emulated network (see bench.py emulate --help)"
 
 
 def option(default: Any, help: str, *, group: str = RUN, aliases: tuple[str, ...] = (), choices: tuple[str, ...] = (),
@@ -83,6 +84,23 @@ class RunConfig:
         "per trainer and server plus one, a trainer two plus one per server)")
     master_addr: str = option("127.0.0.1", "address of the rendezvous store (a private interface: RPC trusts its peers)")
     master_port: int | None = option(None, "port of the rendezvous store (default: a free one)")
+    rpc_transport: str = option(
+        "auto", "how TensorPipe moves RPC payloads: auto = its own choice (shared memory between processes of one "
+        "machine, even across network namespaces); tcp = TCP sockets only (the uv transport and basic channel), so "
+        "RPC crosses the network as gloo's collectives do; an emulated network always uses tcp",
+        choices=("auto", "tcp"))
+    emulate_link: str | None = option(
+        None, "emulate a cluster network on this machine: every host a network namespace behind a link of this "
+        "rate to one switch, shaped both ways with tc, e.g. 1gbit, 10gbit, 500mbit (tc's units); needs root "
+        "(default: none, the real network)", group=NETWORK, metavar="RATE")
+    emulate_hosts: int | None = option(
+        None, "emulated hosts: the ranks packed onto N hosts in rank order (default: every trainer and every server "
+        "on a host of its own, the master beside the last server)", group=NETWORK)
+    emulate_delay: str | None = option(
+        None, "added one-way delay on every emulated link, e.g. 100us or 2ms (needs the kernel's netem)",
+        group=NETWORK, metavar="TIME")
+    emulate_keep: bool = option(False, "keep the emulated network after the run, for a look inside; prints how to "
+                                       "enter and remove it", group=NETWORK)
     iface: str | None = option(
         None, "network interface that connects the nodes, e.g. eth1: exported to every rank as "
         "TP_SOCKET_IFNAME (TensorPipe) and GLOO_SOCKET_IFNAME (gloo); must exist on every node (default: "

@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from ps_bench.cluster import network
 from ps_bench.config import ConfigError, RunConfig, check_interface, check_port, check_writable_folder
 from ps_bench.faults import Fault
 from ps_bench.models import DATA, DATA_PRESETS, MODEL_PRESETS, MODELS, PRESET_DATA
@@ -60,7 +61,7 @@ def check_options(cfg: RunConfig) -> None:
         check_port("--master-port", cfg.master_port)
     if cfg.iface is not None:
         check_interface(cfg.iface)
-    for name in ("backend", "mapping"):
+    for name in ("backend", "mapping", "rpc_transport"):
         allowed, value = RunConfig.__dataclass_fields__[name].metadata["choices"], getattr(cfg, name)
         need(value in allowed, f"--{name} must be one of {', '.join(allowed)}; got {value!r}")
 
@@ -141,12 +142,24 @@ def check_devices(cfg: RunConfig, network: torch.nn.Module, gpus: int, trainers_
         raise ConfigError(f"--hook {cfg.hook} all-reduces sparse gradients over gloo: use --backend multi")
 
 
+def check_network(cfg: RunConfig) -> None:
+    """An emulated network: its options and this machine; its RPC always goes over TCP."""
+    if cfg.emulate_link is None:
+        given = [flag(name) for name in ("emulate_hosts", "emulate_delay") if getattr(cfg, name) is not None]
+        given += ["--emulate-keep"] if cfg.emulate_keep else []
+        need(not given, f"{', '.join(given)} shape(s) an emulated network: set --emulate-link too")
+        return
+    network.check(cfg)
+    cfg.rpc_transport = "tcp"
+
+
 def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | None = None) -> tuple[Entry, Entry]:
     """Checks a whole configuration before any process starts (canonicalising the names it
     holds); returns the model and data entries it names. ``gpus`` defaults to the CUDA devices
     visible here, ``trainers_on_node`` to every trainer (one machine)."""
     check_options(cfg)
     check_pieces(cfg)
+    check_network(cfg)
     model, data, network = check_workload(cfg)
     check_devices(cfg, network, cuda_device_count() if gpus is None else gpus,
                   cfg.num_trainers if trainers_on_node is None else trainers_on_node)

@@ -38,6 +38,7 @@ import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 
 from ps_bench import failures, preload, rendezvous
+from ps_bench.cluster import network
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.master import Master
 from ps_bench.metrics.record import failed_results, read_snapshot
@@ -70,6 +71,8 @@ class LaunchSpec:
     env: dict[str, str] = field(default_factory=dict)  # set by every local rank first: the store, the interface
     log_path: str | None = None  # where local ranks write their output (a sweep point's log), else inherited
     launcher_pid: int = field(default_factory=os.getpid)
+    namespaces: dict[int, dict[str, str]] = field(default_factory=dict)  # rank -> its emulated host's namespaces
+    emulated: dict | None = None  # the emulated network, for the results (env.emulated)
 
     def topology(self) -> Topology:
         cfg = self.config
@@ -78,6 +81,16 @@ class LaunchSpec:
 
     def device_of(self, rank: int) -> int | None:
         return self.topology().device_index(rank, self.local_world_size, self.gpus_per_node)
+
+    def interface(self) -> str | None:
+        """The interface every rank binds TensorPipe and gloo to: ``--iface``; an emulated host's
+        link; loopback when every rank is on this machine (nothing needs more, nothing else may
+        reach it); else None, their own choice."""
+        if self.config.iface:
+            return self.config.iface
+        if self.namespaces:
+            return network.HOST_IFACE
+        return rendezvous.loopback() if self.local_world_size == self.config.world_size else None
 
 
 def new_run_dir() -> str:
@@ -102,12 +115,16 @@ def listen_for_stack_requests(run_dir: str, rank: int) -> None:
 
 def rpc_options(spec: LaunchSpec, rank: int) -> rpc.TensorPipeRpcBackendOptions:
     topology, cfg = spec.topology(), spec.config
+    maps = topology.device_maps(rank, spec.local_world_size, spec.gpus_per_node)
+    tcp = {}
+    if cfg.rpc_transport == "tcp":  # TCP sockets only; CUDA tensors staged through the host, over the same
+        tcp = {"_transports": ["uv"], "_channels": ["basic", "cuda_basic"] if maps else ["basic"]}
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=cfg.rpc_threads or topology.rpc_worker_threads(rank),
         rpc_timeout=cfg.rpc_timeout,
         init_method=rendezvous.INIT_METHOD,  # this attempt's keys only (elastic restarts)
+        **tcp,
     )
-    maps = topology.device_maps(rank, spec.local_world_size, spec.gpus_per_node)
     for peer, device_map in maps.items():
         options.set_device_map(peer, device_map)
     if maps:
@@ -155,8 +172,7 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
     if spec.torchrun and cfg.timeout:  # no launcher of ours to enforce --timeout: each rank does
         faulthandler.dump_traceback_later(cfg.timeout, exit=True)
     master = None
-    # every rank on this machine: nothing needs more than loopback (and nothing else may reach it)
-    iface = cfg.iface or (rendezvous.loopback() if spec.local_world_size == topology.world_size else None)
+    iface = spec.interface()
     if iface:  # read by TensorPipe and gloo when they open their sockets
         os.environ.update(rendezvous.interface_env(iface))
     try:
@@ -187,7 +203,8 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
                             spec.run_dir, spec.results_path, spec.launched_at,
                             hosts=rendezvous.gather_hosts(view, topology.world_size), recovered=recovered,
                             startup=lambda: {"launcher": {"launched": spec.launched_at, **spec.milestones},
-                                             "ranks": rendezvous.gather_startup(view, topology.world_size)})
+                                             "ranks": rendezvous.gather_startup(view, topology.world_size)},
+                            emulated=spec.emulated)
             master.run()
         rpc.shutdown()
         if dist.is_initialized():
@@ -206,6 +223,8 @@ def _spawned(rank: int, spec: LaunchSpec) -> None:
     die_with(spec.launcher_pid)
     prctl(PR_SET_NAME, f"ps_bench r{rank}".encode())  # what ps -o comm and /proc/PID/comm show
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how the job ends
+    if rank in spec.namespaces:  # one thread yet, no socket: everything from here is on the emulated host
+        network.enter(spec.namespaces[rank])
     os.environ.update(spec.env)  # the forkserver kept the environment it started with
     if spec.log_path is not None:
         log = os.open(spec.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -386,42 +405,70 @@ def supervise(spec: LaunchSpec, processes: list, watchdog: tuple[float, str] | N
             terminate(processes)
             raise JobFailed(f"the job did not finish within {watchdog[1]} {watchdog[0]:g} s; {stacks.summary()}",
                             stacks.text)
-        running = [p.sentinel for p in processes if p.exitcode is None]
+        # from the same reading as ``codes``: a rank that ends after it has a ready sentinel (a second
+        # reading could find every rank ended, and wait on nothing until the deadline)
+        running = [processes[rank].sentinel for rank, code in codes.items() if code is None]
         wait(running, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 def spawn(spec: LaunchSpec, watchdog: tuple[float, str] | None = None) -> int:
-    """Runs every rank on this machine; returns 0 or raises (JobFailed, KeyboardInterrupt,
-    ...) after every process is gone and the finished rounds are written. ``watchdog``
-    (seconds, option) ends a job that runs longer, as --timeout does (the shorter wins)."""
+    """Runs every rank on this machine (on an emulated network when the options ask for one);
+    returns 0 or raises (JobFailed, KeyboardInterrupt, ...) after every process is gone, the
+    emulated network with them, and the finished rounds are written. ``watchdog`` (seconds,
+    option) ends a job that runs longer, as --timeout does (the shorter wins)."""
     cfg = spec.config
     if cfg.timeout and (watchdog is None or cfg.timeout < watchdog[0]):
         watchdog = (cfg.timeout, "--timeout")
-    store, port = host_store(cfg)
     spec.run_dir = new_run_dir()
-    spec.env = {
-        "MASTER_ADDR": cfg.master_addr,
-        "MASTER_PORT": str(port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank is a client of the store above
-    }
-    preload.start(cfg.debug)  # running already when bench.py started it
+    emulated = store = None
     processes = []
     try:
-        context = mp.start_processes(_spawned, args=(spec,), nprocs=cfg.world_size, join=False,
-                                     start_method=preload.START_METHOD)
-        processes = context.processes
-        supervise(spec, processes, watchdog)
-        return 0
-    except BaseException as error:
-        terminate(processes)
-        reason = str(error) if isinstance(error, JobFailed) else interruption(error)
-        path = keep_finished_rounds(spec, reason)
-        if path is not None:
-            print(f"results (failed run): {path}", flush=True)
-        raise
+        if cfg.emulate_link is not None:
+            try:
+                emulated = network.build(cfg)
+            except RuntimeError as error:
+                raise JobFailed(str(error)) from None
+            emulated_env(spec, emulated)
+            print(emulated.describe(lambda rank: spec.topology().info(rank).name), flush=True)
+        else:
+            store, port = host_store(cfg)
+            spec.env = {
+                "MASTER_ADDR": cfg.master_addr,
+                "MASTER_PORT": str(port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank is a client of the store above
+            }
+        preload.start(cfg.debug)  # running already when bench.py started it
+        try:
+            context = mp.start_processes(_spawned, args=(spec,), nprocs=cfg.world_size, join=False,
+                                         start_method=preload.START_METHOD)
+            processes = context.processes
+            supervise(spec, processes, watchdog)
+            return 0
+        except BaseException as error:
+            terminate(processes)
+            reason = str(error) if isinstance(error, JobFailed) else interruption(error)
+            path = keep_finished_rounds(spec, reason)
+            if path is not None:
+                print(f"results (failed run): {path}", flush=True)
+            raise
     finally:
         del store
+        if emulated is not None:
+            emulated.close()
+            if emulated.keep:
+                print(emulated.kept(), flush=True)
         shutil.rmtree(spec.run_dir, ignore_errors=True)
+
+
+def emulated_env(spec: LaunchSpec, emulated: network.EmulatedNetwork) -> None:
+    """What the ranks of an emulated network need: their hosts' namespaces, the store as a file
+    in the private run folder (no network is shared with the launcher), and NCCL kept off the
+    shortcuts that would bypass the links."""
+    spec.namespaces = {rank: emulated.namespaces_of(rank) for rank in range(spec.config.world_size)}
+    spec.emulated = emulated.record()
+    spec.env = {rendezvous.STORE_FILE: str(Path(spec.run_dir) / "store"), "MASTER_ADDR": emulated.address(0),
+                "NCCL_SOCKET_IFNAME": network.HOST_IFACE, "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
+                "NCCL_IB_DISABLE": "1"}
 
 
 def interruption(error: BaseException) -> str:

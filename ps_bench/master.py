@@ -52,7 +52,8 @@ class Master:
     def __init__(self, config: RunConfig, topology: Topology, model: Entry, data: Entry,
                  device_of: Callable[[int], int | None], argv: list[str], run_dir: str, results_path: str,
                  launched_at: float | None = None, hosts: list[dict] | None = None,
-                 recovered: list[dict] | None = None, startup: Callable[[], dict] | None = None) -> None:
+                 recovered: list[dict] | None = None, startup: Callable[[], dict] | None = None,
+                 emulated: dict | None = None) -> None:
         self.config, self.topology = config, topology
         self.model, self.data = model, data
         self.device_of = device_of
@@ -61,7 +62,9 @@ class Master:
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.launched_at = time.time() if launched_at is None else launched_at
         self.record = RunRecord(config, topology, model, data, argv, {**environment(config.backend),
-                                                                      "hosts": hosts or []}, recovered)
+                                                                      "hosts": hosts or [],
+                                                                      **({"emulated": emulated} if emulated else {})},
+                                recovered)
         self.floor_targets: list[rpc.RRef] = []  # --limits: one RpcFloorTarget per server
         self.startup = startup  # () -> {"launcher": milestones, "ranks": [milestones]}, once every rank is up
         self.snapshot_at = self.snapshot_cost = 0.0

@@ -22,6 +22,7 @@ START_METHOD = "forkserver"
 PRELOAD = ["ps_bench.forkserver", "ps_bench.launch", "torch._dynamo"]  # torch, RPC, trainers, servers, models, metrics; and what
 # DistributedDataParallel imports when a trainer first builds one (1 to 2 s of CPU)
 RUN_ONLY_FLAGS = ("-h", "--help", "--dry-run", "--dry_run")
+RUNNING_SUBCOMMANDS = ("emulate",)  # subcommands that run one job from this machine's launcher
 
 
 def context() -> multiprocessing.context.BaseContext:
@@ -68,12 +69,13 @@ def stop() -> None:
 
 def starts_ranks(argv: list[str]) -> bool:
     """Whether this command line will start local ranks: a run (its words are all options; a
-    subcommand's first word is its name), not under torchrun, not --help or --dry-run. Judged
+    subcommand's first word is its name) or ``emulate``, not under torchrun, not --help or
+    --dry-run. Judged
     from the words alone, before they are parsed: a wrong guess costs an idle forkserver for a
     moment, never a wrong result."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return False
-    words = argv[1:] if argv[:1] == ["run"] else argv
+    words = argv[1:] if argv[:1] in (["run"], *([name] for name in RUNNING_SUBCOMMANDS)) else argv
     if words and not words[0].startswith("-"):
         return False
     return not any(word in RUN_ONLY_FLAGS for word in words)

@@ -12,9 +12,11 @@ view, which the master gathers into the results' ``env.hosts``.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
+import struct
 from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
 
@@ -27,6 +29,8 @@ SCHEME = "ps-bench-attempt"
 INIT_METHOD = f"{SCHEME}://"  # what RPC is given: the store of this attempt, see _rendezvous
 FAILURES_PREFIX = "ps_bench/failures"
 LOOPBACK = "lo"  # Linux's loopback interface
+STORE_FILE = "PS_BENCH_STORE_FILE"
+SIOCGIFADDR = 0x8915
 
 _timeout_s: float | None = None  # set by join(): how long store operations may wait
 
@@ -49,7 +53,14 @@ def failure_key(attempt: int, rank: int) -> str:
 
 
 def connect(timeout_s: float) -> dist.Store:
-    """A client of the job's store (never its host: the launcher or torchrun's agent is)."""
+    """A client of the job's store (never its host: the launcher or torchrun's agent is): a file
+    in the job's private run folder where the launcher says so (``STORE_FILE``: ranks in the
+    namespaces of an emulated network share no network with the launcher), else TCP at
+    ``MASTER_ADDR:MASTER_PORT``."""
+    if STORE_FILE in os.environ:
+        store = dist.FileStore(os.environ[STORE_FILE], -1)
+        store.set_timeout(timedelta(seconds=timeout_s))
+        return store
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                          timeout=timedelta(seconds=timeout_s))
 
@@ -119,10 +130,24 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of interface ``name`` (in this network namespace), if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            packed = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
 def describe_host(rank: int, local_rank: int) -> dict:
+    """This rank's host: its name, and its address on the interface the ranks bind to (else the
+    one that reaches the store)."""
+    bound = os.environ.get("TP_SOCKET_IFNAME")
     return {
         "hostname": socket.gethostname(),
-        "address": address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")),
+        "address": (interface_address(bound) if bound else None)
+        or address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")),
         "rank": rank,
         "local_rank": local_rank,
         "cpus": os.cpu_count() or 0,

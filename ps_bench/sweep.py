@@ -51,7 +51,7 @@ example:
 SWEEP_KEYS = ("name", "base", "grid", "variants")
 RESULTS_NAME = "results.jsonl"
 # Options a sweep sets itself, and options that change how a run reports, not what it measures.
-NOT_HASHED = ("out", "dry_run", "per_rank", "debug")
+NOT_HASHED = ("out", "dry_run", "per_rank", "debug", "verbose", "emulate_keep")
 
 
 @dataclass

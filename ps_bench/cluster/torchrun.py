@@ -113,6 +113,9 @@ def cluster_job(args: argparse.Namespace, bench_argv: list[str], nodes: int, gpu
     check_port("--port", args.port)
     values, config_path = parse_run_options(bench_argv)
     cfg = build_config(values, config_path)
+    if cfg.emulate_link is not None:
+        raise ConfigError("--emulate-link emulates a network of hosts on this one machine: run it with bench.py "
+                          "(bench.py emulate), not across real nodes")
     cfg.iface = None
     layout = layout_for(cfg, nodes, hosts)
     wants_cuda = cfg.backend != "gloo" or cfg.ncudatrainer or cfg.ncudaserver

@@ -142,11 +142,20 @@ def test_cloud_task_names_nodes_resources_setup_and_run(tmp_path, capsys):
     assert f"pip install {pins}" in task["setup"] and "pip install -e ." in task["setup"]
     assert '--node-rank "$SKYPILOT_NODE_RANK"' in task["run"] and "--nproc-per-node 4" in task["run"]
     assert 'PS_BENCH_HEAD=$(echo "$SKYPILOT_NODE_IPS" | head -n 1)' in task["run"]
-    try:
-        import sky
-    except ImportError:
-        return  # SkyPilot is not installed here: its own parser is checked where it is
-    sky.Task.from_yaml(str(path))
+
+
+def test_skypilot_itself_reads_the_task(tmp_path, capsys):
+    """SkyPilot's own parser (the test extra installs SkyPilot; ps_bench itself never needs it)."""
+    sky = pytest.importorskip("sky", reason="SkyPilot is not installed: pip install -e '.[test]'")
+    path = tmp_path / "task.yaml"
+    assert main(["cloud", "--nodes", "2", "--accelerators", "H100:4", "--use-spot", "--cloud", "aws", "-o", str(path),
+                 "--", "--ntrainer", "6", "--nserver", "1", "--backend", "nccl"]) == 0
+    task = sky.Task.from_yaml(str(path))
+    assert task.num_nodes == 2 and task.name == "ps-bench"
+    [resources] = task.resources
+    assert resources.accelerators == {"H100": 4} and resources.use_spot is True and str(resources.cloud) == "AWS"
+    assert task.workdir == str(Path(__file__).resolve().parents[2])
+    assert "torch.distributed.run" in task.run and "pip install -e ." in task.setup
 
 
 def test_cloud_refuses_bad_accelerators_in_one_line(capsys):

@@ -1,0 +1,129 @@
+"""``bench.py emulate``: real network namespaces, veth links and tc shaping on this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ps_bench.cluster.network import TOOLS, netem_available, privileged
+from tests.benchrun import ROOT, communicate, read_until, run_bench, start_bench
+
+pytestmark = pytest.mark.skipif(not privileged() or any(shutil.which(tool) is None for tool in TOOLS),
+                                reason="an emulated network needs root and iproute2 (apt-get install -y iproute2)")
+
+QUICK = ("--warmup-rounds", "1", "--rounds", "2")
+# 1.3 MB of gradients: large enough that a link of 200 Mbit/s, not RPC's own overhead, sets the time
+MID_MODEL = {"Mid": {"model_class": "DummyModel", "configurations": {
+    "num_embeddings": 256, "embedding_dim": 256, "dense_input_size": 256, "dense_output_size": 256,
+    "dense_layers_count": 4}}}
+
+
+def machine_state() -> tuple[set[str], list[str]]:
+    """The network namespaces of every process here, and this namespace's links."""
+    namespaces = subprocess.run(["lsns", "-t", "net", "-n", "-o", "NS"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    return set(namespaces.split()), sorted(line.split(":")[1].strip() for line in links.splitlines())
+
+
+@pytest.fixture
+def nothing_left_behind():
+    """The test's emulated networks are all gone once it ends (a second run right after works)."""
+    before = machine_state()
+    yield
+    deadline = time.monotonic() + 10
+    while machine_state() != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert machine_state() == before, "namespaces or links of an emulated network were left behind"
+
+
+def emulate(*args: str, timeout_s: float = 300):
+    return run_bench("emulate", *args, timeout_s=timeout_s)
+
+
+def test_an_emulated_run_records_its_network_and_trains_identical_replicas(tmp_path, nothing_left_behind):
+    run = emulate("--link", "1gbit", "--", *QUICK, "--verify", "--out", str(tmp_path / "r.json"))
+    assert run.returncode == 0, run.output
+    assert "ps_bench: emulated network: 3 hosts" in run.stdout and "each link 1 Gbit/s both ways" in run.stdout
+    results = run.results
+    assert results["status"] == "ok" and results["replicas"]["identical"] is True
+    assert results["env"]["emulated"] == {"link_rate_bps": 1e9, "delay_s": 0.0, "hosts": 3,
+                                          "placement": [[0], [1], [2, 3]], "rpc_transport": "tcp",
+                                          "shaping": "tc tbf on both ends of every host's link"}
+    assert results["config"]["rpc_transport"] == "tcp" and results["config"]["emulate_link"] == "1gbit"
+    hosts = {host["hostname"]: (host["address"], host["ranks"]) for host in results["env"]["hosts"]}
+    assert hosts == {"emulated-h0": ("10.231.0.1", [0]), "emulated-h1": ("10.231.0.2", [1]),
+                     "emulated-h2": ("10.231.0.3", [2, 3])}
+
+
+def test_the_rpc_floor_across_200mbit_links_is_what_the_links_allow(tmp_path, nothing_left_behind):
+    """1 trainer and 1 server on two hosts: a round trip moves the bucket out and its average back,
+    each across two shaped links, so it takes 2 x bytes / rate."""
+    models = tmp_path / "models.json"
+    models.write_text(json.dumps(MID_MODEL))
+    run = emulate("--link", "200mbit", "--", "--ntrainer", "1", "--nserver", "1", "--model", "Mid",
+                  "--model-config-path", str(models), "--batch-size", "128", "--rounds", "1", "--limits",
+                  "--out", str(tmp_path / "r.json"))
+    assert run.returncode == 0, run.output
+    limits = run.results["limits"]
+    expected_ms = 2 * limits["bytes_per_iter"] * 8 / 200e6 * 1000
+    assert limits["rpc"]["p50_ms"] == pytest.approx(expected_ms, rel=0.15), (limits["rpc"], expected_ms)
+    assert run.results["efficiency"]["floor"] == "rpc"
+
+
+def test_a_failed_rank_ctrl_c_and_kill_leave_nothing_behind(tmp_path, nothing_left_behind):
+    failed = emulate("--link", "1gbit", "--hosts", "2", "--", "--inject-fault", "trainer:0:3:raise",
+                     "--out", str(tmp_path / "failed.json"))
+    assert failed.returncode == 1 and "injected fault" in failed.stderr.strip().splitlines()[-1]
+    assert failed.results["status"] == "failed"
+    process = subprocess.Popen([sys.executable, str(ROOT / "bench.py"), "emulate", "--link", "1gbit", "--",
+                                "--rounds", "100000", "--out", str(tmp_path / "stopped.json")], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    read_until(process, "[round 2/")
+    process.send_signal(signal.SIGINT)
+    _, stderr, _ = communicate(process, 60, "bench.py emulate after Ctrl-C")
+    assert process.returncode == 130 and "interrupted by SIGINT" in stderr
+    assert json.loads((tmp_path / "stopped.json").read_text())["rounds_completed"] >= 1
+    # SIGKILL to the launcher alone: its ranks and the namespaces' holders end with it
+    process = start_bench("emulate", "--link", "1gbit", "--", "--rounds", "100000", "--out", str(tmp_path / "k.json"))
+    read_until(process, "[round 2/")
+    process.kill()
+    communicate(process, 60, "bench.py emulate after SIGKILL")
+
+
+BAD_INPUTS = [
+    (["--link", "fast"], "--link (--emulate-link): expected a rate in tc's units"),
+    (["--link", "0gbit"], "--link (--emulate-link) must be at least 1kbit"),
+    (["--link", "1gbit", "--hosts", "0"], "--hosts (--emulate-hosts) must be from 1 to this job's 4 processes"),
+    (["--link", "1gbit", "--hosts", "5"], "--hosts (--emulate-hosts) must be from 1 to this job's 4 processes"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[" ".join(argv) for argv, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_within_5_s_and_creates_nothing(argv, message, nothing_left_behind):
+    run = emulate(*argv, "--", timeout_s=60)
+    assert run.returncode == 2 and run.elapsed_s < 5, run.output
+    assert run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
+
+
+@pytest.mark.skipif(netem_available(), reason="this kernel has netem: --delay is accepted here")
+def test_delay_without_netem_is_refused(nothing_left_behind):
+    run = emulate("--link", "1gbit", "--delay", "1ms", "--", timeout_s=60)
+    assert run.returncode == 2 and run.elapsed_s < 5, run.output
+    assert run.stderr.count("\n") == 1 and "needs the kernel's netem qdisc" in run.stderr
+
+
+def test_without_root_it_says_so(nothing_left_behind):
+    """Root's capabilities dropped (the bounding set emptied before exec): what a user without sudo gets."""
+    command = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, str(ROOT / "bench.py"),
+               "emulate", "--link", "1gbit", "--"]
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ})
+    assert done.returncode == 2 and time.monotonic() - started < 5, done.stderr
+    assert done.stderr.count("\n") == 1 and "needs root" in done.stderr and "sudo" in done.stderr
