@@ -42,6 +42,8 @@ SUBCOMMANDS = {
     "cloud": ("ps_bench.cluster.cloud", "--nodes N -- [options]", "a SkyPilot task YAML for cloud machines"),
     "emulate": ("ps_bench.cluster.emulate", "--link RATE -- [options]", "a cluster's network on this machine: every "
                 "rank behind a shaped link"),
+    "predict": ("ps_bench.predict.command", "RESULTS.json... --trainers N,...", "batch time at scale, calibrated on "
+                "runs you made"),
 }
 
 DESCRIPTION = """\

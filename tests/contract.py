@@ -7,7 +7,7 @@ import json
 
 SCHEMA = "ps_bench.result/1"
 TOP_LEVEL = {"schema", "status", "started", "finished", "argv", "config", "env", "summary", "throughput", "bytes",
-             "replicas", "samples", "restarts", "recovered", "rounds_completed", "loss", "memory"}
+             "replicas", "samples", "restarts", "recovered", "rounds_completed", "loss", "memory", "timeline"}
 FAILED_MINIMUM = {"schema", "status", "error", "started", "finished", "argv", "config", "env", "rounds_completed",
                   "summary"}
 ENV = {"torch", "python", "hostname", "cuda_devices", "backend"}
@@ -29,6 +29,8 @@ def check_contract(results: dict, status: str = "ok") -> None:
         assert set(row) == STATS and row["unit"] == "ms" and row["count"] > 0
         assert row["min"] <= row["p50"] <= row["p90"] <= row["p99"] <= row["max"]
     assert set(results["bytes"]) == BYTES
+    for bucket in results["timeline"] or []:
+        assert set(bucket) == {"index", "bytes", "ready_ms", "done_ms"} and bucket["ready_ms"] <= bucket["done_ms"]
     if status == "ok":
         assert set(results["replicas"]) == {"identical", "param_norm", "max_abs_diff"}
         assert results["throughput"]["samples_per_s"] > 0

@@ -11,6 +11,9 @@ moves floors and strategy alike):
 - the memory-copy bandwidth of one process (the ceiling of one machine);
 - the compute-only iteration: forward, backward and optimizer step of a copy of the model with
   no DDP and no hook, every trainer at once (what an iteration costs with no communication).
+- the link: one message at each of ``LINK_SIZES``, all-reduced among the trainers (a round trip
+  to a server when there is one trainer), from which ``fit_link`` takes the link's latency α and
+  bandwidth B (the calibration of ``bench.py predict``).
 
 Bandwidths follow nccl-tests: ``algbw = bytes / time``; for an all-reduce
 ``busbw = algbw * 2(n-1)/n``, comparable across trainer counts and with the hardware's link
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import statistics
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
@@ -34,6 +38,7 @@ FLOOR_WARMUP = 3  # untimed repetitions before each floor: connections, allocati
 FLOOR_ITERATIONS = 20  # per floor and trainer, spread over the timed rounds
 FLOOR_MIN_PER_ROUND = 4
 MEMCPY_ITERATIONS = 20
+LINK_SIZES = (4 * 1024, 1024 * 1024, 16 * 1024 * 1024)  # bytes of the link probe's messages
 
 
 # -- pure arithmetic ---------------------------------------------------------------------------
@@ -68,6 +73,38 @@ def byteps_optimum_ms(trainers: int, servers: int, bytes_per_trainer: float, gbp
     n, k = trainers, servers
     denominator = (n * n + k * n - 2 * k) * gbps * 1e9
     return 2 * n * (n - 1) * bytes_per_trainer / denominator * 1000.0 if denominator > 0 else 0.0
+
+
+def link_terms(method: str, peers: int) -> tuple[float, float]:
+    """How many latencies and how many times the message crosses a link in one probe:
+    a ring all-reduce among n ranks, ``2(n-1) α + 2(n-1)/n · S/B``; an RPC round trip, ``2α + 2S/B``."""
+    if method == "allreduce":
+        return 2.0 * (peers - 1), 2.0 * (peers - 1) / peers
+    return 2.0, 2.0
+
+
+def fit_link(points: list[tuple[int, float]], method: str, peers: int) -> dict:
+    """The link's latency α (µs) and bandwidth B (Gbit/s) from ``(bytes, ms)`` probe points, by
+    least squares on relative error (so small messages weigh as much as large ones) of the
+    probe's model (``link_terms``). Needs two sizes or more."""
+    a, b = link_terms(method, peers)
+    sizes = np.array([size for size, _ in points], dtype=np.float64)
+    times = np.array([ms for _, ms in points], dtype=np.float64)
+    design = np.stack([np.full_like(sizes, a), b * sizes], axis=1) / times[:, None]
+    (alpha_ms, ms_per_byte), *_ = np.linalg.lstsq(design, np.ones_like(times), rcond=None)
+    alpha_ms = max(0.0, float(alpha_ms))
+    if ms_per_byte <= 0:  # the sizes did not separate latency from bandwidth: all of it bandwidth
+        alpha_ms, ms_per_byte = 0.0, float(np.mean(times / (b * sizes)))
+    return {"latency_us": alpha_ms * 1000.0, "bandwidth_gbit_s": 8.0 / ms_per_byte / 1e6}
+
+
+def link_summary(samples: dict[int, list[float]], method: str, peers: int) -> dict | None:
+    """The link probe's p50 per message size and the link fitted to them (None without two sizes)."""
+    points = [(size, statistics.median(values)) for size, values in sorted(samples.items()) if values]
+    if len(points) < 2:
+        return None
+    return {"method": method, "peers": peers, "points": [{"bytes": size, "p50_ms": ms} for size, ms in points],
+            **fit_link(points, method, peers)}
 
 
 def floor_summary(samples_ms: list[float], nbytes: int, world: int | None = None) -> dict:
@@ -127,6 +164,17 @@ def rpc_floor_ms(bucket_bytes: dict[int, int], owners: dict[int, rpc.RRef], grou
         torch.futures.wait_all(futures)
 
     return _timed(repeat, once, lambda: dist.barrier(group=group))
+
+
+def echo(tensor: torch.Tensor) -> torch.Tensor:
+    """Runs on a server: the message back as it came (the link probe's round trip)."""
+    return tensor
+
+
+def echo_ms(nbytes: int, target: rpc.RRef, group: dist.ProcessGroup, repeat: int = FLOOR_ITERATIONS) -> list[float]:
+    """Round trips of one ``nbytes`` message to ``target``'s process and back, per iteration."""
+    tensor = torch.ones(nbytes // 4)
+    return _timed(repeat, lambda: rpc.rpc_sync(target.owner(), echo, args=(tensor,)), lambda: dist.barrier(group=group))
 
 
 def collective_floor_ms(bucket_bytes: dict[int, int], device: torch.device, group: dist.ProcessGroup,

@@ -97,6 +97,7 @@ class RunRecord:
         self.verified_iterations = 0
         self.memory: dict[str, dict[int, dict]] = {"trainer": {}, "server": {}}
         self.buckets: list[dict] | None = None  # DDP's buckets as it built them, from trainer 0
+        self.bucket_offsets: dict[int, list[tuple[float, float]]] = defaultdict(list)  # bucket -> (ready, done) ms
         self.replicas: dict | None = None
         self.floor_layout: dict[int, int] | None = None  # --limits: bucket index -> bytes every floor moves
         self.floor_samples: dict[str, list[float]] = defaultdict(list)
@@ -119,6 +120,8 @@ class RunRecord:
             self.processed += result["samples_processed"]
             self.grad_errors.extend(result["grad_errors"])
             self.memory["trainer"][info.rank] = result["memory"]
+            for bucket, offsets in result.get("timeline", {}).items():
+                self.bucket_offsets[bucket].extend(offsets)
         for info, result in zip(topo.servers, served):
             for metric, values in result["samples"].items():
                 self.server_samples[info.rank][metric].extend(values)
@@ -171,6 +174,7 @@ class RunRecord:
                 "server_recv_per_iter": self.per_iteration(self.server_bytes, 0, topo.num_servers),
                 "server_sent_per_iter": self.per_iteration(self.server_bytes, 1, topo.num_servers),
             },
+            "timeline": self.timeline(),
             "replicas": self.replicas,
             "loss": {"first": self.losses[0], "last": self.losses[-1]} if self.losses else None,
             **({"verify": self.verify_summary()} if cfg.verify else {}),
@@ -192,6 +196,20 @@ class RunRecord:
         if not processes or not self.iterations:
             return 0.0
         return sum(c[column] for c in counts.values()) / processes / self.iterations
+
+    def timeline(self) -> list[dict] | None:
+        """Each DDP bucket in the order it became ready: its payload bytes, and p50 over every
+        trainer's timed iterations of when backward handed it to the strategy (``ready_ms``) and
+        when the strategy delivered it (``done_ms``), in ms after backward began; None where the
+        clocks cannot say (a GPU) or before the buckets are known."""
+        if not self.bucket_offsets or self.buckets is None:
+            return None
+        sizes = {bucket["index"]: bucket["bytes"] for bucket in self.buckets}
+        rows = [{"index": index, "bytes": sizes.get(index),
+                 "ready_ms": float(np.median([ready for ready, _ in offsets])),
+                 "done_ms": float(np.median([done for _, done in offsets]))}
+                for index, offsets in self.bucket_offsets.items()]
+        return sorted(rows, key=lambda row: (row["ready_ms"], row["index"]))
 
     def verify_summary(self) -> dict:
         errors = sorted(self.grad_errors)
@@ -217,6 +235,9 @@ class RunRecord:
                                                   world=self.topology.num_trainers),
                            "backend": self.config.backend},
             "memcpy": self.memcpy,
+            "link": limits.link_summary(
+                {int(kind[5:]): values for kind, values in samples.items() if kind.startswith("link_")},
+                "allreduce" if self.topology.num_trainers > 1 else "rpc", self.topology.num_trainers),
             "compute": {"count": len(samples["compute_ms"]), "p50_ms": float(np.median(samples["compute_ms"]))},
         }
 

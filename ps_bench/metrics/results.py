@@ -142,6 +142,12 @@ def render_limits(limits: dict, efficiency: dict | None) -> str:
         tabulate(rows, headers=["floor", "p50 ms", "p90 ms", "algbw GB/s", "busbw GB/s"], floatfmt=".3f",
                  missingval="-"),
     ]
+    link = limits.get("link")
+    if link:
+        sizes = ", ".join(f"{point['bytes']} B {point['p50_ms']:.3f} ms" for point in link["points"])
+        lines.append(f"link: latency {link['latency_us']:.1f} us, {link['bandwidth_gbit_s']:.3f} Gbit/s, fitted to "
+                     f"{'all-reduces among ' + str(link['peers']) + ' trainers' if link['method'] == 'allreduce' else 'RPC round trips'}"
+                     f" of one message ({sizes})")
     if efficiency:
         lines.append(f"efficiency: {efficiency['value']:.3f} ({efficiency['floor']} floor p50 "
                      f"{efficiency['floor_ms']:.3f} ms / {efficiency['cost']} {efficiency['cost_ms']:.3f} ms)")

@@ -18,7 +18,7 @@ from ps_bench.failures import fatal_on_error
 from ps_bench.faults import Fault, maybe_inject
 from ps_bench.metrics import limits, wire
 from ps_bench.metrics.memory import peak_memory
-from ps_bench.metrics.timers import StepTimer
+from ps_bench.metrics.timers import StepTimer, bucket_offsets, covered_ms
 from ps_bench.models.base import build_model
 from ps_bench.models.entries import Entry
 from ps_bench.registry import Registry
@@ -158,8 +158,13 @@ class DdpTrainer:
         self.iteration = iteration
         readings = [record[:4] for record in records]
         moved = np.diff([(sent_before, recv_before)] + [record[4:] for record in records], axis=0)
-        samples = self.round_samples(timer.phases(readings), moved, ctx.comm.drain(), iteration - iterations + 1,
+        intervals, first_iteration = ctx.comm.drain(), iteration - iterations + 1
+        samples = self.round_samples(timer.phases(readings), moved, covered_ms(intervals), first_iteration,
                                      untimed=checked | traced)
+        # when each bucket became ready and was done, after backward began (CPU clocks only: on a
+        # GPU the readings are CUDA events, on another clock than the hook's)
+        timeline = {} if timer.cuda else bucket_offsets(intervals, {
+            first_iteration + step: reading[1] for step, reading in enumerate(readings) if step not in checked | traced})
         return {
             "samples": samples,
             "iterations": iterations,
@@ -170,6 +175,7 @@ class DdpTrainer:
             "verified_iterations": len(checked),
             "grad_errors": self.gradient_errors(),
             "memory": peak_memory(self.device),
+            "timeline": timeline,
         }
 
     @staticmethod
@@ -244,6 +250,12 @@ class DdpTrainer:
                     owners = {index: targets[s] for index, s in balance_buckets(layout, len(targets)).items()}
                 out["rpc_ms"] = limits.rpc_floor_ms(layout, owners, ctx.process_group, repeat)
             out["collective_ms"] = limits.collective_floor_ms(layout, self.device, ctx.process_group, repeat)
+            for nbytes in limits.LINK_SIZES:  # the link itself, one message at a time
+                if ctx.process_group.size() > 1:
+                    out[f"link_{nbytes}"] = limits.collective_floor_ms({0: nbytes}, self.device, ctx.process_group,
+                                                                       repeat)
+                elif targets:
+                    out[f"link_{nbytes}"] = limits.echo_ms(nbytes, targets[0], ctx.process_group, repeat)
             out["compute_ms"] = limits.compute_floor_ms(self._compute_copy, self.inputs, self.targets, self.batch_size,
                                                         ctx.process_group, self.optimizer.defaults["lr"], repeat)
         finally:

@@ -78,6 +78,21 @@ def test_an_ok_run_meets_the_contract_with_numbers_derived_from_the_rounds():
     assert [entry["name"] for entry in results["samples"]] == ["trainer0", "trainer1", "server2"]
     assert results["samples"][1]["metrics"]["comm"] == [2.5] * 2 * ITERATIONS
     assert "limits" not in results  # no --limits
+    assert results["timeline"] is None  # the rounds had none (a GPU's clocks)
+
+
+def test_the_bucket_timeline_is_p50_over_trainers_and_iterations_in_ready_order():
+    record = make_record()
+    record.buckets = [{"index": 0, "bytes": 3200, "sparse": False}, {"index": 1, "bytes": 800, "sparse": False}]
+    first, second = trainer_round(0.0, 4000, [1.0]), trainer_round(1.0, 4000, [1.0])
+    first["timeline"] = {0: [(9.0, 12.0), (11.0, 14.0)], 1: [(2.0, 5.0)]}
+    second["timeline"] = {0: [(10.0, 13.0)], 1: [(4.0, 6.0)]}
+    record.add_round(0.5, [first, second], [server_round(0)])
+    record.replicas = replica_summary([torch.ones(1), torch.ones(1)])
+    results = record.results("ok")
+    check_contract(results)
+    assert results["timeline"] == [{"index": 1, "bytes": 800, "ready_ms": 3.0, "done_ms": 5.5},
+                                   {"index": 0, "bytes": 3200, "ready_ms": 10.0, "done_ms": 13.0}]
 
 
 def test_units_live_in_the_rows():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ps_bench.metrics.stats import SummaryRow, summarize, summary_rows
-from ps_bench.metrics.timers import IntervalTracker, StepTimer, tensor_bytes
+from ps_bench.metrics.timers import IntervalTracker, StepTimer, bucket_offsets, covered_ms, tensor_bytes
 from ps_bench.trainers.trainer import DdpTrainer
 
 import torch
@@ -52,10 +52,17 @@ def test_interval_tracker_counts_overlaps_once_per_iteration():
     tracker = IntervalTracker()
     # seconds; iteration 7 overlaps itself, iteration 8's interval overlaps 7's in time but is its own
     for start, end in [(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (5.5, 5.7)]:
-        tracker.add((7, start, end))
-    tracker.add((8, 1.0, 1.5))
-    assert tracker.drain() == {7: pytest.approx(4000.0), 8: pytest.approx(500.0)}
-    assert tracker.drain() == {}
+        tracker.add((7, start, end, 0))
+    tracker.add((8, 1.0, 1.5, 0))
+    assert covered_ms(tracker.drain()) == {7: pytest.approx(4000.0), 8: pytest.approx(500.0)}
+    assert tracker.drain() == []
+
+
+def test_bucket_offsets_are_ms_after_the_iterations_backward_began():
+    intervals = [(3, 10.002, 10.010, 0), (3, 10.005, 10.012, 1), (4, 20.001, 20.003, 0), (5, 30.0, 30.1, 0)]
+    offsets = bucket_offsets(intervals, {3: 10.0, 4: 20.0})  # iteration 5 is not timed
+    assert offsets[0] == [pytest.approx((2.0, 10.0)), pytest.approx((1.0, 3.0))]
+    assert offsets[1] == [pytest.approx((5.0, 12.0))]
 
 
 def test_step_timer_turns_cpu_readings_into_phase_milliseconds():

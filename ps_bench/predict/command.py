@@ -1,0 +1,271 @@
+"""``bench.py predict``: batch time of each strategy at trainer and server counts you cannot run,
+calibrated on runs you did, and checked against every given run that matches a predicted point."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tabulate import tabulate
+
+from ps_bench.cluster.network import parse_delay, parse_rate
+from ps_bench.config import ConfigError
+from ps_bench.predict import models
+from ps_bench.predict.predictor import Calibration, Run, calibrate, predict
+from ps_bench.trainers.hooks import HOOKS, RPC
+
+PREDICTION_SCHEMA = "ps_bench.prediction/1"
+DEFAULT_HOOKS = ("allreduce", "ps", "fp16")
+DESCRIPTION = (
+    "Predict the batch time and throughput of each strategy at trainer and server counts you cannot run, from "
+    "runs you did: compute phases, when each DDP bucket becomes ready, the link (fitted to the runs' --limits "
+    "link probe, or the target network from --link/--latency) and each strategy's own compute (from its run). "
+    "One model per transport (ring all-reduce, all-gather for sparse buckets, sharded or grouped parameter "
+    "servers), with the overlap of transfers and backward computed bucket by bucket. Every given run that "
+    "matches a predicted point is shown beside it, with the error.")
+EPILOG = """\
+examples:
+  python bench.py --ntrainer 2 --nserver 1 --hook ps --limits --out ps.json         # calibration runs
+  python bench.py --ntrainer 2 --nserver 1 --hook allreduce --limits --out ar.json
+  python bench.py predict ps.json ar.json --trainers 8,64,256,1024 --servers 1,8,auto
+  python bench.py predict ps.json ar.json --trainers 8,1024 --link 100gbit --latency 5us --plot scale.png
+  python benchmarks/predict_check.py    # predictions against emulated runs (needs root)
+
+--servers auto picks, at each trainer count, the server count (1, 2, 4, ... up to the trainers)
+with the shortest predicted batch. A strategy with no run given takes the own compute of the one it
+compresses (ps_fp16 that of ps), else 0 (JSON: calibration.own_ms lists the ones measured);
+PowerSGD needs a run of it for its bytes.
+"""
+
+
+def count_list(text: str, name: str, allow_auto: bool = False) -> list[int | str]:
+    values: list[int | str] = []
+    for item in text.split(","):
+        item = item.strip()
+        if allow_auto and item == "auto":
+            values.append("auto")
+            continue
+        try:
+            value = int(item)
+        except ValueError:
+            raise ConfigError(f"--{name}: expected whole numbers separated by commas{' or auto' if allow_auto else ''}; "
+                              f"got {text!r}") from None
+        if value < 1:
+            raise ConfigError(f"--{name} must be at least 1; got {value}")
+        values.append(value)
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("results", nargs="+", metavar="RESULTS.json", help="results files of finished runs of one "
+                        "model and batch size (with --limits, unless --link is given)")
+    parser.add_argument("--compare", nargs="+", default=[], metavar="RESULTS.json", help="more results files, "
+                        "shown beside the predictions they match but not used to calibrate (a check)")
+    parser.add_argument("--trainers", default="8,64,256,1024", metavar="N,...", help="trainer counts to predict "
+                        "(default: 8,64,256,1024)")
+    parser.add_argument("--servers", metavar="K,...|auto", help="server counts for parameter-server strategies, "
+                        "auto for the best (default: the runs' server counts)")
+    parser.add_argument("--hooks", metavar="NAME,...", help="strategies to predict (default: the runs' strategies "
+                        f"and {', '.join(DEFAULT_HOOKS)})")
+    parser.add_argument("--mapping", choices=("shard", "group"), default="shard",
+                        help="how trainers' buckets map to servers (default: shard)")
+    parser.add_argument("--link", metavar="RATE", help="the target network's link, each way, e.g. 25gbit, 100gbit "
+                        "(default: the link fitted to the runs' --limits)")
+    parser.add_argument("--latency", metavar="TIME", help="the target link's latency per message, e.g. 5us "
+                        "(default: the fitted one)")
+    parser.add_argument("--out", metavar="FILE.json", help="write the calibration and every prediction as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw batch time against trainers, one line per strategy "
+                        "(needs matplotlib)")
+
+
+def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
+    trainers = sorted(set(count_list(args.trainers, "trainers")))
+    link_bps = parse_target_rate(args.link) if args.link is not None else None
+    latency_s = parse_target_latency(args.latency) if args.latency is not None else None
+    runs = [Run.load(path) for path in args.results]
+    calibration = calibrate(runs, link_bps, latency_s)
+    hooks = choose_hooks(args.hooks, runs, calibration)
+    servers = (count_list(args.servers, "servers", allow_auto=True) if args.servers is not None
+               else sorted({run.servers for run in runs if run.servers} or {1}))
+    compared = [Run.load(path) for path in args.compare]
+    rows = prediction_rows(calibration, hooks, trainers, servers, args.mapping, link_bps, compared)
+    print(describe_calibration(calibration))
+    print(render(rows))
+    print(render_winners(winners(rows)))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"schema": PREDICTION_SCHEMA, "calibration": calibration.to_dict(),
+                                              "predictions": rows, "winners": winners(rows)}, indent=2) + "\n")
+        print(f"predictions: {args.out}")
+    if args.plot:
+        plot(args.plot, rows, calibration)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def parse_target_rate(text: str) -> float:
+    try:
+        return parse_rate(text)
+    except ConfigError:
+        raise ConfigError(f"--link: expected a rate with its unit, e.g. 25gbit, 100gbit, 500mbit; got {text!r}") from None
+
+
+def parse_target_latency(text: str) -> float:
+    try:
+        return parse_delay(text)
+    except ConfigError:
+        raise ConfigError(f"--latency: expected a time with its unit, e.g. 5us, 1ms; got {text!r}") from None
+
+
+def choose_hooks(text: str | None, runs: list[Run], calibration: Calibration) -> list[str]:
+    if text is None:
+        names = list(dict.fromkeys([run.hook for run in runs] + list(DEFAULT_HOOKS)))
+        return [name for name in names if predict(calibration, name, 2, 1) is not None]
+    hooks = []
+    for name in text.split(","):
+        if name.strip() not in HOOKS:
+            raise ConfigError(f"--hooks: unknown strategy {name.strip()!r}; one of {', '.join(HOOKS.names())}")
+        hook = HOOKS.canonical(name.strip())
+        if predict(calibration, hook, 2, 1) is None:
+            raise ConfigError(f"--hooks: {hook} sends low-rank factors whose size depends on the layers' shapes: give "
+                              f"a run of {hook} to calibrate it")
+        hooks.append(hook)
+    return list(dict.fromkeys(hooks))
+
+
+def server_counts(n: int) -> list[int]:
+    """The server counts ``auto`` tries at ``n`` trainers: powers of two up to n, and n."""
+    return sorted({2 ** i for i in range(n.bit_length())} | {n})
+
+
+def prediction_rows(calibration: Calibration, hooks: list[str], trainers: list[int], servers: list[int | str],
+                    mapping: str, link_bps: float | None, compared: list[Run] = ()) -> list[dict]:
+    """One row per strategy, trainer count and (parameter-server strategies) server count; with
+    ``auto``, the server count of the shortest predicted batch is added, marked ``auto``."""
+    rows = []
+    explicit = [k for k in servers if k != "auto"]
+    for n in trainers:
+        for hook in hooks:
+            if HOOKS.record(hook).transport != RPC:
+                rows.append(row_of(calibration, hook, n, None, mapping, link_bps, compared))
+                continue
+            predicted = {k: row_of(calibration, hook, n, k, mapping, link_bps, compared) for k in explicit}
+            if "auto" in servers:
+                best = min((row_of(calibration, hook, n, k, mapping, link_bps, compared) for k in server_counts(n)),
+                           key=lambda row: row["batch_ms"])
+                if best["servers"] not in predicted:
+                    predicted[best["servers"]] = {**best, "auto": True}
+            rows.extend(row for _, row in sorted(predicted.items()))
+    return rows
+
+
+def row_of(calibration: Calibration, hook: str, n: int, k: int | None, mapping: str, link_bps: float | None,
+           compared: list[Run]) -> dict:
+    predicted = predict(calibration, hook, n, k or 0, mapping)
+    row = {"strategy": hook, "trainers": n, "servers": k, **predicted,
+           **measured(calibration, compared, hook, n, k or 0, mapping, link_bps, predicted["batch_ms"])}
+    if k:  # the best any parameter-server layout could do with this many servers, communication only
+        row["byteps_bound_ms"] = models.byteps_bound_ms(n, k, calibration.gradient_bytes, calibration.link)
+    return row
+
+
+def measured(calibration: Calibration, compared: list[Run], hook: str, n: int, k: int, mapping: str,
+             link_bps: float | None, predicted_ms: float) -> dict:
+    """The given runs of this point (same strategy, trainers, servers, network): their batch p50,
+    the prediction's error against it, and whether one of them calibrated the strategy's own
+    compute (then the error is about 0 by construction)."""
+    uses_servers = HOOKS.record(hook).transport == RPC
+    matches = [run for run in [*calibration.runs, *compared]
+               if run.hook == hook and run.trainers == n and (not uses_servers or (run.servers == k and
+                                                                                  run.mapping == mapping))
+               and (link_bps is None or run.link_rate_bps == link_bps)]
+    if not matches:
+        return {"measured_ms": None, "error_pct": None}
+    value = sorted(run.batch_ms for run in matches)[len(matches) // 2]
+    return {"measured_ms": value, "error_pct": (predicted_ms - value) / value * 100.0,
+            "runs": [run.path for run in matches], "calibration": any(run in calibration.runs for run in matches)}
+
+
+def winners(rows: list[dict]) -> list[dict]:
+    """The fastest strategy (and server count) at each trainer count."""
+    best: dict[int, dict] = {}
+    for row in rows:
+        if row["trainers"] not in best or row["batch_ms"] < best[row["trainers"]]["batch_ms"]:
+            best[row["trainers"]] = row
+    return [{"trainers": n, "strategy": row["strategy"], "servers": row["servers"], "batch_ms": row["batch_ms"]}
+            for n, row in sorted(best.items())]
+
+
+def describe_calibration(calibration: Calibration) -> str:
+    c = calibration.to_dict()
+    phases, link = c["phases_ms"], c["link"]
+    own = ", ".join(f"{hook} {ms:+.1f} ms" for hook, ms in sorted(c["own_ms"].items())) or "none (no matching run)"
+    ready = ", ".join(f"{bucket['ready_ms']:.1f}" for bucket in c["buckets"])
+    return (f"calibration: {c['model']} at batch {c['batch_size']}, from {len(c['runs'])} run(s)\n"
+            f"  compute: forward {phases['forward']:.1f} ms, backward {phases['backward']:.1f} ms, optimizer "
+            f"{phases['optimizer']:.1f} ms; {len(c['buckets'])} bucket(s), {calibration.gradient_bytes / 1e6:.2f} MB, "
+            f"ready at {ready} ms ({c['overlap_from']})\n"
+            f"  link: latency {link['latency_us']:.1f} us, {link['bandwidth_gbit_s']:.3f} Gbit/s ({link['from']})\n"
+            f"  each strategy's own compute, from its run: {own} (a strategy without a run: the one it "
+            f"compresses, else 0)\n")
+
+
+def render(rows: list[dict]) -> str:
+    best = {(w["trainers"], w["strategy"], w["servers"]) for w in winners(rows)}
+    body = [[row["trainers"], row["strategy"], "-" if row["servers"] is None else row["servers"],
+             f"{row['batch_ms']:.1f}", f"{row['samples_per_s']:.0f}" if row["samples_per_s"] else "-",
+             "-" if row["measured_ms"] is None else f"{row['measured_ms']:.1f}",
+             "-" if row["error_pct"] is None else f"{row['error_pct']:+.1f}" + (" (cal.)" if row.get("calibration") else ""),
+             "-" if row.get("byteps_bound_ms") is None else f"{row['byteps_bound_ms']:.1f}",
+             "*" if (row["trainers"], row["strategy"], row["servers"]) in best else ""] for row in rows]
+    return tabulate(body, headers=["trainers", "strategy", "servers", "batch ms", "samples/s", "measured ms",
+                                   "error %", "BytePS bound ms", "best"], disable_numparse=True) + (
+        "\nBytePS bound: the least any parameter-server layout with that many servers needs to move the gradients "
+        "(communication only)")
+
+
+def render_winners(best: list[dict]) -> str:
+    lines = ["", "winner per trainer count: " + ", ".join(
+        f"{w['trainers']}: {w['strategy']}{'' if w['servers'] is None else ' (' + str(w['servers']) + ' servers)'}"
+        for w in best)]
+    for before, after in zip(best, best[1:]):
+        if before["strategy"] != after["strategy"]:
+            lines.append(f"crossover: {before['strategy']} wins at {before['trainers']} trainers, {after['strategy']} "
+                         f"at {after['trainers']}")
+    return "\n".join(lines)
+
+
+def plot(path: str, rows: list[dict], calibration: Calibration) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("predict --plot needs matplotlib: pip install -e '.[plot]'") from None
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    series: dict[str, list[dict]] = {}
+    for row in rows:
+        servers = row["servers"]
+        label = row["strategy"] + ("" if servers is None else " (best servers)" if row.get("auto") else
+                                   f" ({servers} server{'s' if servers != 1 else ''})")
+        series.setdefault(label, []).append(row)
+    for label, members in series.items():
+        axes.plot([r["trainers"] for r in members], [r["batch_ms"] for r in members], marker="o", label=label)
+        measured_points = [(r["trainers"], r["measured_ms"]) for r in members if r["measured_ms"] is not None]
+        if measured_points:
+            axes.scatter(*zip(*measured_points), marker="x", color=axes.lines[-1].get_color())
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("trainers")
+    axes.set_ylabel("batch ms (predicted; x measured)")
+    link = calibration.to_dict()["link"]
+    axes.set_title(f"{calibration.model}, batch {calibration.batch_size}: {link['bandwidth_gbit_s']:.3g} Gbit/s, "
+                   f"{link['latency_us']:.3g} us")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,255 @@
+"""A prediction calibrated on measured runs: compute phases, the bucket timeline and the link
+from results files, each strategy's own compute from its own run, then ``models`` at any n, k.
+
+Calibration (``calibrate``), from one or more results files of the same model and batch:
+
+- forward and optimizer p50 (trainer summary), backward's own compute (the ``--limits``
+  compute-only iteration minus forward and optimizer, at least the last bucket's ready time);
+- when each DDP bucket became ready (``timeline``, p50 over the runs): overlap is computed from
+  it; without one (a GPU run) every bucket is taken as ready when backward's compute ends;
+- the link: α and B fitted to the ``--limits`` link probe (median over the runs), unless the
+  target network is given (``--link``, ``--latency``);
+- the server's aggregation throughput: the ``--limits`` memory-copy bandwidth;
+- each strategy's own compute (casts, reductions, serialisation, PowerSGD's matrix products:
+  whatever of its cost the transfers do not account for): its run's measured batch p50 minus the
+  model's with that run's own compute phases and timeline, on the network the run had (the
+  fitted link), a constant at every n, k and target network; for a strategy with no run given, that of the strategy it compresses, else 0
+  (``own_ms`` lists the measured ones).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ps_bench.config import ConfigError
+from ps_bench.predict import models
+from ps_bench.predict.models import Link, Phases
+from ps_bench.trainers.hooks import COLLECTIVE, HOOKS, RPC, SPARSE_SERVERS, Strategy
+
+SCHEMA = "ps_bench.result/1"
+HALF = {"float32": 1.0, "float16": 0.5, "bfloat16": 0.5}  # bytes on the wire per float32 byte
+
+
+@dataclass
+class Run:
+    """What a prediction needs from one results file."""
+
+    path: str
+    hook: str
+    trainers: int
+    servers: int
+    mapping: str
+    batch_size: int
+    model: str
+    batch_ms: float
+    forward_ms: float
+    optimizer_ms: float
+    compute_ms: float | None  # --limits compute-only iteration
+    link: dict | None  # --limits link probe and its fit
+    memcpy_gbps: float | None
+    timeline: list[dict] | None
+    buckets: list[dict]  # DDP's, as it built them (bytes, sparse)
+    trainer_sent_per_iter: float
+    link_rate_bps: float | None  # the emulated network's, if any
+
+    @classmethod
+    def load(cls, path: str) -> "Run":
+        try:
+            results = json.loads(Path(path).read_text())
+        except OSError as error:
+            raise ConfigError(f"cannot read {path}: {error.strerror}") from None
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{path} is not JSON ({error.msg}, line {error.lineno})") from None
+        if not isinstance(results, dict) or results.get("schema") != SCHEMA:
+            raise ConfigError(f"{path} is not a ps_bench results file (no schema {SCHEMA!r})")
+        if results.get("status") != "ok":
+            raise ConfigError(f"{path} is a failed run ({results.get('error', 'no error recorded')}): predict from "
+                              "runs that finished")
+        cfg, summary = results["config"], {row["metric"]: row["p50"] for row in results["summary"]
+                                           if row["role"] == "trainer"}
+        limits = results.get("limits") or {}
+        emulated = results.get("env", {}).get("emulated") or {}
+        return cls(
+            path=path, hook=HOOKS.canonical(cfg["hook"]), trainers=cfg["ntrainer"] + cfg.get("ncudatrainer", 0),
+            servers=cfg["nserver"] + cfg.get("ncudaserver", 0), mapping=cfg.get("mapping", "shard"),
+            batch_size=cfg["batch_size"], model=cfg["model"], batch_ms=summary["batch"],
+            forward_ms=summary["forward"], optimizer_ms=summary["optimizer"],
+            compute_ms=(limits.get("compute") or {}).get("p50_ms"), link=limits.get("link"),
+            memcpy_gbps=(limits.get("memcpy") or {}).get("gbps"), timeline=results.get("timeline"),
+            buckets=(cfg.get("model_size") or {}).get("ddp_buckets") or [],
+            trainer_sent_per_iter=results["bytes"]["trainer_sent_per_iter"],
+            link_rate_bps=emulated.get("link_rate_bps"),
+        )
+
+
+@dataclass
+class Calibration:
+    model: str
+    batch_size: int
+    phases: Phases
+    buckets: list[tuple[float, float, bool]]  # (ready ms, dense bytes, sparse), in the order they became ready
+    link: Link
+    link_from: str
+    aggregate_bytes_per_ms: float | None
+    overlap_from: str
+    runs: list[Run]
+    own_ms: dict[str, float] = field(default_factory=dict)  # strategy -> its own compute, from its run
+    payload_ratio: dict[str, float] = field(default_factory=dict)  # low-rank strategies: bytes sent / dense
+
+    @property
+    def gradient_bytes(self) -> float:
+        return sum(nbytes for _, nbytes, _ in self.buckets)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model, "batch_size": self.batch_size,
+            "phases_ms": {"forward": self.phases.forward, "backward": self.phases.backward,
+                          "optimizer": self.phases.optimizer},
+            "buckets": [{"ready_ms": ready, "bytes": nbytes, "sparse": sparse} for ready, nbytes, sparse in self.buckets],
+            "overlap_from": self.overlap_from,
+            "link": {"latency_us": self.link.latency_ms * 1000.0,
+                     "bandwidth_gbit_s": self.link.bytes_per_ms * 1000.0 * 8 / 1e9, "from": self.link_from},
+            "aggregate_gbps": self.aggregate_bytes_per_ms * 1000.0 / 1e9 if self.aggregate_bytes_per_ms else None,
+            "own_ms": self.own_ms, "payload_ratio": self.payload_ratio,
+            "runs": [run.path for run in self.runs],
+        }
+
+
+def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float | None = None) -> Calibration:
+    """The calibration of ``runs`` (see the module's docstring); ``link_bps`` and ``latency_s``
+    describe the target network instead of the runs' own."""
+    first = runs[0]
+    for run in runs[1:]:
+        if (run.model, run.batch_size) != (first.model, first.batch_size):
+            raise ConfigError(f"{run.path} is of model {run.model} at batch {run.batch_size}, {first.path} of "
+                              f"{first.model} at batch {first.batch_size}: predict one workload at a time")
+    fitted = [run.link for run in runs if run.link]
+    if link_bps is None and not fitted:
+        raise ConfigError("no link to predict with: give runs made with --limits (their link is fitted) or the "
+                          "target network with --link RATE")
+    measured_link = (Link.of(statistics.median(f["latency_us"] for f in fitted),
+                             statistics.median(f["bandwidth_gbit_s"] for f in fitted)) if fitted else None)
+    if link_bps is not None:
+        latency_us = (latency_s * 1e6 if latency_s is not None
+                      else statistics.median(f["latency_us"] for f in fitted) if fitted else 0.0)
+        link = Link.of(latency_us, link_bps / 1e9)
+        link_from = f"--link {link_bps / 1e9:g} Gbit/s, latency {latency_us:g} us" + (
+            " (fitted)" if latency_s is None and fitted else "")
+    else:
+        link = measured_link
+        if latency_s is not None:
+            link = Link(latency_s * 1000.0, link.bytes_per_ms)
+        link_from = f"fitted to the --limits link probe of {len(fitted)} run(s)"
+    forward = statistics.median(run.forward_ms for run in runs)
+    optimizer = statistics.median(run.optimizer_ms for run in runs)
+    timelines = [run.timeline for run in runs if run.timeline]
+    dense = {bucket["index"]: (bucket["bytes"], bucket.get("sparse", False)) for bucket in first.buckets}
+    if timelines:
+        ready = {}
+        for timeline in timelines:
+            for row in timeline:
+                ready.setdefault(row["index"], []).append(row["ready_ms"])
+        order = sorted(ready, key=lambda index: statistics.median(ready[index]))
+        buckets = [(statistics.median(ready[index]), *dense.get(index, (0, False))) for index in order]
+        overlap_from = f"the bucket timeline of {len(timelines)} run(s)"
+    else:
+        buckets = [(None, *dense[index]) for index in sorted(dense)]
+        overlap_from = "none: no run has a bucket timeline (GPU runs), every bucket ready when backward's compute ends"
+    computes = [run.compute_ms for run in runs if run.compute_ms is not None]
+    last_ready = max((ready for ready, _, _ in buckets if ready is not None), default=0.0)
+    if computes:
+        backward = max(last_ready, statistics.median(computes) - forward - optimizer)
+    elif timelines:
+        backward = last_ready
+    else:
+        raise ConfigError("no backward compute to predict with: give runs made with --limits or on the CPU")
+    buckets = [(backward if ready is None else ready, nbytes, sparse) for ready, nbytes, sparse in buckets]
+    memcpy = [run.memcpy_gbps for run in runs if run.memcpy_gbps]
+    calibration = Calibration(first.model, first.batch_size, Phases(forward, backward, optimizer), buckets, link,
+                              link_from, statistics.median(memcpy) * 1e9 / 1000.0 if memcpy else None, overlap_from,
+                              runs)
+    for run in runs:  # payloads first: a low-rank strategy's own compute is fitted with its payload known
+        if HOOKS.record(run.hook).payload == "low-rank factors" and run.trainers > 1:
+            ring = 2 * (run.trainers - 1) / run.trainers
+            calibration.payload_ratio.setdefault(run.hook, run.trainer_sent_per_iter / ring / calibration.gradient_bytes)
+    # each strategy's own compute: its run against the model with the run's own compute phases and
+    # timeline, on the network the run had (the fitted link; the target one for a run on an
+    # emulated link of the target's rate)
+    own: dict[str, list[float]] = {}
+    for run in runs:
+        if measured_link is not None:
+            network = measured_link
+        elif run.link_rate_bps is not None and run.link_rate_bps == link_bps:
+            network = link
+        else:
+            continue
+        as_it_ran = replace(calibration, link=network, **own_terms(run, calibration))
+        modelled = predict(as_it_ran, run.hook, run.trainers, run.servers, run.mapping, own=False)
+        if modelled is not None:
+            own.setdefault(run.hook, []).append(run.batch_ms - modelled["batch_ms"])
+    calibration.own_ms = {hook: statistics.median(values) for hook, values in own.items()}
+    return calibration
+
+
+def own_terms(run: Run, calibration: Calibration) -> dict:
+    """The compute phases and bucket timeline of one run alone (the calibration's pooled ones
+    where the run lacks them), so that its slower or faster compute is not taken for its
+    strategy's own cost."""
+    ready = {row["index"]: row["ready_ms"] for row in run.timeline or []}
+    sizes = {bucket["index"]: (bucket["bytes"], bucket.get("sparse", False)) for bucket in run.buckets}
+    buckets = ([(ready[index], *sizes.get(index, (0, False))) for index in sorted(ready, key=ready.get)]
+               if ready else calibration.buckets)
+    last_ready = max((r for r, _, _ in buckets), default=0.0)
+    backward = (max(last_ready, run.compute_ms - run.forward_ms - run.optimizer_ms) if run.compute_ms is not None
+                else last_ready if ready else calibration.phases.backward)
+    return {"phases": Phases(run.forward_ms, backward, run.optimizer_ms), "buckets": buckets}
+
+
+def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n: int, k: int,
+                      mapping: str) -> float | None:
+    """When the last bucket's combined gradient is back, ms after backward began (None: this
+    strategy cannot be predicted from this calibration)."""
+    link, buckets = calibration.link, calibration.buckets
+    if strategy.transport is None:
+        return 0.0
+    if strategy.payload == "low-rank factors":
+        ratio = calibration.payload_ratio.get(hook)
+        if ratio is None:
+            return None  # its bytes depend on the layers' shapes: known from a run of it only
+        return models.pipeline([(ready, nbytes * ratio) for ready, nbytes, _ in buckets],
+                               lambda nbytes: models.ring_allreduce_ms(n, nbytes, link, steps_per_message=3))
+    factor = HALF[strategy.payload]
+    if strategy.transport == COLLECTIVE:
+        def transfer(item):
+            nbytes, sparse = item
+            return models.allgather_ms(n, nbytes, link) if sparse else models.ring_allreduce_ms(n, nbytes * factor, link)
+        return models.pipeline([(ready, (nbytes, sparse)) for ready, nbytes, sparse in buckets], transfer)
+    if strategy.transport == RPC:
+        if k < 1:
+            return None
+        sized = [(ready, nbytes if sparse and strategy.sparse_buckets == SPARSE_SERVERS else nbytes * factor)
+                 for ready, nbytes, sparse in buckets]
+        return models.ps_pipeline(sized, n, k, link, mapping, calibration.aggregate_bytes_per_ms)
+    return None
+
+
+def own_compute(calibration: Calibration, hook: str) -> float:
+    """The strategy's own compute from its run; without one, that of the lossless strategy it
+    compresses (the same servers or collectives, fewer bytes); else 0."""
+    uncompressed = HOOKS.record(hook).uncompressed
+    return calibration.own_ms.get(hook, calibration.own_ms.get(uncompressed, 0.0) if uncompressed else 0.0)
+
+
+def predict(calibration: Calibration, hook: str, n: int, k: int, mapping: str = "shard", own: bool = True) -> dict | None:
+    """Predicted iteration of ``hook`` with ``n`` trainers and ``k`` servers (None: not predictable)."""
+    strategy = HOOKS.record(hook)
+    end = communication_end(calibration, strategy, hook, n, k, mapping)
+    if end is None:
+        return None
+    own_ms = own_compute(calibration, hook) if own else 0.0
+    batch = models.iteration_ms(calibration.phases, end, own_ms)
+    return {"batch_ms": batch, "communication_end_ms": end, "own_ms": own_ms,
+            "samples_per_s": n * calibration.batch_size / (batch / 1000.0) if batch > 0 else None}

@@ -1,0 +1,188 @@
+"""``bench.py predict``: each model against values computed by hand, the bucket pipeline on a
+made-up timeline, the calibration from a made-up results file, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ps_bench.cli import main
+from ps_bench.metrics.limits import fit_link, link_summary
+from ps_bench.predict import models
+from ps_bench.predict.models import Link, Phases
+from ps_bench.predict.predictor import Run, calibrate, predict
+
+# 1 MB per ms (8 Gbit/s), 10 µs per message: round numbers to compute by hand
+LINK = Link(latency_ms=0.01, bytes_per_ms=1e6)
+MB = 1e6
+
+
+def test_ring_allreduce_is_2_n_minus_1_latencies_plus_2_n_minus_1_over_n_of_the_bytes():
+    assert models.ring_allreduce_ms(1, 8 * MB, LINK) == 0.0  # one trainer: nothing to combine
+    assert models.ring_allreduce_ms(2, 8 * MB, LINK) == pytest.approx(2 * 0.01 + 8.0)
+    assert models.ring_allreduce_ms(4, 8 * MB, LINK) == pytest.approx(6 * 0.01 + 1.5 * 8.0)
+    assert models.ring_allreduce_ms(4, 8 * MB, LINK, steps_per_message=3) == pytest.approx(18 * 0.01 + 12.0)
+
+
+def test_allgather_moves_n_minus_1_payloads():
+    assert models.allgather_ms(1, MB, LINK) == 0.0
+    assert models.allgather_ms(3, MB, LINK) == pytest.approx(2 * 0.01 + 2.0)
+
+
+def test_byteps_bound_runs_from_allreduce_at_k_0_to_one_payload_at_k_n():
+    assert models.byteps_bound_ms(4, 0, 8 * MB, LINK) == pytest.approx(1.5 * 8.0)
+    assert models.byteps_bound_ms(4, 4, 8 * MB, LINK) == pytest.approx(8.0)
+    assert models.byteps_bound_ms(1, 1, 8 * MB, LINK) == 0.0
+
+
+def test_pipeline_starts_each_transfer_when_ready_and_after_the_previous():
+    # ready at 10 and 20 ms, 15 ms each: the second waits for the first (10 + 15 = 25), ends at 40
+    assert models.pipeline([(10.0, 15.0), (20.0, 15.0)], lambda ms: ms) == pytest.approx(40.0)
+    # ready far apart: each runs as soon as it is ready; the last ends at 50 + 15
+    assert models.pipeline([(0.0, 15.0), (50.0, 15.0)], lambda ms: ms) == pytest.approx(65.0)
+    assert models.pipeline([], lambda ms: ms) == 0.0
+
+
+def test_one_trainer_one_server_is_a_round_trip():
+    # out (1 ms on the trainer's link, then the server's), back (1 ms), a latency each way
+    assert models.ps_pipeline([(0.0, MB)], 1, 1, LINK) == pytest.approx(2.0 + 2 * 0.01)
+
+
+def test_one_server_carries_every_trainers_bytes_both_ways():
+    # 4 trainers, one 8 MB bucket ready at once: 32 MB in through the server's link, 32 MB out
+    assert models.ps_pipeline([(0.0, 8 * MB)], 4, 1, LINK) == pytest.approx(64.0 + 2 * 0.01)
+    # ... and the aggregation of the last copy at 4 MB/ms between them
+    assert models.ps_pipeline([(0.0, 8 * MB)], 4, 1, LINK, aggregate_bytes_per_ms=4 * MB) == pytest.approx(
+        64.0 + 2.0 + 2 * 0.01)
+
+
+def test_servers_beyond_the_buckets_do_nothing_and_shards_pipeline():
+    buckets = [(0.0, 6 * MB), (0.0, 2 * MB)]
+    two = models.ps_pipeline(buckets, 2, 2, LINK)
+    # server 0 holds the 6 MB bucket: 12 MB in (the trainers' links send 6 MB first), 12 MB back
+    assert two == pytest.approx(24.0 + 2 * 0.01)
+    assert models.ps_pipeline(buckets, 2, 8, LINK) == pytest.approx(two)  # k > n and k > buckets
+    # one server: the 6 MB bucket is in at 12 and answered by 24, overlapping the 2 MB bucket's
+    # arrival (in at 16); its answer (4 ms) follows the first on the server's link: 28 ms
+    assert models.ps_pipeline(buckets, 2, 1, LINK) == pytest.approx(max(12.0 + 12.0, 16.0) + 4.0 + 2 * 0.01)
+
+
+def test_group_mapping_sends_everything_to_the_groups_server():
+    # 4 trainers in 2 groups: each server hears from 2 trainers, 8 MB each: 16 in, 16 out
+    assert models.ps_pipeline([(0.0, 8 * MB)], 4, 2, LINK, mapping="group") == pytest.approx(32.0 + 2 * 0.01)
+
+
+def test_iteration_overlaps_backward_with_the_transfers():
+    phases = Phases(forward=5.0, backward=30.0, optimizer=2.0)
+    assert models.iteration_ms(phases, communication_end=20.0) == pytest.approx(37.0)  # hidden behind backward
+    assert models.iteration_ms(phases, communication_end=50.0, own_ms=3.0) == pytest.approx(60.0)
+
+
+def test_the_link_fit_recovers_latency_and_bandwidth():
+    latency_ms, per_byte = 0.05, 1 / 125e3  # 50 µs, 1 Gbit/s
+    points = [(size, 2 * latency_ms + 2 * size * per_byte) for size in (4096, 1 << 20, 16 << 20)]
+    fitted = fit_link(points, "rpc", 1)
+    assert fitted["latency_us"] == pytest.approx(50.0, rel=1e-6)
+    assert fitted["bandwidth_gbit_s"] == pytest.approx(1.0, rel=1e-6)
+    ring = [(size, 2 * 3 * latency_ms + 1.5 * size * per_byte) for size in (4096, 1 << 20)]  # 4 trainers
+    assert link_summary({size: [ms] for size, ms in ring}, "allreduce", 4)["bandwidth_gbit_s"] == pytest.approx(1.0)
+    assert link_summary({4096: [1.0]}, "allreduce", 2) is None  # one size cannot separate the two
+
+
+def results_file(tmp_path, name: str = "r.json", hook: str = "allreduce", trainers: int = 2, servers: int = 0,
+                 batch_ms: float = 100.0, limits: bool = True, status: str = "ok", **extra) -> str:
+    """A made-up results file: 10 ms forward, 2 ms optimizer, compute-only 52 ms, two 10 MB
+    buckets ready at 15 and 40 ms, a link of 10 µs and 8 Gbit/s."""
+    results = {
+        "schema": "ps_bench.result/1", "status": status,
+        "config": {"hook": hook, "ntrainer": trainers, "ncudatrainer": 0, "nserver": servers, "ncudaserver": 0,
+                   "mapping": "shard", "batch_size": 32, "model": "DummyModel",
+                   "model_size": {"ddp_buckets": [{"index": 0, "bytes": 10 * MB, "sparse": False},
+                                                  {"index": 1, "bytes": 10 * MB, "sparse": False}]}},
+        "summary": [{"role": "trainer", "metric": metric, "p50": value}
+                    for metric, value in (("batch", batch_ms), ("forward", 10.0), ("optimizer", 2.0))],
+        "timeline": [{"index": 0, "bytes": 10 * MB, "ready_ms": 15.0, "done_ms": 30.0},
+                     {"index": 1, "bytes": 10 * MB, "ready_ms": 40.0, "done_ms": 60.0}],
+        "bytes": {"trainer_sent_per_iter": 20 * MB}, "env": {},
+        **({"limits": {"compute": {"p50_ms": 52.0}, "memcpy": {"gbps": 0.0},
+                       "link": {"latency_us": 10.0, "bandwidth_gbit_s": 8.0}}} if limits else {}),
+        **extra,
+    }
+    path = tmp_path / name
+    path.write_text(json.dumps(results))
+    return str(path)
+
+
+def test_calibration_reads_phases_timeline_and_link_and_fits_each_strategys_own_compute(tmp_path):
+    allreduce = Run.load(results_file(tmp_path, "ar.json", batch_ms=80.0))
+    ps = Run.load(results_file(tmp_path, "ps.json", hook="ps", servers=1, batch_ms=150.0))
+    calibration = calibrate([allreduce, ps])
+    assert calibration.phases == Phases(forward=10.0, backward=40.0, optimizer=2.0)
+    assert [(ready, nbytes) for ready, nbytes, _ in calibration.buckets] == [(15.0, 10 * MB), (40.0, 10 * MB)]
+    assert calibration.link == LINK
+    # all-reduce at 2 trainers: 10 ms per bucket (+ 20 µs); bucket 1 starts at 40, ends at 50.02;
+    # the iteration is 10 + 50.02 + 2 = 62.02 by the model, 80 measured: 17.98 ms its own
+    assert calibration.own_ms["allreduce"] == pytest.approx(80.0 - 62.02)
+    assert predict(calibration, "allreduce", 2, 0)["batch_ms"] == pytest.approx(80.0)  # its calibration point
+    # at 4 trainers each bucket takes 15 ms (+ 60 µs): bucket 1 ends at 55.06
+    assert predict(calibration, "allreduce", 4, 0)["batch_ms"] == pytest.approx(10 + 55.06 + 2 + 17.98)
+    assert predict(calibration, "ps", 2, 1)["batch_ms"] == pytest.approx(150.0)
+    assert predict(calibration, "fp16", 2, 0)["own_ms"] == pytest.approx(80.0 - 62.02)  # no run: allreduce's
+    assert predict(calibration, "ps_fp16", 2, 1)["own_ms"] == calibration.own_ms["ps"]
+    assert predict(calibration, "noop", 2, 0)["own_ms"] == 0.0
+    assert predict(calibration, "powersgd", 2, 0) is None  # its bytes are known only from a run of it
+
+
+def test_a_target_link_replaces_the_fitted_one(tmp_path):
+    run = Run.load(results_file(tmp_path, limits=False))
+    calibration = calibrate([run], link_bps=100e9, latency_s=5e-6)
+    assert calibration.link.latency_ms == pytest.approx(0.005) and calibration.link.bytes_per_ms == pytest.approx(12.5e6)
+    assert calibration.phases.backward == 40.0  # without --limits: the last bucket's ready time
+    assert calibration.own_ms == {}  # no fitted link: the run's own network is unknown
+
+
+def test_own_compute_is_measured_on_the_runs_network_and_carried_to_the_target(tmp_path):
+    run = Run.load(results_file(tmp_path))  # 100 ms measured; 62.02 by the model on its fitted 8 Gbit/s link
+    calibration = calibrate([run], link_bps=100e9)
+    assert calibration.own_ms["allreduce"] == pytest.approx(100.0 - 62.02)
+    # at 100 Gbit/s (latency still the fitted 10 µs) a 10 MB bucket takes 0.8 ms + 20 µs: the
+    # second ends at 40.82, inside nothing: 10 + 40.82 + 2 + 37.98
+    assert predict(calibration, "allreduce", 2, 0)["batch_ms"] == pytest.approx(10 + 40.82 + 2 + 37.98)
+
+
+def test_predict_prints_the_table_with_measured_and_error(tmp_path, capsys):
+    calibrating, compared = results_file(tmp_path, "ar.json", batch_ms=80.0), results_file(tmp_path, "ar4.json",
+                                                                                             trainers=4, batch_ms=90.0)
+    out = tmp_path / "p.json"
+    assert main(["predict", calibrating, "--compare", compared, "--trainers", "2,4,1024", "--servers", "1,auto",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "winner per trainer count:" in printed and "(cal.)" in printed
+    predictions = json.loads(out.read_text())
+    rows = {(row["strategy"], row["trainers"]): row for row in predictions["predictions"]}
+    four = rows["allreduce", 4]  # predicted from the 2-trainer run alone (see the calibration test)
+    assert four["batch_ms"] == pytest.approx(10 + 55.06 + 2 + 17.98) and four["calibration"] is False
+    assert four["measured_ms"] == 90.0 and four["error_pct"] == pytest.approx((four["batch_ms"] - 90) / 90 * 100)
+    assert rows["allreduce", 2]["calibration"] is True and rows["allreduce", 1024]["measured_ms"] is None
+    assert {row["strategy"] for row in predictions["predictions"]} == {"allreduce", "ps", "fp16"}
+    assert predictions["calibration"]["link"]["bandwidth_gbit_s"] == pytest.approx(8.0)
+
+
+BAD_INPUTS = [
+    (lambda p: [results_file(p, status="failed", error="trainer 1 (rank 1) exited with code 1")],
+     "is a failed run (trainer 1 (rank 1) exited with code 1)"),
+    (lambda p: [results_file(p), "--trainers", "0"], "--trainers must be at least 1; got 0"),
+    (lambda p: [results_file(p), "--trainers", "8,many"], "--trainers: expected whole numbers"),
+    (lambda p: [results_file(p), "--link", "10"], "--link: expected a rate with its unit"),
+    (lambda p: [results_file(p, limits=False)], "no link to predict with: give runs made with --limits"),
+    (lambda p: [str(p / "missing.json")], "cannot read"),
+    (lambda p: [results_file(p), "--hooks", "powersgd"], "give a run of powersgd to calibrate it"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[message[:40] for _, message in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
+    assert main(["predict", *argv(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
