@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -11,14 +12,26 @@ import torch.distributed.rpc as rpc
 from ps_bench.config import RunConfig
 from ps_bench.faults import Fault, maybe_inject
 from ps_bench.metrics import limits
-from ps_bench.metrics.record import RunRecord, mean_loss, replica_summary, write_snapshot
-from ps_bench.metrics.results import environment, format_bytes, print_report, write_results
+from ps_bench.metrics.record import (
+    RunRecord,
+    mean_loss,
+    replica_summary,
+    write_snapshot,
+)
+from ps_bench.metrics.results import (
+    environment,
+    format_bytes,
+    print_report,
+    write_results,
+)
 from ps_bench.metrics.startup import render_startup, startup_phases
 from ps_bench.models import build_data
 from ps_bench.models.entries import Entry
+from ps_bench.rendezvous import one_machine_warning, rpc_paths
 from ps_bench.servers import SERVERS
 from ps_bench.topology import RankInfo, Topology
-from ps_bench.trainers.trainer import TRAINERS, bucket_bytes
+from ps_bench.trainers.hooks import HOOKS, hook_options
+from ps_bench.trainers.trainer import TRAINERS
 
 SNAPSHOT_CHEAP_S = 0.05
 
@@ -63,9 +76,11 @@ class Master:
         self.launched_at = time.time() if launched_at is None else launched_at
         self.record = RunRecord(config, topology, model, data, argv, {**environment(config.backend),
                                                                       "hosts": hosts or [],
+                                                                      "rpc": rpc_paths(hosts or [], config.rpc_transport),
                                                                       **({"emulated": emulated} if emulated else {})},
                                 recovered)
-        self.floor_targets: list[rpc.RRef] = []  # --limits: one RpcFloorTarget per server
+        # --limits: one RpcFloorTarget per server, for the float32 buckets (and the strategy's own messages)
+        self.floor_targets: list[list[rpc.RRef]] = []
         self.startup = startup  # () -> {"launcher": milestones, "ranks": [milestones]}, once every rank is up
         self.snapshot_at = self.snapshot_cost = 0.0
 
@@ -111,6 +126,9 @@ class Master:
         # what was asked, should the job end before its first round; not a measure of what a
         # snapshot of finished rounds costs
         write_snapshot(record.results("failed", error="the job ended before it finished"), self.run_dir)
+        warning = one_machine_warning(record.environment["hosts"], cfg.rpc_transport) if self.topology.servers else None
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         servers = self.create_servers()
         servers_at = time.time()
         trainers = self.create_trainers(servers)
@@ -153,7 +171,7 @@ class Master:
                 self.measure_floors(trainers)
         record.replicas = replica_summary([t.rpc_sync().parameters_vector() for t in trainers])
         if cfg.limits:
-            record.memcpy = limits.memcpy_floor(sum(record.floor_layout.values()))
+            record.memcpy = limits.memcpy_floor(limits.message_bytes(record.floor_messages))
         results = record.results("ok")
         print_report(results, record.rows(split_ranks=cfg.per_rank))
         print(f"results: {write_results(results, self.results_path)}", flush=True)
@@ -180,12 +198,18 @@ class Master:
         strategy are sampled under the same conditions of the machine (see ``ps_bench.metrics.limits``).
         The buckets are trainer 0's of the first timed round's last iteration, the same for every
         trainer and every round."""
-        record = self.record
-        if record.floor_layout is None:
-            record.floor_layout = bucket_bytes(trainers[0].rpc_sync().bucket_layout())
-            self.floor_targets = [rpc.remote(info.name, limits.RpcFloorTarget, args=(record.floor_layout,))
-                                  for info in self.topology.servers]
-        repeat = limits.repeats_per_round(self.config.rounds)
-        futures = [t.rpc_async(timeout=0).measure_floors(record.floor_layout, self.floor_targets, repeat)
+        record, cfg = self.record, self.config
+        if record.floor_messages is None:
+            buckets = trainers[0].rpc_sync().bucket_layout()
+            record.floor_messages = limits.floor_messages(HOOKS.record("allreduce"), buckets, {})
+            own = limits.floor_messages(HOOKS.record(cfg.hook), buckets, hook_options(cfg.hook, cfg.hook_options))
+            record.own_messages = own if own != record.floor_messages else None
+            self.floor_targets = [[rpc.remote(info.name, limits.RpcFloorTarget, args=(messages,))
+                                   for info in self.topology.servers]
+                                  for messages in (record.floor_messages, record.own_messages)
+                                  if messages and self.topology.servers]
+        repeat = limits.repeats_per_round(cfg.rounds)
+        futures = [t.rpc_async(timeout=0).measure_floors(record.floor_messages, record.own_messages,
+                                                         self.floor_targets, repeat)
                    for t in trainers]
         record.add_floors([f.wait() for f in futures])

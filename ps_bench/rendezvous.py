@@ -18,6 +18,7 @@ import os
 import socket
 import struct
 from datetime import timedelta
+from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import torch.distributed as dist
@@ -152,7 +153,44 @@ def describe_host(rank: int, local_rank: int) -> dict:
         "local_rank": local_rank,
         "cpus": os.cpu_count() or 0,
         "gpus": gpu_count(),
+        "machine": machine_id(),
     }
+
+
+def machine_id() -> str:
+    """What TensorPipe compares to decide that two processes share a machine (its shared-memory
+    transport and CMA channel): the kernel's boot id and the PID namespace."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return socket.gethostname()
+
+
+def rpc_paths(hosts: list[dict], rpc_transport: str) -> dict:
+    """How RPC payloads travel between the job's hosts: with ``tcp``, TensorPipe's uv transport
+    and basic channel, over the network; with ``auto``, TensorPipe's own choice, which is shared
+    memory (shm transport, CMA channel) between processes it finds on one machine, even hosts
+    made of network namespaces, and TCP (uv, basic) between machines."""
+    machines = {host.get("machine") for host in hosts}
+    if rpc_transport == "tcp":
+        return {"option": "tcp", "transport": "uv", "channel": "basic", "over": "TCP sockets"}
+    if len(machines) <= 1:
+        return {"option": "auto", "transport": "shm", "channel": "cma", "over": "shared memory (one machine)"}
+    return {"option": "auto", "transport": "uv", "channel": "basic", "over": "TCP sockets between machines, "
+            "shared memory between processes of one machine"}
+
+
+def one_machine_warning(hosts: list[dict], rpc_transport: str) -> str | None:
+    """A line for a job whose hosts are one machine (network namespaces) while RPC may go
+    through shared memory: it would compare an RPC through memory with collectives through the
+    network."""
+    names = [host["hostname"] for host in hosts]
+    if rpc_transport != "auto" or len(set(names)) < 2 or len({host.get("machine") for host in hosts}) != 1:
+        return None
+    return (f"ps_bench: warning: hosts {', '.join(dict.fromkeys(names))} are one machine (one boot id and PID "
+            "namespace): RPC between them goes through shared memory, not the network; --rpc-transport tcp makes "
+            "it cross the network")
 
 
 def gather_hosts(view: dist.Store, world_size: int) -> list[dict]:
@@ -162,7 +200,8 @@ def gather_hosts(view: dist.Store, world_size: int) -> list[dict]:
         rank_host = json.loads(view.get(f"host/rank{rank}"))
         key = (rank_host["hostname"], rank_host["address"])
         entry = hosts.setdefault(key, {"hostname": key[0], "address": key[1], "ranks": [],
-                                       "cpus": rank_host["cpus"], "gpus": rank_host["gpus"]})
+                                       "cpus": rank_host["cpus"], "gpus": rank_host["gpus"],
+                                       "machine": rank_host.get("machine")})
         entry["ranks"].append(rank)
     return list(hosts.values())
 

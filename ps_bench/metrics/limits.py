@@ -8,6 +8,10 @@ moves floors and strategy alike):
   the server adds it into a preallocated buffer and answers with that buffer (the round trip
   a parameter server costs with nothing of ours around it);
 - the raw collective floor: the same bucket tensors all-reduced among the trainers;
+- the strategy's own floor, for a strategy that sends something else than its float32 buckets:
+  the raw transfer of exactly what it puts on the wire (``floor_messages``: half-size buffers of
+  its dtype for 16-bit strategies; PowerSGD's uncompressed tensors, P and Q factors, per bucket,
+  in its order), over its transport;
 - the memory-copy bandwidth of one process (the ceiling of one machine);
 - the compute-only iteration: forward, backward and optimizer step of a copy of the model with
   no DDP and no hook, every trainer at once (what an iteration costs with no communication).
@@ -17,14 +21,17 @@ moves floors and strategy alike):
 
 Bandwidths follow nccl-tests: ``algbw = bytes / time``; for an all-reduce
 ``busbw = algbw * 2(n-1)/n``, comparable across trainer counts and with the hardware's link
-bandwidth. ``efficiency`` is a floor's time divided by the strategy's measured cost (trainer
-``comm`` p50), the floor being the one its ``Strategy`` record names (``floor``): 1.0 means the strategy costs no more than the raw transport. ``comm`` includes
+bandwidth. ``efficiency`` is the strategy's own floor (the raw transfer of what it sends, over
+the transport its ``Strategy`` record names) divided by its measured cost (trainer ``comm``
+p50): 1.0 means the strategy costs no more than moving its bytes. ``gain_over_float32`` is the
+float32 floor of the same transport over that cost: above 1, compression paid. ``comm`` includes
 the backward compute it overlaps; the exposed cost, trainer ``batch`` p50 minus the compute-only
 p50, is what communication adds to an iteration, and ``exposed_value`` is the floor over it.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import numpy as np
@@ -39,6 +46,8 @@ FLOOR_ITERATIONS = 20  # per floor and trainer, spread over the timed rounds
 FLOOR_MIN_PER_ROUND = 4
 MEMCPY_ITERATIONS = 20
 LINK_SIZES = (4 * 1024, 1024 * 1024, 16 * 1024 * 1024)  # bytes of the link probe's messages
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 # -- pure arithmetic ---------------------------------------------------------------------------
@@ -73,6 +82,64 @@ def byteps_optimum_ms(trainers: int, servers: int, bytes_per_trainer: float, gbp
     n, k = trainers, servers
     denominator = (n * n + k * n - 2 * k) * gbps * 1e9
     return 2 * n * (n - 1) * bytes_per_trainer / denominator * 1000.0 if denominator > 0 else 0.0
+
+
+def low_rank_factors(shapes: list[list[int]], rank: int, min_compression_rate: float) -> tuple[int, int, int]:
+    """Elements torch's per-tensor PowerSGD all-reduces for one bucket: the tensors not worth
+    compressing (1-D ones, and matrices where ``(n + m) · r · rate >= n · m``, as its
+    ``_should_compress`` decides), every P (``n × r``) and every Q (``m × r``), with each gradient
+    viewed as ``shape[0] × rest`` and ``r = min(rank, n, m)``."""
+    uncompressed = p_elements = q_elements = 0
+    for shape in shapes:
+        elements = 1
+        for size in shape:
+            elements *= size
+        if len(shape) <= 1:
+            uncompressed += elements
+            continue
+        rows, cols = shape[0], elements // shape[0] if shape[0] else 0
+        r = min(rank, rows, cols)
+        if (rows + cols) * r * min_compression_rate < rows * cols:
+            p_elements, q_elements = p_elements + rows * r, q_elements + cols * r
+        else:
+            uncompressed += elements
+    return uncompressed, p_elements, q_elements
+
+
+def batched_low_rank_factors(elements: int, rank: int, min_compression_rate: float) -> tuple[int, int, int]:
+    """Elements torch's batched PowerSGD all-reduces for one bucket of ``elements``: the bucket as
+    one square matrix of side ``ceil(sqrt(elements))``, P and Q of ``side × rank`` each; the whole
+    bucket, uncompressed, where that does not save ``min_compression_rate`` times."""
+    side = math.isqrt(elements - 1) + 1 if elements > 0 else 0
+    if 2 * side * rank * min_compression_rate < side * side:
+        return 0, side * rank, side * rank
+    return elements, 0, 0
+
+
+def floor_messages(strategy, buckets: list[dict], options: dict) -> dict[int, list[tuple[int, str]]]:
+    """What ``strategy`` (a ``Strategy`` record) puts on the wire for each of ``buckets`` (rows of
+    ``DdpTrainer.bucket_layout``: index, bytes, sparse, shapes), as ``(elements, dtype)``
+    messages in the order it sends them; ``options`` are the hook's options, defaults included.
+    Sparse buckets go as they are (float32 at their size)."""
+    messages: dict[int, list[tuple[int, str]]] = {}
+    for bucket in buckets:
+        elements = bucket["bytes"] // 4
+        if strategy.transport is None:
+            messages[bucket["index"]] = []
+        elif bucket["sparse"] or strategy.payload == "float32":
+            messages[bucket["index"]] = [(elements, "float32")]
+        elif strategy.payload in ("float16", "bfloat16"):
+            messages[bucket["index"]] = [(elements, strategy.payload)]
+        else:  # low-rank factors
+            rank, rate = options["matrix_approximation_rank"], options["min_compression_rate"]
+            parts = (low_rank_factors(bucket["shapes"], rank, rate) if strategy.factors == "tensor"
+                     else batched_low_rank_factors(elements, rank, rate))
+            messages[bucket["index"]] = [(count, "float32") for count in parts if count]
+    return messages
+
+
+def message_bytes(messages: dict[int, list[tuple[int, str]]]) -> int:
+    return sum(count * ELEMENT_BYTES[dtype] for parts in messages.values() for count, dtype in parts)
 
 
 def link_terms(method: str, peers: int) -> tuple[float, float]:
@@ -129,10 +196,12 @@ def repeats_per_round(rounds: int) -> int:
 
 # -- the server side of the RPC floor ----------------------------------------------------------
 class RpcFloorTarget:
-    """Lives on a parameter server: one preallocated buffer per bucket, nothing else."""
+    """Lives on a parameter server: one preallocated buffer per bucket (``messages``: bucket index
+    -> its ``(elements, dtype)`` messages, of which an RPC floor sends one per bucket), nothing else."""
 
-    def __init__(self, bucket_bytes: dict[int, int]) -> None:
-        self.buffers = {index: torch.zeros(nbytes // 4) for index, nbytes in bucket_bytes.items()}
+    def __init__(self, messages: dict[int, list[tuple[int, str]]]) -> None:
+        self.buffers = {index: torch.zeros(parts[0][0], dtype=DTYPES[parts[0][1]])
+                        for index, parts in messages.items() if parts}
 
     @staticmethod
     def add_and_answer(target: rpc.RRef, bucket_index: int, tensor: torch.Tensor) -> torch.Tensor:
@@ -153,10 +222,10 @@ def _timed(repeat: int, once, sync) -> list[float]:
     return samples
 
 
-def rpc_floor_ms(bucket_bytes: dict[int, int], owners: dict[int, rpc.RRef], group: dist.ProcessGroup,
+def rpc_floor_ms(messages: dict[int, list[tuple[int, str]]], owners: dict[int, rpc.RRef], group: dist.ProcessGroup,
                  repeat: int = FLOOR_ITERATIONS) -> list[float]:
-    """Round trips of every bucket to its owner's floor target, all sent at once, per iteration."""
-    tensors = {index: torch.ones(nbytes // 4) for index, nbytes in bucket_bytes.items()}
+    """Round trips of every bucket's message to its owner's floor target, all sent at once, per iteration."""
+    tensors = {index: torch.ones(parts[0][0], dtype=DTYPES[parts[0][1]]) for index, parts in messages.items() if parts}
 
     def once() -> None:
         futures = [rpc.rpc_async(owners[i].owner(), RpcFloorTarget.add_and_answer, args=(owners[i], i, t))
@@ -177,10 +246,12 @@ def echo_ms(nbytes: int, target: rpc.RRef, group: dist.ProcessGroup, repeat: int
     return _timed(repeat, lambda: rpc.rpc_sync(target.owner(), echo, args=(tensor,)), lambda: dist.barrier(group=group))
 
 
-def collective_floor_ms(bucket_bytes: dict[int, int], device: torch.device, group: dist.ProcessGroup,
+def collective_floor_ms(messages: dict[int, list[tuple[int, str]]], device: torch.device, group: dist.ProcessGroup,
                         repeat: int = FLOOR_ITERATIONS) -> list[float]:
-    """All-reduces of every bucket among the trainers, all launched at once, per iteration."""
-    tensors = [torch.ones(nbytes // 4, device=device) for nbytes in bucket_bytes.values()]
+    """All-reduces of every bucket's messages among the trainers, all launched at once (in bucket
+    and message order), per iteration."""
+    tensors = [torch.ones(count, dtype=DTYPES[dtype], device=device)
+               for parts in messages.values() for count, dtype in parts]
 
     def sync() -> None:
         dist.barrier(group=group)

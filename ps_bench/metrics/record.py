@@ -99,7 +99,10 @@ class RunRecord:
         self.buckets: list[dict] | None = None  # DDP's buckets as it built them, from trainer 0
         self.bucket_offsets: dict[int, list[tuple[float, float]]] = defaultdict(list)  # bucket -> (ready, done) ms
         self.replicas: dict | None = None
-        self.floor_layout: dict[int, int] | None = None  # --limits: bucket index -> bytes every floor moves
+        # --limits: bucket index -> (elements, dtype) messages: the float32 buckets every transport
+        # floor moves, and the strategy's own where they differ (16-bit, low-rank)
+        self.floor_messages: dict[int, list[tuple[int, str]]] | None = None
+        self.own_messages: dict[int, list[tuple[int, str]]] | None = None
         self.floor_samples: dict[str, list[float]] = defaultdict(list)
         self.memcpy: dict | None = None  # --limits: the memory-copy floor, measured once the rounds are over
 
@@ -224,16 +227,25 @@ class RunRecord:
         """The floors' statistics over every round's samples, pooled over trainers, and memcpy;
         None until the memcpy floor is in (``--limits``, once the rounds are over)."""
         samples = self.floor_samples
-        if self.floor_layout is None or self.memcpy is None:
+        if self.floor_messages is None or self.memcpy is None:
             return None
-        per_iteration = sum(self.floor_layout.values())
+        per_iteration = limits.message_bytes(self.floor_messages)
+        strategy = HOOKS.record(self.config.hook)
+        own = None
+        if self.own_messages is not None and samples["own_ms"]:
+            own_bytes = limits.message_bytes(self.own_messages)
+            own = {**limits.floor_summary(samples["own_ms"], own_bytes,
+                                          world=self.topology.num_trainers if strategy.floor == "collective" else None),
+                   "transport": strategy.floor, "bytes_per_iter": own_bytes,
+                   "messages": {str(index): parts for index, parts in self.own_messages.items()}}
         return {
             "bytes_per_iter": per_iteration,
-            "buckets": len(self.floor_layout),
+            "buckets": len(self.floor_messages),
             "rpc": limits.floor_summary(samples["rpc_ms"], per_iteration) if samples["rpc_ms"] else None,
             "collective": {**limits.floor_summary(samples["collective_ms"], per_iteration,
                                                   world=self.topology.num_trainers),
                            "backend": self.config.backend},
+            "own": own,
             "memcpy": self.memcpy,
             "link": limits.link_summary(
                 {int(kind[5:]): values for kind, values in samples.items() if kind.startswith("link_")},
@@ -242,16 +254,22 @@ class RunRecord:
         }
 
     def efficiency(self, floors: dict) -> dict | None:
-        """The strategy's floor p50 over its trainer ``comm`` p50 (None for strategies that move nothing)."""
+        """The strategy's own floor p50 (its transport's float32 floor when it sends its float32
+        buckets) over its trainer ``comm`` p50, and the float32 floor over the same cost (None
+        for strategies that move nothing)."""
         kind = HOOKS.record(self.config.hook).floor
-        floor = floors.get(kind) if kind else None
+        uncompressed = floors.get(kind) if kind else None
         p50 = {r.metric: r.p50 for r in self.rows() if r.role == "trainer" and r.unit == "ms"}
-        if floor is None or "comm" not in p50:
+        if uncompressed is None or "comm" not in p50:
             return None
+        floor = floors["own"] or uncompressed
         exposed_ms = max(0.0, p50["batch"] - floors["compute"]["p50_ms"])
-        return {"floor": kind, "floor_ms": floor["p50_ms"], "cost": "trainer comm p50", "cost_ms": p50["comm"],
+        return {"floor": kind, "floor_of": "its own messages" if floors["own"] else "its float32 buckets",
+                "floor_ms": floor["p50_ms"], "cost": "trainer comm p50", "cost_ms": p50["comm"],
                 "value": limits.efficiency(floor["p50_ms"], p50["comm"]),
-                "exposed_ms": exposed_ms, "exposed_value": limits.efficiency(floor["p50_ms"], exposed_ms)}
+                "exposed_ms": exposed_ms, "exposed_value": limits.efficiency(floor["p50_ms"], exposed_ms),
+                "float32_floor_ms": uncompressed["p50_ms"],
+                "gain_over_float32": limits.efficiency(uncompressed["p50_ms"], p50["comm"])}
 
 
 def mean_loss(rounds: list[dict]) -> float:

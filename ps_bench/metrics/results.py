@@ -132,6 +132,10 @@ def render_limits(limits: dict, efficiency: dict | None) -> str:
     collective = limits["collective"]
     rows.append([f"raw all-reduce ({collective['backend']})", collective["p50_ms"], collective["p90_ms"],
                  collective["algbw_gbps"], collective["busbw_gbps"]])
+    own = limits.get("own")
+    if own:
+        rows.append([f"the strategy's own messages ({own['transport']}, {own['bytes_per_iter']} B)", own["p50_ms"],
+                     own["p90_ms"], own["algbw_gbps"], own.get("busbw_gbps")])
     memcpy = limits["memcpy"]
     rows.append(["memcpy, one process", memcpy["p50_ms"], None, memcpy["gbps"], None])
     if limits.get("compute"):
@@ -149,11 +153,16 @@ def render_limits(limits: dict, efficiency: dict | None) -> str:
                      f"{'all-reduces among ' + str(link['peers']) + ' trainers' if link['method'] == 'allreduce' else 'RPC round trips'}"
                      f" of one message ({sizes})")
     if efficiency:
-        lines.append(f"efficiency: {efficiency['value']:.3f} ({efficiency['floor']} floor p50 "
-                     f"{efficiency['floor_ms']:.3f} ms / {efficiency['cost']} {efficiency['cost_ms']:.3f} ms)")
+        lines.append(f"efficiency: {efficiency['value']:.3f} ({efficiency['floor']} floor of "
+                     f"{efficiency.get('floor_of', 'its float32 buckets')}, p50 {efficiency['floor_ms']:.3f} ms / "
+                     f"{efficiency['cost']} {efficiency['cost_ms']:.3f} ms)")
         if efficiency.get("exposed_value") is not None:
             lines.append(f"exposed: {efficiency['exposed_value']:.3f} ({efficiency['floor']} floor p50 / "
                          f"{efficiency['exposed_ms']:.3f} ms = trainer batch p50 - compute-only p50)")
+        if efficiency.get("floor_of") == "its own messages" and efficiency.get("gain_over_float32") is not None:
+            lines.append(f"gain over sending float32: {efficiency['gain_over_float32']:.3f} ({efficiency['floor']} "
+                         f"floor of the float32 buckets, p50 {efficiency['float32_floor_ms']:.3f} ms / "
+                         f"{efficiency['cost']}; above 1, compression paid)")
     else:
         lines.append("efficiency: - (this strategy moves nothing)")
     return "\n".join(lines)

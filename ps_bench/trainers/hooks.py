@@ -56,6 +56,7 @@ class Strategy:
     lossless: bool  # every trainer receives the exact mean gradient
     sparse_buckets: str | None  # SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS; None: it moves nothing
     uncompressed: str | None = None  # a lossy strategy: the lossless one whose bytes it reduces
+    factors: str | None = None  # low-rank factors of each "tensor", or of the "bucket" as one square matrix
 
     def __post_init__(self) -> None:
         if (self.transport not in (COLLECTIVE, RPC, None) or self.payload not in PAYLOADS
@@ -63,6 +64,8 @@ class Strategy:
             raise ValueError(f"bad strategy record {self}")
         if self.transport is not None and self.lossless == (self.uncompressed is not None):
             raise ValueError(f"a lossy strategy names the lossless one it compresses, and only it: {self}")
+        if (self.payload == "low-rank factors") != (self.factors in ("tensor", "bucket")):
+            raise ValueError(f"a low-rank strategy says what it factors, each tensor or the bucket: {self}")
 
     @property
     def needs_servers(self) -> bool:
@@ -109,9 +112,10 @@ class HookContext:
     capturing: bool = False  # --verify: keep this iteration's buckets
     noting: bool = True  # record this iteration's bucket sizes (the trainer asks once per round)
     captures: list[Capture] = field(default_factory=list)
-    # the last whole iteration's buckets, index -> (payload bytes, sparse): the size report, --limits
-    buckets: dict[int, tuple[int, bool]] = field(default_factory=dict)
-    _filling: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    # the last whole iteration's buckets, index -> (payload bytes, sparse, gradient shapes): the size
+    # report, --limits
+    buckets: dict[int, tuple[int, bool, list]] = field(default_factory=dict)
+    _filling: dict[int, tuple[int, bool, list]] = field(default_factory=dict)
     _layout: dict[int, int] = field(default_factory=dict)
     _seen: dict[int, int] = field(default_factory=dict)
     _owners: dict[int, int] = field(default_factory=dict)
@@ -139,9 +143,11 @@ class HookContext:
         return owner
 
     def note_bucket(self, bucket: dist.GradBucket) -> None:
-        """Keeps the bucket sizes DDP hands the hook, one whole iteration at a time."""
+        """Keeps the bucket sizes (and the shapes of its gradients) DDP hands the hook, one whole
+        iteration at a time."""
         buffer = bucket.buffer()
-        self._filling[bucket.index()] = (tensor_bytes(buffer), buffer.is_sparse)
+        shapes = [list(gradient.shape) for gradient in bucket.gradients()] if not buffer.is_sparse else []
+        self._filling[bucket.index()] = (tensor_bytes(buffer), buffer.is_sparse, shapes)
         if bucket.is_last():
             self.buckets, self._filling = self._filling, {}
 
@@ -173,6 +179,11 @@ def option_types(name: str) -> dict[str, tuple[type, Any]]:
     for parameter in list(inspect.signature(factory).parameters.values())[1:]:  # after ctx
         out[parameter.name] = (hints[parameter.name], parameter.default)
     return out
+
+
+def hook_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options a hook runs with: its defaults, then ``options``."""
+    return {**{key: default for key, (_, default) in option_types(name).items()}, **options}
 
 
 def check_hook_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -352,12 +363,11 @@ class PowerSGD:
         return done
 
 
-# Both PowerSGD hooks send three all-reduces of low-rank factors (sparse buckets whole).
-POWERSGD = Strategy(COLLECTIVE, "low-rank factors", lossless=False, sparse_buckets=SPARSE_ALLREDUCE,
-                    uncompressed="allreduce")
-
-
-@HOOKS.register("powersgd", aliases=("powerSGD_hook",), record=POWERSGD)
+# Both PowerSGD hooks send all-reduces of low-rank factors (sparse buckets whole): per tensor, the
+# tensors not worth compressing, then every P, then every Q; batched, the bucket's P, then its Q.
+@HOOKS.register("powersgd", aliases=("powerSGD_hook",),
+                record=Strategy(COLLECTIVE, "low-rank factors", lossless=False, sparse_buckets=SPARSE_ALLREDUCE,
+                                uncompressed="allreduce", factors="tensor"))
 class PowerSGDHook(PowerSGD):
     """Low-rank compression around all-reduce (torch's powerSGD_hook, per tensor); lossy."""
 
@@ -371,7 +381,9 @@ def _orthogonalize_one_or_many(matrices: torch.Tensor, epsilon: float = 0) -> No
 _orthogonalize_batch = powerSGD_hook._orthogonalize
 
 
-@HOOKS.register("batched_powersgd", aliases=("batched_powerSGD_hook",), record=POWERSGD)
+@HOOKS.register("batched_powersgd", aliases=("batched_powerSGD_hook",),
+                record=Strategy(COLLECTIVE, "low-rank factors", lossless=False, sparse_buckets=SPARSE_ALLREDUCE,
+                                uncompressed="allreduce", factors="bucket"))
 class BatchedPowerSGDHook(PowerSGD):
     """Low-rank compression of each whole bucket as one square matrix (torch's batched_powerSGD_hook); lossy."""
 

@@ -23,7 +23,7 @@ from ps_bench.models.base import build_model
 from ps_bench.models.entries import Entry
 from ps_bench.registry import Registry
 from ps_bench.topology import balance_buckets
-from ps_bench.trainers.hooks import HookContext, ServerHandle, build_hook, instrument
+from ps_bench.trainers.hooks import HOOKS, RPC, HookContext, ServerHandle, build_hook, instrument
 
 TRAINERS: Registry = Registry("trainer")
 VERIFIED_PER_ROUND = 4  # --verify checks at most this many evenly spaced iterations per round
@@ -86,6 +86,7 @@ class DdpTrainer:
         )
         wire.install(self.hook_context.wire)
         strategy = build_hook(config.hook, self.hook_context, config.hook_options)
+        self.strategy = HOOKS.record(config.hook)
         self.model.register_comm_hook(self.hook_context, instrument(strategy))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=config.lr)
         self.loss_fn = nn.CrossEntropyLoss()
@@ -222,21 +223,24 @@ class DdpTrainer:
 
     def bucket_layout(self) -> list[dict]:
         """DDP's buckets in index order, as the last whole iteration handed them to the hook:
-        payload bytes (a sparse bucket's indices and values, which vary with the batch) and
-        whether it is sparse."""
-        return [{"index": i, "bytes": nbytes, "sparse": sparse}
-                for i, (nbytes, sparse) in sorted(self.hook_context.buckets.items())]
+        payload bytes (a sparse bucket's indices and values, which vary with the batch), whether
+        it is sparse, and the shapes of its gradients (dense buckets)."""
+        return [{"index": i, "bytes": nbytes, "sparse": sparse, "shapes": shapes}
+                for i, (nbytes, sparse, shapes) in sorted(self.hook_context.buckets.items())]
 
     def parameters_vector(self) -> torch.Tensor:
         """All parameters, flattened on the CPU, for the replica check."""
         return torch.cat([p.detach().reshape(-1).cpu() for p in self.model.parameters()])
 
     @fatal_on_error
-    def measure_floors(self, layout: dict[int, int], targets: list[rpc.RRef], repeat: int) -> dict[str, list[float]]:
-        """``--limits``: ``repeat`` repetitions of the raw RPC floor (to ``targets``, one per server,
-        when there are servers) and of the raw collective floor, moving ``layout``'s buckets (not
-        counted as wire bytes), and of the compute-only iteration. Every trainer must call it at
-        once (each repetition starts with a barrier)."""
+    def measure_floors(self, messages: dict[int, list], own: dict[int, list] | None, targets: list[list[rpc.RRef]],
+                       repeat: int) -> dict[str, list[float]]:
+        """``--limits``: ``repeat`` repetitions of the raw RPC floor (to ``targets[0]``, one per
+        server, when there are servers) and of the raw collective floor, moving ``messages`` (the
+        float32 buckets); of the strategy's ``own`` floor, its own messages over its own transport
+        (to ``targets[1]`` for RPC), when they differ; of the link probe and of the compute-only
+        iteration. Nothing here counts as wire bytes. Every trainer must call it at once (each
+        repetition starts with a barrier)."""
         ctx = self.hook_context
         out: dict[str, list[float]] = {}
         if self._compute_copy is None:
@@ -244,23 +248,32 @@ class DdpTrainer:
         ctx.wire.paused = True
         try:
             if targets:
-                if ctx.mapping == "group":
-                    owners = {index: targets[ctx.group_server] for index in layout}
-                else:
-                    owners = {index: targets[s] for index, s in balance_buckets(layout, len(targets)).items()}
-                out["rpc_ms"] = limits.rpc_floor_ms(layout, owners, ctx.process_group, repeat)
-            out["collective_ms"] = limits.collective_floor_ms(layout, self.device, ctx.process_group, repeat)
+                out["rpc_ms"] = limits.rpc_floor_ms(messages, self.floor_owners(messages, targets[0]), ctx.process_group,
+                                                    repeat)
+            out["collective_ms"] = limits.collective_floor_ms(messages, self.device, ctx.process_group, repeat)
+            if own is not None and self.strategy.transport == RPC:
+                out["own_ms"] = limits.rpc_floor_ms(own, self.floor_owners(messages, targets[-1]), ctx.process_group,
+                                                    repeat)
+            elif own is not None:
+                out["own_ms"] = limits.collective_floor_ms(own, self.device, ctx.process_group, repeat)
             for nbytes in limits.LINK_SIZES:  # the link itself, one message at a time
                 if ctx.process_group.size() > 1:
-                    out[f"link_{nbytes}"] = limits.collective_floor_ms({0: nbytes}, self.device, ctx.process_group,
-                                                                       repeat)
+                    out[f"link_{nbytes}"] = limits.collective_floor_ms({0: [(nbytes // 4, "float32")]}, self.device,
+                                                                       ctx.process_group, repeat)
                 elif targets:
-                    out[f"link_{nbytes}"] = limits.echo_ms(nbytes, targets[0], ctx.process_group, repeat)
+                    out[f"link_{nbytes}"] = limits.echo_ms(nbytes, targets[0][0], ctx.process_group, repeat)
             out["compute_ms"] = limits.compute_floor_ms(self._compute_copy, self.inputs, self.targets, self.batch_size,
                                                         ctx.process_group, self.optimizer.defaults["lr"], repeat)
         finally:
             ctx.wire.paused = False
         return out
+
+    def floor_owners(self, messages: dict[int, list], targets: list[rpc.RRef]) -> dict[int, rpc.RRef]:
+        """Each bucket's server, as the strategy maps it (its group's, or balanced by float32 bytes)."""
+        if self.hook_context.mapping == "group":
+            return {index: targets[self.hook_context.group_server] for index in messages}
+        sizes = {index: sum(count for count, _ in parts) * 4 for index, parts in messages.items()}
+        return {index: targets[s] for index, s in balance_buckets(sizes, len(targets)).items()}
 
 
 def start_profiler(device: torch.device) -> torch.profiler.profile:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from contextlib import contextmanager
+
+import pytest
 
 from ps_bench.cluster.torchrun import NodeLayout, torchrun_command
 from tests.benchrun import ROOT, communicate
@@ -13,21 +16,52 @@ from tests.cluster.machines import project_env
 QUICK = ("--warmup-rounds", "1", "--rounds", "2")
 
 
-def test_a_job_across_two_hosts_lists_both(host_pair, tmp_path):
-    out = tmp_path / "results.json"
+# 1.3 MB of gradients: large enough that a link of 200 Mbit/s, not RPC's own overhead, sets the time
+MID_MODEL = {"Mid": {"model_class": "DummyModel", "configurations": {
+    "num_embeddings": 256, "embedding_dim": 256, "dense_input_size": 256, "dense_output_size": 256,
+    "dense_layers_count": 4}}}
+
+
+def run_on_both_hosts(host_pair, bench_args: list[str]) -> list[str]:
+    """2 processes per host, a torchrun agent on each: trainers 0 and 1 on psb-a, the server and
+    the master on psb-b. Returns each agent's output."""
     head = host_pair.hosts[0]
-    bench_args = ["--ntrainer", "2", "--nserver", "1", "--iface", host_pair.iface, *QUICK, "--out", str(out)]
     agents = []
     for node_rank, host in enumerate(host_pair.hosts):
-        line = torchrun_command(NodeLayout(2, 2), str(node_rank), head.address, bench_args)
+        line = torchrun_command(NodeLayout(2, 2), str(node_rank), head.address,
+                                ["--ntrainer", "2", "--nserver", "1", "--iface", host_pair.iface, *bench_args])
         agents.append(subprocess.Popen(host.command("bash", "-c", line), cwd=ROOT, env=project_env(),
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                        start_new_session=True))
     outputs = [communicate(agent, 300, f"torchrun agent on {host.name}")[0]
                for agent, host in zip(agents, host_pair.hosts)]
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(outputs)
+    return outputs
+
+
+@contextmanager
+def shaped(host_pair, rate: str):
+    """The link shaped to ``rate`` both ways (tc's token bucket on each end) for the block."""
+    try:
+        for host in host_pair.hosts:
+            subprocess.run(host.command("tc", "qdisc", "replace", "dev", host_pair.iface, "root", "tbf", "rate", rate,
+                                        "burst", "64kb", "latency", "50ms"), check=True, capture_output=True)
+        yield
+    finally:
+        for host in host_pair.hosts:
+            subprocess.run(host.command("tc", "qdisc", "del", "dev", host_pair.iface, "root"), capture_output=True)
+
+
+def test_a_job_across_two_hosts_lists_both(host_pair, tmp_path):
+    """With --rpc-transport auto the two namespace hosts, one machine, exchange RPC payloads
+    through shared memory: the results say so, and a warning line tells how to avoid it."""
+    out = tmp_path / "results.json"
+    outputs = run_on_both_hosts(host_pair, [*QUICK, "--out", str(out)])
     results = json.loads(out.read_text())
     assert results["status"] == "ok" and results["replicas"]["identical"] is True
+    assert results["env"]["rpc"]["transport"] == "shm" and results["env"]["rpc"]["channel"] == "cma"
+    assert "ps_bench: warning: hosts psb-a, psb-b are one machine" in outputs[1]
+    assert "--rpc-transport tcp makes it cross the network" in outputs[1]
     hosts = {host["hostname"]: host for host in results["env"]["hosts"]}
     assert sorted(hosts) == ["psb-a", "psb-b"]
     assert hosts["psb-a"]["address"] == host_pair.hosts[0].address and hosts["psb-a"]["ranks"] == [0, 1]
@@ -41,3 +75,20 @@ def test_an_interface_missing_on_a_host_is_one_line(host_pair):
                              env=project_env(), capture_output=True, text=True, timeout=120)
     assert process.returncode == 2
     assert process.stderr.strip() == "ps_bench: error: --iface 'eth7': no such network interface on psb-a; it has lo, psb0"
+
+
+def test_with_tcp_rpc_crosses_the_link_at_its_rate(host_pair, tmp_path):
+    """A link of 200 Mbit/s each way: the RPC floor's round trip moves both trainers' buckets out
+    through psb-a's end and their averages back, so it takes 2 x 2 x bytes / rate."""
+    out, models = tmp_path / "results.json", tmp_path / "models.json"
+    models.write_text(json.dumps(MID_MODEL))
+    with shaped(host_pair, "200mbit"):
+        outputs = run_on_both_hosts(host_pair, ["--rpc-transport", "tcp", "--model", "Mid", "--model-config-path",
+                                                str(models), "--batch-size", "64", "--warmup-rounds", "1",
+                                                "--rounds", "1", "--limits", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert results["env"]["rpc"] == {"option": "tcp", "transport": "uv", "channel": "basic", "over": "TCP sockets"}
+    assert "ps_bench: warning" not in "".join(outputs)
+    limits = results["limits"]
+    expected_ms = 2 * 2 * limits["bytes_per_iter"] * 8 / 200e6 * 1000
+    assert limits["rpc"]["p50_ms"] == pytest.approx(expected_ms, rel=0.15), (limits["rpc"], expected_ms)

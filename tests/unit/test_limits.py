@@ -6,6 +6,7 @@ import torch
 from ps_bench.metrics import limits
 from ps_bench.metrics.memory import combine_peaks, peak_memory
 from ps_bench.metrics.results import render_limits, render_memory
+from ps_bench.trainers.hooks import HOOKS
 
 MB = 1e6
 
@@ -47,15 +48,51 @@ def test_floor_summary_and_memcpy():
 
 
 def test_rpc_floor_target_adds_into_its_preallocated_buffer():
-    target = limits.RpcFloorTarget({0: 16, 3: 8})
+    target = limits.RpcFloorTarget({0: [(4, "float32")], 3: [(2, "float16")]})
     buffer = target.buffers[3]
 
     class LocalRef:
         def local_value(self):
             return target
 
-    answer = limits.RpcFloorTarget.add_and_answer(LocalRef(), 3, torch.ones(2))
-    assert answer is buffer and answer.tolist() == [1.0, 1.0]
+    answer = limits.RpcFloorTarget.add_and_answer(LocalRef(), 3, torch.ones(2, dtype=torch.float16))
+    assert answer is buffer and answer.dtype == torch.float16 and answer.tolist() == [1.0, 1.0]
+    assert target.buffers[0].dtype == torch.float32 and target.buffers[0].numel() == 4
+
+
+# A made-up layout: bucket 0 holds a 512 x 256 weight, its bias and a 64 x 3 x 3 x 3 convolution
+# (viewed 64 x 27); bucket 1 a 1000-row, 8-wide embedding and nothing else; bucket 2 is sparse.
+LAYOUT = [
+    {"index": 0, "bytes": 4 * (512 * 256 + 512 + 64 * 27), "sparse": False, "shapes": [[512, 256], [512], [64, 3, 3, 3]]},
+    {"index": 1, "bytes": 4 * 8000, "sparse": False, "shapes": [[1000, 8]]},
+    {"index": 2, "bytes": 1200, "sparse": True, "shapes": []},
+]
+HOOK_DEFAULTS = {"matrix_approximation_rank": 2, "min_compression_rate": 2.0}
+
+
+def test_each_strategys_floor_moves_what_it_sends_derived_by_hand():
+    records = {name: HOOKS.record(name) for name in ("allreduce", "fp16", "bf16", "ps_fp16", "powersgd",
+                                                     "batched_powersgd", "noop")}
+    float32 = limits.floor_messages(records["allreduce"], LAYOUT, {})
+    assert float32 == {0: [(131072 + 512 + 1728, "float32")], 1: [(8000, "float32")], 2: [(300, "float32")]}
+    half = limits.floor_messages(records["fp16"], LAYOUT, {})
+    assert half[0] == [(133312, "float16")] and half[2] == [(300, "float32")]  # sparse buckets go as they are
+    assert limits.message_bytes(half) == 2 * 133312 + 2 * 8000 + 1200
+    assert limits.floor_messages(records["bf16"], LAYOUT, {})[1] == [(8000, "bfloat16")]
+    assert limits.floor_messages(records["ps_fp16"], LAYOUT, {})[1] == [(8000, "float16")]
+    # PowerSGD, rank 2: 512 x 256 -> P 1024, Q 512 ((512 + 256) * 2 * 2 < 131072); the bias is 1-D;
+    # 64 x 27 -> (64 + 27) * 2 * 2 = 364 < 1728, P 128, Q 54; 1000 x 8 -> 1008 * 2 * 2 = 4032 < 8000,
+    # P 2000, Q 16
+    low_rank = limits.floor_messages(records["powersgd"], LAYOUT, HOOK_DEFAULTS)
+    assert low_rank[0] == [(512, "float32"), (1024 + 128, "float32"), (512 + 54, "float32")]
+    assert low_rank[1] == [(2000, "float32"), (16, "float32")]  # nothing uncompressed: no message for it
+    # at rank 4, 1000 x 8 is not worth it: 1008 * 4 * 2 = 8064 >= 8000, so it goes whole
+    assert limits.floor_messages(records["powersgd"], LAYOUT, {**HOOK_DEFAULTS, "matrix_approximation_rank": 4})[1] \
+        == [(8000, "float32")]
+    # batched: bucket 1's 8000 elements as a 90 x 90 matrix (ceil(sqrt(8000)) = 90): P and Q of 90 x 2
+    assert limits.floor_messages(records["batched_powersgd"], LAYOUT, HOOK_DEFAULTS)[1] == [(180, "float32"),
+                                                                                             (180, "float32")]
+    assert limits.floor_messages(records["noop"], LAYOUT, {}) == {0: [], 1: [], 2: []}
 
 
 def test_peak_memory_per_role():

@@ -129,7 +129,7 @@ def test_a_run_that_finished_nothing_still_says_what_was_asked(tmp_path):
 def test_floors_and_efficiency_follow_the_strategys_record():
     record = make_record(limits=True)
     two_rounds(record)
-    record.floor_layout = {0: 3200}
+    record.floor_messages = {0: [(800, "float32")]}
     record.add_floors([{"rpc_ms": [1.0, 3.0], "collective_ms": [0.5], "compute_ms": [2.0]},
                        {"rpc_ms": [2.0], "collective_ms": [1.5], "compute_ms": [4.0]}])
     assert record.limits() is None  # not before the memcpy floor is in, once the rounds are over
@@ -142,7 +142,25 @@ def test_floors_and_efficiency_follow_the_strategys_record():
     assert efficiency["floor"] == "rpc" and efficiency["floor_ms"] == 2.0  # ps is held against the RPC floor
     assert efficiency["cost_ms"] == 2.0 and efficiency["value"] == 1.0  # comm p50 over both trainers
     assert efficiency["exposed_ms"] == pytest.approx(5.0 - 3.0)
+    assert results["limits"]["own"] is None and efficiency["floor_of"] == "its float32 buckets"
+    assert efficiency["gain_over_float32"] == efficiency["value"]  # it sends float32: no gain to speak of
     json.dumps(results)
+
+
+def test_a_compressing_strategy_is_held_against_its_own_bytes_and_gains_over_float32():
+    record = make_record(limits=True, hook="ps_fp16")
+    two_rounds(record)
+    record.floor_messages, record.own_messages = {0: [(800, "float32")]}, {0: [(800, "float16")]}
+    record.add_floors([{"rpc_ms": [4.0], "own_ms": [2.0], "collective_ms": [0.5], "compute_ms": [2.0]},
+                       {"rpc_ms": [4.0], "own_ms": [1.0, 3.0], "collective_ms": [1.5], "compute_ms": [4.0]}])
+    record.memcpy = {"bytes": 3200, "count": 1, "p50_ms": 0.01, "gbps": 0.32}
+    results = record.results("ok")
+    own = results["limits"]["own"]
+    assert own["bytes_per_iter"] == 1600 and own["p50_ms"] == 2.0 and own["transport"] == "rpc"
+    efficiency = results["efficiency"]
+    assert efficiency["floor_of"] == "its own messages" and efficiency["floor_ms"] == 2.0
+    assert efficiency["value"] == 1.0  # 2 ms of floor over 2 ms of comm
+    assert efficiency["float32_floor_ms"] == 4.0 and efficiency["gain_over_float32"] == 2.0
 
 
 def test_the_printed_report_and_the_file_come_from_the_same_record(tmp_path, capsys):

@@ -1,0 +1,78 @@
+"""Each compressing strategy against the floor of what it really sends, on loopback and across
+shaped links.
+
+Runs ``fp16``, ``bf16``, ``ps_fp16`` and ``powersgd`` with ``--limits`` on a ``DummyModel`` of
+2.36 M parameters (9.45 MB of dense gradients: 1024 embeddings of 512, seven 512-wide layers),
+2 trainers and 1 server, RUNS times each (torch seeds 1..RUNS), on loopback and with every rank
+behind a 1 Gbit/s link (``bench.py emulate``, needs root), and prints per strategy and network the
+range of ``efficiency`` (its own floor over its comm p50; it should stay at or below 1.1) and of
+``gain_over_float32`` (the float32 floor over the same cost; above 1, compression paid).
+
+    sudo $(which python) benchmarks/strategy_floors.py [--runs 5] [--link 1gbit] [--no-emulate] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tabulate import tabulate
+
+ROOT = Path(__file__).resolve().parent.parent
+HOOKS = ("fp16", "bf16", "ps_fp16", "powersgd")
+SIXTEEN_BIT = {"fp16", "bf16", "ps_fp16"}
+MODEL = {"Floors9MB": {"model_class": "DummyModel", "configurations": {
+    "num_embeddings": 1024, "embedding_dim": 512, "dense_input_size": 512, "dense_output_size": 512,
+    "dense_layers_count": 7}}}
+
+
+def run(folder: Path, link: str | None, hook: str, seed: int) -> dict:
+    out = folder / f"{hook}-{link or 'loopback'}-{seed}.json"
+    if not out.exists():
+        models = folder / "models.json"
+        models.write_text(json.dumps(MODEL))
+        command = [sys.executable, str(ROOT / "bench.py"), *(["emulate", "--link", link, "--"] if link else []),
+                   "--model", "Floors9MB", "--model-config-path", str(models), "--data", "DummyData",
+                   "--hook", hook, "--ntrainer", "2", "--nserver", "1", "--torch-seed", str(seed),
+                   "--warmup-rounds", "1", "--rounds", "2", "--limits", "--out", str(out)]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"strategy_floors: {hook} on {link or 'loopback'} failed: "
+                     f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return json.loads(out.read_text())["efficiency"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=5, help="runs per strategy and network (default 5)")
+    parser.add_argument("--link", default="1gbit", help="the shaped link (default 1gbit)")
+    parser.add_argument("--no-emulate", action="store_true", help="loopback only (no root needed)")
+    parser.add_argument("--keep", metavar="DIR", help="keep the results files here (reused when run again)")
+    args = parser.parse_args()
+    folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="ps_bench-strategy-floors-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    networks = [None] + ([] if args.no_emulate else [args.link])
+    rows, held = [], True
+    for link in networks:
+        for hook in HOOKS:
+            measured = [run(folder, link, hook, seed) for seed in range(1, args.runs + 1)]
+            values = [m["value"] for m in measured]
+            gains = [m["gain_over_float32"] for m in measured]
+            held &= max(values) <= 1.1 and (link is None or hook not in SIXTEEN_BIT or min(gains) > 1)
+            rows.append([hook, link or "loopback", f"{min(values):.3f} - {max(values):.3f}",
+                         f"{min(gains):.3f} - {max(gains):.3f}", f"{measured[0]['floor_ms']:.1f}",
+                         f"{measured[0]['float32_floor_ms']:.1f}"])
+            print(f"  {hook} on {link or 'loopback'}: {args.runs} runs", flush=True)
+    print(tabulate(rows, headers=["strategy", "network", "efficiency", "gain over float32", "own floor ms (run 1)",
+                                  "float32 floor ms (run 1)"], disable_numparse=True))
+    print(f"\nefficiency <= 1.1 everywhere and gain > 1 for the 16-bit strategies on the link: "
+          f"{'held' if held else 'missed'}; results in {folder}")
+    return 0 if held else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
