@@ -58,8 +58,8 @@ class StepTimer:
 
 
 class IntervalTracker:
-    """Collects ``(iteration, start, end, bucket)`` intervals (``time.perf_counter`` seconds)
-    from several threads; ``drain()`` returns them, sorted, and clears them.
+    """Collects ``(iteration, start, end)`` intervals (``time.perf_counter`` seconds) from
+    several threads; ``drain()`` returns them, sorted, and clears them.
 
     ``add`` is the deque's own append, a C call: it runs once per bucket on every iteration,
     from the hook's thread or a future's callback. Deque appends and pops are atomic, and
@@ -67,32 +67,34 @@ class IntervalTracker:
     for the next drain instead of being lost."""
 
     def __init__(self) -> None:
-        self._intervals: deque[tuple[int, float, float, int]] = deque()
+        self._intervals: deque[tuple[int, float, float]] = deque()
         self.add = self._intervals.append
 
-    def drain(self) -> list[tuple[int, float, float, int]]:
+    def drain(self) -> list[tuple[int, float, float]]:
         pop = self._intervals.popleft
         return sorted(pop() for _ in range(len(self._intervals)))
 
 
-def covered_ms(intervals: list[tuple[int, float, float, int]]) -> dict[int, float]:
+def covered_ms(intervals: list[tuple[int, float, float]]) -> dict[int, float]:
     """Per iteration, the ms during which at least one of its (sorted) intervals was open."""
     if len({interval[0] for interval in intervals}) == len(intervals):  # one bucket: nothing to merge
-        return {iteration: 1000.0 * (end - start) for iteration, start, end, _ in intervals}
-    return {iteration: 1000.0 * covered_seconds([(start, end) for _, start, end, _ in group])
+        return {iteration: 1000.0 * (end - start) for iteration, start, end in intervals}
+    return {iteration: 1000.0 * covered_seconds([(start, end) for _, start, end in group])
             for iteration, group in itertools.groupby(intervals, key=operator.itemgetter(0))}
 
 
-def bucket_offsets(intervals: list[tuple[int, float, float, int]],
+def bucket_offsets(intervals: list[tuple[int, float, float]],
                    backward_started: dict[int, float]) -> dict[int, list[tuple[float, float]]]:
     """Per bucket, ``(ready, done)`` ms after its iteration's backward began, for the iterations
     in ``backward_started`` (iteration -> perf_counter seconds): when DDP handed the bucket to
-    the hook, and when the hook's future completed."""
+    the hook, and when the hook's future completed. ``intervals`` are sorted, so an iteration's
+    k-th is the k-th bucket DDP handed over: bucket k (DDP hands them over in index order)."""
     offsets: dict[int, list[tuple[float, float]]] = {}
-    for iteration, start, end, bucket in intervals:
+    for iteration, group in itertools.groupby(intervals, key=operator.itemgetter(0)):
         began = backward_started.get(iteration)
         if began is not None:
-            offsets.setdefault(bucket, []).append((1000.0 * (start - began), 1000.0 * (end - began)))
+            for bucket, (_, start, end) in enumerate(group):
+                offsets.setdefault(bucket, []).append((1000.0 * (start - began), 1000.0 * (end - began)))
     return offsets
 
 

@@ -209,25 +209,26 @@ def instrument(hook: Hook) -> Hook:
     """Times the hook's future and, on captured iterations, keeps its input and output.
 
     Every bucket of every iteration pays for this wrapper: two clock reads and one append of
-    ``(iteration, start, end, bucket)``; the trainer turns them into ``comm`` and the bucket
-    timeline after the round."""
+    ``(iteration, start, end)``; the trainer turns them into ``comm`` and the bucket timeline
+    after the round (DDP hands the buckets over in index order, so an iteration's k-th start is
+    bucket k's)."""
     clock = time.perf_counter
 
     def run(ctx, bucket):  # unannotated: DDP rejects string annotations
-        iteration, index, capture = ctx.iteration, bucket.index(), None
+        iteration, capture = ctx.iteration, None
         if ctx.capturing:
-            capture = Capture(iteration, index, bucket.buffer().detach().clone())
+            capture = Capture(iteration, bucket.index(), bucket.buffer().detach().clone())
             ctx.captures.append(capture)
         if ctx.noting:
             ctx.note_bucket(bucket)
         start = clock()
         future = hook(ctx, bucket)
         if future.done() and capture is None:  # finished already (noop, a local fast path): nothing to wait for
-            ctx.comm.add((iteration, start, clock(), index))
+            ctx.comm.add((iteration, start, clock()))
             return future
 
         def finished(fut: Future) -> torch.Tensor:
-            ctx.comm.add((iteration, start, clock(), index))
+            ctx.comm.add((iteration, start, clock()))
             value = fut.value()
             if capture is not None:
                 capture.delivered = value.detach().clone()

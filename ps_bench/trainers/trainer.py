@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import copy
 import math
 from pathlib import Path
@@ -28,6 +29,7 @@ from ps_bench.trainers.hooks import HOOKS, RPC, HookContext, ServerHandle, build
 TRAINERS: Registry = Registry("trainer")
 VERIFIED_PER_ROUND = 4  # --verify checks at most this many evenly spaced iterations per round
 PROFILED_ITERATIONS = 3  # --profile traces this many iterations, from the second of the round on
+TIMELINE_ITERATIONS = 8  # the bucket timeline comes from this many timed iterations at the end of each round
 
 
 def bucket_bytes(layout: list[dict]) -> dict[int, int]:
@@ -159,13 +161,17 @@ class DdpTrainer:
         self.iteration = iteration
         readings = [record[:4] for record in records]
         moved = np.diff([(sent_before, recv_before)] + [record[4:] for record in records], axis=0)
-        intervals, first_iteration = ctx.comm.drain(), iteration - iterations + 1
+        intervals, first_iteration, untimed = ctx.comm.drain(), iteration - iterations + 1, checked | traced
         samples = self.round_samples(timer.phases(readings), moved, covered_ms(intervals), first_iteration,
-                                     untimed=checked | traced)
-        # when each bucket became ready and was done, after backward began (CPU clocks only: on a
-        # GPU the readings are CUDA events, on another clock than the hook's)
-        timeline = {} if timer.cuda else bucket_offsets(intervals, {
-            first_iteration + step: reading[1] for step, reading in enumerate(readings) if step not in checked | traced})
+                                     untimed=untimed)
+        # when each bucket became ready and was done, after backward began, in the round's last
+        # timed iterations (CPU clocks only: on a GPU the readings are CUDA events, another clock)
+        timeline = {}
+        if not timer.cuda:
+            steps = [step for step in range(iterations) if step not in untimed][-TIMELINE_ITERATIONS:]
+            if steps:
+                tail = intervals[bisect.bisect_left(intervals, (first_iteration + steps[0],)):]
+                timeline = bucket_offsets(tail, {first_iteration + step: readings[step][1] for step in steps})
         return {
             "samples": samples,
             "iterations": iterations,

@@ -52,14 +52,15 @@ def test_interval_tracker_counts_overlaps_once_per_iteration():
     tracker = IntervalTracker()
     # seconds; iteration 7 overlaps itself, iteration 8's interval overlaps 7's in time but is its own
     for start, end in [(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (5.5, 5.7)]:
-        tracker.add((7, start, end, 0))
-    tracker.add((8, 1.0, 1.5, 0))
+        tracker.add((7, start, end))
+    tracker.add((8, 1.0, 1.5))
     assert covered_ms(tracker.drain()) == {7: pytest.approx(4000.0), 8: pytest.approx(500.0)}
     assert tracker.drain() == []
 
 
 def test_bucket_offsets_are_ms_after_the_iterations_backward_began():
-    intervals = [(3, 10.002, 10.010, 0), (3, 10.005, 10.012, 1), (4, 20.001, 20.003, 0), (5, 30.0, 30.1, 0)]
+    # sorted, as drain() gives them: an iteration's k-th interval is its bucket k
+    intervals = [(3, 10.002, 10.010), (3, 10.005, 10.012), (4, 20.001, 20.003), (5, 30.0, 30.1)]
     offsets = bucket_offsets(intervals, {3: 10.0, 4: 20.0})  # iteration 5 is not timed
     assert offsets[0] == [pytest.approx((2.0, 10.0)), pytest.approx((1.0, 3.0))]
     assert offsets[1] == [pytest.approx((5.0, 12.0))]
