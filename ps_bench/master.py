@@ -12,18 +12,8 @@ import torch.distributed.rpc as rpc
 from ps_bench.config import RunConfig
 from ps_bench.faults import Fault, maybe_inject
 from ps_bench.metrics import limits
-from ps_bench.metrics.record import (
-    RunRecord,
-    mean_loss,
-    replica_summary,
-    write_snapshot,
-)
-from ps_bench.metrics.results import (
-    environment,
-    format_bytes,
-    print_report,
-    write_results,
-)
+from ps_bench.metrics.record import RunRecord, mean_loss, replica_summary, write_snapshot
+from ps_bench.metrics.results import environment, format_bytes, print_report, write_results
 from ps_bench.metrics.startup import render_startup, startup_phases
 from ps_bench.models import build_data
 from ps_bench.models.entries import Entry

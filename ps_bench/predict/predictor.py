@@ -25,12 +25,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ps_bench.config import ConfigError
+from ps_bench.metrics.limits import ELEMENT_BYTES
+from ps_bench.metrics.results import SCHEMA
 from ps_bench.predict import models
 from ps_bench.predict.models import Link, Phases
 from ps_bench.trainers.hooks import COLLECTIVE, HOOKS, RPC, SPARSE_SERVERS, Strategy
 
-SCHEMA = "ps_bench.result/1"
-HALF = {"float32": 1.0, "float16": 0.5, "bfloat16": 0.5}  # bytes on the wire per float32 byte
 
 
 @dataclass
@@ -146,27 +146,22 @@ def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float |
     forward = statistics.median(run.forward_ms for run in runs)
     optimizer = statistics.median(run.optimizer_ms for run in runs)
     timelines = [run.timeline for run in runs if run.timeline]
-    dense = {bucket["index"]: (bucket["bytes"], bucket.get("sparse", False)) for bucket in first.buckets}
+    dense = bucket_sizes(first.buckets)
+    computes = [run.compute_ms for run in runs if run.compute_ms is not None]
     if timelines:
-        ready = {}
+        ready: dict[int, list[float]] = {}
         for timeline in timelines:
             for row in timeline:
                 ready.setdefault(row["index"], []).append(row["ready_ms"])
-        order = sorted(ready, key=lambda index: statistics.median(ready[index]))
-        buckets = [(statistics.median(ready[index]), *dense.get(index, (0, False))) for index in order]
+        buckets = ready_buckets({index: statistics.median(times) for index, times in ready.items()}, dense)
+        backward = backward_compute(buckets, statistics.median(computes) if computes else None, forward, optimizer)
         overlap_from = f"the bucket timeline of {len(timelines)} run(s)"
-    else:
-        buckets = [(None, *dense[index]) for index in sorted(dense)]
+    elif computes:
+        backward = backward_compute([], statistics.median(computes), forward, optimizer)
+        buckets = [(backward, *dense[index]) for index in sorted(dense)]
         overlap_from = "none: no run has a bucket timeline (GPU runs), every bucket ready when backward's compute ends"
-    computes = [run.compute_ms for run in runs if run.compute_ms is not None]
-    last_ready = max((ready for ready, _, _ in buckets if ready is not None), default=0.0)
-    if computes:
-        backward = max(last_ready, statistics.median(computes) - forward - optimizer)
-    elif timelines:
-        backward = last_ready
     else:
         raise ConfigError("no backward compute to predict with: give runs made with --limits or on the CPU")
-    buckets = [(backward if ready is None else ready, nbytes, sparse) for ready, nbytes, sparse in buckets]
     memcpy = [run.memcpy_gbps for run in runs if run.memcpy_gbps]
     calibration = Calibration(first.model, first.batch_size, Phases(forward, backward, optimizer), buckets, link,
                               link_from, statistics.median(memcpy) * 1e9 / 1000.0 if memcpy else None, overlap_from,
@@ -194,17 +189,32 @@ def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float |
     return calibration
 
 
+def bucket_sizes(buckets: list[dict]) -> dict[int, tuple[int, bool]]:
+    """Bucket index -> (dense bytes, sparse), from a results file's DDP buckets."""
+    return {bucket["index"]: (bucket["bytes"], bucket.get("sparse", False)) for bucket in buckets}
+
+
+def ready_buckets(ready: dict[int, float], sizes: dict[int, tuple[int, bool]]) -> list[tuple[float, int, bool]]:
+    """``(ready ms, bytes, sparse)`` per bucket, in the order the buckets became ready."""
+    return [(ready[index], *sizes.get(index, (0, False))) for index in sorted(ready, key=ready.get)]
+
+
+def backward_compute(buckets: list[tuple[float, int, bool]], compute_ms: float | None, forward: float,
+                     optimizer: float) -> float:
+    """Backward's own compute: the compute-only iteration minus forward and optimizer, and at
+    least until the last bucket was ready (without a compute-only iteration, just that)."""
+    last_ready = max((ready for ready, _, _ in buckets), default=0.0)
+    return last_ready if compute_ms is None else max(last_ready, compute_ms - forward - optimizer)
+
+
 def own_terms(run: Run, calibration: Calibration) -> dict:
     """The compute phases and bucket timeline of one run alone (the calibration's pooled ones
     where the run lacks them), so that its slower or faster compute is not taken for its
     strategy's own cost."""
     ready = {row["index"]: row["ready_ms"] for row in run.timeline or []}
-    sizes = {bucket["index"]: (bucket["bytes"], bucket.get("sparse", False)) for bucket in run.buckets}
-    buckets = ([(ready[index], *sizes.get(index, (0, False))) for index in sorted(ready, key=ready.get)]
-               if ready else calibration.buckets)
-    last_ready = max((r for r, _, _ in buckets), default=0.0)
-    backward = (max(last_ready, run.compute_ms - run.forward_ms - run.optimizer_ms) if run.compute_ms is not None
-                else last_ready if ready else calibration.phases.backward)
+    buckets = ready_buckets(ready, bucket_sizes(run.buckets)) if ready else calibration.buckets
+    backward = (backward_compute(buckets, run.compute_ms, run.forward_ms, run.optimizer_ms)
+                if run.compute_ms is not None or ready else calibration.phases.backward)
     return {"phases": Phases(run.forward_ms, backward, run.optimizer_ms), "buckets": buckets}
 
 
@@ -221,7 +231,7 @@ def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n
             return None  # its bytes depend on the layers' shapes: known from a run of it only
         return models.pipeline([(ready, nbytes * ratio) for ready, nbytes, _ in buckets],
                                lambda nbytes: models.ring_allreduce_ms(n, nbytes, link, steps_per_message=3))
-    factor = HALF[strategy.payload]
+    factor = ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"]  # wire bytes per float32 byte
     if strategy.transport == COLLECTIVE:
         def transfer(item):
             nbytes, sparse = item

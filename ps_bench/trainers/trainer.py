@@ -32,11 +32,6 @@ PROFILED_ITERATIONS = 3  # --profile traces this many iterations, from the secon
 TIMELINE_ITERATIONS = 8  # the bucket timeline comes from this many timed iterations at the end of each round
 
 
-def bucket_bytes(layout: list[dict]) -> dict[int, int]:
-    """Bucket index -> payload bytes, from ``DdpTrainer.bucket_layout``."""
-    return {bucket["index"]: bucket["bytes"] for bucket in layout}
-
-
 def verified_steps(iterations: int) -> set[int]:
     """Which iterations of a round ``--verify`` checks: evenly spaced, at most VERIFIED_PER_ROUND."""
     stride = max(1, math.ceil(iterations / VERIFIED_PER_ROUND))
