@@ -27,6 +27,7 @@ class ConfigError(ValueError):
 
 TOPOLOGY, STRATEGY, RUN = "topology", "strategy and workload", "rounds, rendezvous and output"  # --help groups
 NETWORK = "emulated network (see bench.py emulate --help)"
+CONVERGENCE = "time to a target loss"
 
 
 def option(default: Any, help: str, *, group: str = RUN, aliases: tuple[str, ...] = (), choices: tuple[str, ...] = (),
@@ -63,6 +64,18 @@ class RunConfig:
     lr: float = option(0.01, "SGD learning rate", group=STRATEGY)
     warmup_rounds: int = option(1, "untimed rounds before the timed ones")
     rounds: int = option(5, "timed rounds")
+    labels: str | None = option(
+        None, "labels of the synthetic data: random = drawn uniformly, nothing to learn (the default without "
+        "--target-loss); teacher = a fixed, seeded function of the inputs the model can learn (the default with "
+        "--target-loss)", group=CONVERGENCE, choices=("random", "teacher"))
+    target_loss: float | None = option(
+        None, "train until the averaged model's training loss, smoothed over the last 10 iterations, is at or below "
+        "X (or --max-iterations): rounds go on past --rounds, and the results say whether, after how many "
+        "iterations and after how many seconds of training the target was reached", group=CONVERGENCE,
+        metavar="X")
+    max_iterations: int | None = option(
+        None, "the most training iterations a --target-loss run takes, warmup included (default: 1000)",
+        group=CONVERGENCE)
     data: str | None = option(
         None, "entry of the data configuration file, or zoo data (default: the zoo model's own data, "
         "else DummyDataSmall)", group=STRATEGY)

@@ -9,13 +9,15 @@ input and what to change.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 from ps_bench.cluster import network
 from ps_bench.config import ConfigError, RunConfig, check_interface, check_port, check_writable_folder
 from ps_bench.faults import Fault
-from ps_bench.models import DATA, DATA_PRESETS, MODEL_PRESETS, MODELS, PRESET_DATA
+from ps_bench.models import DATA, DATA_PRESETS, MODEL_PRESETS, MODELS, PRESET_DATA, RANDOM, TEACHER
+from ps_bench.models.base import SyntheticData
 from ps_bench.models.entries import DEFAULT_DATA, ZOO, Entry, construct, load_entry, model_size
 from ps_bench.registry import UnknownNameError
 from ps_bench.servers import SERVERS
@@ -61,9 +63,31 @@ def check_options(cfg: RunConfig) -> None:
         check_port("--master-port", cfg.master_port)
     if cfg.iface is not None:
         check_interface(cfg.iface)
-    for name in ("backend", "mapping", "rpc_transport"):
+    for name in ("backend", "mapping", "rpc_transport", "labels"):
         allowed, value = RunConfig.__dataclass_fields__[name].metadata["choices"], getattr(cfg, name)
-        need(value in allowed, f"--{name} must be one of {', '.join(allowed)}; got {value!r}")
+        need(value in allowed or (value is None and name == "labels"),  # None: chosen by check_labels
+             f"--{name} must be one of {', '.join(allowed)}; got {value!r}")
+    if cfg.target_loss is not None:
+        need(math.isfinite(cfg.target_loss) and cfg.target_loss > 0,
+             f"--target-loss must be a positive number; got {cfg.target_loss}")
+    if cfg.max_iterations is not None:
+        need(cfg.target_loss is not None, "--max-iterations bounds a --target-loss run; without a target, the run "
+                                          "length is --rounds x --epochs passes over each trainer's shard")
+        need(cfg.max_iterations >= 1, f"--max-iterations must be at least 1; got {cfg.max_iterations}")
+
+
+def check_labels(cfg: RunConfig, dataset: SyntheticData) -> None:
+    """Teacher labels by default with a target loss, random otherwise; a target needs data that can be learned."""
+    if cfg.labels is None:
+        cfg.labels = TEACHER if cfg.target_loss is not None else RANDOM
+    if cfg.labels == TEACHER and dataset.teacher is None:
+        learnable = ", ".join(name for name in DATA if DATA.get(name).teacher is not None)
+        reason = "--target-loss needs learnable data" if cfg.target_loss is not None else "--labels teacher"
+        raise ConfigError(f"{reason}, but --data {cfg.data} ({type(dataset).__name__}) has no teacher to label it; "
+                          f"data classes with one: {learnable}")
+    need(cfg.target_loss is None or cfg.labels == TEACHER,
+         f"--target-loss {cfg.target_loss} with --labels random: random labels cannot be learned; "
+         f"use --labels teacher (the default with a target)")
 
 
 def check_pieces(cfg: RunConfig) -> None:
@@ -101,6 +125,7 @@ def check_workload(cfg: RunConfig) -> tuple[Entry, Entry, torch.nn.Module]:
          f"leave --data out to use the model's own data")
     mismatch = network.fits(dataset)
     need(mismatch is None, f"--data {cfg.data} {mismatch} (--model {cfg.model})")
+    check_labels(cfg, dataset)
     samples = dataset.sample_count
     need(
         samples // cfg.num_trainers >= cfg.batch_size,

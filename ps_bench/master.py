@@ -15,12 +15,13 @@ from ps_bench.metrics import limits
 from ps_bench.metrics.record import RunRecord, mean_loss, replica_summary, write_snapshot
 from ps_bench.metrics.results import environment, format_bytes, print_report, write_results
 from ps_bench.metrics.startup import render_startup, startup_phases
-from ps_bench.models import build_data
+from ps_bench.models import build_data, build_held_out
 from ps_bench.models.entries import Entry
 from ps_bench.rendezvous import one_machine_warning, rpc_paths
 from ps_bench.servers import SERVERS
 from ps_bench.topology import RankInfo, Topology
 from ps_bench.trainers.hooks import HOOKS, hook_options
+from ps_bench.trainers.convergence import HELD_OUT_SAMPLES
 from ps_bench.trainers.trainer import TRAINERS
 
 SNAPSHOT_CHEAP_S = 0.05
@@ -96,7 +97,11 @@ class Master:
 
     def create_trainers(self, servers: list[rpc.RRef]) -> list[rpc.RRef]:
         cfg, topo = self.config, self.topology
-        dataset = build_data(self.data.class_name, self.data.kwargs, cfg.torch_seed)
+        dataset = build_data(self.data.class_name, self.data.kwargs, cfg.torch_seed, cfg.labels)
+        held_out = None
+        if cfg.target_loss is not None:
+            held_out = build_held_out(self.data.class_name, self.data.kwargs, cfg.torch_seed,
+                                      min(HELD_OUT_SAMPLES, len(dataset)))
         handles = [(rref, info.cuda_rpc) for rref, info in zip(servers, topo.servers)]
         trainer_class = TRAINERS.get(cfg.trainer)
         trainers = []
@@ -105,7 +110,7 @@ class Master:
             group_server = topo.group_of(info.index) if topo.mapping == "group" and servers else None
             trainers.append(rpc.remote(info.name, trainer_class, args=(
                 info.index, cfg, self.model, shard.inputs, shard.targets, handles, group_server, info.cuda_rpc,
-                device_name(self.device_of(info.rank)))))
+                device_name(self.device_of(info.rank)), held_out if info.index == 0 else None)))
         for trainer in trainers:  # waits until every DDP replica is built
             trainer.rpc_sync(timeout=0).ready()
         return trainers
@@ -124,9 +129,11 @@ class Master:
         trainers = self.create_trainers(servers)
         ready_at = time.time()
         total = cfg.warmup_rounds + cfg.rounds
+        follow = (f"training until the averaged model's smoothed loss is at most {cfg.target_loss} or "
+                  f"{record.max_iterations} iterations are done" if cfg.target_loss is not None
+                  else f"{cfg.warmup_rounds} warmup and {cfg.rounds} timed rounds follow")
         print(f"ps_bench: ready after {ready_at - self.launched_at:.1f} s (every rank started, servers created, "
-              f"DDP built on every trainer); {cfg.warmup_rounds} warmup and {cfg.rounds} timed rounds follow",
-              flush=True)
+              f"DDP built on every trainer); {follow}", flush=True)
         if self.startup is not None:
             times = self.startup()
             record.environment["startup_s"] = startup_phases(times["launcher"], times["ranks"], servers_at, ready_at)
@@ -134,12 +141,12 @@ class Master:
                 print(render_startup(record.environment["startup_s"]), flush=True)
         print(describe_workload(self.model, self.data), flush=True)
         run_start = time.perf_counter()
-        for round_index in range(total):
+        converging, round_index = cfg.target_loss is not None, 0
+        while converging or round_index < total:  # a --target-loss run goes on until its trainers stop
             maybe_inject(self.fault, "master", 0, round_index + 1)
-            timed = round_index >= cfg.warmup_rounds
             profiled = cfg.profile is not None and round_index == total - 1
             start = time.perf_counter()
-            futures = [t.rpc_async(timeout=0).run_round(verify=timed and cfg.verify,
+            futures = [t.rpc_async(timeout=0).run_round(verify=round_index >= cfg.warmup_rounds and cfg.verify,
                                                         profile_path=self.trace_path(info) if profiled else None)
                        for t, info in zip(trainers, self.topology.trainers)]
             rounds = [f.wait() for f in futures]
@@ -147,7 +154,10 @@ class Master:
             served = [s.rpc_sync().take_metrics() for s in servers]
             for server in servers:
                 server.rpc_sync().reset_state()
-            if record.buckets is None:  # DDP rebuilds its buckets in the first iteration: read them after it
+            stopped = converging and record.add_progress(rounds)
+            # the round training stopped in is kept even within warmup, so that every run has one
+            timed = (round_index >= cfg.warmup_rounds or stopped) and rounds[0]["iterations"] > 0
+            if record.buckets is None and rounds[0]["iterations"]:  # DDP rebuilds its buckets in the first iteration
                 record.buckets = trainers[0].rpc_sync().bucket_layout()
                 print(describe_buckets(record.buckets), flush=True)
             if timed:  # kept before it is announced
@@ -155,10 +165,15 @@ class Master:
                 self.snapshot()
             else:
                 loss = mean_loss(rounds)
-            print(f"[round {round_index + 1}/{total}] {'timed' if timed else 'warmup':6} {elapsed:7.2f} s  "
-                  f"(elapsed {time.perf_counter() - run_start:6.1f} s)  loss {loss:.4f}", flush=True)
+            of = "" if converging else f"/{total}"
+            print(f"[round {round_index + 1}{of}] {'timed' if timed else 'warmup':6} {elapsed:7.2f} s  "
+                  f"(elapsed {time.perf_counter() - run_start:6.1f} s)  loss {loss:.4f}"
+                  f"{record.progress_line() if converging else ''}", flush=True)
             if timed and cfg.limits:
                 self.measure_floors(trainers)
+            if stopped:
+                break
+            round_index += 1
         record.replicas = replica_summary([t.rpc_sync().parameters_vector() for t in trainers])
         if cfg.limits:
             record.memcpy = limits.memcpy_floor(limits.message_bytes(record.floor_messages))

@@ -10,7 +10,7 @@ import sys
 import traceback
 from typing import Any, NoReturn
 
-from ps_bench.config import NETWORK, OPTIONS, RUN, STRATEGY, TOPOLOGY, ConfigError, field_type
+from ps_bench.config import CONVERGENCE, NETWORK, OPTIONS, RUN, STRATEGY, TOPOLOGY, ConfigError, field_type
 from ps_bench.models import MODEL_PRESETS, TEST_SIZED
 from ps_bench.servers import SERVERS
 from ps_bench.trainers.hooks import HOOKS
@@ -108,7 +108,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     sets no defaults, so a --config file fills the rest)."""
     parser.add_argument("--config", "--config-file", metavar="FILE",
                         help="run options as a JSON object whose keys are these option names")
-    groups = {name: parser.add_argument_group(name) for name in (TOPOLOGY, STRATEGY, RUN, NETWORK)}
+    groups = {name: parser.add_argument_group(name) for name in (TOPOLOGY, STRATEGY, CONVERGENCE, RUN, NETWORK)}
     for name, field in OPTIONS.items():
         meta, default, kind = field.metadata, field.default, field_type(name)
         group = groups[meta["group"]]

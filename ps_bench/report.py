@@ -20,7 +20,8 @@ from ps_bench.sweep import RESULTS_NAME, read_lines
 DESCRIPTION = (
     "Compare runs: one row per point, with the options that vary across points, p50 and p90 of a "
     "metric, samples/s, bytes per iteration, gradient error (runs with --verify) and the speedup "
-    "against a baseline point.")
+    "against a baseline point; for runs with --target-loss also iterations and seconds to the target and "
+    "the speedup to target, and --plot draws loss against seconds of training.")
 EPILOG = """\
 example:
   python bench.py report results/hooks --baseline hook=allreduce --csv hooks.csv --plot hooks.png
@@ -103,11 +104,33 @@ def find_baseline(rows: list[Row], baseline: str | None) -> Row:
     raise ConfigError(f"--baseline {baseline}: no point has {key}={value}")
 
 
+def to_target(row: Row) -> tuple[int | None, float | None]:
+    """Iterations and seconds to the target loss, where the point reached it."""
+    convergence = row.results.get("convergence") or {}
+    if not convergence.get("reached"):
+        return None, None
+    return convergence["iterations"], convergence["seconds"]
+
+
+def convergence_columns(row: Row, reference_s: float | None) -> list:
+    convergence = row.results.get("convergence") or {}
+    iterations, seconds = to_target(row)
+    if not convergence:
+        return [None, None, None]
+    if iterations is None:
+        return [f"not reached ({convergence.get('stopped_by')})", None, None]
+    speedup = reference_s / seconds if reference_s and seconds else None
+    return [iterations, fixed(seconds, 3), f"{speedup:.2f}x" if speedup else None]
+
+
 def table(rows: list[Row], metric: str, baseline: Row) -> tuple[list[str], list[list]]:
     columns = varying_options(rows)
+    converging = any(row.results.get("convergence") for row in rows)
     headers = columns + [f"{metric} p50 ms", f"{metric} p90 ms", "samples/s", "bytes/iter", "grad error",
-                         "speedup", "status"]
+                         "speedup"] + (["iterations to target", "seconds to target", "speedup to target"]
+                                       if converging else []) + ["status"]
     reference = baseline.stat(metric, "p50")
+    reference_s = to_target(baseline)[1]
     body = []
     for row in rows:
         p50 = row.stat(metric, "p50")
@@ -121,6 +144,7 @@ def table(rows: list[Row], metric: str, baseline: Row) -> tuple[list[str], list[
             fixed((row.results.get("bytes") or {}).get("trainer_sent_per_iter"), 0),
             None if check.get("grad_rel_error_p50") is None else f"{check['grad_rel_error_p50']:.2e}",
             f"{speedup:.2f}x" if speedup else None,
+            *(convergence_columns(row, reference_s) if converging else []),
             row.results.get("status", "failed"),
         ])
     return headers, body
@@ -144,13 +168,7 @@ def is_number(value: Any) -> bool:
 def plot(path: str, rows: list[Row], metric: str, title: str) -> None:
     """Lines over a numeric option that varies (e.g. ntrainer), else grouped bars per point;
     p50 with p10-p90 whiskers from the raw samples."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("report --plot needs matplotlib: pip install -e '.[plot]'") from None
+    plt = pyplot()
     rows = [r for r in rows if r.ok and r.raw(metric)]
     if not rows:
         raise ConfigError(f"report --plot: no successful point has {metric!r} samples")
@@ -211,6 +229,57 @@ def plot(path: str, rows: list[Row], metric: str, title: str) -> None:
     plt.close(figure)
 
 
+def plot_convergence(path: str, rows: list[Row], title: str) -> None:
+    """The averaged model's training loss (smoothed as the target is) against seconds of
+    training, one line per point, the target as a dashed line; held-out losses as markers."""
+    plt = pyplot()
+    rows = [r for r in rows if (r.results.get("convergence") or {}).get("loss_curve")]
+    if not rows:
+        raise ConfigError("report --plot: no point has a loss curve (runs with --target-loss)")
+    columns = varying_options(rows)
+    figure, axes = plt.subplots(figsize=(7.5, 4.8))
+    colours = plt.cm.tab20(np.linspace(0, 1, 20))[:len(rows)] if len(rows) > 10 else [None] * len(rows)
+    for row, colour in zip(rows, colours):
+        convergence = row.results["convergence"]
+        curve = [(s, loss) for _, s, loss in convergence["loss_curve"]]
+        window = convergence["smoothing"]
+        xs = [s for s, _ in curve[window - 1:]]
+        ys = [np.mean([loss if loss is not None else np.nan for _, loss in curve[i - window + 1:i + 1]])
+              for i in range(window - 1, len(curve))]
+        label = " ".join(str(row.option(c)) for c in columns) or row.label
+        if not convergence["reached"]:
+            label += f" (not reached: {convergence['stopped_by']})"
+        line, = axes.plot(xs, ys, label=label, color=colour)
+        held = [(s, loss) for _, s, loss in convergence["held_out"] if loss is not None]
+        if held:
+            axes.plot(*zip(*held), linestyle="none", marker="o", markersize=3, color=line.get_color())
+    target = rows[0].results["convergence"]["target_loss"]
+    start = max(loss for row in rows for _, _, loss in row.results["convergence"]["loss_curve"][:1] if loss is not None)
+    axes.set_ylim(top=2 * start)  # a diverging point leaves the plot upwards rather than squashing the rest
+    axes.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target}")
+    axes.set_yscale("log")
+    axes.set_xlabel("seconds of training (forward + backward + optimizer)")
+    axes.set_ylabel(f"averaged model's training loss (last {rows[0].results['convergence']['smoothing']}); "
+                    "dots: held-out", fontsize="small")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("report --plot needs matplotlib: pip install -e '.[plot]'") from None
+    return plt
+
+
 def scaling_table(rows: list[Row], link_gbps: float | None) -> tuple[list[str], list[list]]:
     """Per-iteration time for each trainers x servers point next to the analytic bounds.
 
@@ -264,12 +333,19 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
     headers, body = table(rows, metric, reference)
     print(tabulate(body, headers=headers, missingval="-", disable_numparse=True))
     print(f"\nspeedup: {reference.label}'s {metric} p50 divided by each point's (above 1 is faster)")
+    converging = any(row.results.get("convergence") for row in rows)
+    if converging:
+        print(f"speedup to target: {reference.label}'s seconds of training to the target loss divided by each "
+              f"point's")
     if csv_path:
         write_csv(csv_path, headers, body)
         print(f"csv: {csv_path}")
     if plot_path:
         sweep = rows[0].results.get("point", {}).get("sweep", "")
-        plot(plot_path, rows, metric, f"{sweep + ': ' if sweep else ''}trainer {metric} time per iteration")
+        if converging:
+            plot_convergence(plot_path, rows, f"{sweep + ': ' if sweep else ''}loss against training time")
+        else:
+            plot(plot_path, rows, metric, f"{sweep + ': ' if sweep else ''}trainer {metric} time per iteration")
         print(f"plot: {plot_path}")
     return 0
 
@@ -282,7 +358,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metric", default="batch", metavar="NAME",
                         help="summary metric to compare, e.g. batch, comm, backward, round (default: batch)")
     parser.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
-    parser.add_argument("--plot", metavar="FILE.png", help="also draw the comparison (needs the 'plot' extra)")
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw the comparison (needs the 'plot' extra); "
+                        "for --target-loss runs, the loss against seconds of training")
     parser.add_argument("--scaling", action="store_true",
                         help="per-iteration time for each trainers x servers point next to the analytic "
                              "parameter-server bound and BytePS's optimum (bandwidth: --link-gbps, else each "

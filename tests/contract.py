@@ -15,6 +15,8 @@ STATS = {"role", "metric", "unit", "count", "mean", "std", "min", "p50", "p90", 
 BYTES = {"trainer_sent_per_iter", "trainer_recv_per_iter", "server_recv_per_iter", "server_sent_per_iter"}
 TRAINER_METRICS = {"batch", "forward", "backward", "optimizer", "comm"}
 SERVER_METRICS = {"straggler", "aggregate", "round"}
+CONVERGENCE = {"target_loss", "reached", "iterations", "seconds", "stopped_by", "diverged", "final_loss", "smoothing",
+               "max_iterations", "labels", "loss_curve", "held_out"}
 
 
 def check_contract(results: dict, status: str = "ok") -> None:
@@ -31,10 +33,24 @@ def check_contract(results: dict, status: str = "ok") -> None:
     assert set(results["bytes"]) == BYTES
     for bucket in results["timeline"] or []:
         assert set(bucket) == {"index", "bytes", "ready_ms", "done_ms"} and bucket["ready_ms"] <= bucket["done_ms"]
+    if "convergence" in results:
+        check_convergence(results["convergence"])
     if status == "ok":
         assert set(results["replicas"]) == {"identical", "param_norm", "max_abs_diff"}
         assert results["throughput"]["samples_per_s"] > 0
     json.dumps(results)  # plain JSON all the way down
+
+
+def check_convergence(convergence: dict) -> None:
+    """A --target-loss run's block: curves of [iterations, seconds, loss] in order, the answer on them."""
+    assert set(convergence) == CONVERGENCE
+    assert convergence["stopped_by"] in ("target", "diverged", "max_iterations", "unfinished")
+    assert convergence["reached"] == (convergence["stopped_by"] == "target")
+    for curve in (convergence["loss_curve"], convergence["held_out"]):
+        assert all(len(point) == 3 for point in curve)
+        assert [p[0] for p in curve] == sorted(p[0] for p in curve) and [p[1] for p in curve] == sorted(p[1] for p in curve)
+    if convergence["loss_curve"]:
+        assert convergence["iterations"] <= convergence["loss_curve"][-1][0] <= convergence["max_iterations"]
 
 
 def check_failed_minimum(results: dict) -> None:

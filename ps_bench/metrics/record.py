@@ -26,6 +26,7 @@ from ps_bench.metrics.results import SCHEMA, iso_now
 from ps_bench.metrics.stats import SummaryRow, summary_rows
 from ps_bench.models.entries import Entry
 from ps_bench.topology import Topology
+from ps_bench.trainers.convergence import DEFAULT_MAX_ITERATIONS, SMOOTHING, smoothed_loss
 from ps_bench.trainers.hooks import HOOKS
 
 TRAINER_METRICS = ("batch", "forward", "backward", "optimizer", "comm")  # ms, per iteration
@@ -105,6 +106,11 @@ class RunRecord:
         self.own_messages: dict[int, list[tuple[int, str]]] | None = None
         self.floor_samples: dict[str, list[float]] = defaultdict(list)
         self.memcpy: dict | None = None  # --limits: the memory-copy floor, measured once the rounds are over
+        # --target-loss, from every round (warmup too): the averaged model's losses, every iteration's ms
+        self.curve: list[tuple[int, float]] = []  # (iterations done, training loss), from trainer 0
+        self.held_out: list[tuple[int, float]] = []  # (iterations done, held-out loss), from trainer 0
+        self.iteration_ms: dict[int, list[float]] = defaultdict(list)  # trainer rank -> each iteration's ms
+        self.training: dict = {"reached_at": None, "diverged": False, "stopped": False}
 
     # -- what the master hands in ------------------------------------------------------------
     def add_round(self, elapsed_s: float, rounds: list[dict], served: list[dict]) -> float:
@@ -134,6 +140,66 @@ class RunRecord:
         loss = mean_loss(rounds)
         self.losses.append(loss)
         return loss
+
+    def add_progress(self, rounds: list[dict]) -> bool:
+        """``--target-loss``: what every round (warmup too) adds to the loss curves and the
+        clock; returns whether training has stopped."""
+        for info, result in zip(self.topology.trainers, rounds):
+            self.iteration_ms[info.rank].extend(result["convergence"]["batch_ms"])
+            self.held_out.extend(result["convergence"]["held_out"])
+        progress = rounds[0]["convergence"]  # every trainer reached the same numbers
+        self.curve.extend(progress["curve"])
+        self.training = {key: progress[key] for key in self.training}
+        return progress["stopped"]
+
+    @property
+    def max_iterations(self) -> int:
+        return self.config.max_iterations or DEFAULT_MAX_ITERATIONS
+
+    def progress_line(self) -> str:
+        """Where a --target-loss run stands, for the round's line."""
+        if not self.curve:
+            return ""
+        iterations, loss = self.curve[-1]
+        smoothed = smoothed_loss(self.curve)
+        shown = f"{smoothed:.4f}" if smoothed is not None else f"{loss:.4f} (not yet smoothed)"
+        return (f"  | {iterations}/{self.max_iterations} iterations, averaged model's loss {shown}, "
+                f"target {self.config.target_loss}")
+
+    def convergence(self) -> dict | None:
+        """``--target-loss``: whether, after how many iterations and seconds of training the
+        smoothed loss of the averaged model met the target, why training stopped, and both loss
+        curves as ``[iterations, seconds, loss]`` (a loss that is no longer finite is null)."""
+        cfg = self.config
+        if cfg.target_loss is None:
+            return None
+        clocks = [np.cumsum([0.0] + values) / 1000.0 for values in self.iteration_ms.values()]
+
+        def at(iterations: int) -> float:  # seconds of training after that many iterations, slowest trainer
+            return float(max(c[min(iterations, len(c) - 1)] for c in clocks)) if clocks else 0.0
+
+        def points(curve: list[tuple[int, float]]) -> list[list]:
+            return [[i, at(i), finite_or_none(loss)] for i, loss in curve]
+
+        reached_at, diverged = self.training["reached_at"], self.training["diverged"]
+        done = self.curve[-1][0] if self.curve else 0
+        iterations = reached_at if reached_at is not None else done
+        why = ("target" if reached_at is not None else "diverged" if diverged
+               else "max_iterations" if self.training["stopped"] else "unfinished")
+        return {
+            "target_loss": cfg.target_loss,
+            "reached": reached_at is not None,
+            "iterations": iterations,
+            "seconds": at(iterations),
+            "stopped_by": why,
+            "diverged": diverged,
+            "final_loss": finite_or_none(smoothed_loss(self.curve)),
+            "smoothing": SMOOTHING,
+            "max_iterations": self.max_iterations,
+            "labels": cfg.labels,
+            "loss_curve": points(self.curve),
+            "held_out": points(self.held_out),
+        }
 
     def add_floors(self, floors: list[dict[str, list[float]]]) -> None:
         """``--limits``: every trainer's floor samples (ms) of one round, by floor."""
@@ -180,6 +246,7 @@ class RunRecord:
             "timeline": self.timeline(),
             "replicas": self.replicas,
             "loss": {"first": self.losses[0], "last": self.losses[-1]} if self.losses else None,
+            **({"convergence": self.convergence()} if cfg.target_loss is not None else {}),
             **({"verify": self.verify_summary()} if cfg.verify else {}),
             "memory": {
                 "trainer": combine_peaks(list(self.memory["trainer"].values())),
@@ -273,6 +340,15 @@ class RunRecord:
                 "gain_over_float32": limits.efficiency(uncompressed["p50_ms"], p50["comm"])}
 
 
+def finite_or_none(value: float | None) -> float | None:
+    """JSON has no NaN or infinity: a loss that diverged is null."""
+    return value if value is not None and np.isfinite(value) else None
+
+
 def mean_loss(rounds: list[dict]) -> float:
-    """The mean over trainers of each trainer's mean loss over the round."""
+    """The mean over trainers of each trainer's mean loss over the round (NaN for a round that
+    ran no iteration)."""
+    if not rounds[0]["losses"]:
+        return float("nan")
     return sum(sum(r["losses"]) / len(r["losses"]) for r in rounds) / len(rounds)
+

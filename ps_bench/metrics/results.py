@@ -102,6 +102,9 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
     )
     if results.get("loss"):
         print(f"loss: first timed round {results['loss']['first']:.4f}, last {results['loss']['last']:.4f}")
+    if results.get("convergence"):
+        print("\nConvergence (the averaged model; seconds: forward + backward + optimizer, every iteration)")
+        print(render_convergence(results["convergence"]))
     if "verify" in results:
         check = results["verify"]
         print(f"gradient error vs exact mean: p50 {check['grad_rel_error_p50']:.3g}, max "
@@ -112,6 +115,15 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
         print(render_memory(results["memory"]))
     if results.get("limits"):
         print(render_limits(results["limits"], results.get("efficiency")))
+
+
+def render_convergence(convergence: dict) -> str:
+    held_out = convergence["held_out"][-1][2] if convergence["held_out"] else None
+    row = [convergence["target_loss"], "yes" if convergence["reached"] else "no", convergence["iterations"],
+           convergence["seconds"], convergence["final_loss"], held_out, convergence["stopped_by"]]
+    headers = ["target loss", "reached", "iterations", "seconds", f"loss (last {convergence['smoothing']})",
+               "held-out loss", "stopped by"]
+    return tabulate([row], headers=headers, floatfmt=".4g", missingval="-")
 
 
 def render_memory(memory: dict) -> str:

@@ -7,8 +7,11 @@ from ps_bench.models.base import (  # noqa: F401
     MODEL_PRESETS,
     MODELS,
     PRESET_DATA,
+    RANDOM,
+    TEACHER,
     TEST_SIZED,
     Dataset,
     build_data,
+    build_held_out,
     build_model,
 )

@@ -2,7 +2,11 @@
 the checks that a configuration entry is sound and that a model fits its data.
 
 A data class is a cheap description of its data: constructing it checks the configuration,
-``build(seed)`` makes the tensors. A model class says which kind of input it ``takes`` and
+``build(seed, labels)`` makes the tensors. Labels are ``random`` (uniform, nothing to learn:
+the default for speed benchmarks) or, for a data class with a ``teacher``, ``teacher``: a
+fixed, seeded function of the inputs that the family's models can learn, so training loss
+falls and time to a target loss means something; ``held_out(seed, count)`` draws samples the
+training set does not hold, labelled by the same teacher. A model class says which kind of input it ``takes`` and
 each data class which kind it ``gives``; ``fits`` compares sizes once both are known, so a
 mismatch is one line before any process starts rather than an error at the first forward.
 """
@@ -18,6 +22,14 @@ from ps_bench.registry import Registry
 
 MODELS: Registry = Registry("model class")
 DATA: Registry = Registry("data class")
+RANDOM, TEACHER = "random", "teacher"  # the labels a data class can give
+LABELS = (RANDOM, TEACHER)
+TEACHER_STREAM, HELD_OUT_STREAM = 1, 2  # random streams beside a seed's own: the teacher's, held-out inputs'
+
+
+def stream(seed: int, which: int) -> torch.Generator:
+    """A generator for one of a seed's streams (0: the training inputs and random labels)."""
+    return torch.Generator().manual_seed(seed + 1_000_003 * which)
 
 
 @dataclass
@@ -40,9 +52,14 @@ class SyntheticData:
     """Base of every data class: seeded, generated in memory, nothing downloaded."""
 
     gives = ""  # the kind of input it makes; a model's ``takes`` must match
+    teacher: str | None = None  # what labels ``teacher`` data, in one line; None: random labels only
     sample_count: int
 
-    def build(self, seed: int) -> Dataset:
+    def build(self, seed: int, labels: str = RANDOM) -> Dataset:
+        raise NotImplementedError
+
+    def held_out(self, seed: int, count: int) -> Dataset:
+        """``count`` samples drawn apart from ``build``'s, with the teacher's labels."""
         raise NotImplementedError
 
 
@@ -72,8 +89,12 @@ def build_model(class_name: str, kwargs: dict, seed: int) -> nn.Module:
         return MODELS.get(class_name)(**kwargs)
 
 
-def build_data(class_name: str, kwargs: dict, seed: int) -> Dataset:
-    return DATA.get(class_name)(**kwargs).build(seed)
+def build_data(class_name: str, kwargs: dict, seed: int, labels: str = RANDOM) -> Dataset:
+    return DATA.get(class_name)(**kwargs).build(seed, labels)
+
+
+def build_held_out(class_name: str, kwargs: dict, seed: int, count: int) -> Dataset:
+    return DATA.get(class_name)(**kwargs).held_out(seed, count)
 
 
 # Named entries built into ps_bench (the zoo), alongside the entries of the configuration files:

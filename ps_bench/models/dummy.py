@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ps_bench.models.base import DATA, MODELS, BenchmarkModel, Dataset, SyntheticData, need_positive
+from ps_bench.models.base import (DATA, HELD_OUT_STREAM, MODELS, RANDOM, TEACHER_STREAM, BenchmarkModel, Dataset,
+                                  SyntheticData, need_positive, stream)
 
 BAGS = "bags of embedding indices"
 
@@ -18,9 +19,16 @@ class DummyData(SyntheticData):
     ``sparsity_percentage`` is the share of embedding rows that no sample touches, so sparse
     embedding gradients stay sparse. ``sample_count`` and ``sample_length`` are upstream's
     current names; ``input_samples`` and ``input_dim`` its older ones, accepted as aliases.
+
+    Teacher labels: each row in use belongs to one class (a seeded shuffle dealt round-robin),
+    and a bag's label is the class most of its rows belong to (ties to the lower class). So
+    that most bags have a clear majority, each bag draws every index with probability
+    ``1/2`` from the rows of one seeded class, else from all rows in use. An EmbeddingBag's
+    mean followed by a linear map computes the rule exactly.
     """
 
     gives = BAGS
+    teacher = "the class most of the bag's rows belong to (rows dealt to classes by a seeded shuffle)"
 
     def __init__(
         self,
@@ -41,13 +49,36 @@ class DummyData(SyntheticData):
             raise ValueError(f"sparsity_percentage must be an integer in [0, 100); got {sparsity_percentage!r}")
         self.max_val, self.sparsity_percentage, self.num_classes = max_val, sparsity_percentage, num_classes
 
-    def build(self, seed: int) -> Dataset:
+    def build(self, seed: int, labels: str = RANDOM) -> Dataset:
         generator = torch.Generator().manual_seed(seed)
-        used = max(1, int(self.max_val * (100 - self.sparsity_percentage) / 100))
-        rows = torch.randperm(self.max_val, generator=generator)[:used]
-        picks = torch.randint(0, used, (self.sample_count, self.sample_length), generator=generator)
+        rows = self.rows_in_use(generator)
+        if labels != RANDOM:
+            return self.taught(rows, self.sample_count, stream(seed, TEACHER_STREAM))
+        picks = torch.randint(0, len(rows), (self.sample_count, self.sample_length), generator=generator)
         targets = torch.randint(0, self.num_classes, (self.sample_count,), generator=generator)
         return Dataset((rows[picks],), targets)
+
+    def held_out(self, seed: int, count: int) -> Dataset:
+        return self.taught(self.rows_in_use(torch.Generator().manual_seed(seed)), count, stream(seed, HELD_OUT_STREAM))
+
+    def rows_in_use(self, generator: torch.Generator) -> torch.Tensor:
+        used = max(1, int(self.max_val * (100 - self.sparsity_percentage) / 100))
+        return torch.randperm(self.max_val, generator=generator)[:used]
+
+    def taught(self, rows: torch.Tensor, count: int, generator: torch.Generator) -> Dataset:
+        """``count`` bags of ``rows`` (the rows in use, in their seeded order, dealt to the
+        classes round-robin), each leaning to a drawn class, labelled by their majority class."""
+        classes = torch.arange(len(rows)) % self.num_classes
+        leaning = torch.randint(0, self.num_classes, (count,), generator=generator)
+        anywhere = torch.randint(0, len(rows), (count, self.sample_length), generator=generator)
+        # an index into the leaning class's rows: rows c, c + C, c + 2C, ... belong to class c
+        per_class = (len(rows) - leaning + self.num_classes - 1) // self.num_classes  # rows of each bag's class
+        within = (torch.rand(count, self.sample_length, generator=generator) * per_class[:, None]).long()
+        own = leaning[:, None] + self.num_classes * within
+        lean = torch.rand(count, self.sample_length, generator=generator) < 0.5
+        picks = torch.where(lean & (per_class[:, None] > 0), own, anywhere)
+        votes = torch.nn.functional.one_hot(classes[picks], self.num_classes).sum(dim=1)
+        return Dataset((rows[picks],), votes.argmax(dim=1))
 
 
 def one_of(name: str, value: int | None, old_name: str, old_value: int | None) -> int:

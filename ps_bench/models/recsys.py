@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ps_bench.models.base import DATA, MODELS, BenchmarkModel, Dataset, SyntheticData, need_positive, preset
+from ps_bench.models.base import DATA, MODELS, RANDOM, BenchmarkModel, Dataset, SyntheticData, need_positive, preset
 
 CLICKS = "dense features and bags of ids per table"
 
@@ -25,7 +25,7 @@ class SyntheticClicks(SyntheticData):
         self.rows_per_table, self.bag_size = rows_per_table, bag_size
         self.num_classes = 2
 
-    def build(self, seed: int) -> Dataset:
+    def build(self, seed: int, labels: str = RANDOM) -> Dataset:
         generator = torch.Generator().manual_seed(seed)
         dense = torch.randn(self.sample_count, self.dense_features, generator=generator)
         ids = torch.randint(0, self.rows_per_table, (self.sample_count, self.tables, self.bag_size), generator=generator)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ps_bench.models.base import DATA, MODELS, BenchmarkModel, Dataset, SyntheticData, need_positive, preset
+from ps_bench.models.base import DATA, MODELS, RANDOM, BenchmarkModel, Dataset, SyntheticData, need_positive, preset
 
 TOKENS = "token sequences"
 
@@ -20,7 +20,7 @@ class SyntheticTokens(SyntheticData):
         need_positive(sample_count=sample_count, sequence_length=sequence_length, vocab_size=vocab_size)
         self.sample_count, self.sequence_length, self.vocab_size = sample_count, sequence_length, vocab_size
 
-    def build(self, seed: int) -> Dataset:
+    def build(self, seed: int, labels: str = RANDOM) -> Dataset:
         generator = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, self.vocab_size, (self.sample_count, self.sequence_length + 1), generator=generator)
         return Dataset((tokens[:, :-1].contiguous(),), tokens[:, 1:].contiguous())

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ps_bench.models.base import DATA, MODELS, BenchmarkModel, Dataset, SyntheticData, need_positive, preset
+from ps_bench.models.base import (DATA, HELD_OUT_STREAM, MODELS, RANDOM, TEACHER_STREAM, BenchmarkModel, Dataset,
+                                  SyntheticData, need_positive, preset, stream)
 
 IMAGES = "images"
 DEPTHS = (18, 34, 50, 101, 152)
@@ -12,19 +13,36 @@ DEPTHS = (18, 34, 50, 101, 152)
 
 @DATA.register("SyntheticImages")
 class SyntheticImages(SyntheticData):
-    """Normally distributed images with uniformly drawn labels."""
+    """Normally distributed images with uniformly drawn labels; teacher labels: the highest of
+    ``num_classes`` seeded linear scores of the image average-pooled to 4 x 4 per channel."""
 
     gives = IMAGES
+    teacher = "the highest of seeded linear class scores of the image average-pooled to 4 x 4 per channel"
+    POOLED = 4
 
     def __init__(self, sample_count: int, image_size: int = 224, channels: int = 3, num_classes: int = 1000) -> None:
         need_positive(sample_count=sample_count, image_size=image_size, channels=channels, num_classes=num_classes)
         self.sample_count, self.image_size, self.channels, self.num_classes = (
             sample_count, image_size, channels, num_classes)
 
-    def build(self, seed: int) -> Dataset:
+    def build(self, seed: int, labels: str = RANDOM) -> Dataset:
         generator = torch.Generator().manual_seed(seed)
-        images = torch.randn(self.sample_count, self.channels, self.image_size, self.image_size, generator=generator)
+        images = self.images(self.sample_count, generator)
+        if labels != RANDOM:
+            return Dataset((images,), self.teach(images, seed))
         return Dataset((images,), torch.randint(0, self.num_classes, (self.sample_count,), generator=generator))
+
+    def held_out(self, seed: int, count: int) -> Dataset:
+        images = self.images(count, stream(seed, HELD_OUT_STREAM))
+        return Dataset((images,), self.teach(images, seed))
+
+    def images(self, count: int, generator: torch.Generator) -> torch.Tensor:
+        return torch.randn(count, self.channels, self.image_size, self.image_size, generator=generator)
+
+    def teach(self, images: torch.Tensor, seed: int) -> torch.Tensor:
+        pooled = torch.nn.functional.adaptive_avg_pool2d(images, min(self.POOLED, self.image_size)).flatten(1)
+        weights = torch.randn(pooled.shape[1], self.num_classes, generator=stream(seed, TEACHER_STREAM))
+        return (pooled @ weights).argmax(dim=1)
 
 
 @MODELS.register("ResNet")

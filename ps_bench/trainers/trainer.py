@@ -20,10 +20,11 @@ from ps_bench.faults import Fault, maybe_inject
 from ps_bench.metrics import limits, wire
 from ps_bench.metrics.memory import peak_memory
 from ps_bench.metrics.timers import StepTimer, bucket_offsets, covered_ms
-from ps_bench.models.base import build_model
+from ps_bench.models.base import Dataset, build_model
 from ps_bench.models.entries import Entry
 from ps_bench.registry import Registry
 from ps_bench.topology import balance_buckets
+from ps_bench.trainers.convergence import Convergence
 from ps_bench.trainers.hooks import HOOKS, RPC, HookContext, ServerHandle, build_hook, instrument
 
 TRAINERS: Registry = Registry("trainer")
@@ -56,10 +57,12 @@ class DdpTrainer:
         group_server: int | None,
         cuda_rpc: bool,
         device: str,
+        held_out: Dataset | None = None,
     ) -> None:
         """Trainer ``trainer_index`` of a run configured by ``config``: its data shard (``inputs``,
-        ``targets``), the servers as (reference, takes CUDA tensors) and, with the ``group``
-        mapping, the index of its group's server."""
+        ``targets``), the servers as (reference, takes CUDA tensors), with the ``group``
+        mapping the index of its group's server, and with ``--target-loss`` the held-out
+        samples it evaluates the averaged model on (trainer 0)."""
         self.index = trainer_index
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.iteration = 0  # training iterations run so far, warmup included
@@ -93,6 +96,10 @@ class DdpTrainer:
         self.epochs = config.epochs
         self.iterations_per_epoch = len(targets) // config.batch_size
         self._compute_copy: nn.Module | None = None  # --limits: the model outside DDP, made once
+        self.convergence = None if config.target_loss is None else Convergence(
+            network, self.loss_fn, dist.group.WORLD, self.hook_context.wire, config.target_loss, config.max_iterations,
+            None if held_out is None else Dataset(tuple(t.to(self.device) for t in held_out.inputs),
+                                                  held_out.targets.to(self.device)))
 
     def ready(self) -> int:
         return self.iterations_per_epoch * self.epochs
@@ -105,6 +112,7 @@ class DdpTrainer:
         strategy returned; they are left out of the timing samples, and compared with the exact
         mean after the round, outside the timed region. With ``profile_path``, a few iterations
         are traced by torch.profiler into that Chrome trace file, also left out of the samples.
+        With ``--target-loss`` the round ends early once training stops (see ``Convergence``).
         """
         ctx, wire = self.hook_context, self.hook_context.wire
         timer = StepTimer(self.device)
@@ -113,7 +121,8 @@ class DdpTrainer:
         checked = verified_steps(iterations) if verify else set()
         traced = set(range(1, 1 + PROFILED_ITERATIONS)) & set(range(iterations)) if profile_path else set()
         last = iterations - 1
-        special = checked | traced | {last}  # iterations that capture, trace or note the bucket sizes
+        # iterations that capture, trace or note the bucket sizes (a --target-loss round may end early)
+        special = checked | traced | {last} | ({min(1, last)} if self.convergence else set())
         profiler = None
         # What every iteration pays on top of training: four clock reads, two byte-counter reads
         # and one append. Everything else waits for the end of the round
@@ -125,9 +134,14 @@ class DdpTrainer:
         clock, stop = timer.clock, timer.stop
         model, loss_fn, optimizer, inputs, targets = self.model, self.loss_fn, self.optimizer, self.inputs, self.targets
         per_epoch, batch_size, fault, iteration = self.iterations_per_epoch, self.batch_size, self.fault, self.iteration
+        convergence = self.convergence
+        if convergence is not None and convergence.stopped:
+            return self.empty_round()
         for step in range(iterations):
             first = (step % per_epoch) * batch_size
             x, y = [t[first:first + batch_size] for t in inputs], targets[first:first + batch_size]
+            if convergence is not None and convergence.check(iteration, x, y):  # outside the clock
+                break
             iteration += 1
             ctx.iteration = iteration
             marked = step in special
@@ -150,15 +164,21 @@ class DdpTrainer:
             if marked:
                 ctx.capturing = ctx.noting = False
                 if profiler is not None and step == max(traced):
-                    profiler.stop()
-                    Path(profile_path).parent.mkdir(parents=True, exist_ok=True)
-                    profiler.export_chrome_trace(profile_path)
+                    profiler = finish_profile(profiler, profile_path)
+        else:
+            if convergence is not None:  # where the round left the model, on the next round's first batch
+                convergence.check(iteration, [t[:batch_size] for t in inputs], targets[:batch_size])
+        if profiler is not None:  # a --target-loss round that stopped amid the traced iterations
+            finish_profile(profiler, profile_path)
         self.iteration = iteration
+        if not records:
+            return self.empty_round()
+        iterations = len(records)  # fewer where a --target-loss round stopped early
         readings = [record[:4] for record in records]
+        phases = timer.phases(readings)
         moved = np.diff([(sent_before, recv_before)] + [record[4:] for record in records], axis=0)
         intervals, first_iteration, untimed = ctx.comm.drain(), iteration - iterations + 1, checked | traced
-        samples = self.round_samples(timer.phases(readings), moved, covered_ms(intervals), first_iteration,
-                                     untimed=untimed)
+        samples = self.round_samples(phases, moved, covered_ms(intervals), first_iteration, untimed=untimed)
         # when each bucket became ready and was done, after backward began, in the round's last
         # timed iterations (CPU clocks only: on a GPU the readings are CUDA events, another clock)
         timeline = {}
@@ -174,11 +194,18 @@ class DdpTrainer:
             "bytes_sent": sum(samples["bytes_sent"]),
             "bytes_recv": sum(samples["bytes_recv"]),
             "losses": torch.stack(losses).float().cpu().tolist(),
-            "verified_iterations": len(checked),
+            "verified_iterations": len(checked & set(range(iterations))),
             "grad_errors": self.gradient_errors(),
             "memory": peak_memory(self.device),
             "timeline": timeline,
+            **({"convergence": convergence.take(phases.sum(axis=1).tolist())} if convergence is not None else {}),
         }
+
+    def empty_round(self) -> dict:
+        """A round that ran no iteration: training had stopped (``--target-loss``)."""
+        return {"samples": {}, "iterations": 0, "samples_processed": 0, "bytes_sent": 0, "bytes_recv": 0,
+                "losses": [], "verified_iterations": 0, "grad_errors": [], "memory": peak_memory(self.device),
+                "timeline": {}, "convergence": self.convergence.take([])}
 
     @staticmethod
     def round_samples(phases: np.ndarray, moved: np.ndarray, comm: dict[int, float], first_iteration: int,
@@ -275,6 +302,13 @@ class DdpTrainer:
             return {index: targets[self.hook_context.group_server] for index in messages}
         sizes = {index: sum(count for count, _ in parts) * 4 for index, parts in messages.items()}
         return {index: targets[s] for index, s in balance_buckets(sizes, len(targets)).items()}
+
+
+def finish_profile(profiler: torch.profiler.profile, path: str) -> None:
+    """Stops ``profiler`` and writes its Chrome trace to ``path``; returns None, the profiler's new state."""
+    profiler.stop()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(path)
 
 
 def start_profiler(device: torch.device) -> torch.profiler.profile:

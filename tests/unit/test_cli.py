@@ -52,11 +52,25 @@ BAD_INPUTS = [
     (["--create_criterion=mse"], "invalid choice: 'mse' (choose from 'cel')"),
     (["--trainer_config_path=trainer.json"], "--trainer_config_path: ps_bench has no trainer configuration file"),
     (["--model", "dlrm_small", "--data", "DummyDataSmall"], "--model dlrm_small takes dense features"),
+    (["--target-loss", "-0.5"], "--target-loss must be a positive number; got -0.5"),
+    (["--target-loss", "0"], "--target-loss must be a positive number; got 0.0"),
+    (["--target-loss", "low"], "--target-loss/--target_loss: expected float, got 'low'"),
+    (["--target-loss", "inf"], "--target-loss must be a positive number; got inf"),
+    (["--model", "gpt2_tiny", "--target-loss", "1"], "--target-loss needs learnable data, but --data tokens64 "
+                                                     "(SyntheticTokens) has no teacher"),
+    (["--model", "dlrm_small", "--labels", "teacher"], "--labels teacher, but --data clicks_small (SyntheticClicks) "
+                                                       "has no teacher"),
+    (["--labels", "random", "--target-loss", "0.2"], "random labels cannot be learned"),
+    (["--labels", "learned"], "invalid choice: 'learned'"),
+    (["--max-iterations", "50"], "--max-iterations bounds a --target-loss run"),
+    (["--target-loss", "0.2", "--max-iterations", "0"], "--max-iterations must be at least 1; got 0"),
+    (["--config", "{negative_target}"], "--target-loss must be a positive number; got -1.0"),
 ]
 CONFIG_FILES = {
     "{bad_json}": '{"ntrainer": 2\n "rounds": 3}',
     "{unknown_key}": '{"trainers": 2}',
     "{wrong_type}": '{"rounds": "3"}',
+    "{negative_target}": '{"target_loss": -1, "labels": "teacher"}',
 }
 
 

@@ -174,3 +174,36 @@ def test_the_printed_report_and_the_file_come_from_the_same_record(tmp_path, cap
     assert "replicas: identical=false" in printed and "max_abs_diff=0.5" in printed
     assert "bytes per iteration: trainer sent 3200, recv 3200; server recv 6400, sent 6400" in printed
     assert json.loads(write_results(results, tmp_path / "r.json").read_text()) == results
+
+
+def progress(curve: list[tuple[int, float]], batch_ms: list[float], held_out=(), stopped=False, reached_at=None,
+             diverged=False) -> dict:
+    """What a --target-loss round adds on one trainer, made up."""
+    return {"convergence": {"curve": curve, "held_out": list(held_out), "batch_ms": batch_ms, "stopped": stopped,
+                            "reached_at": reached_at, "diverged": diverged}}
+
+
+def test_time_to_target_counts_every_iteration_on_the_slowest_trainer():
+    record = make_record(target_loss=1.5, max_iterations=30)
+    losses = [2.0] * 10 + [1.0] * 10  # the mean of the last 10 meets 1.5 first after 15 iterations
+    curve = list(enumerate(losses))
+    assert not record.add_progress([progress(curve[:11], [1.0] * 10, held_out=[(0, 2.5)]),
+                                    progress(curve[:11], [2.0] * 10)])  # a warmup round counts too
+    assert record.add_progress([progress(curve[11:16], [1.0] * 5, held_out=[(15, 1.2)], stopped=True, reached_at=15),
+                                progress(curve[11:16], [3.0] * 5, stopped=True, reached_at=15)])
+    convergence = record.results("ok")["convergence"]
+    assert convergence["reached"] and convergence["stopped_by"] == "target" and convergence["iterations"] == 15
+    assert convergence["seconds"] == pytest.approx((10 * 2.0 + 5 * 3.0) / 1000)  # trainer 1 is slower
+    assert convergence["loss_curve"][10] == [10, pytest.approx(0.020), 1.0]
+    assert convergence["held_out"] == [[0, 0.0, 2.5], [15, pytest.approx(0.035), 1.2]]
+    assert convergence["final_loss"] == pytest.approx(sum(losses[6:16]) / 10)
+    assert "| 15/30 iterations" in record.progress_line()
+
+
+def test_a_diverged_run_is_not_reached_and_stays_plain_json():
+    record = make_record(target_loss=0.5)
+    record.add_progress([progress([(0, 2.0), (1, float("nan"))], [1.0], stopped=True, diverged=True)] * 2)
+    convergence = record.results("ok")["convergence"]
+    assert not convergence["reached"] and convergence["stopped_by"] == "diverged"
+    assert convergence["loss_curve"][1][2] is None and convergence["max_iterations"] == 1000
+    json.loads(json.dumps(convergence, allow_nan=False))

@@ -1,0 +1,132 @@
+"""Time to a target loss, for real: trainers on learnable data until the averaged model's
+smoothed loss meets the target, recorded, reported and plotted."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ps_bench.metrics.wire import ByteCounter
+from ps_bench.trainers.convergence import SMOOTHING, Convergence
+from tests.benchrun import ROOT
+from tests.contract import check_contract
+
+# measured on the development machine: allreduce reaches 0.2 after 329 iterations at this learning rate
+TARGET, LR, WITHIN = "0.2", "0.3", 450
+COMMON = ("--target-loss", TARGET, "--lr", LR, "--max-iterations", "600")
+
+
+def run(bench_runs, hook: str) -> dict:
+    servers = ("--nserver", "0") if hook in ("allreduce", "noop") else ("--nserver", "1")
+    results = bench_runs.ok("--hook", hook, *servers, *COMMON, timeout_s=180)
+    check_contract(results)
+    return results
+
+
+def test_allreduce_reaches_the_target_and_says_when(bench_runs):
+    results = run(bench_runs, "allreduce")
+    convergence = results["convergence"]
+    assert convergence["reached"] is True and convergence["stopped_by"] == "target"
+    assert SMOOTHING <= convergence["iterations"] < WITHIN
+    curve = convergence["loss_curve"]
+    assert [point[0] for point in curve] == list(range(convergence["iterations"] + 1))
+    seconds = [point[1] for point in curve]
+    assert seconds[0] == 0 and all(b > a for a, b in zip(seconds, seconds[1:]))
+    assert convergence["seconds"] == seconds[-1]
+    assert convergence["final_loss"] <= float(TARGET) < sum(p[2] for p in curve[-SMOOTHING - 1:-1]) / SMOOTHING
+    assert curve[0][2] >= 10 * convergence["final_loss"]  # learnable: ten times lower within a few hundred
+    held_out = convergence["held_out"]
+    assert held_out[0][0] == 0 and held_out[-1][0] == convergence["iterations"] and len(held_out) >= 3
+    assert held_out[-1][2] < held_out[0][2] / 2
+    assert results["config"]["labels"] == "teacher"
+
+
+def test_lossless_parameter_servers_reach_it_in_the_same_iterations(bench_runs):
+    allreduce, ps = run(bench_runs, "allreduce")["convergence"], run(bench_runs, "ps")["convergence"]
+    assert ps["reached"] and ps["iterations"] == allreduce["iterations"]
+    for mine, theirs in zip(ps["loss_curve"], allreduce["loss_curve"]):
+        assert mine[2] == pytest.approx(theirs[2], rel=1e-5, abs=1e-6)
+
+
+def test_no_communication_is_judged_by_the_averaged_model(bench_runs):
+    """noop's replicas drift apart; what decides is their average, which learns later than
+    synchronous training does (on this task it still learns: each replica is an SGD learner)."""
+    noop, allreduce = run(bench_runs, "noop"), run(bench_runs, "allreduce")["convergence"]
+    assert noop["replicas"]["identical"] is False
+    convergence = noop["convergence"]
+    assert not convergence["reached"] or convergence["iterations"] > allreduce["iterations"]
+    assert convergence["loss_curve"][1:SMOOTHING] != allreduce["loss_curve"][1:SMOOTHING]
+
+
+def test_a_bound_too_small_ends_ok_and_not_reached(bench_runs):
+    results = bench_runs.ok("--hook", "allreduce", "--nserver", "0", "--target-loss", TARGET, "--lr", LR,
+                            "--max-iterations", "20", timeout_s=120)
+    check_contract(results)
+    convergence = results["convergence"]
+    assert convergence["reached"] is False
+    assert convergence["stopped_by"] == "max_iterations" and convergence["iterations"] == 20
+    assert len(convergence["loss_curve"]) == 21 and results["throughput"]["iterations"] <= 20
+    assert results["rounds_completed"] >= 1
+
+
+def test_report_shows_time_to_target_and_plots_loss_against_seconds(bench_runs, tmp_path):
+    files = [bench_runs.get("--hook", hook, "--nserver", "0" if hook != "ps" else "1", *COMMON, timeout_s=180).out
+             for hook in ("allreduce", "ps", "noop")]
+    plot = tmp_path / "loss.png"
+    done = subprocess.run([sys.executable, str(ROOT / "bench.py"), "report", *map(str, files), "--baseline",
+                           "hook=allreduce", "--plot", str(plot)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    header, _, *lines = done.stdout.splitlines()
+    assert "iterations to target" in header and "seconds to target" in header and "speedup to target" in header
+    allreduce = json.loads(files[0].read_text())["convergence"]
+    assert f"{allreduce['iterations']}" in lines[0] and "1.00x" in lines[0]
+    assert plot.stat().st_size > 10_000
+
+
+# -- the averaged model, between two real processes ------------------------------------------
+def averaged_loss(rank: int, port: int, out: str) -> None:
+    """One of two trainers with parameters of its own: what the tracker saw, saved to ``out``."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=30))
+    torch.manual_seed(rank)
+    network = nn.Linear(4, 3)
+    inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 + rank))
+    tracker = Convergence(network, nn.CrossEntropyLoss(), dist.group.WORLD, ByteCounter(), 0.01, 5, None)
+    tracker.check(0, [inputs], LABELS)
+    torch.save({"parameters": network.state_dict(), "inputs": inputs, "loss": tracker.curve[0][1]}, out)
+    dist.destroy_process_group()
+
+
+LABELS = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+
+
+def test_the_loss_is_the_averaged_models_over_every_trainer(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = "import sys; from tests.integration.test_convergence import averaged_loss; " \
+           "averaged_loss(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])"
+    workers = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(port), str(tmp_path / f"{rank}.pt")],
+                                cwd=ROOT, start_new_session=True) for rank in range(2)]
+    try:
+        for worker in workers:
+            assert worker.wait(timeout=60) == 0
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+    got = [torch.load(tmp_path / f"{rank}.pt") for rank in range(2)]
+    assert not torch.equal(got[0]["parameters"]["weight"], got[1]["parameters"]["weight"])
+    mean = nn.Linear(4, 3)
+    mean.load_state_dict({key: (got[0]["parameters"][key] + got[1]["parameters"][key]) / 2
+                          for key in got[0]["parameters"]})
+    expected = sum(nn.CrossEntropyLoss()(mean(each["inputs"]), LABELS).item() for each in got) / 2
+    assert got[0]["loss"] == got[1]["loss"] == pytest.approx(expected, rel=1e-6)
