@@ -31,10 +31,12 @@ CONVERGENCE = "time to a target loss"
 
 
 def option(default: Any, help: str, *, group: str = RUN, aliases: tuple[str, ...] = (), choices: tuple[str, ...] = (),
-           metavar: str | None = None) -> Any:
-    metadata = {"help": help, "group": group, "aliases": aliases, "choices": choices, "metavar": metavar}
-    if isinstance(default, dict):
-        return field(default_factory=dict, metadata=metadata)
+           metavar: str | None = None, numbers_as_text: bool = False) -> Any:
+    """A RunConfig field with what its flag needs; ``numbers_as_text``: a JSON number is taken as its text."""
+    metadata = {"help": help, "group": group, "aliases": aliases, "choices": choices, "metavar": metavar,
+                "numbers_as_text": numbers_as_text}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=type(default), metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
@@ -76,6 +78,15 @@ class RunConfig:
     max_iterations: int | None = option(
         None, "the most training iterations a --target-loss run takes, warmup included (default: 1000)",
         group=CONVERGENCE)
+    staleness: str | None = option(
+        None, "parameter servers that own the parameters and apply SGD themselves, trainers without DDP that push "
+        "gradients and read parameters, where a trainer may run at most S clocks (iterations) ahead of the slowest: "
+        "0 = bulk-synchronous (trains as --hook ps does), inf = fully asynchronous; needs --hook ps and "
+        "servers (default: none, synchronous DDP)", group=STRATEGY, metavar="S", numbers_as_text=True)
+    straggler: list = option(
+        [], "make a trainer slower on purpose: trainer:INDEX:DELAY sleeps DELAY (us, ms or s) in each of its "
+        "iterations, after the forward pass, in every mode; repeat for more trainers, e.g. trainer:1:30ms",
+        group=STRATEGY, metavar="trainer:I:DELAY")
     data: str | None = option(
         None, "entry of the data configuration file, or zoo data (default: the zoo model's own data, "
         "else DummyDataSmall)", group=STRATEGY)
@@ -169,7 +180,7 @@ for _f in fields(RunConfig):
 def field_type(name: str) -> type:
     """The scalar type of an option (``int | None`` gives ``int``)."""
     annotation = str(OPTIONS[name].type)
-    for candidate in (bool, int, float, str, dict):
+    for candidate in (bool, int, float, str, dict, list):
         if annotation.startswith(candidate.__name__):
             return candidate
     raise TypeError(f"unsupported option type {annotation}")
@@ -196,6 +207,12 @@ def coerce(name: str, value: Any, source: str) -> Any:
     kind = field_type(name)
     if value is None and OPTIONS[name].default is None:
         return None
+    if OPTIONS[name].metadata["numbers_as_text"] and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if kind is list:
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise ConfigError(f"{source}: {name!r} must be a list of strings, got {json.dumps(value)}")
+        return value
     try:
         return as_type(value, kind)
     except TypeError:

@@ -1,4 +1,5 @@
-"""``--inject-fault ROLE:INDEX:ITER:KIND[:first]``: make one rank fail on purpose.
+"""``--inject-fault ROLE:INDEX:ITER:KIND[:first]``: make one rank fail on purpose; and
+``--straggler trainer:INDEX:DELAY``: make one trainer slower on purpose.
 
 ROLE is trainer, server or master; INDEX counts ranks of that role from 0 (trainer 1,
 server 0, master 0). ITER counts from 1: a trainer's training iterations (warmup included),
@@ -78,3 +79,45 @@ def restart_count() -> int:
 def maybe_inject(fault: "Fault | None", role: str, index: int, iteration: int) -> None:
     if fault is not None and fault.matches(role, index, iteration):
         fault.trigger()
+
+
+STRAGGLER_FORMAT = "trainer:INDEX:DELAY, e.g. trainer:1:30ms (DELAY in us, ms or s)"
+UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """``--straggler trainer:INDEX:DELAY``: trainer INDEX sleeps DELAY in every iteration, after
+    its forward pass and inside the clock, in every trainer mode."""
+
+    index: int
+    delay_s: float
+
+    @classmethod
+    def parse(cls, text: str) -> "Straggler":
+        """Raises ValueError with a sentence for people."""
+        parts = text.split(":")
+        if len(parts) != 3 or parts[0] != "trainer":
+            raise ValueError(f"expected {STRAGGLER_FORMAT}; got {text!r}")
+        try:
+            index = int(parts[1])
+        except ValueError:
+            raise ValueError(f"INDEX must be an integer; got {parts[1]!r}") from None
+        if index < 0:
+            raise ValueError(f"INDEX must be 0 or more; got {index}")
+        delay = parts[2].strip()
+        unit = next((u for u in ("us", "ms", "s") if delay.endswith(u)), None)
+        try:
+            value = float(delay[:-len(unit)]) if unit else None
+        except ValueError:
+            value = None
+        if value is None:
+            raise ValueError(f"DELAY must be a number with a unit of us, ms or s, e.g. 30ms; got {delay!r}")
+        if not value >= 0 or value == float("inf"):
+            raise ValueError(f"DELAY must be 0 or more; got {delay!r}")
+        return cls(index, value * UNITS[unit])
+
+    @staticmethod
+    def delay_of(texts: list[str] | None, index: int) -> float:
+        """Seconds trainer ``index`` sleeps per iteration (their sum, if named more than once)."""
+        return sum(s.delay_s for s in map(Straggler.parse, texts or []) if s.index == index)

@@ -15,12 +15,13 @@ import torch
 
 from ps_bench.cluster import network
 from ps_bench.config import ConfigError, RunConfig, check_interface, check_port, check_writable_folder
-from ps_bench.faults import Fault
+from ps_bench.faults import Fault, Straggler
 from ps_bench.models import DATA, DATA_PRESETS, MODEL_PRESETS, MODELS, PRESET_DATA, RANDOM, TEACHER
 from ps_bench.models.base import SyntheticData
 from ps_bench.models.entries import DEFAULT_DATA, ZOO, Entry, construct, load_entry, model_size
 from ps_bench.registry import UnknownNameError
 from ps_bench.servers import SERVERS
+from ps_bench.servers.ssp import parse_staleness
 from ps_bench.trainers.hooks import HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, check_hook_options
 from ps_bench.trainers.trainer import TRAINERS
 
@@ -112,6 +113,39 @@ def check_pieces(cfg: RunConfig) -> None:
         )
 
 
+def check_staleness(cfg: RunConfig) -> None:
+    """--staleness: servers that own the parameters, and what that mode cannot do; --straggler."""
+    for text in cfg.straggler:
+        try:
+            straggler = Straggler.parse(text)
+        except ValueError as error:
+            raise ConfigError(f"--straggler {text}: {error}") from None
+        need(straggler.index < cfg.num_trainers, f"--straggler {text}: there is no trainer {straggler.index}; this run "
+                                                 f"has {cfg.num_trainers} trainer(s), numbered from 0")
+    if cfg.staleness is None:
+        for name in ("trainer", "server"):
+            need(getattr(cfg, name) != "ssp", f"--{name} ssp is the mode of --staleness S: set --staleness")
+        return
+    try:
+        bound = parse_staleness(cfg.staleness)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    cfg.staleness = "inf" if bound == math.inf else str(int(bound))
+    need(cfg.hook == "ps", f"--staleness {cfg.staleness} trains with servers that own the parameters, which trainers "
+                           f"push gradients to and read from: it needs --hook ps (got --hook {cfg.hook})")
+    need(cfg.trainer in ("ddp", "ssp") and cfg.server in ("average", "ssp"),
+         f"--staleness chooses its own trainer and server (ssp): leave --trainer and --server out "
+         f"(got {cfg.trainer} and {cfg.server})")
+    cfg.trainer = cfg.server = "ssp"
+    unsupported = [f"--{name.replace('_', '-')}" for name in ("ncudatrainer", "ncudaserver") if getattr(cfg, name)]
+    unsupported += [f"--{name}" for name in ("verify", "limits") if getattr(cfg, name)]
+    unsupported += ["--profile"] if cfg.profile is not None else []
+    unsupported += [f"--backend {cfg.backend}"] if cfg.backend != "gloo" else []
+    unsupported += ["--mapping group"] if cfg.mapping == "group" else []
+    need(not unsupported, f"--staleness runs CPU trainers and servers without DDP's buckets: it cannot be combined "
+                          f"with {', '.join(unsupported)}")
+
+
 def check_workload(cfg: RunConfig) -> tuple[Entry, Entry, torch.nn.Module]:
     """The model and data entries, built on the meta device: they fit each other and the batch."""
     model = load_entry(cfg.model_config_path, cfg.model, "model_class", MODELS, "model", MODEL_PRESETS)
@@ -184,6 +218,7 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
     visible here, ``trainers_on_node`` to every trainer (one machine)."""
     check_options(cfg)
     check_pieces(cfg)
+    check_staleness(cfg)
     check_network(cfg)
     model, data, network = check_workload(cfg)
     check_devices(cfg, network, cuda_device_count() if gpus is None else gpus,

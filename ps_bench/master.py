@@ -12,13 +12,14 @@ import torch.distributed.rpc as rpc
 from ps_bench.config import RunConfig
 from ps_bench.faults import Fault, maybe_inject
 from ps_bench.metrics import limits
-from ps_bench.metrics.record import RunRecord, mean_loss, replica_summary, write_snapshot
+from ps_bench.metrics.record import RunRecord, mean_loss, replica_summary, servers_model_summary, write_snapshot
 from ps_bench.metrics.results import environment, format_bytes, print_report, write_results
 from ps_bench.metrics.startup import render_startup, startup_phases
 from ps_bench.models import build_data, build_held_out
 from ps_bench.models.entries import Entry
 from ps_bench.rendezvous import one_machine_warning, rpc_paths
 from ps_bench.servers import SERVERS
+from ps_bench.servers.ssp import parse_staleness
 from ps_bench.topology import RankInfo, Topology
 from ps_bench.trainers.hooks import HOOKS, hook_options
 from ps_bench.trainers.convergence import HELD_OUT_SAMPLES
@@ -31,8 +32,10 @@ def device_name(index: int | None) -> str:
     return "cpu" if index is None else f"cuda:{index}"
 
 
-def describe_buckets(buckets: list[dict]) -> str:
+def describe_buckets(buckets: list[dict], shards: bool = False) -> str:
     sizes = ", ".join(format_bytes(b["bytes"]) + (" sparse, this iteration's" if b["sparse"] else "") for b in buckets)
+    if shards:
+        return f"parameter shards, one per server: {len(buckets)} ({sizes})"
     return f"DDP buckets, as DDP built them: {len(buckets)} ({sizes})"
 
 
@@ -111,8 +114,11 @@ class Master:
             trainers.append(rpc.remote(info.name, trainer_class, args=(
                 info.index, cfg, self.model, shard.inputs, shard.targets, handles, group_server, info.cuda_rpc,
                 device_name(self.device_of(info.rank)), held_out if info.index == 0 else None)))
-        for trainer in trainers:  # waits until every DDP replica is built
-            trainer.rpc_sync(timeout=0).ready()
+        iterations = [trainer.rpc_sync(timeout=0).ready() for trainer in trainers]  # every replica is built
+        if cfg.staleness is not None:  # the servers own the parameters: a round is a budget of everyone's updates
+            for server in servers:
+                server.rpc_sync().own(self.model, cfg.torch_seed, cfg.lr, parse_staleness(cfg.staleness),
+                                      sum(iterations))
         return trainers
 
     # -- the rounds --------------------------------------------------------------------------
@@ -159,7 +165,7 @@ class Master:
             timed = (round_index >= cfg.warmup_rounds or stopped) and rounds[0]["iterations"] > 0
             if record.buckets is None and rounds[0]["iterations"]:  # DDP rebuilds its buckets in the first iteration
                 record.buckets = trainers[0].rpc_sync().bucket_layout()
-                print(describe_buckets(record.buckets), flush=True)
+                print(describe_buckets(record.buckets, shards=cfg.staleness is not None), flush=True)
             if timed:  # kept before it is announced
                 loss = record.add_round(elapsed, rounds, served)
                 self.snapshot()
@@ -174,7 +180,10 @@ class Master:
             if stopped:
                 break
             round_index += 1
-        record.replicas = replica_summary([t.rpc_sync().parameters_vector() for t in trainers])
+        if cfg.staleness is not None:  # one model, on the servers
+            record.replicas = servers_model_summary([s.rpc_sync().parameters_vector() for s in servers])
+        else:
+            record.replicas = replica_summary([t.rpc_sync().parameters_vector() for t in trainers])
         if cfg.limits:
             record.memcpy = limits.memcpy_floor(limits.message_bytes(record.floor_messages))
         results = record.results("ok")

@@ -124,6 +124,8 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                                     "or text; in a JSON run file: \"hook_options\": {...}")
         elif kind is bool:
             group.add_argument(*flags(name), dest=name, action="store_true", help=help_text)
+        elif kind is list:  # repeated: each occurrence adds one
+            group.add_argument(*flags(name), dest=name, action="append", metavar=meta["metavar"], help=meta["help"])
         else:
             metavar = None if meta["choices"] else meta["metavar"] or {int: "N", float: "X"}.get(kind, "NAME")
             group.add_argument(*flags(name), dest=name, type=typed(kind, name), choices=meta["choices"] or None,

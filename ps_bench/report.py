@@ -112,6 +112,11 @@ def to_target(row: Row) -> tuple[int | None, float | None]:
     return convergence["iterations"], convergence["seconds"]
 
 
+def staleness_column(row: Row) -> str | None:
+    stale = row.results.get("staleness") or {}
+    return None if stale.get("p50") is None else f"{stale['p50']:g}/{stale['max']}"
+
+
 def convergence_columns(row: Row, reference_s: float | None) -> list:
     convergence = row.results.get("convergence") or {}
     iterations, seconds = to_target(row)
@@ -126,9 +131,11 @@ def convergence_columns(row: Row, reference_s: float | None) -> list:
 def table(rows: list[Row], metric: str, baseline: Row) -> tuple[list[str], list[list]]:
     columns = varying_options(rows)
     converging = any(row.results.get("convergence") for row in rows)
+    stale = any(row.results.get("staleness") for row in rows)
     headers = columns + [f"{metric} p50 ms", f"{metric} p90 ms", "samples/s", "bytes/iter", "grad error",
-                         "speedup"] + (["iterations to target", "seconds to target", "speedup to target"]
-                                       if converging else []) + ["status"]
+                         "speedup"] + (["staleness p50/max"] if stale else []) + (
+                             ["iterations to target", "seconds to target", "speedup to target"] if converging else []) + [
+                             "status"]
     reference = baseline.stat(metric, "p50")
     reference_s = to_target(baseline)[1]
     body = []
@@ -144,6 +151,7 @@ def table(rows: list[Row], metric: str, baseline: Row) -> tuple[list[str], list[
             fixed((row.results.get("bytes") or {}).get("trainer_sent_per_iter"), 0),
             None if check.get("grad_rel_error_p50") is None else f"{check['grad_rel_error_p50']:.2e}",
             f"{speedup:.2f}x" if speedup else None,
+            *([staleness_column(row)] if stale else []),
             *(convergence_columns(row, reference_s) if converging else []),
             row.results.get("status", "failed"),
         ])
@@ -246,7 +254,8 @@ def plot_convergence(path: str, rows: list[Row], title: str) -> None:
         xs = [s for s, _ in curve[window - 1:]]
         ys = [np.mean([loss if loss is not None else np.nan for _, loss in curve[i - window + 1:i + 1]])
               for i in range(window - 1, len(curve))]
-        label = " ".join(str(row.option(c)) for c in columns) or row.label
+        label = (" ".join(f"{c}={row.option(c)}" for c in columns) if len(columns) > 1
+                 else " ".join(str(row.option(c)) for c in columns)) or row.label
         if not convergence["reached"]:
             label += f" (not reached: {convergence['stopped_by']})"
         line, = axes.plot(xs, ys, label=label, color=colour)
@@ -258,8 +267,8 @@ def plot_convergence(path: str, rows: list[Row], title: str) -> None:
     axes.set_ylim(top=2 * start)  # a diverging point leaves the plot upwards rather than squashing the rest
     axes.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target}")
     axes.set_yscale("log")
-    axes.set_xlabel("seconds of training (forward + backward + optimizer)")
-    axes.set_ylabel(f"averaged model's training loss (last {rows[0].results['convergence']['smoothing']}); "
+    axes.set_xlabel("seconds of training")
+    axes.set_ylabel(f"the model's training loss (last {rows[0].results['convergence']['smoothing']}); "
                     "dots: held-out", fontsize="small")
     axes.set_title(title)
     axes.grid(alpha=0.3)

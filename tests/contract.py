@@ -35,6 +35,13 @@ def check_contract(results: dict, status: str = "ok") -> None:
         assert set(bucket) == {"index", "bytes", "ready_ms", "done_ms"} and bucket["ready_ms"] <= bucket["done_ms"]
     if "convergence" in results:
         check_convergence(results["convergence"])
+    if "staleness" in results:
+        stale = results["staleness"]
+        assert set(stale) == {"bound", "updates", "p50", "p99", "max", "servers"}
+        assert stale["updates"] == 0 or stale["p50"] <= stale["p99"] <= stale["max"]
+        if stale["bound"] != "inf" and stale["updates"]:
+            assert stale["max"] <= int(stale["bound"])
+        assert results["replicas"]["identical"] is None  # one model, on the servers
     if status == "ok":
         assert set(results["replicas"]) == {"identical", "param_norm", "max_abs_diff"}
         assert results["throughput"]["samples_per_s"] > 0

@@ -61,6 +61,12 @@ def read_snapshot(run_dir: str | os.PathLike) -> dict | None:
         return None
 
 
+def servers_model_summary(vectors: list[torch.Tensor]) -> dict:
+    """--staleness: no replicas to compare (the servers hold the one model): ``identical`` and
+    ``max_abs_diff`` are null, ``param_norm`` is the servers' parameters'."""
+    return {"identical": None, "param_norm": torch.cat(vectors).double().norm().item(), "max_abs_diff": None}
+
+
 def replica_summary(vectors: list[torch.Tensor]) -> dict:
     """Whether every trainer holds the same parameters (flattened), and how far apart they are."""
     reference = vectors[0]
@@ -92,6 +98,9 @@ class RunRecord:
         self.trainer_bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # sent, received
         self.server_bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # received, sent
         self.iterations = self.processed = self.rounds_done = 0
+        self.trainer_work: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # rank -> iterations, samples
+        self.staleness: list[int] = []  # --staleness: each applied update's observed staleness, every server
+        self.server_updates: dict[int, int] = defaultdict(int)  # --staleness: server rank -> updates applied
         self.timed_s = 0.0
         self.losses: list[float] = []  # mean training loss of each timed round
         self.grad_errors: list[float] = []
@@ -119,9 +128,12 @@ class RunRecord:
         topo = self.topology
         self.rounds_done += 1
         self.timed_s += elapsed_s
-        self.iterations += rounds[0]["iterations"]
+        # per trainer (with --staleness each runs as many iterations as it can in the round: their mean)
+        self.iterations += round(sum(result["iterations"] for result in rounds) / len(rounds))
         self.verified_iterations += rounds[0]["verified_iterations"]
         for info, result in zip(topo.trainers, rounds):
+            self.trainer_work[info.rank][0] += result["iterations"]
+            self.trainer_work[info.rank][1] += result["samples_processed"]
             for metric, values in result["samples"].items():
                 self.trainer_samples[info.rank][metric].extend(values)
             self.trainer_bytes[info.rank][0] += result["bytes_sent"]
@@ -137,6 +149,8 @@ class RunRecord:
             self.server_bytes[info.rank][0] += result["bytes"]["recv"]
             self.server_bytes[info.rank][1] += result["bytes"]["sent"]
             self.memory["server"][info.rank] = result["memory"]
+            self.staleness.extend(result.get("staleness", []))
+            self.server_updates[info.rank] += result.get("updates", 0)
         loss = mean_loss(rounds)
         self.losses.append(loss)
         return loss
@@ -160,10 +174,10 @@ class RunRecord:
         """Where a --target-loss run stands, for the round's line."""
         if not self.curve:
             return ""
-        iterations, loss = self.curve[-1]
+        iterations, loss = self.curve[-1][:2]
         smoothed = smoothed_loss(self.curve)
         shown = f"{smoothed:.4f}" if smoothed is not None else f"{loss:.4f} (not yet smoothed)"
-        return (f"  | {iterations}/{self.max_iterations} iterations, averaged model's loss {shown}, "
+        return (f"  | {iterations}/{self.max_iterations} iterations, the model's loss {shown}, "
                 f"target {self.config.target_loss}")
 
     def convergence(self) -> dict | None:
@@ -178,27 +192,44 @@ class RunRecord:
         def at(iterations: int) -> float:  # seconds of training after that many iterations, slowest trainer
             return float(max(c[min(iterations, len(c) - 1)] for c in clocks)) if clocks else 0.0
 
-        def points(curve: list[tuple[int, float]]) -> list[list]:
-            return [[i, at(i), finite_or_none(loss)] for i, loss in curve]
+        def points(curve: list[tuple]) -> list[list]:  # a point may carry its own seconds (--staleness)
+            return [[point[0], point[2] if len(point) > 2 else at(point[0]), finite_or_none(point[1])]
+                    for point in curve]
 
         reached_at, diverged = self.training["reached_at"], self.training["diverged"]
         done = self.curve[-1][0] if self.curve else 0
         iterations = reached_at if reached_at is not None else done
         why = ("target" if reached_at is not None else "diverged" if diverged
                else "max_iterations" if self.training["stopped"] else "unfinished")
+        loss_curve = points(self.curve)
         return {
             "target_loss": cfg.target_loss,
             "reached": reached_at is not None,
             "iterations": iterations,
-            "seconds": at(iterations),
+            "seconds": next((s for i, s, _ in reversed(loss_curve) if i == iterations), at(iterations)),
             "stopped_by": why,
             "diverged": diverged,
             "final_loss": finite_or_none(smoothed_loss(self.curve)),
             "smoothing": SMOOTHING,
             "max_iterations": self.max_iterations,
             "labels": cfg.labels,
-            "loss_curve": points(self.curve),
+            "loss_curve": loss_curve,
             "held_out": points(self.held_out),
+        }
+
+    def staleness_summary(self) -> dict:
+        """--staleness: the bound, the observed staleness of every applied update (p50, p99, max)
+        and each server's updates per second of the timed rounds."""
+        observed = np.asarray(self.staleness, dtype=np.float64)
+        return {
+            "bound": self.config.staleness,
+            "updates": len(observed),
+            "p50": float(np.percentile(observed, 50)) if len(observed) else None,
+            "p99": float(np.percentile(observed, 99)) if len(observed) else None,
+            "max": int(observed.max()) if len(observed) else None,
+            "servers": [{"rank": info.rank, "updates": self.server_updates[info.rank],
+                         "updates_per_s": self.server_updates[info.rank] / self.timed_s if self.timed_s else 0.0}
+                        for info in self.topology.servers],
         }
 
     def add_floors(self, floors: list[dict[str, list[float]]]) -> None:
@@ -236,6 +267,10 @@ class RunRecord:
                 "samples_per_s": self.processed / self.timed_s if self.timed_s else 0.0,
                 "iterations": self.iterations,
                 "timed_s": self.timed_s,
+                "per_trainer": [{"index": info.index, "rank": info.rank,
+                                 "iterations": self.trainer_work[info.rank][0],
+                                 "samples_per_s": self.trainer_work[info.rank][1] / self.timed_s if self.timed_s else 0.0}
+                                for info in topo.trainers],
             },
             "bytes": {
                 "trainer_sent_per_iter": self.per_iteration(self.trainer_bytes, 0, topo.num_trainers),
@@ -247,6 +282,7 @@ class RunRecord:
             "replicas": self.replicas,
             "loss": {"first": self.losses[0], "last": self.losses[-1]} if self.losses else None,
             **({"convergence": self.convergence()} if cfg.target_loss is not None else {}),
+            **({"staleness": self.staleness_summary()} if cfg.staleness is not None else {}),
             **({"verify": self.verify_summary()} if cfg.verify else {}),
             "memory": {
                 "trainer": combine_peaks(list(self.memory["trainer"].values())),

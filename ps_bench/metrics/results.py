@@ -96,10 +96,22 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
         "bytes per iteration: trainer sent {trainer_sent_per_iter:.0f}, recv {trainer_recv_per_iter:.0f}; "
         "server recv {server_recv_per_iter:.0f}, sent {server_sent_per_iter:.0f}".format(**moved)
     )
-    print(
-        f"replicas: identical={str(replicas['identical']).lower()} param_norm={replicas['param_norm']:.6f} "
-        f"max_abs_diff={replicas['max_abs_diff']:.3g}"
-    )
+    if replicas["identical"] is None:
+        print(f"replicas: do not apply (--staleness: the servers hold the one model) param_norm={replicas['param_norm']:.6f}")
+    else:
+        print(
+            f"replicas: identical={str(replicas['identical']).lower()} param_norm={replicas['param_norm']:.6f} "
+            f"max_abs_diff={replicas['max_abs_diff']:.3g}"
+        )
+    per_trainer = throughput.get("per_trainer", [])
+    if len({entry["iterations"] for entry in per_trainer}) > 1 or results.get("staleness"):
+        print("per trainer: " + ", ".join(f"trainer {entry['index']} {entry['iterations']} iterations "
+                                          f"{entry['samples_per_s']:.1f} samples/s" for entry in per_trainer))
+    if results.get("staleness"):
+        stale = results["staleness"]
+        rates = ", ".join(f"{entry['updates_per_s']:.1f}" for entry in stale["servers"])
+        print(f"staleness (bound {stale['bound']}): p50 {stale['p50']} p99 {stale['p99']} max {stale['max']} over "
+              f"{stale['updates']} updates; updates/s per server: {rates}")
     if results.get("loss"):
         print(f"loss: first timed round {results['loss']['first']:.4f}, last {results['loss']['last']:.4f}")
     if results.get("convergence"):

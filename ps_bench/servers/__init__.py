@@ -1,4 +1,4 @@
 """Parameter servers: every aggregation algorithm lives in this package, registered in ``SERVERS``."""
 
-from ps_bench.servers import average  # noqa: F401  (registers the servers)
+from ps_bench.servers import average, ssp  # noqa: F401  (registers the servers)
 from ps_bench.servers.base import SERVERS, ParameterServer  # noqa: F401

@@ -13,6 +13,9 @@ below it. Trainer 0 also evaluates the averaged model on a held-out set at a few
 Every trainer reaches each decision from the same all-reduced numbers, so all of them stop
 after the same iteration without asking anyone. A check costs one all-reduce of the
 parameters, one of the loss and a forward pass, none of it on the clock or the byte counters.
+
+Without a process group (``--staleness``: the servers hold the one model, and trainers run at
+their own pace) one trainer checks the parameters it last read, on its own next batch.
 """
 
 from __future__ import annotations
@@ -33,20 +36,20 @@ HELD_OUT_SAMPLES = 256  # at most; the data's own sample count if smaller
 HELD_OUT_POINTS = 10  # held-out evaluations spread over --max-iterations, besides the first and the last
 
 
-def smoothed_loss(curve: list[tuple[int, float]]) -> float | None:
+def smoothed_loss(curve: list[tuple]) -> float | None:
     """The mean of the last SMOOTHING losses of a curve of (iterations, loss), the value held
     against the target; None before there are that many."""
     if len(curve) < SMOOTHING:
         return None
-    return sum(loss for _, loss in curve[-SMOOTHING:]) / SMOOTHING
+    return sum(point[1] for point in curve[-SMOOTHING:]) / SMOOTHING
 
 
 class Convergence:
     """One trainer's side of a ``--target-loss`` run: the averaged model's loss after each
     iteration, whether to stop, and the held-out losses (trainer 0)."""
 
-    def __init__(self, network: nn.Module, loss_fn: nn.Module, process_group: dist.ProcessGroup, wire: ByteCounter,
-                 target: float, max_iterations: int | None, held_out: Dataset | None) -> None:
+    def __init__(self, network: nn.Module, loss_fn: nn.Module, process_group: dist.ProcessGroup | None,
+                 wire: ByteCounter | None, target: float, max_iterations: int | None, held_out: Dataset | None) -> None:
         self.network, self.loss_fn, self.group, self.wire = network, loss_fn, process_group, wire
         self.averaged = copy.deepcopy(network)
         self.averaged.requires_grad_(False)
@@ -54,7 +57,9 @@ class Convergence:
         self.max_iterations = max_iterations or DEFAULT_MAX_ITERATIONS
         self.held_out = held_out
         self.held_out_every = max(1, self.max_iterations // HELD_OUT_POINTS)
-        self.curve: list[tuple[int, float]] = []  # (iterations done, the averaged model's training loss)
+        self.next_held_out = 0  # the iteration count at which the next held-out point is due
+        # (iterations done, the averaged model's training loss[, seconds of training, where the trainer keeps them])
+        self.curve: list[tuple] = []
         self.held_out_curve: list[tuple[int, float]] = []  # (iterations done, its held-out loss): trainer 0
         self.reached_at: int | None = None  # iterations done when the smoothed loss first met the target
         self.diverged = False
@@ -62,31 +67,47 @@ class Convergence:
         self.taken = (0, 0)  # points of each curve already handed to the master
 
     @torch.no_grad()
-    def check(self, iterations: int, inputs: list[torch.Tensor], targets: torch.Tensor) -> bool:
+    def check(self, iterations: int, inputs: list[torch.Tensor], targets: torch.Tensor, seconds: float | None = None,
+              held_out_at_stop: bool = True) -> bool:
         """After ``iterations`` training iterations, before training on (``inputs``, ``targets``):
-        records the averaged model's loss on them; True when training stops here (the target
-        is met, the loss is no longer finite, or --max-iterations is done). Checked once per
-        ``iterations``: asked again (the end of one round, then the start of the next), it
-        answers as before."""
+        records the averaged model's loss on them (with ``seconds`` of training, where the
+        caller keeps the clock); True when training stops here (the target is met, the loss is
+        no longer finite, or --max-iterations is done). Checked once per ``iterations``: asked
+        again (the end of one round, then the start of the next), it answers as before. With
+        ``held_out_at_stop`` false the caller evaluates the held-out set at the stop itself."""
         if self.curve and self.curve[-1][0] == iterations:
             return self.stopped
-        self.wire.paused = True
-        try:
-            self.average()
-            loss = self.loss_fn(self.averaged(*inputs), targets).detach().reshape(1).double()
-            dist.all_reduce(loss, group=self.group)
-            value = loss.item() / self.group.size()
-        finally:
-            self.wire.paused = False
-        self.curve.append((iterations, value))
+        if self.group is None:  # the model already is the one to judge
+            self.averaged.load_state_dict(self.network.state_dict())
+            value = self.loss_fn(self.averaged(*inputs), targets).item()
+        else:
+            self.wire.paused = True
+            try:
+                self.average()
+                loss = self.loss_fn(self.averaged(*inputs), targets).detach().reshape(1).double()
+                dist.all_reduce(loss, group=self.group)
+                value = loss.item() / self.group.size()
+            finally:
+                self.wire.paused = False
+        self.curve.append((iterations, value) if seconds is None else (iterations, value, seconds))
         smoothed = smoothed_loss(self.curve)
         if self.reached_at is None and smoothed is not None and smoothed <= self.target:
             self.reached_at = iterations
         self.diverged = not math.isfinite(value)
         self.stopped = self.reached_at is not None or self.diverged or iterations >= self.max_iterations
-        if self.held_out is not None and (self.stopped or iterations % self.held_out_every == 0):
-            self.held_out_curve.append((iterations, self.held_out_loss()))
+        if (self.stopped and held_out_at_stop) or (not self.stopped and iterations >= self.next_held_out):
+            self.evaluate_held_out(iterations, seconds)
         return self.stopped
+
+    def evaluate_held_out(self, iterations: int, seconds: float | None = None, network: nn.Module | None = None) -> None:
+        """A held-out point: the averaged model's loss on the held-out set (or ``network``'s)."""
+        if self.held_out is None:
+            return
+        if network is not None:
+            self.averaged.load_state_dict(network.state_dict())
+        loss = self.held_out_loss()
+        self.next_held_out = (iterations // self.held_out_every + 1) * self.held_out_every
+        self.held_out_curve.append((iterations, loss) if seconds is None else (iterations, loss, seconds))
 
     def average(self) -> None:
         """The trainers' mean parameters into the scratch model, with this trainer's buffers

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import copy
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ps_bench.config import RunConfig
 from ps_bench.failures import fatal_on_error
-from ps_bench.faults import Fault, maybe_inject
+from ps_bench.faults import Fault, Straggler, maybe_inject
 from ps_bench.metrics import limits, wire
 from ps_bench.metrics.memory import peak_memory
 from ps_bench.metrics.timers import StepTimer, bucket_offsets, covered_ms
@@ -65,6 +66,7 @@ class DdpTrainer:
         samples it evaluates the averaged model on (trainer 0)."""
         self.index = trainer_index
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
+        self.delay_s = Straggler.delay_of(config.straggler, trainer_index)  # --straggler: seconds per iteration
         self.iteration = 0  # training iterations run so far, warmup included
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -134,7 +136,7 @@ class DdpTrainer:
         clock, stop = timer.clock, timer.stop
         model, loss_fn, optimizer, inputs, targets = self.model, self.loss_fn, self.optimizer, self.inputs, self.targets
         per_epoch, batch_size, fault, iteration = self.iterations_per_epoch, self.batch_size, self.fault, self.iteration
-        convergence = self.convergence
+        convergence, delay_s, sleep = self.convergence, self.delay_s, time.sleep
         if convergence is not None and convergence.stopped:
             return self.empty_round()
         for step in range(iterations):
@@ -154,6 +156,8 @@ class DdpTrainer:
             t0 = clock()
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model(*x), y)
+            if delay_s:  # --straggler: slower by that much, inside the clock
+                sleep(delay_s)
             t1 = clock()
             loss.backward()
             t2 = clock()

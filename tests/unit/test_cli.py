@@ -65,6 +65,13 @@ BAD_INPUTS = [
     (["--max-iterations", "50"], "--max-iterations bounds a --target-loss run"),
     (["--target-loss", "0.2", "--max-iterations", "0"], "--max-iterations must be at least 1; got 0"),
     (["--config", "{negative_target}"], "--target-loss must be a positive number; got -1.0"),
+    (["--staleness", "-1"], "--staleness must be an integer of 0 or more, or inf; got -1"),
+    (["--staleness", "2", "--hook", "allreduce"], "--staleness 2 trains with servers that own the parameters"),
+    (["--staleness", "2", "--hook", "fp16"], "it needs --hook ps (got --hook fp16)"),
+    (["--staleness", "1", "--limits"], "it cannot be combined with --limits"),
+    (["--straggler", "trainer:2:30ms"], "--straggler trainer:2:30ms: there is no trainer 2; this run has 2"),
+    (["--straggler", "trainer:1:-30ms"], "--straggler trainer:1:-30ms: DELAY must be 0 or more"),
+    (["--server", "ssp"], "--server ssp is the mode of --staleness S: set --staleness"),
 ]
 CONFIG_FILES = {
     "{bad_json}": '{"ntrainer": 2\n "rounds": 3}',

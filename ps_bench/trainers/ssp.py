@@ -1,0 +1,184 @@
+"""The trainer of ``--staleness S``: no DDP and no optimizer of its own; the servers own the
+parameters (see ``ps_bench.servers.ssp``).
+
+Each iteration computes the gradients of its batch on the parameters it last read, pushes each
+server's shard of them and waits for the answers: the shards' new parameters, once the
+staleness bound allows. A round ends when the servers' budget of updates is spent (a fast
+trainer may do more than its share of it) or training stops.
+
+With ``--target-loss``, trainer 0 judges the servers' model: after each of its iterations,
+outside the clock, it computes the loss of the parameters it has just read on its next batch
+(no collective: the trainers run at their own pace) and, when training should stop, tells
+the servers, which tell every trainer. Its iterations are counted as the servers' updates
+divided by the number of trainers, its seconds as its own training time.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed.rpc as rpc
+from torch import nn
+
+from ps_bench.config import RunConfig
+from ps_bench.failures import fatal_on_error
+from ps_bench.faults import Fault, Straggler, maybe_inject
+from ps_bench.metrics.memory import peak_memory
+from ps_bench.metrics.timers import tensor_bytes
+from ps_bench.models.base import Dataset, build_model
+from ps_bench.models.entries import Entry
+from ps_bench.servers.ssp import GO, STOPPED, StaleSynchronousServer, shard_owners
+from ps_bench.trainers.convergence import Convergence
+from ps_bench.trainers.trainer import TRAINERS
+
+
+@TRAINERS.register("ssp", aliases=("stale_synchronous",))
+class StaleSynchronousTrainer:
+    """A replica that computes gradients and reads parameters from the servers that own them."""
+
+    @fatal_on_error
+    def __init__(self, trainer_index: int, config: RunConfig, model: Entry, inputs: tuple[torch.Tensor, ...],
+                 targets: torch.Tensor, servers: list[tuple[rpc.RRef, bool]], group_server: int | None,
+                 cuda_rpc: bool, device: str, held_out: Dataset | None = None) -> None:
+        self.index = trainer_index
+        self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
+        self.delay_s = Straggler.delay_of(config.straggler, trainer_index)
+        self.network = build_model(model.class_name, model.kwargs, config.torch_seed)
+        self.parameters = list(self.network.parameters())
+        self.servers = [rref for rref, _ in servers]
+        owners = shard_owners(self.network, len(self.servers))
+        self.shards = [[i for i in range(len(self.parameters)) if owners[i] == s] for s in range(len(self.servers))]
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.inputs, self.targets = inputs, targets
+        self.batch_size = config.batch_size
+        self.per_epoch = len(targets) // config.batch_size
+        self.iterations_per_round = self.per_epoch * config.epochs
+        self.num_trainers = config.num_trainers
+        self.clock = 0  # iterations pushed so far
+        self.updates = 0  # updates the servers had applied at the last read, every trainer's
+        self.fresh = True  # parameters read for the current clock (False at the start of a round)
+        self.trained_s = 0.0  # this trainer's training time so far (its iterations' clocks)
+        self.converging = config.target_loss is not None
+        self.convergence = None
+        if self.converging and trainer_index == 0:
+            self.convergence = Convergence(self.network, self.loss_fn, None, None, config.target_loss,
+                                           config.max_iterations, held_out)
+
+    def ready(self) -> int:
+        return self.iterations_per_round
+
+    @fatal_on_error
+    def run_round(self, verify: bool = False, profile_path: str | None = None) -> dict:
+        """Iterations until the round's budget is spent or training stops: per-iteration samples
+        (ms: forward, backward, the push and its answer as ``comm``, loading the answer as
+        ``optimizer``) and bytes."""
+        readings, moved, losses = [], [], []
+        clock = time.perf_counter
+        status = GO
+        if not self.fresh:
+            status = self.read(self.ask("pull", self.clock))
+        while status == GO:
+            first = (self.clock % self.per_epoch) * self.batch_size
+            x = [t[first:first + self.batch_size] for t in self.inputs]
+            y = self.targets[first:first + self.batch_size]
+            if self.convergence is not None and self.check(x, y):
+                status = STOPPED
+                break
+            maybe_inject(self.fault, "trainer", self.index, self.clock + 1)
+            t0 = clock()
+            for p in self.parameters:
+                p.grad = None
+            loss = self.loss_fn(self.network(*x), y)
+            if self.delay_s:
+                time.sleep(self.delay_s)  # --straggler: this trainer is slower by that much per iteration
+            t1 = clock()
+            loss.backward()
+            t2 = clock()
+            gradients = [[self.gradient(i) for i in shard] for shard in self.shards]
+            answers = self.ask("push", self.clock, gradients)
+            t3 = clock()
+            self.clock += 1
+            status = self.read(answers)
+            t4 = clock()
+            readings.append((t0, t1, t2, t3, t4))
+            moved.append((sum(tensor_bytes(g) for shard in gradients for g in shard),
+                          sum(tensor_bytes(p) for reply in answers if reply[0] is not None for p in reply[0])))
+            losses.append(loss.item())
+            self.trained_s += t4 - t0
+        return self.round_result(readings, moved, losses, status)
+
+    def gradient(self, index: int) -> torch.Tensor:
+        grad = self.parameters[index].grad
+        return torch.zeros_like(self.parameters[index]) if grad is None else grad
+
+    def ask(self, method: str, clock: int, gradients: list[list[torch.Tensor]] | None = None) -> list[tuple]:
+        """Every server at once: its push (with its shard's gradients) or pull; their answers."""
+        function = getattr(StaleSynchronousServer, method)
+        futures = [rpc.rpc_async(server.owner(), function,
+                                 args=(server, self.index, clock) + ((gradients[s],) if gradients else ()),
+                                 timeout=0)
+                   for s, server in enumerate(self.servers)]
+        return [future.wait() for future in futures]
+
+    def read(self, answers: list[tuple]) -> str:
+        """Loads the servers' parameters when every server said go; else what ended the round."""
+        statuses = {reply[2] for reply in answers}
+        if statuses != {GO}:
+            self.fresh = False
+            return STOPPED if STOPPED in statuses else statuses.difference({GO}).pop()
+        with torch.no_grad():
+            for shard, reply in zip(self.shards, answers):
+                for index, value in zip(shard, reply[0]):
+                    self.parameters[index].copy_(value)
+        self.fresh = True
+        self.updates = answers[0][1]
+        return GO
+
+    def check(self, x: list[torch.Tensor], y: torch.Tensor) -> bool:
+        """Trainer 0, with --target-loss: the servers' model as it last read it, on its next
+        batch. When training stops it tells the servers, and evaluates the held-out set on the
+        parameters the servers ended with."""
+        iterations = self.updates // self.num_trainers
+        if not self.convergence.check(iterations, x, y, seconds=self.trained_s, held_out_at_stop=False):
+            return False
+        for server in self.servers:
+            server.rpc_sync().stop_training()
+        self.load([server.rpc_sync().parameters_now() for server in self.servers])
+        self.convergence.evaluate_held_out(iterations, self.trained_s, self.network)
+        return True
+
+    def load(self, shards: list[list[torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for shard, values in zip(self.shards, shards):
+                for index, value in zip(shard, values):
+                    self.parameters[index].copy_(value)
+
+    def round_result(self, readings: list[tuple], moved: list[tuple], losses: list[float], status: str) -> dict:
+        phases = np.diff(np.asarray(readings, dtype=np.float64), axis=1) * 1000.0 if readings \
+            else np.zeros((0, 4))
+        moved_array = np.asarray(moved, dtype=np.int64).reshape(-1, 2)
+        samples = {"batch": phases.sum(axis=1).tolist(), "forward": phases[:, 0].tolist(),
+                   "backward": phases[:, 1].tolist(), "comm": phases[:, 2].tolist(),
+                   "optimizer": phases[:, 3].tolist(), "bytes_sent": moved_array[:, 0].tolist(),
+                   "bytes_recv": moved_array[:, 1].tolist()}
+        result = {"samples": samples, "iterations": len(readings), "samples_processed": len(readings) * self.batch_size,
+                  "bytes_sent": int(moved_array[:, 0].sum()), "bytes_recv": int(moved_array[:, 1].sum()),
+                  "losses": losses, "verified_iterations": 0, "grad_errors": [], "memory": peak_memory(),
+                  "timeline": {}, "busy_s": float(phases.sum()) / 1000.0}
+        if self.convergence is not None:
+            result["convergence"] = self.convergence.take(samples["batch"])
+        elif self.converging:
+            result["convergence"] = {"curve": [], "held_out": [], "batch_ms": samples["batch"], "reached_at": None,
+                                     "diverged": False, "stopped": status == STOPPED}
+        return result
+
+    def bucket_layout(self) -> list[dict]:
+        """What crosses the wire per server, in the shape of DDP's bucket rows: each server's
+        shard of the parameters (its gradients one way, its parameters the other)."""
+        return [{"index": s, "bytes": sum(tensor_bytes(self.parameters[i]) for i in shard), "sparse": False,
+                 "shapes": [list(self.parameters[i].shape) for i in shard]} for s, shard in enumerate(self.shards)]
+
+    def parameters_vector(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.parameters])
