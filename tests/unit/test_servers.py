@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from ps_bench.servers import SERVERS, ParameterServer
+from ps_bench.servers import AVERAGING, SERVERS
 
-SERVER_NAMES = [name for name in SERVERS.names() if issubclass(SERVERS.get(name), ParameterServer)]  # averaging ones
+SERVER_NAMES = AVERAGING
 
 
 def make(name: str, contributors: int, num_trainers: int | None = None, mapping: str = "shard", num_servers: int = 1):
