@@ -97,7 +97,7 @@ class RunRecord:
         self.server_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.trainer_bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # sent, received
         self.server_bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # received, sent
-        self.iterations = self.processed = self.rounds_done = 0
+        self.iterations = self.rounds_done = 0
         self.trainer_work: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # rank -> iterations, samples
         self.staleness: list[int] = []  # --staleness: each applied update's observed staleness, every server
         self.server_updates: dict[int, int] = defaultdict(int)  # --staleness: server rank -> updates applied
@@ -138,7 +138,6 @@ class RunRecord:
                 self.trainer_samples[info.rank][metric].extend(values)
             self.trainer_bytes[info.rank][0] += result["bytes_sent"]
             self.trainer_bytes[info.rank][1] += result["bytes_recv"]
-            self.processed += result["samples_processed"]
             self.grad_errors.extend(result["grad_errors"])
             self.memory["trainer"][info.rank] = result["memory"]
             for bucket, offsets in result.get("timeline", {}).items():
@@ -264,7 +263,8 @@ class RunRecord:
             "rounds_completed": self.rounds_done,
             "summary": [r.to_dict() for r in self.rows() if r.unit == "ms"],
             "throughput": {
-                "samples_per_s": self.processed / self.timed_s if self.timed_s else 0.0,
+                "samples_per_s": sum(work[1] for work in self.trainer_work.values()) / self.timed_s
+                if self.timed_s else 0.0,
                 "iterations": self.iterations,
                 "timed_s": self.timed_s,
                 "per_trainer": [{"index": info.index, "rank": info.rank,

@@ -63,6 +63,32 @@ class BucketState:
         return buffer
 
 
+class ServerBooks:
+    """What a server measures between two ``take`` calls: samples (ms) by name and payload bytes
+    received and sent; thread-safe."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.samples: dict[str, list[float]] = defaultdict(list)
+        self.bytes = {"recv": 0, "sent": 0}
+
+    def count(self, direction: str, nbytes: int) -> None:
+        with self.lock:
+            self.bytes[direction] += nbytes
+
+    def record(self, **samples_ms: float) -> None:
+        with self.lock:
+            for name, value in samples_ms.items():
+                self.samples[name].append(value)
+
+    def take(self) -> dict:
+        """The samples and byte counts since the last call, then clears them."""
+        with self.lock:
+            out = {"samples": dict(self.samples), "bytes": dict(self.bytes)}
+            self.samples, self.bytes = defaultdict(list), {"recv": 0, "sent": 0}
+        return out
+
+
 class ParameterServer:
     """Base class: subclasses define how contributions are accumulated and summed."""
 
@@ -87,9 +113,7 @@ class ParameterServer:
         self._buckets: dict[int, BucketState] = {}
         self._partials: dict[int, BucketState] = {}
         self._table_lock = threading.Lock()  # guards only the creation of bucket states
-        self._metrics_lock = threading.Lock()
-        self._samples: dict[str, list[float]] = defaultdict(list)
-        self._bytes = {"recv": 0, "sent": 0}
+        self.books = ServerBooks()
 
     # -- what subclasses define ---------------------------------------------------------
     def accumulate(self, state: BucketState, tensor: torch.Tensor) -> None:
@@ -114,7 +138,7 @@ class ParameterServer:
     def combine_partial(server_rref: rpc.RRef, bucket_index: int, partial: torch.Tensor) -> Future:
         """Called by a group server on the bucket's root; completes with the global average."""
         server = server_rref.local_value()
-        server._count_bytes("recv", tensor_bytes(partial))
+        server.books.count("recv", tensor_bytes(partial))
         return server.combine(bucket_index, partial, remote=True)
 
     def set_peers(self, peers: list[rpc.RRef]) -> None:
@@ -133,11 +157,7 @@ class ParameterServer:
 
     def take_metrics(self) -> dict:
         """Samples (ms) and byte counts since the last call, then clears them."""
-        with self._metrics_lock:
-            out = {"samples": dict(self._samples), "bytes": dict(self._bytes), "memory": peak_memory(self.device)}
-            self._samples = defaultdict(list)
-            self._bytes = {"recv": 0, "sent": 0}
-        return out
+        return {**self.books.take(), "memory": peak_memory(self.device)}
 
     # -- the work ---------------------------------------------------------------------------
     def _state(self, table: dict[int, BucketState], bucket_index: int) -> BucketState:
@@ -146,15 +166,6 @@ class ParameterServer:
             with self._table_lock:
                 state = table.setdefault(bucket_index, BucketState())
         return state
-
-    def _count_bytes(self, direction: str, nbytes: int) -> None:
-        with self._metrics_lock:
-            self._bytes[direction] += nbytes
-
-    def _record(self, **samples_ms: float) -> None:
-        with self._metrics_lock:
-            for name, value in samples_ms.items():
-                self._samples[name].append(value)
 
     def _add(self, state: BucketState, tensor: torch.Tensor, expected: int) -> tuple[bool, float]:
         """Adds one contribution (caller holds the bucket's lock); returns (was it the last
@@ -188,7 +199,7 @@ class ParameterServer:
 
     def contribute(self, bucket_index: int, tensor: torch.Tensor) -> Future:
         future = self._new_future()
-        self._count_bytes("recv", tensor_bytes(tensor))
+        self.books.count("recv", tensor_bytes(tensor))
         state = self._state(self._buckets, bucket_index)
         try:
             with state.lock:
@@ -219,14 +230,14 @@ class ParameterServer:
         if root == self.server_index:
             return self.combine(bucket_index, partial_sum, remote=False)
         partial = partial_sum.cpu()
-        self._count_bytes("sent", tensor_bytes(partial))
+        self.books.count("sent", tensor_bytes(partial))
         peer = self.peers[root]
         reply = rpc.rpc_async(peer.owner(), type(self).combine_partial, args=(peer, bucket_index, partial))
         return reply.then(self._received_global)
 
     def _received_global(self, fut: Future) -> torch.Tensor:
         value = fut.value()
-        self._count_bytes("recv", tensor_bytes(value))
+        self.books.count("recv", tensor_bytes(value))
         return value
 
     def combine(self, bucket_index: int, partial: torch.Tensor, remote: bool) -> Future:
@@ -247,7 +258,7 @@ class ParameterServer:
             return future
         for peer_future, peer_is_remote, _ in waiting:
             if peer_is_remote:
-                self._count_bytes("sent", tensor_bytes(average))
+                self.books.count("sent", tensor_bytes(average))
             peer_future.set_result(average)
         return future
 
@@ -266,9 +277,9 @@ class ParameterServer:
             form = (on_device, dtype)
             if form not in answers:
                 answers[form] = average.to(device=self.device if on_device else "cpu", dtype=dtype)
-            self._count_bytes("sent", tensor_bytes(answers[form]))
+            self.books.count("sent", tensor_bytes(answers[form]))
             future.set_result(answers[form])
-        self._record(straggler=straggler_ms, aggregate=aggregate_ms, round=now_ms() - first_ms)
+        self.books.record(straggler=straggler_ms, aggregate=aggregate_ms, round=now_ms() - first_ms)
 
     def _fail(self, state: BucketState, error: Exception) -> None:
         with state.lock:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import defaultdict
 
 import torch
 import torch.distributed.rpc as rpc
@@ -35,7 +34,7 @@ from ps_bench.metrics.memory import peak_memory
 from ps_bench.metrics.timers import now_ms, tensor_bytes
 from ps_bench.models.base import build_model
 from ps_bench.models.entries import Entry
-from ps_bench.servers.base import SERVERS
+from ps_bench.servers.base import SERVERS, ServerBooks
 from ps_bench.topology import balance_buckets
 
 GO, ROUND_OVER, STOPPED = "go", "round", "stop"  # what an answer tells the trainer
@@ -77,9 +76,8 @@ class StaleSynchronousServer:
         self.waiting: list[tuple[int, int, Future, float]] = []  # trainer, clock it computes next, answer, since ms
         self.updates = self.round_updates = 0
         self.round_over = self.stopped = False
-        self._samples: dict[str, list[float]] = defaultdict(list)
-        self._staleness: list[int] = []
-        self._bytes = {"recv": 0, "sent": 0}
+        self.books = ServerBooks()
+        self._staleness: list[int] = []  # each applied update's observed staleness, since the last take_metrics
 
     def set_peers(self, peers: list[rpc.RRef]) -> None:
         """Servers of this kind never talk to each other."""
@@ -138,10 +136,8 @@ class StaleSynchronousServer:
 
     def take_metrics(self) -> dict:
         with self.lock:
-            out = {"samples": dict(self._samples), "bytes": dict(self._bytes), "memory": peak_memory(),
-                   "staleness": self._staleness, "updates": len(self._staleness)}
-            self._samples, self._staleness, self._bytes = defaultdict(list), [], {"recv": 0, "sent": 0}
-        return out
+            staleness, self._staleness = self._staleness, []
+        return {**self.books.take(), "memory": peak_memory(), "staleness": staleness, "updates": len(staleness)}
 
     def parameters_vector(self) -> torch.Tensor:
         with self.lock:
@@ -156,12 +152,12 @@ class StaleSynchronousServer:
         arrived = now_ms()
         future = Future()
         with self.lock:
-            self._bytes["recv"] += sum(tensor_bytes(g) for g in gradients)
+            self.books.count("recv", sum(tensor_bytes(g) for g in gradients))
             if not self.stopped:
                 start = now_ms()
                 for parameter, gradient in zip(self.parameters, gradients):
                     parameter.add_(gradient, alpha=-self.lr / self.num_trainers)
-                self._samples["aggregate"].append(now_ms() - start)
+                self.books.record(aggregate=now_ms() - start)
                 self._staleness.append(clock - self.read_at[trainer])
                 self.clocks[trainer] = clock + 1
                 self.updates += 1
@@ -190,9 +186,7 @@ class StaleSynchronousServer:
     def answer(self, ready: list[tuple[Future, tuple, float]]) -> None:
         """Completes the answers outside the lock; ``round`` is the ms from the request to its answer."""
         for future, reply, since in ready:
-            waited = now_ms() - since
-            with self.lock:
-                self._samples["round"].append(waited)
-                if reply[0] is not None:
-                    self._bytes["sent"] += sum(tensor_bytes(p) for p in reply[0])
+            self.books.record(round=now_ms() - since)
+            if reply[0] is not None:
+                self.books.count("sent", sum(tensor_bytes(p) for p in reply[0]))
             future.set_result(reply)

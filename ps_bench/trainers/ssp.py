@@ -128,10 +128,7 @@ class StaleSynchronousTrainer:
         if statuses != {GO}:
             self.fresh = False
             return STOPPED if STOPPED in statuses else statuses.difference({GO}).pop()
-        with torch.no_grad():
-            for shard, reply in zip(self.shards, answers):
-                for index, value in zip(shard, reply[0]):
-                    self.parameters[index].copy_(value)
+        self.load([reply[0] for reply in answers])
         self.fresh = True
         self.updates = answers[0][1]
         return GO
@@ -150,6 +147,7 @@ class StaleSynchronousTrainer:
         return True
 
     def load(self, shards: list[list[torch.Tensor]]) -> None:
+        """Each server's shard of the parameters into the model."""
         with torch.no_grad():
             for shard, values in zip(self.shards, shards):
                 for index, value in zip(shard, values):
@@ -166,7 +164,7 @@ class StaleSynchronousTrainer:
         result = {"samples": samples, "iterations": len(readings), "samples_processed": len(readings) * self.batch_size,
                   "bytes_sent": int(moved_array[:, 0].sum()), "bytes_recv": int(moved_array[:, 1].sum()),
                   "losses": losses, "verified_iterations": 0, "grad_errors": [], "memory": peak_memory(),
-                  "timeline": {}, "busy_s": float(phases.sum()) / 1000.0}
+                  "timeline": {}}
         if self.convergence is not None:
             result["convergence"] = self.convergence.take(samples["batch"])
         elif self.converging:
