@@ -137,8 +137,7 @@ def check_staleness(cfg: RunConfig) -> None:
          f"--staleness chooses its own trainer and server (ssp): leave --trainer and --server out "
          f"(got {cfg.trainer} and {cfg.server})")
     cfg.trainer = cfg.server = "ssp"
-    unsupported = [f"--{name.replace('_', '-')}" for name in ("ncudatrainer", "ncudaserver") if getattr(cfg, name)]
-    unsupported += [f"--{name}" for name in ("verify", "limits") if getattr(cfg, name)]
+    unsupported = [flag(name) for name in ("ncudatrainer", "ncudaserver", "verify", "limits") if getattr(cfg, name)]
     unsupported += ["--profile"] if cfg.profile is not None else []
     unsupported += [f"--backend {cfg.backend}"] if cfg.backend != "gloo" else []
     unsupported += ["--mapping group"] if cfg.mapping == "group" else []
