@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,6 +248,7 @@ def plot_convergence(path: str, rows: list[Row], title: str) -> None:
     columns = varying_options(rows)
     figure, axes = plt.subplots(figsize=(7.5, 4.8))
     colours = plt.cm.tab20(np.linspace(0, 1, 20))[:len(rows)] if len(rows) > 10 else [None] * len(rows)
+    lowest = math.inf
     for row, colour in zip(rows, colours):
         convergence = row.results["convergence"]
         curve = [(s, loss) for _, s, loss in convergence["loss_curve"]]
@@ -262,11 +264,13 @@ def plot_convergence(path: str, rows: list[Row], title: str) -> None:
         held = [(s, loss) for _, s, loss in convergence["held_out"] if loss is not None]
         if held:
             axes.plot(*zip(*held), linestyle="none", marker="o", markersize=3, color=line.get_color())
+        lowest = min([lowest, *(y for y in ys if 0 < y < math.inf), *(loss for _, loss in held if loss > 0)])
     target = rows[0].results["convergence"]["target_loss"]
     start = max(loss for row in rows for _, _, loss in row.results["convergence"]["loss_curve"][:1] if loss is not None)
-    axes.set_ylim(top=2 * start)  # a diverging point leaves the plot upwards rather than squashing the rest
     axes.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target}")
     axes.set_yscale("log")
+    # fixed limits: a diverging point leaves the plot upwards rather than squashing the rest
+    axes.set_ylim(bottom=min(lowest, target) / 1.5, top=2 * start)
     axes.set_xlabel("seconds of training")
     axes.set_ylabel(f"the model's training loss (last {rows[0].results['convergence']['smoothing']}); "
                     "dots: held-out", fontsize="small")

@@ -19,8 +19,9 @@ from ps_bench.trainers.convergence import SMOOTHING, Convergence
 from tests.benchrun import ROOT
 from tests.contract import check_contract
 
-# measured on the development machine: allreduce reaches 0.2 after 329 iterations at this learning rate
-TARGET, LR, WITHIN = "0.2", "0.3", 450
+# measured on the development machine (configs/sweeps/convergence_lr.json): at this learning rate
+# allreduce reaches 0.2 after 265 iterations, and noop's replicas diverge after about 250
+TARGET, LR, WITHIN = "0.2", "0.4", 350
 COMMON = ("--target-loss", TARGET, "--lr", LR, "--max-iterations", "600")
 
 
@@ -56,13 +57,17 @@ def test_lossless_parameter_servers_reach_it_in_the_same_iterations(bench_runs):
         assert mine[2] == pytest.approx(theirs[2], rel=1e-5, abs=1e-6)
 
 
-def test_no_communication_is_judged_by_the_averaged_model(bench_runs):
-    """noop's replicas drift apart; what decides is their average, which learns later than
-    synchronous training does (on this task it still learns: each replica is an SGD learner)."""
+def test_no_communication_never_reaches_it_and_says_so(bench_runs):
+    """At the learning rate synchronous training sustains for its global batch, noop's
+    replicas, each stepping on its own batch alone, diverge: the run ends ok, not reached."""
     noop, allreduce = run(bench_runs, "noop"), run(bench_runs, "allreduce")["convergence"]
-    assert noop["replicas"]["identical"] is False
+    assert noop["status"] == "ok" and noop["replicas"]["identical"] is False
     convergence = noop["convergence"]
-    assert not convergence["reached"] or convergence["iterations"] > allreduce["iterations"]
+    assert convergence["reached"] is False and convergence["stopped_by"] == "diverged"
+    assert convergence["iterations"] < 600 and convergence["final_loss"] is None
+    losses = [loss for _, _, loss in convergence["loss_curve"]]
+    windows = [losses[i:i + SMOOTHING] for i in range(len(losses) - SMOOTHING + 1)]
+    assert min(sum(w) / SMOOTHING for w in windows if None not in w) > float(TARGET)
     assert convergence["loss_curve"][1:SMOOTHING] != allreduce["loss_curve"][1:SMOOTHING]
 
 
@@ -88,7 +93,8 @@ def test_report_shows_time_to_target_and_plots_loss_against_seconds(bench_runs, 
     assert "iterations to target" in header and "seconds to target" in header and "speedup to target" in header
     allreduce = json.loads(files[0].read_text())["convergence"]
     assert f"{allreduce['iterations']}" in lines[0] and "1.00x" in lines[0]
-    assert plot.stat().st_size > 10_000
+    assert "not reached (diverged)" in lines[2]
+    assert plot.stat().st_size > 10_000  # with a diverged curve among them
 
 
 # -- the averaged model, between two real processes ------------------------------------------

@@ -4,15 +4,28 @@ import json
 
 import pytest
 
-from ps_bench.config import ConfigError
+from ps_bench.config import ConfigError, build_config
+from ps_bench.job import validate
 from ps_bench.report import load_rows, table, varying_options
 from ps_bench.sweep import load_sweep
+from tests.benchrun import ROOT
 
 
 def sweep(tmp_path, content):
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps(content))
     return str(path)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "sweeps").glob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_sweep_expands_and_validates(path):
+    name, points = load_sweep(str(path))
+    assert name == path.stem and points
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "runs").glob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_run_file_validates(path):
+    validate(build_config({}, str(path)))
 
 
 def test_grid_is_a_cartesian_product_over_base(tmp_path):
