@@ -6,16 +6,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ps_bench.models.base import DATA, MODELS, RANDOM, BenchmarkModel, Dataset, SyntheticData, need_positive, preset
+from ps_bench.models.base import (DATA, HELD_OUT_STREAM, MODELS, RANDOM, TEACHER_STREAM, BenchmarkModel, Dataset,
+                                  SyntheticData, need_positive, preset, stream)
 
 CLICKS = "dense features and bags of ids per table"
 
 
 @DATA.register("SyntheticClicks")
 class SyntheticClicks(SyntheticData):
-    """Normal dense features, ``bag_size`` uniformly drawn ids per table, and a click label."""
+    """Normal dense features, ``bag_size`` uniformly drawn ids per table, and a click label.
+
+    Teacher clicks: a click when a seeded score is positive. The score is the sum of seeded
+    +1/-1 values of every id in the sample's bags, divided by the square root of their number,
+    plus the dense features' projection on a seeded unit direction; both parts count alike.
+    The dense features are then moved ``MARGIN`` along that direction, away from the boundary,
+    so every sample is decided by a clear margin (what lets the loss fall tenfold)."""
 
     gives = CLICKS
+    teacher = ("a click when seeded +1/-1 values of the sample's ids and a seeded projection of its dense features "
+               "sum above 0")
+    MARGIN = 1.0
 
     def __init__(self, sample_count: int, dense_features: int = 13, tables: int = 8, rows_per_table: int = 250_000,
                  bag_size: int = 4) -> None:
@@ -27,9 +37,28 @@ class SyntheticClicks(SyntheticData):
 
     def build(self, seed: int, labels: str = RANDOM) -> Dataset:
         generator = torch.Generator().manual_seed(seed)
-        dense = torch.randn(self.sample_count, self.dense_features, generator=generator)
-        ids = torch.randint(0, self.rows_per_table, (self.sample_count, self.tables, self.bag_size), generator=generator)
+        dense, ids = self.inputs(self.sample_count, generator)
+        if labels != RANDOM:
+            return self.taught(dense, ids, seed)
         return Dataset((dense, ids), torch.randint(0, 2, (self.sample_count,), generator=generator))
+
+    def held_out(self, seed: int, count: int) -> Dataset:
+        return self.taught(*self.inputs(count, stream(seed, HELD_OUT_STREAM)), seed)
+
+    def inputs(self, count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        dense = torch.randn(count, self.dense_features, generator=generator)
+        return dense, torch.randint(0, self.rows_per_table, (count, self.tables, self.bag_size), generator=generator)
+
+    def taught(self, dense: torch.Tensor, ids: torch.Tensor, seed: int) -> Dataset:
+        teacher = stream(seed, TEACHER_STREAM)
+        direction = torch.randn(self.dense_features, generator=teacher)
+        direction /= direction.norm()
+        values = torch.randint(0, 2, (self.tables, self.rows_per_table), generator=teacher) * 2.0 - 1.0
+        from_ids = values[torch.arange(self.tables)[:, None], ids].sum(dim=(1, 2))
+        from_ids /= (self.tables * self.bag_size) ** 0.5
+        clicks = (from_ids + dense @ direction > 0).long()
+        dense = dense + (2.0 * clicks - 1.0)[:, None] * self.MARGIN * direction
+        return Dataset((dense, ids), clicks)
 
 
 def mlp(sizes: list[int]) -> nn.Sequential:

@@ -5,16 +5,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ps_bench.models.base import DATA, MODELS, RANDOM, BenchmarkModel, Dataset, SyntheticData, need_positive, preset
+from ps_bench.models.base import (DATA, HELD_OUT_STREAM, MODELS, RANDOM, TEACHER_STREAM, BenchmarkModel, Dataset,
+                                  SyntheticData, need_positive, preset, stream)
 
 TOKENS = "token sequences"
 
 
 @DATA.register("SyntheticTokens")
 class SyntheticTokens(SyntheticData):
-    """Uniformly drawn token sequences; the target of each position is the next token."""
+    """Uniformly drawn token sequences; the target of each position is the next token.
+
+    Teacher sequences: every token has one seeded successor (a random permutation of the
+    vocabulary), and each sequence follows successors from a drawn first token, so the next
+    token is a function of the current one that a language model learns (a deterministic
+    bigram language; held-out sequences start from other drawn tokens)."""
 
     gives = TOKENS
+    teacher = "every token is followed by its seeded successor (a random permutation of the vocabulary)"
 
     def __init__(self, sample_count: int, sequence_length: int = 1024, vocab_size: int = 50257) -> None:
         need_positive(sample_count=sample_count, sequence_length=sequence_length, vocab_size=vocab_size)
@@ -22,7 +29,23 @@ class SyntheticTokens(SyntheticData):
 
     def build(self, seed: int, labels: str = RANDOM) -> Dataset:
         generator = torch.Generator().manual_seed(seed)
+        if labels != RANDOM:
+            return self.taught(self.sample_count, generator, seed)
         tokens = torch.randint(0, self.vocab_size, (self.sample_count, self.sequence_length + 1), generator=generator)
+        return Dataset((tokens[:, :-1].contiguous(),), tokens[:, 1:].contiguous())
+
+    def held_out(self, seed: int, count: int) -> Dataset:
+        return self.taught(count, stream(seed, HELD_OUT_STREAM), seed)
+
+    def taught(self, count: int, generator: torch.Generator, seed: int) -> Dataset:
+        """``count`` sequences that follow the seed's successors from first tokens drawn from ``generator``."""
+        order = torch.randperm(self.vocab_size, generator=stream(seed, TEACHER_STREAM))
+        successor = torch.empty_like(order)
+        successor[order] = order.roll(-1)  # one cycle through the whole vocabulary
+        sequence = [torch.randint(0, self.vocab_size, (count,), generator=generator)]
+        for _ in range(self.sequence_length):
+            sequence.append(successor[sequence[-1]])
+        tokens = torch.stack(sequence, dim=1)
         return Dataset((tokens[:, :-1].contiguous(),), tokens[:, 1:].contiguous())
 
 
@@ -71,5 +94,5 @@ class GPT(BenchmarkModel):
 
 preset("gpt2_small", "GPT", {}, "tokens1024", "SyntheticTokens", {"sample_count": 64, "sequence_length": 1024})
 preset("gpt2_tiny", "GPT", {"vocab_size": 512, "context_length": 64, "layers": 2, "heads": 2, "width": 32},
-       "tokens64", "SyntheticTokens", {"sample_count": 64, "sequence_length": 64, "vocab_size": 512},
+       "tokens64", "SyntheticTokens", {"sample_count": 512, "sequence_length": 64, "vocab_size": 512},
        small_of="gpt2_small")

@@ -10,6 +10,8 @@ from ps_bench.trainers.convergence import SMOOTHING, smoothed_loss
 
 BAGS = {"max_val": 64, "sample_count": 1024, "sample_length": 16, "sparsity_percentage": 20, "num_classes": 8}
 IMAGES = {"sample_count": 64, "image_size": 8, "num_classes": 10}
+TOKENS = {"sample_count": 48, "sequence_length": 20, "vocab_size": 97}
+CLICKS = {"sample_count": 400, "dense_features": 5, "tables": 3, "rows_per_table": 50, "bag_size": 2}
 
 
 def majority_labels(bags: torch.Tensor, seed: int) -> torch.Tensor:
@@ -66,10 +68,53 @@ def test_image_teacher_is_a_seeded_function_of_the_image():
     assert len(train.targets.unique()) > 3
 
 
-def test_every_teacher_says_what_it_is():
+def test_token_teacher_follows_one_seeded_cycle_through_the_vocabulary():
+    train = build_data("SyntheticTokens", TOKENS, 6, "teacher")
+    held_out = build_held_out("SyntheticTokens", TOKENS, 6, 32)
+    successor = {}
+    for data in (train, held_out):
+        tokens, targets = data.inputs[0], data.targets
+        assert torch.equal(tokens[:, 1:], targets[:, :-1])  # the target of each position is the next token
+        for current, following in zip(tokens.flatten().tolist(), targets.flatten().tolist()):
+            assert successor.setdefault(current, following) == following, "a token with two successors"
+    assert len(successor) == TOKENS["vocab_size"]  # every token seen, each with one successor
+    token, visited = 0, set()
+    while token not in visited:  # one cycle: from any token, the successors reach all of them
+        visited.add(token)
+        token = successor[token]
+    assert len(visited) == TOKENS["vocab_size"]
+    assert not torch.equal(train.inputs[0][:32, 0], held_out.inputs[0][:, 0])
+    other = build_data("SyntheticTokens", TOKENS, 7, "teacher")
+    pairs = zip(other.inputs[0].flatten().tolist(), other.targets.flatten().tolist())
+    assert any(successor[a] != b for a, b in pairs)  # another seed, another cycle
+
+
+def test_click_teacher_is_a_seeded_score_decided_by_a_margin():
+    data = DATA.get("SyntheticClicks")(**CLICKS)
+    for dataset in (data.build(8, "teacher"), data.held_out(8, 100)):
+        dense, ids = dataset.inputs
+        teacher = torch.Generator().manual_seed(8 + 1_000_003)  # the seed's teacher stream
+        direction = torch.randn(5, generator=teacher)
+        direction = direction / direction.norm()
+        values = torch.randint(0, 2, (3, 50), generator=teacher) * 2.0 - 1.0
+        from_ids = torch.stack([sum(values[t, ids[:, t, b]] for b in range(2)) for t in range(3)]).sum(0) / 6 ** 0.5
+        sign = dataset.targets * 2.0 - 1.0
+        moved = dense - sign[:, None] * data.MARGIN * direction  # the dense features before the margin
+        score = from_ids + moved @ direction
+        assert torch.equal((score > 0).long(), dataset.targets)
+        assert (sign * (from_ids + dense @ direction) >= data.MARGIN - 1e-5).all()  # every sample by a margin
+    assert 0.3 < data.build(8, "teacher").targets.float().mean() < 0.7
+    random = data.build(8)  # random labels: the inputs and labels they always were
+    generator = torch.Generator().manual_seed(8)
+    assert torch.equal(random.inputs[0], torch.randn(400, 5, generator=generator))
+    assert torch.equal(random.inputs[1], torch.randint(0, 50, (400, 3, 2), generator=generator))
+    assert torch.equal(random.targets, torch.randint(0, 2, (400,), generator=generator))
+
+
+def test_every_data_class_has_a_teacher_that_says_what_it_is():
     for name in DATA:
         teacher = DATA.get(name).teacher
-        assert teacher is None or (isinstance(teacher, str) and teacher), name
+        assert isinstance(teacher, str) and teacher, name
 
 
 def test_the_target_is_held_against_the_mean_of_the_last_losses():
