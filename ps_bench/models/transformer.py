@@ -15,13 +15,14 @@ TOKENS = "token sequences"
 class SyntheticTokens(SyntheticData):
     """Uniformly drawn token sequences; the target of each position is the next token.
 
-    Teacher sequences: every token has one seeded successor (a random permutation of the
-    vocabulary), and each sequence follows successors from a drawn first token, so the next
-    token is a function of the current one that a language model learns (a deterministic
-    bigram language; held-out sequences start from other drawn tokens)."""
+    Teacher sequences: every token has one seeded successor, the next token on one seeded
+    cycle through the whole vocabulary (a permutation with short cycles would leave a sequence
+    repeating a few tokens), and each sequence follows successors from a drawn first token, so
+    the next token is a function of the current one that a language model learns (a
+    deterministic bigram language; held-out sequences start from other drawn tokens)."""
 
     gives = TOKENS
-    teacher = "every token is followed by its seeded successor (a random permutation of the vocabulary)"
+    teacher = "every token is followed by its seeded successor (one seeded cycle through the vocabulary)"
 
     def __init__(self, sample_count: int, sequence_length: int = 1024, vocab_size: int = 50257) -> None:
         need_positive(sample_count=sample_count, sequence_length=sequence_length, vocab_size=vocab_size)
