@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 import traceback
+from types import ModuleType
 from typing import NoReturn
 
 from tabulate import tabulate
@@ -29,23 +30,25 @@ from ps_bench.options import (EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, P
                               parse_run_options, plural, usage_error)
 from ps_bench.topology import Topology
 
-# name -> (module, usage, summary). Each module has DESCRIPTION and EPILOG (its --help),
+# name -> (module, usage, summary, docs page). Each module has DESCRIPTION and EPILOG (its --help),
 # add_arguments(parser) and main(args, bench_argv) -> exit status, raising ConfigError for bad
-# input; BENCH_OPTIONS = True: it takes run options after "--", handed to main as bench_argv.
+# input; BENCH_OPTIONS = True: it takes run options after "--", handed to main as bench_argv; an
+# optional check(args, bench_argv) checks what main would before it starts or writes anything.
 # A new subcommand is its module and one line here.
 SUBCOMMANDS = {
-    "sweep": ("ps_bench.sweep", "FILE --out DIR", "every point of a sweep file, fresh ranks for each"),
-    "report": ("ps_bench.report", "DIR|FILE...", "compare runs: table, speedups, CSV, plot"),
+    "sweep": ("ps_bench.sweep", "FILE --out DIR", "every point of a sweep file, fresh ranks for each", "docs/sweeps.md"),
+    "report": ("ps_bench.report", "DIR|FILE...", "compare runs: table, speedups, CSV, plot", "docs/sweeps.md"),
     "slurm": ("ps_bench.cluster.slurm", "--nodes N -- [options]",
-              "an sbatch script: one torchrun per node (--submit runs it)"),
-    "launch": ("ps_bench.cluster.hosts", "--hosts H1,H2 -- [options]", "one torchrun per host of your own, over ssh"),
-    "cloud": ("ps_bench.cluster.cloud", "--nodes N -- [options]", "a SkyPilot task YAML for cloud machines"),
+              "an sbatch script: one torchrun per node (--submit runs it)", "docs/clusters.md"),
+    "launch": ("ps_bench.cluster.hosts", "--hosts H1,H2 -- [options]", "one torchrun per host of your own, over ssh",
+               "docs/clusters.md"),
+    "cloud": ("ps_bench.cluster.cloud", "--nodes N -- [options]", "a SkyPilot task YAML for cloud machines",
+              "docs/clusters.md"),
     "emulate": ("ps_bench.cluster.emulate", "--link RATE -- [options]", "a cluster's network on this machine: every "
-                "rank behind a shaped link"),
+                "rank behind a shaped link", "docs/clusters.md"),
     "predict": ("ps_bench.predict.command", "RESULTS.json... --trainers N,...", "batch time at scale, calibrated on "
-                "runs you made"),
+                "runs you made", "docs/predict.md"),
 }
-
 DESCRIPTION = """\
 Benchmark gradient synchronisation for data-parallel PyTorch training: DDP all-reduce,
 parameter servers over TensorPipe RPC, and hooks that combine them. One job is
@@ -67,13 +70,16 @@ examples:
 precedence: command line > --config JSON > defaults. Every option also has an
 underscore spelling (--batch_size), so upstream command lines run unchanged.
 exit status: 0 ok, 1 a rank failed (named by role and rank), 2 bad input, 130/143 interrupted.
+
+read next: docs/running.md (every option, a job, its output); README.md says which page of docs/
+answers which question.
 """
 
 
 def epilog() -> str:
     """The subcommands, each with its usage and summary, then the run's examples."""
     usages = {"[run]": ("[options]", "one run (the default)")}
-    usages.update({name: (usage, summary) for name, (_, usage, summary) in SUBCOMMANDS.items()})
+    usages.update({name: (usage, summary) for name, (_, usage, summary, _) in SUBCOMMANDS.items()})
     width = max(len(f"bench.py {name} {usage}") for name, (usage, _) in usages.items())
     lines = [f"  {f'bench.py {name} {usage}':{width}}  {summary}" for name, (usage, summary) in usages.items()]
     return "subcommands (each has --help):\n" + "\n".join(lines) + "\n\n" + EXAMPLES
@@ -87,23 +93,63 @@ def build_parser() -> Parser:
     return parser
 
 
-def run_subcommand(name: str, argv: list[str], launched_at: float) -> int:
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    own, bench_argv = argv, []
-    if getattr(module, "BENCH_OPTIONS", False) and "--" in argv:
-        at = argv.index("--")
-        own, bench_argv = argv[:at], argv[at + 1:]
+def subcommand_parser(name: str) -> tuple[ModuleType, Parser]:
+    """A subcommand's module and its parser, whose --help ends with the docs page to read next."""
+    module_name, _, _, page = SUBCOMMANDS[name]
+    module = importlib.import_module(module_name)
     width = shutil.get_terminal_size().columns - 2  # as argparse wraps; the epilog keeps its own lines
     parser = Parser(prog=f"bench.py {name}", description=textwrap.fill(module.DESCRIPTION, width),
-                    epilog=module.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                    epilog=f"{module.EPILOG.rstrip()}\n\nread next: {page}\n",
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(parser)
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors in the input")
+    return module, parser
+
+
+def split_bench_argv(module: ModuleType, argv: list[str]) -> tuple[list[str], list[str]]:
+    """A subcommand's own arguments, and the run options after its ``--`` (if it takes them)."""
+    if getattr(module, "BENCH_OPTIONS", False) and "--" in argv:
+        at = argv.index("--")
+        return argv[:at], argv[at + 1:]
+    return argv, []
+
+
+def run_subcommand(name: str, argv: list[str], launched_at: float) -> int:
+    module, parser = subcommand_parser(name)
+    own, bench_argv = split_bench_argv(module, argv)
     args = parser.parse_args(own)
     args.launched_at = launched_at  # a subcommand that runs a job counts its start-up from here
     try:
         return module.main(args, bench_argv)
     except ConfigError as error:
         return usage_error(error, args.debug)
+
+
+def check_run(argv: list[str], gpus: int) -> RunConfig:
+    """A run's options, validated as they would be on a machine with ``gpus`` GPUs that can run
+    what they ask for (root and tc for an emulated network)."""
+    cfg = build_config(*parse_run_options(argv, build_parser()))
+    validate(cfg, gpus=gpus, machine=False)
+    return cfg
+
+
+def check(argv: list[str], gpus: int = 8) -> None:
+    """Checks a ``bench.py`` command line as far as it can be checked without running it or
+    touching the files it names: the run's options as for ``--dry-run`` (on a machine that has
+    ``gpus`` GPUs), or a subcommand's arguments, its own check and the run options after its
+    ``--``. Raises ConfigError, or SystemExit as argparse does (0 for --help)."""
+    if argv[:1] == ["run"]:
+        argv = argv[1:]
+    if not argv[:1] or argv[0] not in SUBCOMMANDS:
+        check_run(argv, gpus)
+        return
+    module, parser = subcommand_parser(argv[0])
+    own, bench_argv = split_bench_argv(module, argv[1:])
+    args = parser.parse_args(own)
+    if hasattr(module, "check"):
+        module.check(args, bench_argv)
+    elif bench_argv:
+        check_run(bench_argv, gpus)
 
 
 def dry_run_table(cfg: RunConfig, topology: Topology, spec: LaunchSpec) -> str:

@@ -200,25 +200,27 @@ def check_devices(cfg: RunConfig, network: torch.nn.Module, gpus: int, trainers_
         raise ConfigError(f"--hook {cfg.hook} all-reduces sparse gradients over gloo: use --backend multi")
 
 
-def check_network(cfg: RunConfig) -> None:
-    """An emulated network: its options and this machine; its RPC always goes over TCP."""
+def check_network(cfg: RunConfig, machine: bool = True) -> None:
+    """An emulated network: its options and (``machine``) this machine; its RPC always goes over TCP."""
     if cfg.emulate_link is None:
         given = [flag(name) for name in ("emulate_hosts", "emulate_delay") if getattr(cfg, name) is not None]
         given += ["--emulate-keep"] if cfg.emulate_keep else []
         need(not given, f"{', '.join(given)} shape(s) an emulated network: set --emulate-link too")
         return
-    network.check(cfg)
+    network.check(cfg, machine)
     cfg.rpc_transport = "tcp"
 
 
-def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | None = None) -> tuple[Entry, Entry]:
+def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | None = None,
+             machine: bool = True) -> tuple[Entry, Entry]:
     """Checks a whole configuration before any process starts (canonicalising the names it
     holds); returns the model and data entries it names. ``gpus`` defaults to the CUDA devices
-    visible here, ``trainers_on_node`` to every trainer (one machine)."""
+    visible here, ``trainers_on_node`` to every trainer (one machine); ``machine=False`` leaves
+    out what only this machine decides (root and tc for an emulated network)."""
     check_options(cfg)
     check_pieces(cfg)
     check_staleness(cfg)
-    check_network(cfg)
+    check_network(cfg, machine)
     model, data, network = check_workload(cfg)
     check_devices(cfg, network, cuda_device_count() if gpus is None else gpus,
                   cfg.num_trainers if trainers_on_node is None else trainers_on_node)

@@ -225,6 +225,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop a point that runs longer than this and record it as failed (default: 900)")
 
 
+def check(args: argparse.Namespace, bench_argv: list[str]) -> None:
+    """The sweep file, every point of it validated."""
+    load_sweep(args.file)
+
+
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, raise_terminated)

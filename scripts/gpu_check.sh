@@ -6,11 +6,11 @@
 # For a machine that already has its own CUDA build of torch (and torchvision, numpy, tabulate,
 # pytest) and may have no network: nothing is installed. ps_bench runs from this checkout
 # (PYTHONPATH), over that torch. It runs the GPU tests (python -m pytest tests/gpu -m gpu -x),
-# then every example of the README's "GPUs" section, and writes DIR/report.md: the GPU, driver,
+# then every example of docs/gpus.md, and writes DIR/report.md: the GPU, driver,
 # torch and CUDA versions, and each command's exit status and batch p50. Exits 0 when the tests
 # pass and every example either ran or was refused for want of GPUs; 2, with one line, where
 # there is no GPU. Each command has a time limit (the tests 300 s, each example 45 s), so with the
-# README's four examples it ends within 8 minutes.
+# page's four examples it ends within 8 minutes.
 # PYTHON chooses the interpreter (default: python3).
 set -uo pipefail
 
@@ -97,15 +97,15 @@ while IFS= read -r example; do
     results="$out/example-$index.json"
     log="$out/example-$index.log"
     echo "gpu_check: $example"
-    # shellcheck disable=SC2086 # the README's words, as a user would type them
+    # shellcheck disable=SC2086 # the page's words, as a user would type them
     timeout 45 "$python" $example --out "$results" > "$log" 2>&1
     code=$?
     row "$example" "$code" "$results" "$log"
-    # refused before anything starts for want of GPUs (exit 2) is what the README promises
+    # refused before anything starts for want of GPUs (exit 2) is what docs/gpus.md promises
     if [ "$code" -ne 0 ] && ! { [ "$code" -eq 2 ] && grep -q "needs one GPU per trainer" "$log"; }; then
         failed=1
     fi
-done < <(sed -n '/^### GPUs/,/^## /p' README.md | grep '^python bench.py' | sed 's/^python //; s/  *#.*$//')
+done < <(grep '^python bench.py' docs/gpus.md | sed 's/^python //; s/  *#.*$//')
 
 echo >> "$report"
 echo "$(( $(date +%s) - started )) s in all; logs and results files are in $out." >> "$report"

@@ -22,7 +22,7 @@ import torchvision
 import ps_bench
 from ps_bench.cluster.torchrun import (DEFAULT_PORT, NodeLayout, add_engine_arguments, cluster_job, export_line,
                                        summary, torchrun_command, with_iface)
-from ps_bench.config import PROJECT_ROOT, ConfigError
+from ps_bench.config import PROJECT_ROOT, ConfigError, RunConfig
 from ps_bench.options import EXIT_OK, EXIT_USAGE, typed
 
 ACCELERATORS = re.compile(r"[A-Za-z0-9_-]+(:\d+)?")
@@ -147,8 +147,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to write the YAML (default: ps_bench-sky.yaml)")
 
 
+def check(args: argparse.Namespace, bench_argv: list[str]) -> tuple[RunConfig, NodeLayout]:
+    """The engine's options and the bench options, for the job as it will run on the nodes."""
+    return cluster_job(args, bench_argv, args.nodes, gpus_of(args.accelerators))
+
+
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
-    cfg, layout = cluster_job(args, bench_argv, args.nodes, gpus_of(args.accelerators))
+    cfg, layout = check(args, bench_argv)
     job = CloudJob(layout, with_iface(bench_argv, args.iface), name=args.name, accelerators=args.accelerators,
                    cloud=args.cloud, use_spot=args.use_spot, iface=args.iface, port=args.port, summary=summary(cfg))
     try:

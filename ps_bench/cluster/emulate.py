@@ -48,9 +48,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(prints how to enter and remove it)")
 
 
-def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
+def run_argv(args: argparse.Namespace, bench_argv: list[str]) -> list[str]:
+    """The run's own command line: the bench options and the emulation."""
     emulation = ["--emulate-link", args.link]
     emulation += ["--emulate-hosts", str(args.hosts)] if args.hosts is not None else []
     emulation += ["--emulate-delay", args.delay] if args.delay is not None else []
     emulation += ["--emulate-keep"] if args.keep else []
-    return cli.run([*bench_argv, *emulation], args.launched_at, time.time())
+    return [*bench_argv, *emulation]
+
+
+def check(args: argparse.Namespace, bench_argv: list[str]) -> None:
+    """The run with its emulated network, as on a machine that can emulate it."""
+    cli.check_run(run_argv(args, bench_argv), gpus=0)
+
+
+def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
+    return cli.run(run_argv(args, bench_argv), args.launched_at, time.time())

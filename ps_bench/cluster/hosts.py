@@ -28,7 +28,7 @@ import torch
 import ps_bench
 from ps_bench.cluster.torchrun import (DEFAULT_PORT, UNKNOWN_GPUS, NodeLayout, add_engine_arguments, cluster_job,
                                        torchrun_command, with_iface)
-from ps_bench.config import ConfigError
+from ps_bench.config import ConfigError, RunConfig
 from ps_bench.failures import Terminated, raise_terminated
 from ps_bench.options import EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM, typed
 from ps_bench.rendezvous import interface_env
@@ -363,11 +363,19 @@ def parse_env(items: list[str]) -> dict[str, str]:
     return env
 
 
-def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
+def check(args: argparse.Namespace, bench_argv: list[str]) -> tuple[list[Target], RunConfig, NodeLayout]:
+    """The hosts (the hostfile read), the engine's options and the bench options, before any host
+    is reached."""
     targets = parse_hosts(args.hosts) if args.hosts else read_hostfile(args.hostfile)
-    env = parse_env(args.env)
+    parse_env(args.env)
     cfg, layout = cluster_job(args, bench_argv, len(targets), UNKNOWN_GPUS, hosts=True)
     check_targets(targets, layout)
+    return targets, cfg, layout
+
+
+def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
+    targets, cfg, layout = check(args, bench_argv)
+    env = parse_env(args.env)
     job = HostJob(targets, layout, with_iface(bench_argv, args.iface), SshOptions(args.ssh_key, args.ssh_port,
                   args.ssh_option), python=args.python, workdir=args.workdir, env=env, iface=args.iface,
                   port=args.port, master_addr=args.master_addr)

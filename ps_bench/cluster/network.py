@@ -115,9 +115,9 @@ def netem_available() -> bool:
     return probe.returncode == 0
 
 
-def check(cfg: RunConfig) -> None:
-    """The emulation options and this machine: a ConfigError says what is wrong, before anything
-    is created."""
+def check(cfg: RunConfig, machine: bool = True) -> None:
+    """The emulation options and (``machine``) this machine: a ConfigError says what is wrong,
+    before anything is created."""
     parse_rate(cfg.emulate_link)
     hosts = len(placement(cfg)) if cfg.emulate_hosts is None else cfg.emulate_hosts
     if cfg.emulate_hosts is not None and not 1 <= cfg.emulate_hosts <= cfg.world_size:
@@ -125,18 +125,20 @@ def check(cfg: RunConfig) -> None:
     if hosts > MAX_HOSTS:
         raise ConfigError(f"an emulated network has at most {MAX_HOSTS} hosts; this one would have {hosts}: "
                           f"set --hosts (--emulate-hosts)")
+    if cfg.emulate_delay is not None:
+        parse_delay(cfg.emulate_delay)
+    if not machine:
+        return
     if not privileged():
         raise ConfigError("an emulated network needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN, for network namespaces "
                           "and tc): run it with sudo, e.g. sudo $(which python) bench.py emulate --link 1gbit -- ...")
     missing = [tool for tool in TOOLS if shutil.which(tool) is None]
     if missing:
         raise ConfigError(f"an emulated network needs {', '.join(missing)}, not found here: {INSTALL_HINT}")
-    if cfg.emulate_delay is not None:
-        parse_delay(cfg.emulate_delay)
-        if not netem_available():
-            raise ConfigError("--delay (--emulate-delay) needs the kernel's netem qdisc, which this kernel does not "
-                              "have (tc: 'Specified qdisc kind is unknown'); leave --delay out, or run on a kernel "
-                              "with sch_netem")
+    if cfg.emulate_delay is not None and not netem_available():
+        raise ConfigError("--delay (--emulate-delay) needs the kernel's netem qdisc, which this kernel does not "
+                          "have (tc: 'Specified qdisc kind is unknown'); leave --delay out, or run on a kernel "
+                          "with sch_netem")
 
 
 def tbf(device: str, rate_bps: float) -> list[str]:

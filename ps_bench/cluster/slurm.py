@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ps_bench.cluster.torchrun import (DEFAULT_PORT, NodeLayout, add_engine_arguments, cluster_job, export_line,
                                        summary, torchrun_command, with_iface)
-from ps_bench.config import ConfigError
+from ps_bench.config import ConfigError, RunConfig
 from ps_bench.options import EXIT_OK, typed
 
 OUTPUT = "%x-%j.out"  # job name and id: one log per job, next to where it was submitted
@@ -139,10 +139,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "job's status")
 
 
-def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
+def check(args: argparse.Namespace, bench_argv: list[str]) -> tuple[RunConfig, NodeLayout]:
+    """The engine's options and the bench options, for the job as it will run on the nodes."""
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be 0 or more; got {args.max_restarts}")
-    cfg, layout = cluster_job(args, bench_argv, args.nodes, args.gpus_per_node)
+    return cluster_job(args, bench_argv, args.nodes, args.gpus_per_node)
+
+
+def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
+    cfg, layout = check(args, bench_argv)
     job = SlurmJob(layout, with_iface(bench_argv, args.iface), job_name=args.job_name,
                    gpus_per_node=args.gpus_per_node, partition=args.partition, time=args.time, iface=args.iface,
                    port=args.port, max_restarts=args.max_restarts, python=args.python, summary=summary(cfg))

@@ -79,10 +79,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(needs matplotlib)")
 
 
-def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
+def check(args: argparse.Namespace, bench_argv: list[str]) -> tuple[list[int], float | None, float | None]:
+    """The scale, link and servers asked for, before any results file is read."""
     trainers = sorted(set(count_list(args.trainers, "trainers")))
     link_bps = parse_target_rate(args.link) if args.link is not None else None
     latency_s = parse_target_latency(args.latency) if args.latency is not None else None
+    if args.servers is not None:
+        count_list(args.servers, "servers", allow_auto=True)
+    return trainers, link_bps, latency_s
+
+
+def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
+    trainers, link_bps, latency_s = check(args, bench_argv)
     runs = [Run.load(path) for path in args.results]
     calibration = calibrate(runs, link_bps, latency_s)
     hooks = choose_hooks(args.hooks, runs, calibration)

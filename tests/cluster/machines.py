@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tests.benchrun import ROOT
 
-INSTALL_HINT = "apt-get install -y slurm-wlm munge openssh-server iproute2 (see README)"
+INSTALL_HINT = "apt-get install -y slurm-wlm munge openssh-server iproute2 (see README, Tests)"
 LINK = "psb0"
 SUBNET = "10.231.77"  # private, and only ever configured inside the test's own namespaces
 

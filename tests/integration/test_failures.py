@@ -89,7 +89,7 @@ def test_a_local_job_listens_on_loopback_only(results_path):
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
 def test_under_torchrun_on_one_host_only_torchruns_own_store_listens_beyond_loopback(results_path):
     """The ranks bind RPC and gloo to loopback when torchrun runs them all on this host;
-    torchrun's agent hosts its store on every interface (torch's own choice; README, security)."""
+    torchrun's agent hosts its store on every interface (torch's own choice; docs/clusters.md, Security)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "bench.py",
                "--rounds", "100000", "--out", str(results_path)]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -1,4 +1,4 @@
-"""What the GPU paths need, checked without a GPU: the README's GPU examples are valid jobs on a
+"""What the GPU paths need, checked without a GPU: the GPU page's examples (docs/gpus.md) are valid jobs on a
 node with enough GPUs, and what does not fit one GPU is refused in one line before anything
 starts (scripts/gpu_check.sh counts on both)."""
 
@@ -14,15 +14,15 @@ from ps_bench.job import validate
 from ps_bench.launch import LaunchSpec
 from ps_bench.options import parse_run_options
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+GPU_PAGE = Path(__file__).resolve().parents[2] / "docs" / "gpus.md"
 
 
 def gpu_examples() -> list[list[str]]:
-    section = README.read_text().split("\n### GPUs\n")[1].split("\n## ")[0]
+    section = GPU_PAGE.read_text()
     return [shlex.split(line, comments=True)[2:] for line in section.splitlines() if line.startswith("python bench.py")]
 
 
-def test_the_readme_shows_gpu_examples():
+def test_the_gpu_page_shows_gpu_examples():
     assert len(gpu_examples()) >= 3
 
 

@@ -1,0 +1,208 @@
+"""Documentation that cannot rot: every ``bench.py``/``ps-bench`` command line in README.md and
+docs/ parses and validates as ``bench.py`` would check it before starting anything, every
+relative link and image resolves (anchors too), and every ``--help`` names the page to read next."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ps_bench import cli
+from ps_bench.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELL_BLOCKS = ("bash", "sh", "shell")
+FENCE = re.compile(r"^```(\w*)\s*$")
+INLINE = re.compile(r"`([^`\n]+)`")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+# The files a reader writes before running what the docs show (what the docs say they hold).
+READER_FILES = {"hosts.txt": "node1 slots=4\nnode2 slots=4\n"}
+
+
+@dataclass(frozen=True)
+class Command:
+    page: str
+    line: int
+    argv: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.page}:{self.line}: bench.py {' '.join(self.argv)}"
+
+
+def bench_argv(segment: str) -> list[str] | None:
+    """The arguments after ``bench.py`` (or ``ps-bench``) in one shell command, or None."""
+    try:
+        words = shlex.split(segment, comments=True)
+    except ValueError:
+        return None
+    if words[:1] == ["ps-bench"]:
+        return words[1:]
+    for at, word in enumerate(words):
+        if word == "bench.py" and at > 0 and (words[0] in ("python", "python3", "torchrun", "sudo")):
+            return words[at + 1:]
+    return None
+
+
+def commands_in(text: str, page: str, first_line: int, loops: dict[str, str]) -> list[Command]:
+    """The bench.py command lines of a piece of shell: continuations joined, each command of an
+    ``&&``/``;``/``|`` chain on its own, a ``for VAR in A B`` loop's variable given its first value."""
+    found = []
+    joined, start = "", first_line
+    for number, line in enumerate(text.splitlines(), start=first_line):
+        if not joined:
+            start = number
+        joined += line.strip()
+        if joined.endswith("\\"):
+            joined = joined[:-1] + " "
+            continue
+        loop = re.match(r"\s*for (\w+) in ([^;]+); do", joined)
+        if loop:
+            loops[loop.group(1)] = loop.group(2).split()[0]
+        for name, value in loops.items():
+            joined = joined.replace(f"${name}", value)
+        for segment in re.split(r"&&|;|\|", joined):
+            argv = bench_argv(segment)
+            if argv is not None:
+                found.append(Command(page, start, tuple(argv)))
+        joined = ""
+    return found
+
+
+def documented_commands() -> list[Command]:
+    found = []
+    for path in PAGES:
+        page = str(path.relative_to(ROOT))
+        block, loops = None, {}
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            fence = FENCE.match(line)
+            if fence:
+                block = None if block is not None else fence.group(1)
+                loops = {}
+                continue
+            if block is None:
+                for span in INLINE.findall(line):
+                    found += commands_in(span, page, number, {})
+            elif block in SHELL_BLOCKS:
+                found += commands_in(line, page, number, loops)
+    return found
+
+
+COMMANDS = documented_commands()
+
+
+@pytest.fixture
+def reader_folder(tmp_path, monkeypatch):
+    """A folder like the checkout's root, with the files a reader writes themselves."""
+    for entry in ROOT.iterdir():
+        if not entry.name.startswith("."):
+            (tmp_path / entry.name).symlink_to(entry)
+    for name, text in READER_FILES.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_the_docs_hold_the_commands_of_every_subcommand():
+    used = {command.argv[0] for command in COMMANDS if command.argv and command.argv[0] in cli.SUBCOMMANDS}
+    assert used == set(cli.SUBCOMMANDS)
+    assert len(COMMANDS) >= 50
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=str)
+def test_each_documented_command_line_validates(command, reader_folder):
+    try:
+        cli.check(list(command.argv))
+    except ConfigError as error:
+        pytest.fail(f"{command}\n  is refused: {error}")
+    except SystemExit as stop:  # argparse: 0 after --help, 2 for a flag it does not know
+        assert stop.code == 0, f"{command}\n  does not parse (exit {stop.code})"
+
+
+def test_a_renamed_option_is_caught(reader_folder):
+    """What the check above is for: a command line that names an option that is not there fails."""
+    with pytest.raises(SystemExit) as stop:
+        cli.check(["--ntrainers", "4", "--nserver", "2"])
+    assert stop.value.code == 2
+    with pytest.raises(ConfigError, match="--nodes"):
+        cli.check(["slurm", "--nodes", "0", "--", "--ntrainer", "2"])
+    with pytest.raises(ConfigError):
+        cli.check(["emulate", "--link", "fast", "--", "--ntrainer", "2"])
+
+
+def test_the_extractor_reads_shell_as_a_reader_would():
+    text = ("pip install -e . && python bench.py --rounds 2  # the job\n"
+            "for hook in allreduce ps; do\n"
+            "  python bench.py --hook $hook \\\n"
+            "    --limits\n"
+            "done\n"
+            "sudo $(which python) bench.py emulate --link 1gbit -- --hook fp16\n"
+            "torchrun --nproc-per-node 4 bench.py --ntrainer 2\n"
+            "python benchmarks/floors.py\n")
+    found = [command.argv for command in commands_in(text, "x.md", 1, {})]
+    assert found == [("--rounds", "2"), ("--hook", "allreduce", "--limits"),
+                     ("emulate", "--link", "1gbit", "--", "--hook", "fp16"), ("--ntrainer", "2")]
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor, as GitHub makes it."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    found, in_code = set(), False
+    for line in path.read_text().splitlines():
+        if FENCE.match(line):
+            in_code = not in_code
+        elif not in_code and re.match(r"^#{1,6} ", line):
+            found.add(slug(line.lstrip("#")))
+    return found
+
+
+def links() -> list[tuple[str, str]]:
+    found = []
+    for path in PAGES:
+        in_code = False
+        for line in path.read_text().splitlines():
+            if FENCE.match(line):
+                in_code = not in_code
+            elif not in_code:
+                found += [(str(path.relative_to(ROOT)), target) for target in LINK.findall(line)]
+    return found
+
+
+@pytest.mark.parametrize("page,target", links(), ids=lambda value: str(value))
+def test_each_relative_link_and_image_resolves(page, target):
+    if re.match(r"^[a-z]+:", target):
+        return  # an absolute address: not checked offline
+    file, _, anchor = target.partition("#")
+    path = (ROOT / page).parent / file if file else ROOT / page
+    assert path.exists(), f"{page}: {target}: {path.relative_to(ROOT)} does not exist"
+    if anchor:
+        assert anchor in anchors(path), f"{page}: {target}: no heading with anchor #{anchor} in {file or page}"
+
+
+def test_every_docs_page_is_linked_from_the_readme_and_says_what_it_answers():
+    readme = (ROOT / "README.md").read_text()
+    for path in PAGES[1:]:
+        assert f"](docs/{path.name}" in readme, f"README.md does not link docs/{path.name}"
+        assert "What this page answers" in path.read_text().split("\n\n")[1], path.name
+
+
+def test_the_readme_stays_a_front_door():
+    assert len((ROOT / "README.md").read_text().splitlines()) < 250
+
+
+@pytest.mark.parametrize("argv", [["--help"], *([name, "--help"] for name in cli.SUBCOMMANDS)], ids=" ".join)
+def test_each_help_names_the_docs_page_to_read_next(argv, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == 0
+    shown = capsys.readouterr().out
+    pages = re.findall(r"read next: (docs/\w+\.md)", shown)
+    assert pages and all((ROOT / page).exists() for page in pages), shown[-400:]
