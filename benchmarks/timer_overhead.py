@@ -38,7 +38,7 @@ from ps_bench.config import RunConfig  # noqa: E402
 from ps_bench.faults import Fault, maybe_inject  # noqa: E402
 from ps_bench.job import validate  # noqa: E402
 from ps_bench.models import build_data, build_model  # noqa: E402
-from ps_bench.trainers.hooks import HookContext  # noqa: E402
+from ps_bench.strategies.base import HookContext  # noqa: E402
 from ps_bench.trainers.trainer import DdpTrainer  # noqa: E402
 
 

@@ -63,7 +63,13 @@ class RunConfig:
     )
     epochs: int = option(1, "passes over each trainer's data shard per round", group=STRATEGY)
     batch_size: int = option(16, "samples per trainer per iteration", group=STRATEGY)
-    lr: float = option(0.01, "SGD learning rate", group=STRATEGY)
+    lr: float = option(0.01, "learning rate of the trainers' optimizer (diloco: the inner one)", group=STRATEGY)
+    optimizer: str = option(
+        "sgd", "the trainers' optimizer: sgd = torch.optim.SGD (with --momentum), adamw = torch.optim.AdamW; "
+        "diloco's inner optimizer, zero1's sharded one", group=STRATEGY, choices=("sgd", "adamw"))
+    momentum: float = option(0.0, "SGD momentum (--optimizer sgd)", group=STRATEGY)
+    weight_decay: float | None = option(
+        None, "the optimizer's weight decay (default: torch's, 0 for sgd and 0.01 for adamw)", group=STRATEGY)
     warmup_rounds: int = option(1, "untimed rounds before the timed ones")
     rounds: int = option(5, "timed rounds")
     labels: str | None = option(
@@ -84,9 +90,11 @@ class RunConfig:
         "0 = bulk-synchronous (trains as --hook ps does), inf = fully asynchronous; needs --hook ps and "
         "servers (default: none, synchronous DDP)", group=STRATEGY, metavar="S", numbers_as_text=True)
     straggler: list = option(
-        [], "make a trainer slower on purpose: trainer:INDEX:DELAY sleeps DELAY (us, ms or s) in each of its "
-        "iterations, after the forward pass, in every mode; repeat for more trainers, e.g. trainer:1:30ms",
-        group=STRATEGY, metavar="trainer:I:DELAY")
+        [], "make trainers slower on purpose, after the forward pass and inside the clock, in every mode: "
+        "trainer:INDEX:DELAY sleeps DELAY (us, ms or s) in each of that trainer's iterations (persistent); "
+        "any:DELAY:P delays each trainer in each iteration with probability P (transient: the draws follow "
+        "--torch-seed, the same on every run); repeatable, e.g. trainer:1:30ms or any:20ms:0.2",
+        group=STRATEGY, metavar="trainer:I:DELAY|any:DELAY:P")
     data: str | None = option(
         None, "entry of the data configuration file, or zoo data (default: the zoo model's own data, "
         "else DummyDataSmall)", group=STRATEGY)

@@ -12,6 +12,7 @@ responding, for ever). A trailing ``:first`` limits the fault to torchrun's firs
 from __future__ import annotations
 
 import os
+import random
 import threading
 from dataclasses import dataclass
 
@@ -81,43 +82,79 @@ def maybe_inject(fault: "Fault | None", role: str, index: int, iteration: int) -
         fault.trigger()
 
 
-STRAGGLER_FORMAT = "trainer:INDEX:DELAY, e.g. trainer:1:30ms (DELAY in us, ms or s)"
+STRAGGLER_FORMAT = ("trainer:INDEX:DELAY (persistent) or any:DELAY:P (transient), e.g. trainer:1:30ms or "
+                    "any:20ms:0.2 (DELAY in us, ms or s; P in (0, 1])")
 UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def parse_delay(delay: str) -> float:
+    """Seconds, from a number with a unit of us, ms or s; ValueError with a sentence for people."""
+    delay = delay.strip()
+    unit = next((u for u in ("us", "ms", "s") if delay.endswith(u)), None)
+    try:
+        value = float(delay[:-len(unit)]) if unit else None
+    except ValueError:
+        value = None
+    if value is None:
+        raise ValueError(f"DELAY must be a number with a unit of us, ms or s, e.g. 30ms; got {delay!r}")
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"DELAY must be 0 or more; got {delay!r}")
+    return value * UNITS[unit]
 
 
 @dataclass(frozen=True)
 class Straggler:
-    """``--straggler trainer:INDEX:DELAY``: trainer INDEX sleeps DELAY in every iteration, after
-    its forward pass and inside the clock, in every trainer mode."""
+    """``--straggler trainer:INDEX:DELAY``: trainer INDEX sleeps DELAY in every iteration
+    (persistent); ``--straggler any:DELAY:P``: in each iteration each trainer sleeps DELAY with
+    probability P (transient). Either way after its forward pass and inside the clock, in every
+    trainer mode."""
 
-    index: int
+    index: int | None  # None: any trainer, with ``probability``
     delay_s: float
+    probability: float = 1.0
 
     @classmethod
     def parse(cls, text: str) -> "Straggler":
         """Raises ValueError with a sentence for people."""
         parts = text.split(":")
-        if len(parts) != 3 or parts[0] != "trainer":
+        if len(parts) != 3 or parts[0] not in ("trainer", "any"):
             raise ValueError(f"expected {STRAGGLER_FORMAT}; got {text!r}")
+        if parts[0] == "any":
+            try:
+                probability = float(parts[2])
+            except ValueError:
+                raise ValueError(f"P must be a probability in (0, 1]; got {parts[2]!r}") from None
+            if not 0 < probability <= 1:
+                raise ValueError(f"P must be a probability in (0, 1]; got {parts[2]!r}")
+            return cls(None, parse_delay(parts[1]), probability)
         try:
             index = int(parts[1])
         except ValueError:
             raise ValueError(f"INDEX must be an integer; got {parts[1]!r}") from None
         if index < 0:
             raise ValueError(f"INDEX must be 0 or more; got {index}")
-        delay = parts[2].strip()
-        unit = next((u for u in ("us", "ms", "s") if delay.endswith(u)), None)
-        try:
-            value = float(delay[:-len(unit)]) if unit else None
-        except ValueError:
-            value = None
-        if value is None:
-            raise ValueError(f"DELAY must be a number with a unit of us, ms or s, e.g. 30ms; got {delay!r}")
-        if not value >= 0 or value == float("inf"):
-            raise ValueError(f"DELAY must be 0 or more; got {delay!r}")
-        return cls(index, value * UNITS[unit])
+        return cls(index, parse_delay(parts[2]))
 
-    @staticmethod
-    def delay_of(texts: list[str] | None, index: int) -> float:
-        """Seconds trainer ``index`` sleeps per iteration (their sum, if named more than once)."""
-        return sum(s.delay_s for s in map(Straggler.parse, texts or []) if s.index == index)
+
+class Straggling:
+    """What one trainer sleeps in each iteration under ``--straggler``: the persistent delays
+    that name it, plus each transient one whose draw for (seed, trainer, iteration) comes up. A
+    draw depends on nothing else, so every run with the same seed delays the same iterations,
+    whatever its rounds."""
+
+    def __init__(self, texts: list[str] | None, index: int, seed: int) -> None:
+        stragglers = [Straggler.parse(text) for text in texts or []]
+        self.index, self.seed = index, seed
+        self.persistent_s = sum(s.delay_s for s in stragglers if s.index == index)
+        self.transient = [(s.delay_s, s.probability) for s in stragglers if s.index is None]
+
+    def __bool__(self) -> bool:
+        return bool(self.persistent_s or self.transient)
+
+    def delay_s(self, iteration: int) -> float:
+        """Seconds to sleep in training iteration ``iteration`` (from 1)."""
+        delay = self.persistent_s
+        for number, (seconds, probability) in enumerate(self.transient):
+            if random.Random(f"{self.seed}:{number}:{self.index}:{iteration}").random() < probability:
+                delay += seconds
+        return delay

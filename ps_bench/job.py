@@ -22,8 +22,12 @@ from ps_bench.models.entries import DEFAULT_DATA, ZOO, Entry, construct, load_en
 from ps_bench.registry import UnknownNameError
 from ps_bench.servers import SERVERS
 from ps_bench.servers.ssp import parse_staleness
-from ps_bench.trainers.hooks import HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, check_hook_options
+from ps_bench.strategies import HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, check_hook_options
+from ps_bench.strategies.base import FSDP, SHARDED
 from ps_bench.trainers.trainer import TRAINERS
+
+
+DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adamw": 0.01}  # torch's own defaults
 
 
 def cuda_device_count() -> int:
@@ -64,10 +68,11 @@ def check_options(cfg: RunConfig) -> None:
         check_port("--master-port", cfg.master_port)
     if cfg.iface is not None:
         check_interface(cfg.iface)
-    for name in ("backend", "mapping", "rpc_transport", "labels"):
+    for name in ("backend", "mapping", "rpc_transport", "labels", "optimizer"):
         allowed, value = RunConfig.__dataclass_fields__[name].metadata["choices"], getattr(cfg, name)
         need(value in allowed or (value is None and name == "labels"),  # None: chosen by check_labels
              f"--{name} must be one of {', '.join(allowed)}; got {value!r}")
+    check_optimizer(cfg)
     if cfg.target_loss is not None:
         need(math.isfinite(cfg.target_loss) and cfg.target_loss > 0,
              f"--target-loss must be a positive number; got {cfg.target_loss}")
@@ -75,6 +80,16 @@ def check_options(cfg: RunConfig) -> None:
         need(cfg.target_loss is not None, "--max-iterations bounds a --target-loss run; without a target, the run "
                                           "length is --rounds x --epochs passes over each trainer's shard")
         need(cfg.max_iterations >= 1, f"--max-iterations must be at least 1; got {cfg.max_iterations}")
+
+
+def check_optimizer(cfg: RunConfig) -> None:
+    """--optimizer and its options; the weight decay defaults to torch's for the optimizer."""
+    need(cfg.momentum >= 0, f"--momentum must be 0 or more; got {cfg.momentum}")
+    need(cfg.momentum == 0 or cfg.optimizer == "sgd", f"--momentum is SGD's; --optimizer {cfg.optimizer} has its own "
+                                                      f"(leave --momentum out)")
+    if cfg.weight_decay is None:
+        cfg.weight_decay = DEFAULT_WEIGHT_DECAY.get(cfg.optimizer, 0.0)
+    need(cfg.weight_decay >= 0, f"--weight-decay must be 0 or more; got {cfg.weight_decay}")
 
 
 def check_labels(cfg: RunConfig, dataset: SyntheticData) -> None:
@@ -103,8 +118,20 @@ def check_pieces(cfg: RunConfig) -> None:
         cfg.hook_options = check_hook_options(cfg.hook, cfg.hook_options)
     except ValueError as error:
         raise ConfigError(f"--hook-option: {error}") from None
-    if HOOKS.record(cfg.hook).needs_servers:
+    record = HOOKS.record(cfg.hook)
+    if record.needs_servers:
         need(cfg.num_servers >= 1, f"--hook {cfg.hook} sends gradients to parameter servers: set --nserver 1 or more")
+    if not record.takes_servers:
+        need(cfg.num_servers == 0, f"--hook {cfg.hook} ({record.family} family) trains without parameter servers: "
+                                   f"set --nserver 0 (got --nserver {cfg.nserver}, --ncudaserver {cfg.ncudaserver})")
+        unsupported = ["--limits"] if cfg.limits else []
+        unsupported += ["--verify"] if cfg.verify and record.wrap == FSDP else []
+        unsupported += ["--gradient-as-bucket-view"] if cfg.gradient_as_bucket_view and record.wrap == FSDP else []
+        need(not unsupported, f"--hook {cfg.hook} cannot be combined with {', '.join(unsupported)} yet "
+                              f"(its floors and gradient captures are those of a DDP hook)")
+    if cfg.optimizer != "sgd" or cfg.momentum:
+        need(cfg.staleness is None, "--staleness: the servers step the parameters with plain SGD; leave --optimizer "
+                                    "and --momentum out")
     if cfg.mapping == "group" and cfg.num_servers:
         need(
             cfg.num_servers <= cfg.num_trainers,
@@ -120,7 +147,7 @@ def check_staleness(cfg: RunConfig) -> None:
             straggler = Straggler.parse(text)
         except ValueError as error:
             raise ConfigError(f"--straggler {text}: {error}") from None
-        need(straggler.index < cfg.num_trainers, f"--straggler {text}: there is no trainer {straggler.index}; this run "
+        need(straggler.index is None or straggler.index < cfg.num_trainers, f"--straggler {text}: there is no trainer {straggler.index}; this run "
                                                  f"has {cfg.num_trainers} trainer(s), numbered from 0")
     if cfg.staleness is None:
         for name in ("trainer", "server"):
@@ -182,6 +209,10 @@ def check_devices(cfg: RunConfig, network: torch.nn.Module, gpus: int, trainers_
     if wants_cuda and gpus == 0:
         raise ConfigError(f"CUDA is needed for {' and '.join(wants_cuda)}, but no GPU is available here "
                           f"(torch.cuda.is_available() is False); use --backend gloo with CPU trainers and servers")
+    sparse = any(getattr(m, "sparse", False) for m in network.modules())
+    need(not (sparse and HOOKS.record(cfg.hook).family == SHARDED),
+         f"--model {cfg.model} has sparse gradients, which --hook {cfg.hook} cannot shard; use a dense model, or "
+         f"--hook allreduce, ps or sparse_ps")
     if cfg.backend not in ("nccl", "multi"):
         return
     need(

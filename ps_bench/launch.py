@@ -29,7 +29,6 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
-from multiprocessing.connection import wait
 from pathlib import Path
 
 import torch
@@ -44,12 +43,10 @@ from ps_bench.master import Master
 from ps_bench.metrics.record import failed_results, read_snapshot
 from ps_bench.metrics.results import environment, write_results
 from ps_bench.models.entries import Entry
+from ps_bench.supervision import JobFailed, listen_for_stack_requests, supervise, terminate
 from ps_bench.topology import MASTER, TRAINER, Topology
 
 PG_BACKENDS = {"gloo": "gloo", "nccl": "nccl", "multi": "cpu:gloo,cuda:nccl"}
-GRACE_S = 2.0  # SIGTERM, then this long, then SIGKILL
-SETTLE_S = 0.3  # after a failure, how long the ranks it took down get to report theirs
-STACKS_WAIT_S = 5.0  # how long a rank asked for its stacks gets to write them
 PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
 
 
@@ -95,22 +92,6 @@ class LaunchSpec:
 
 def new_run_dir() -> str:
     return tempfile.mkdtemp(prefix="ps_bench-")
-
-
-def stacks_file(run_dir: str, rank: int) -> Path:
-    """Where a rank writes its Python stacks on SIGUSR1; it exists once the rank can do so."""
-    return Path(run_dir) / f"stacks-rank{rank}.txt"
-
-
-def listen_for_stack_requests(run_dir: str, rank: int) -> None:
-    """From here on SIGUSR1 makes this rank write every thread's Python stack. The file gets
-    its final name only once the handler is in place: until then SIGUSR1 would kill the rank,
-    so the launcher asks only ranks whose file exists."""
-    final = stacks_file(run_dir, rank)
-    pending = final.with_suffix(".pending")
-    stream = open(pending, "w")
-    faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
-    os.replace(pending, final)
 
 
 def rpc_options(spec: LaunchSpec, rank: int) -> rpc.TensorPipeRpcBackendOptions:
@@ -240,117 +221,6 @@ def _spawned(rank: int, spec: LaunchSpec) -> None:
     os._exit(0)
 
 
-class JobFailed(Exception):
-    """The job ended badly; ``str()`` is one line, ``detail`` the traceback or stacks behind it."""
-
-    def __init__(self, summary: str, detail: str = "") -> None:
-        super().__init__(summary)
-        self.detail = detail
-
-
-def describe_failures(spec: LaunchSpec, exit_codes: dict[int, int]) -> JobFailed:
-    """Names the first failure: a process killed by a signal, else the earliest exception."""
-    topology = spec.topology()
-    records = failures.read_records(spec.run_dir)
-    causes = []  # (order, rank, one line, detail)
-    for rank, exitcode in exit_codes.items():
-        who = topology.info(rank).describe()
-        record = records.get(rank)
-        # a death with no record of its own (a signal, an abrupt exit) comes before the errors
-        # it caused in its peers
-        if exitcode < 0:
-            causes.append((0.0, rank, f"{who} was {ended_how(exitcode)}", ""))
-        elif record is not None:
-            error = record["error"].strip().splitlines()[0]
-            causes.append((record["time"], rank, f"{who} failed: {error}", record["traceback"]))
-        else:
-            causes.append((0.0, rank, f"{who} exited with status {exitcode} without an error of its own", ""))
-    causes.sort(key=lambda cause: (cause[0], cause[1]))
-    _, first_rank, summary, detail = causes[0]
-    others = [topology.info(rank).name for _, rank, _, _ in causes[1:]]
-    if others:
-        summary += f"; then {', '.join(others)} ended too"
-    return JobFailed(summary, detail)
-
-
-def ended_how(exitcode: int) -> str:
-    return f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit status {exitcode}"
-
-
-@dataclass
-class Stacks:
-    """What the ranks could tell when the watchdog fired: stacks, or why there are none."""
-
-    text: str  # one block per rank: its stacks, or a line saying why it has none
-    given: int
-    total: int
-
-    def summary(self) -> str:
-        if self.given == self.total:
-            return "every rank's Python stacks are above"
-        if self.given == 0:
-            return "no rank could give its Python stacks; a line above says why for each"
-        return (f"the Python stacks of {self.given} of {self.total} ranks are above; a line says why "
-                f"each of the others has none")
-
-
-def dump_stacks(spec: LaunchSpec, processes: list) -> Stacks:
-    """Asks every rank that can answer for its Python stacks (faulthandler) and collects them;
-    a rank that cannot (gone, or not yet past start-up) gets a line saying why."""
-    topology = spec.topology()
-    reasons: dict[int, str] = {}
-    asked: list[int] = []
-    for rank, process in enumerate(processes):
-        if process.exitcode is not None:
-            reasons[rank] = f"it had already ended ({ended_how(process.exitcode)})"
-        elif not stacks_file(spec.run_dir, rank).exists():
-            reasons[rank] = "it was still starting (importing torch and ps_bench), before it can give stacks"
-        else:
-            try:
-                os.kill(process.pid, signal.SIGUSR1)
-                asked.append(rank)
-            except ProcessLookupError:
-                reasons[rank] = "it ended as it was asked for them"
-    deadline = time.monotonic() + STACKS_WAIT_S
-    texts: dict[int, str] = {}
-    while asked:
-        for rank in list(asked):
-            text = stacks_file(spec.run_dir, rank).read_text()
-            if text.strip():
-                texts[rank] = text
-                asked.remove(rank)
-        if not asked or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    time.sleep(0.2)  # let the last writer finish its dump
-    for rank in texts:
-        texts[rank] = stacks_file(spec.run_dir, rank).read_text()
-    for rank in asked:
-        reasons[rank] = f"it was asked but wrote none within {STACKS_WAIT_S:g} s"
-    parts = []
-    for rank in range(len(processes)):
-        who = topology.info(rank).describe()
-        if rank in texts:
-            parts.append(f"---- Python stacks of {who} ----\n{texts[rank].rstrip()}")
-        else:
-            parts.append(f"---- no Python stacks from {who}: {reasons[rank]}")
-    return Stacks("\n".join(parts), len(texts), len(processes))
-
-
-def terminate(processes: list) -> None:
-    """SIGTERM, then SIGKILL after a grace period, for every process still alive."""
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    deadline = time.monotonic() + GRACE_S
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join()
-
-
 def host_store(cfg: RunConfig) -> tuple[dist.TCPStore, int]:
     """The job's store and its port, listening on a socket bound to ``--master-addr`` (loopback
     by default) at ``--master-port`` (else a free port). torch's own TCPStore server would
@@ -384,31 +254,6 @@ def keep_finished_rounds(spec: LaunchSpec, error: str) -> Path | None:
         return write_results(results, spec.results_path)
     except OSError:
         return None
-
-
-def supervise(spec: LaunchSpec, processes: list, watchdog: tuple[float, str] | None = None) -> None:
-    """Returns when every rank exited 0; raises JobFailed otherwise, or when ``watchdog``
-    (seconds, the option that set them) runs out. Waits on the ranks' sentinels: it wakes
-    when one ends, not on a polling interval."""
-    deadline = time.monotonic() + watchdog[0] if watchdog else None
-    while True:
-        codes = {rank: p.exitcode for rank, p in enumerate(processes)}
-        if any(code not in (None, 0) for code in codes.values()):
-            time.sleep(SETTLE_S)
-            codes = {rank: p.exitcode for rank, p in enumerate(processes)}
-            terminate(processes)
-            raise describe_failures(spec, {r: c for r, c in codes.items() if c not in (None, 0)})
-        if all(code == 0 for code in codes.values()):
-            return
-        if deadline is not None and time.monotonic() > deadline:
-            stacks = dump_stacks(spec, processes)
-            terminate(processes)
-            raise JobFailed(f"the job did not finish within {watchdog[1]} {watchdog[0]:g} s; {stacks.summary()}",
-                            stacks.text)
-        # from the same reading as ``codes``: a rank that ends after it has a ready sentinel (a second
-        # reading could find every rank ended, and wait on nothing until the deadline)
-        running = [processes[rank].sentinel for rank, code in codes.items() if code is None]
-        wait(running, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 def spawn(spec: LaunchSpec, watchdog: tuple[float, str] | None = None) -> int:

@@ -21,7 +21,7 @@ from ps_bench.rendezvous import one_machine_warning, rpc_paths
 from ps_bench.servers import SERVERS
 from ps_bench.servers.ssp import parse_staleness
 from ps_bench.topology import RankInfo, Topology
-from ps_bench.trainers.hooks import HOOKS, hook_options
+from ps_bench.strategies import HOOKS, hook_options
 from ps_bench.trainers.convergence import HELD_OUT_SAMPLES
 from ps_bench.trainers.trainer import TRAINERS
 
@@ -33,6 +33,8 @@ def device_name(index: int | None) -> str:
 
 
 def describe_buckets(buckets: list[dict], shards: bool = False) -> str:
+    if not buckets and not shards:
+        return "DDP buckets: none (the strategy does not wrap the model in DDP)"
     sizes = ", ".join(format_bytes(b["bytes"]) + (" sparse, this iteration's" if b["sparse"] else "") for b in buckets)
     if shards:
         return f"parameter shards, one per server: {len(buckets)} ({sizes})"
@@ -183,7 +185,8 @@ class Master:
         if cfg.staleness is not None:  # one model, on the servers
             record.replicas = servers_model_summary([s.rpc_sync().parameters_vector() for s in servers])
         else:
-            record.replicas = replica_summary([t.rpc_sync().parameters_vector() for t in trainers])
+            record.replicas = replica_summary([t.rpc_sync().parameters_vector() for t in trainers],
+                                              HOOKS.record(cfg.hook).identical)
         if cfg.limits:
             record.memcpy = limits.memcpy_floor(limits.message_bytes(record.floor_messages))
         results = record.results("ok")

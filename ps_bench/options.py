@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from ps_bench.config import CONVERGENCE, NETWORK, OPTIONS, RUN, STRATEGY, TOPOLOGY, ConfigError, field_type
 from ps_bench.models import MODEL_PRESETS, TEST_SIZED
 from ps_bench.servers import SERVERS
-from ps_bench.trainers.hooks import HOOKS
+from ps_bench.strategies import HOOKS
 from ps_bench.trainers.trainer import TRAINERS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143

@@ -43,7 +43,9 @@ def check_contract(results: dict, status: str = "ok") -> None:
             assert stale["max"] <= int(stale["bound"])
         assert results["replicas"]["identical"] is None  # one model, on the servers
     if status == "ok":
-        assert set(results["replicas"]) == {"identical", "param_norm", "max_abs_diff"}
+        assert set(results["replicas"]) == {"identical", "param_norm", "max_abs_diff", "checked_at"}
+        assert results["replicas"]["checked_at"] in (None, "every iteration", "the last synchronisation",
+                                                     "gathered full parameters")
         assert results["throughput"]["samples_per_s"] > 0
     json.dumps(results)  # plain JSON all the way down
 

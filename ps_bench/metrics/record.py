@@ -27,7 +27,8 @@ from ps_bench.metrics.stats import SummaryRow, summary_rows
 from ps_bench.models.entries import Entry
 from ps_bench.topology import Topology
 from ps_bench.trainers.convergence import DEFAULT_MAX_ITERATIONS, SMOOTHING, smoothed_loss
-from ps_bench.trainers.hooks import HOOKS
+from ps_bench.strategies import HOOKS
+from ps_bench.strategies.base import EVERY_ITERATION
 
 TRAINER_METRICS = ("batch", "forward", "backward", "optimizer", "comm")  # ms, per iteration
 BYTE_METRICS = ("bytes_sent", "bytes_recv")  # B, per iteration
@@ -64,16 +65,21 @@ def read_snapshot(run_dir: str | os.PathLike) -> dict | None:
 def servers_model_summary(vectors: list[torch.Tensor]) -> dict:
     """--staleness: no replicas to compare (the servers hold the one model): ``identical`` and
     ``max_abs_diff`` are null, ``param_norm`` is the servers' parameters'."""
-    return {"identical": None, "param_norm": torch.cat(vectors).double().norm().item(), "max_abs_diff": None}
+    return {"identical": None, "param_norm": torch.cat(vectors).double().norm().item(), "max_abs_diff": None,
+            "checked_at": None}
 
 
-def replica_summary(vectors: list[torch.Tensor]) -> dict:
-    """Whether every trainer holds the same parameters (flattened), and how far apart they are."""
+def replica_summary(vectors: list[torch.Tensor], checked_at: str = EVERY_ITERATION) -> dict:
+    """Whether every trainer holds the same parameters (flattened), and how far apart they are;
+    ``checked_at`` says which parameters each trainer handed over (its strategy record's
+    ``identical``: the end of the run, its last synchronisation, or the full parameters gathered
+    from the shards)."""
     reference = vectors[0]
     return {
         "identical": all(torch.equal(v, reference) for v in vectors),
         "param_norm": reference.double().norm().item(),
         "max_abs_diff": max((v - reference).abs().max().item() for v in vectors),
+        "checked_at": checked_at,
     }
 
 

@@ -1,10 +1,16 @@
 """Bytes on the wire, counted from what is actually handed to RPC and to collectives.
 
 RPC payloads are counted by the hooks and servers that send them (``tensor_bytes``).
-Collectives are counted where every hook, ours or torch's, calls them: ``install`` wraps
-``torch.distributed.all_reduce`` and ``all_gather`` in the trainer process and charges each
-call what the algorithm moves per rank (a ring all-reduce sends and receives ``2(n-1)/n`` of
-the buffer; an all-gather sends its input to and receives one from each of ``n-1`` peers).
+Collectives are counted where every strategy, ours or torch's (DDP hooks, FSDP2, ZeRO, model
+averaging), calls them: ``install`` wraps ``torch.distributed``'s all-reduce, all-gather
+(both forms), reduce-scatter and broadcast in the trainer process and charges each call what
+the algorithm moves per rank (a ring all-reduce sends and receives ``2(n-1)/n`` of the buffer;
+an all-gather sends its input to and receives one from each of ``n-1`` peers; a reduce-scatter
+``(n-1)/n`` of its input, except on gloo, which runs it as an all-reduce; a broadcast's source
+sends the buffer to each of the others, and each of them receives it once). Only the names this
+torch has are wrapped: torch 2.14 calls the single-tensor forms ``all_gather_single`` and
+``reduce_scatter_single``, torch 2.11 ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
+(in 2.14 those call the new ones inside torch, past the wrapper, so nothing counts twice).
 """
 
 from __future__ import annotations
@@ -87,3 +93,58 @@ def install(counter: ByteCounter) -> None:
         return all_gather(tensor_list, tensor, *args, **kwargs)
 
     dist.all_reduce, dist.all_gather = counted_all_reduce, counted_all_gather
+    for name in ("all_gather_single", "all_gather_into_tensor"):
+        if hasattr(dist, name):
+            setattr(dist, name, counted_single(getattr(dist, name), "all_gather"))
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        if hasattr(dist, name):
+            setattr(dist, name, counted_single(getattr(dist, name), "reduce_scatter"))
+    dist.broadcast = counted_broadcast(dist.broadcast)
+
+
+def counted_single(collective, kind: str):
+    """An all-gather or reduce-scatter of one whole tensor (``output, input, ..., group=``),
+    charged over the whole tensor: the all-gather's output, the reduce-scatter's input."""
+
+    @functools.wraps(collective)
+    def counted(output: torch.Tensor, input: torch.Tensor, *args, **kwargs):
+        if _counter is not None:
+            at = 1 if kind == "reduce_scatter" else 0  # reduce-scatter takes its op before the group
+            group = kwargs.get("group", args[at] if len(args) > at else None)
+            whole = output if kind == "all_gather" else input
+            backend = dist.get_backend(group) if group is not None else dist.get_backend()
+            moved = ring_bytes(kind, tensor_bytes(whole), _world(group), backend)
+            _counter.add(sent=moved, recv=moved)
+        return collective(output, input, *args, **kwargs)
+
+    return counted
+
+
+def ring_bytes(kind: str, nbytes: int, world: int, backend: str) -> int:
+    """Bytes one rank sends (and receives) in a ring all-gather or reduce-scatter over a whole
+    buffer of ``nbytes``; gloo's reduce-scatter is an all-reduce of the whole input."""
+    if world <= 1:
+        return 0
+    if kind == "reduce_scatter" and backend == "gloo":
+        return allreduce_bytes(nbytes, world)
+    return (world - 1) * nbytes // world
+
+
+def counted_broadcast(broadcast):
+    """A broadcast: its source sends the buffer to each of the others, the others receive it once."""
+
+    @functools.wraps(broadcast)
+    def counted(tensor: torch.Tensor, *args, **kwargs):
+        if _counter is not None:
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            world = _world(group)
+            source = kwargs.get("src", args[0] if args else None)
+            group_source = kwargs.get("group_src")
+            mine = (group_source == dist.get_rank(group) if group_source is not None
+                    else source == dist.get_rank())
+            nbytes = tensor_bytes(tensor)
+            if world > 1:
+                _counter.add(sent=(world - 1) * nbytes if mine else 0, recv=0 if mine else nbytes)
+        return broadcast(tensor, *args, **kwargs)
+
+    return counted

@@ -13,7 +13,7 @@ from ps_bench.cluster.network import parse_delay, parse_rate
 from ps_bench.config import ConfigError
 from ps_bench.predict import models
 from ps_bench.predict.predictor import Calibration, Run, calibrate, predict
-from ps_bench.trainers.hooks import HOOKS, RPC
+from ps_bench.strategies import HOOKS, RPC
 
 PREDICTION_SCHEMA = "ps_bench.prediction/1"
 DEFAULT_HOOKS = ("allreduce", "ps", "fp16")

@@ -29,7 +29,7 @@ from ps_bench.metrics.limits import ELEMENT_BYTES
 from ps_bench.metrics.results import SCHEMA
 from ps_bench.predict import models
 from ps_bench.predict.models import Link, Phases
-from ps_bench.trainers.hooks import COLLECTIVE, HOOKS, RPC, SPARSE_SERVERS, Strategy
+from ps_bench.strategies import COLLECTIVE, HOOKS, RPC, SPARSE_SERVERS, Strategy
 
 
 

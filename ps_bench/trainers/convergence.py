@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -49,8 +50,12 @@ class Convergence:
     iteration, whether to stop, and the held-out losses (trainer 0)."""
 
     def __init__(self, network: nn.Module, loss_fn: nn.Module, process_group: dist.ProcessGroup | None,
-                 wire: ByteCounter | None, target: float, max_iterations: int | None, held_out: Dataset | None) -> None:
+                 wire: ByteCounter | None, target: float, max_iterations: int | None, held_out: Dataset | None,
+                 parameters: Callable[[], torch.Tensor] | None = None) -> None:
+        """``network`` as it is before a strategy wraps it (the scratch copy's template);
+        ``parameters``: this trainer's whole parameters, flattened (default: ``network``'s)."""
         self.network, self.loss_fn, self.group, self.wire = network, loss_fn, process_group, wire
+        self.parameters = parameters or (lambda: torch.cat([p.detach().reshape(-1) for p in network.parameters()]))
         self.averaged = copy.deepcopy(network)
         self.averaged.requires_grad_(False)
         self.target = target
@@ -112,7 +117,7 @@ class Convergence:
     def average(self) -> None:
         """The trainers' mean parameters into the scratch model, with this trainer's buffers
         (DDP broadcasts them from trainer 0 before every forward, so they agree)."""
-        flat = torch.cat([p.detach().reshape(-1) for p in self.network.parameters()])
+        flat = self.parameters()
         dist.all_reduce(flat, group=self.group)
         flat /= self.group.size()
         torch.nn.utils.vector_to_parameters(flat, self.averaged.parameters())

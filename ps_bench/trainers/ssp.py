@@ -24,7 +24,7 @@ from torch import nn
 
 from ps_bench.config import RunConfig
 from ps_bench.failures import fatal_on_error
-from ps_bench.faults import Fault, Straggler, maybe_inject
+from ps_bench.faults import Fault, Straggling, maybe_inject
 from ps_bench.metrics.memory import peak_memory
 from ps_bench.metrics.timers import tensor_bytes
 from ps_bench.models.base import Dataset, build_model
@@ -44,7 +44,7 @@ class StaleSynchronousTrainer:
                  cuda_rpc: bool, device: str, held_out: Dataset | None = None) -> None:
         self.index = trainer_index
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
-        self.delay_s = Straggler.delay_of(config.straggler, trainer_index)
+        self.straggling = Straggling(config.straggler, trainer_index, config.torch_seed)
         self.network = build_model(model.class_name, model.kwargs, config.torch_seed)
         self.parameters = list(self.network.parameters())
         self.servers = [rref for rref, _ in servers]
@@ -91,8 +91,8 @@ class StaleSynchronousTrainer:
             for p in self.parameters:
                 p.grad = None
             loss = self.loss_fn(self.network(*x), y)
-            if self.delay_s:
-                time.sleep(self.delay_s)  # --straggler: this trainer is slower by that much per iteration
+            if self.straggling:  # --straggler: this trainer is slower in this iteration by that much
+                time.sleep(self.straggling.delay_s(self.clock + 1))
             t1 = clock()
             loss.backward()
             t2 = clock()

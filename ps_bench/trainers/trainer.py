@@ -13,20 +13,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from ps_bench.config import RunConfig
 from ps_bench.failures import fatal_on_error
-from ps_bench.faults import Fault, Straggler, maybe_inject
+from ps_bench.faults import Fault, Straggling, maybe_inject
 from ps_bench.metrics import limits, wire
 from ps_bench.metrics.memory import peak_memory
 from ps_bench.metrics.timers import StepTimer, bucket_offsets, covered_ms
 from ps_bench.models.base import Dataset, build_model
 from ps_bench.models.entries import Entry
 from ps_bench.registry import Registry
+from ps_bench.strategies import HOOKS, RPC
+from ps_bench.strategies.base import HookContext, ServerHandle, build_synchroniser, optimizer_spec
 from ps_bench.topology import balance_buckets
 from ps_bench.trainers.convergence import Convergence
-from ps_bench.trainers.hooks import HOOKS, RPC, HookContext, ServerHandle, build_hook, instrument
 
 TRAINERS: Registry = Registry("trainer")
 VERIFIED_PER_ROUND = 4  # --verify checks at most this many evenly spaced iterations per round
@@ -66,18 +66,12 @@ class DdpTrainer:
         samples it evaluates the averaged model on (trainer 0)."""
         self.index = trainer_index
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
-        self.delay_s = Straggler.delay_of(config.straggler, trainer_index)  # --straggler: seconds per iteration
+        self.straggling = Straggling(config.straggler, trainer_index, config.torch_seed)  # --straggler
         self.iteration = 0  # training iterations run so far, warmup included
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         network = build_model(model.class_name, model.kwargs, config.torch_seed).to(self.device)
-        self.model = DistributedDataParallel(
-            network,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            bucket_cap_mb=config.bucket_cap_mb,
-            gradient_as_bucket_view=config.gradient_as_bucket_view,
-        )
         self.hook_context = HookContext(
             process_group=dist.group.WORLD,
             servers=[ServerHandle(rref, is_cuda) for rref, is_cuda in servers],
@@ -87,21 +81,27 @@ class DdpTrainer:
             rpc_timeout=config.rpc_timeout,
         )
         wire.install(self.hook_context.wire)
-        strategy = build_hook(config.hook, self.hook_context, config.hook_options)
+        self.synchroniser = build_synchroniser(config.hook, self.hook_context, config.hook_options)
         self.strategy = HOOKS.record(config.hook)
-        self.model.register_comm_hook(self.hook_context, instrument(strategy))
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=config.lr)
         self.loss_fn = nn.CrossEntropyLoss()
+        # before the strategy wraps the model (FSDP2 shards it in place): the averaged model's template
+        self.convergence = None if config.target_loss is None else Convergence(
+            network, self.loss_fn, dist.group.WORLD, self.hook_context.wire, config.target_loss, config.max_iterations,
+            None if held_out is None else Dataset(tuple(t.to(self.device) for t in held_out.inputs),
+                                                  held_out.targets.to(self.device)),
+            parameters=lambda: self.synchroniser.full_parameters(self.model))
+        ddp_options = {"device_ids": [self.device.index] if self.device.type == "cuda" else None,
+                       "bucket_cap_mb": config.bucket_cap_mb, "gradient_as_bucket_view": config.gradient_as_bucket_view}
+        self.model, self.optimizer = self.synchroniser.wrap(
+            network, self.hook_context, ddp_options,
+            optimizer_spec(config.optimizer, config.lr, config.momentum, config.weight_decay))
+        self.lr = config.lr
         self.inputs = tuple(t.to(self.device) for t in inputs)
         self.targets = targets.to(self.device)
         self.batch_size = config.batch_size
         self.epochs = config.epochs
         self.iterations_per_epoch = len(targets) // config.batch_size
         self._compute_copy: nn.Module | None = None  # --limits: the model outside DDP, made once
-        self.convergence = None if config.target_loss is None else Convergence(
-            network, self.loss_fn, dist.group.WORLD, self.hook_context.wire, config.target_loss, config.max_iterations,
-            None if held_out is None else Dataset(tuple(t.to(self.device) for t in held_out.inputs),
-                                                  held_out.targets.to(self.device)))
 
     def ready(self) -> int:
         return self.iterations_per_epoch * self.epochs
@@ -136,7 +136,8 @@ class DdpTrainer:
         clock, stop = timer.clock, timer.stop
         model, loss_fn, optimizer, inputs, targets = self.model, self.loss_fn, self.optimizer, self.inputs, self.targets
         per_epoch, batch_size, fault, iteration = self.iterations_per_epoch, self.batch_size, self.fault, self.iteration
-        convergence, delay_s, sleep = self.convergence, self.delay_s, time.sleep
+        convergence, straggling, sleep = self.convergence, self.straggling, time.sleep
+        after_step, note_synchronised = self.synchroniser.after_step, self.synchroniser.note_synchronised
         if convergence is not None and convergence.stopped:
             return self.empty_round()
         for step in range(iterations):
@@ -156,13 +157,16 @@ class DdpTrainer:
             t0 = clock()
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model(*x), y)
-            if delay_s:  # --straggler: slower by that much, inside the clock
-                sleep(delay_s)
+            if straggling:  # --straggler: slower by that much in this iteration, inside the clock
+                sleep(straggling.delay_s(iteration))
             t1 = clock()
             loss.backward()
             t2 = clock()
             optimizer.step()
+            synchronised = after_step is not None and after_step(ctx, model)
             t3 = stop()
+            if synchronised:
+                note_synchronised(model)
             record((t0, t1, t2, t3, wire.sent, wire.recv))
             append_loss(loss.detach())
             if marked:
@@ -175,6 +179,7 @@ class DdpTrainer:
         if profiler is not None:  # a --target-loss round that stopped amid the traced iterations
             finish_profile(profiler, profile_path)
         self.iteration = iteration
+        self.synchroniser.end_round(ctx, model)
         if not records:
             return self.empty_round()
         iterations = len(records)  # fewer where a --target-loss round stopped early
@@ -261,8 +266,9 @@ class DdpTrainer:
                 for i, (nbytes, sparse, shapes) in sorted(self.hook_context.buckets.items())]
 
     def parameters_vector(self) -> torch.Tensor:
-        """All parameters, flattened on the CPU, for the replica check."""
-        return torch.cat([p.detach().reshape(-1).cpu() for p in self.model.parameters()])
+        """All parameters, flattened on the CPU, for the replica check (as the strategy's record
+        says: at the end of the run, at the last synchronisation, or gathered from the shards)."""
+        return self.synchroniser.parameters_vector(self.model)
 
     @fatal_on_error
     def measure_floors(self, messages: dict[int, list], own: dict[int, list] | None, targets: list[list[rpc.RRef]],
@@ -295,7 +301,7 @@ class DdpTrainer:
                 elif targets:
                     out[f"link_{nbytes}"] = limits.echo_ms(nbytes, targets[0][0], ctx.process_group, repeat)
             out["compute_ms"] = limits.compute_floor_ms(self._compute_copy, self.inputs, self.targets, self.batch_size,
-                                                        ctx.process_group, self.optimizer.defaults["lr"], repeat)
+                                                        ctx.process_group, self.lr, repeat)
         finally:
             ctx.wire.paused = False
         return out

@@ -11,7 +11,7 @@ import pytest
 
 from ps_bench.metrics.limits import repeats_per_round as floor_repeats_per_round
 from ps_bench.servers import AVERAGING
-from ps_bench.trainers.hooks import HOOKS
+from ps_bench.strategies import HOOKS
 from tests.benchrun import ROOT, run_bench
 from tests.contract import SERVER_METRICS, TRAINER_METRICS, check_contract, metrics_of
 
@@ -22,7 +22,7 @@ QUICK = ("--warmup-rounds", "1", "--rounds", "2")
 SERVER_STRATEGIES = [name for name in HOOKS.names() if HOOKS.record(name).needs_servers and HOOKS.record(name).lossless]
 CASES = [(*case, ()) for case in itertools.product(SERVER_STRATEGIES, AVERAGING, ("shard", "group"))]
 CASES += [(hook, "average", "shard", ()) for hook in HOOKS.names() if hook not in SERVER_STRATEGIES
-          and (HOOKS.record(hook).lossless or HOOKS.record(hook).transport is None)]
+          and HOOKS.record(hook).takes_servers and (HOOKS.record(hook).lossless or HOOKS.record(hook).transport is None)]
 CASES += [("ps", "average", "shard", ("--bucket-cap-mb", "0.001"))]  # many buckets, owners balanced over servers
 
 

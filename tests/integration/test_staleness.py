@@ -46,6 +46,21 @@ def test_without_waiting_for_a_slow_trainer_the_others_do_more(bench_runs):
     assert free["config"]["straggler"] == ["trainer:1:10ms"]
 
 
+TRANSIENT = ("--ntrainer", "3", "--nserver", "1", "--straggler", "any:15ms:0.2", "--rounds", "2")
+
+
+def test_a_bounded_staleness_absorbs_stragglers_that_come_and_go(bench_runs):
+    """Each trainer is delayed in a fifth of its iterations (several times an iteration), never
+    the same trainer for long: a synchronous run waits for whoever is slow each time, a run with
+    --staleness 4 lets the delays even out within the bound."""
+    synchronous = staleness_run(bench_runs, "0", *TRANSIENT)
+    bounded = staleness_run(bench_runs, "4", *TRANSIENT)
+    ratio = bounded["throughput"]["samples_per_s"] / synchronous["throughput"]["samples_per_s"]
+    assert ratio > 1.2, ratio
+    assert 0 < bounded["staleness"]["max"] <= 4 and synchronous["staleness"]["max"] == 0
+    assert bounded["config"]["straggler"] == ["any:15ms:0.2"]
+
+
 def test_asynchronous_training_reaches_a_target_judged_on_the_servers_model(bench_runs):
     results = staleness_run(bench_runs, "inf", *STRAGGLING[:-2], "--target-loss", "0.2", "--lr", "0.3")
     convergence = results["convergence"]

@@ -1,15 +1,19 @@
-"""Every registered strategy, for real: speed aside, what it costs in bytes and in accuracy, as
-its ``Strategy`` record says (a new strategy is tested here without editing a table)."""
+"""Every registered DDP-hook strategy (the all-reduce and parameter-server families), for real:
+speed aside, what it costs in bytes and in accuracy, as its ``Strategy`` record says (a new
+strategy is tested here without editing a table). The sharded and local families have their own,
+``test_families.py``."""
 
 from __future__ import annotations
 
 import pytest
 
-from ps_bench.trainers.hooks import HOOKS
+from ps_bench.strategies import HOOKS
+from ps_bench.strategies.base import ALLREDUCE, SERVERS
 
-LOSSLESS = [name for name in HOOKS.names() if HOOKS.record(name).lossless]
-LOSSY = [name for name in HOOKS.names() if HOOKS.record(name).uncompressed]
-SILENT = [name for name in HOOKS.names() if HOOKS.record(name).transport is None]
+HOOK_STRATEGIES = [name for name in HOOKS.names() if HOOKS.record(name).family in (ALLREDUCE, SERVERS)]
+LOSSLESS = [name for name in HOOK_STRATEGIES if HOOKS.record(name).lossless]
+LOSSY = [name for name in HOOK_STRATEGIES if HOOKS.record(name).uncompressed]
+SILENT = [name for name in HOOK_STRATEGIES if HOOKS.record(name).transport is None]
 HALF_WIDTH = ("float16", "bfloat16")
 
 
@@ -19,7 +23,7 @@ def verified(bench_runs, hook: str) -> dict:
 
 
 def test_every_strategy_is_lossless_lossy_or_silent():
-    assert sorted(LOSSLESS + LOSSY + SILENT) == HOOKS.names()
+    assert sorted(LOSSLESS + LOSSY + SILENT) == HOOK_STRATEGIES
 
 
 @pytest.mark.parametrize("hook", LOSSLESS)

@@ -6,7 +6,7 @@ import torch
 from ps_bench.metrics import limits
 from ps_bench.metrics.memory import combine_peaks, peak_memory
 from ps_bench.metrics.results import render_limits, render_memory
-from ps_bench.trainers.hooks import HOOKS
+from ps_bench.strategies import HOOKS
 
 MB = 1e6
 

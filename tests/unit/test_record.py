@@ -75,7 +75,8 @@ def test_an_ok_run_meets_the_contract_with_numbers_derived_from_the_rounds():
     assert results["verify"] == {"grad_rel_error_p50": 2e-7, "grad_rel_error_max": 3e-7, "iterations": 2,
                                  "buckets_checked": 4}
     assert results["memory"]["trainer"] == {"peak_rss_bytes": 101, "peak_cuda_bytes": None}
-    assert results["replicas"] == {"identical": True, "param_norm": 3 ** 0.5, "max_abs_diff": 0.0}
+    assert results["replicas"] == {"identical": True, "param_norm": 3 ** 0.5, "max_abs_diff": 0.0,
+                                   "checked_at": "every iteration"}
     assert results["config"]["model_size"]["ddp_buckets"] == record.buckets
     assert [entry["name"] for entry in results["samples"]] == ["trainer0", "trainer1", "server2"]
     assert results["samples"][1]["metrics"]["comm"] == [2.5] * 2 * ITERATIONS

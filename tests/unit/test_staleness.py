@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ps_bench.config import build_config, load_run_file
-from ps_bench.faults import Straggler
+from ps_bench.faults import Straggler, Straggling
 from ps_bench.servers.ssp import GO, ROUND_OVER, STOPPED, StaleSynchronousServer, parse_staleness
 
 
@@ -84,11 +84,28 @@ def test_bad_staleness_is_a_sentence(text):
 def test_stragglers_add_up_per_trainer():
     assert Straggler.parse("trainer:1:30ms") == Straggler(1, 0.03)
     assert Straggler.parse("trainer:0:250us").delay_s == pytest.approx(250e-6)
-    assert Straggler.delay_of(["trainer:1:30ms", "trainer:1:1s", "trainer:2:5ms"], 1) == pytest.approx(1.03)
-    assert Straggler.delay_of([], 0) == 0
+    assert Straggling(["trainer:1:30ms", "trainer:1:1s", "trainer:2:5ms"], 1, seed=0).delay_s(7) == pytest.approx(1.03)
+    assert Straggling([], 0, seed=0).delay_s(1) == 0 and not Straggling([], 0, seed=0)
+
+
+def test_a_transient_straggler_delays_a_seeded_share_of_iterations():
+    """any:DELAY:P: each trainer, each iteration, with probability P; the same draws for the same
+    seed, other draws for another seed or trainer."""
+    assert Straggler.parse("any:20ms:0.2") == Straggler(None, 0.02, 0.2)
+    straggling = Straggling(["any:20ms:0.2", "trainer:0:1ms"], 0, seed=3)
+    delays = [straggling.delay_s(iteration) for iteration in range(1, 2001)]
+    assert sorted({round(d, 6) for d in delays}) == [0.001, 0.021]
+    share = sum(d > 0.01 for d in delays) / len(delays)
+    assert 0.17 < share < 0.23
+    assert delays == [Straggling(["any:20ms:0.2", "trainer:0:1ms"], 0, seed=3).delay_s(i) for i in range(1, 2001)]
+    other = [Straggling(["any:20ms:0.2"], 1, seed=3).delay_s(i) for i in range(1, 2001)]
+    assert [d > 0.01 for d in delays] != [d > 0 for d in other]
 
 
 @pytest.mark.parametrize("text, message", [("server:1:3ms", "expected trainer:INDEX:DELAY"),
+                                           ("any:3ms:0", "P must be a probability in"),
+                                           ("any:3ms:1.5", "P must be a probability in"),
+                                           ("any:3ms:x", "P must be a probability in"),
                                            ("trainer:x:3ms", "INDEX must be an integer"),
                                            ("trainer:1:-3ms", "DELAY must be 0 or more"),
                                            ("trainer:1:3", "a unit of us, ms or s")])

@@ -1,0 +1,176 @@
+"""The all-reduce family: DDP's all-reduce, its hybrid for sparse gradients, compression around
+it (fp16, bf16, PowerSGD), and no communication at all (the compute-only headroom)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
+from torch.futures import Future
+
+from ps_bench.strategies.base import (COLLECTIVE, HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Hook, HookContext, Strategy,
+                                      stateless)
+
+
+@stateless("allreduce", Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=SPARSE_ALLREDUCE),
+           aliases=("allreduce_hook",))
+def allreduce(ctx: HookContext, bucket: dist.GradBucket) -> Future:
+    """All-reduce average over the trainer process group (DDP's default); lossless."""
+    return default_hooks.allreduce_hook(ctx.process_group, bucket)
+
+
+@stateless("hybrid", Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=SPARSE_GLOO),
+           aliases=("hybrid_hook",))
+def hybrid(ctx: HookContext, bucket: dist.GradBucket) -> Future:
+    """All-reduce, sparse buckets through the CPU (gloo), dense on the trainer's device (nccl with --backend multi); lossless."""
+    tensor = bucket.buffer()
+    if not (tensor.is_sparse and tensor.is_cuda):
+        return allreduce(ctx, bucket)
+    host = tensor.cpu()
+    host.div_(ctx.process_group.size())
+    work = dist.all_reduce(host, group=ctx.process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0].to(tensor.device))
+
+
+def dense_only(compressed: Hook) -> Hook:
+    """Compression applies to dense buckets; sparse ones are all-reduced as they are."""
+
+    @functools.wraps(compressed)
+    def run(ctx: HookContext, bucket: dist.GradBucket) -> Future:
+        return allreduce(ctx, bucket) if bucket.buffer().is_sparse else compressed(ctx, bucket)
+
+    return run
+
+
+@stateless("fp16", Strategy(COLLECTIVE, "float16", lossless=False, sparse_buckets=SPARSE_ALLREDUCE,
+                             uncompressed="allreduce"),
+           aliases=("fp16_hook", "fp16_compress_hook"))
+@dense_only
+def fp16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
+    """All-reduce in float16 (torch's fp16_compress_hook); lossy."""
+    return default_hooks.fp16_compress_hook(ctx.process_group, bucket)
+
+
+@stateless("bf16", Strategy(COLLECTIVE, "bfloat16", lossless=False, sparse_buckets=SPARSE_ALLREDUCE,
+                             uncompressed="allreduce"),
+           aliases=("bf16_hook", "bf16_compress_hook"))
+@dense_only
+def bf16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
+    """All-reduce in bfloat16 (torch's bf16_compress_hook); lossy."""
+    return default_hooks.bf16_compress_hook(ctx.process_group, bucket)
+
+
+def settle(target: Future, source: Future) -> None:
+    """Completes ``target`` as ``source`` completed: with its value or its exception."""
+    try:
+        target.set_result(source.value())
+    except Exception as error:  # noqa: BLE001 - source's own failure, passed on
+        target.set_exception(error)
+
+
+class PowerSGD:
+    """Low-rank compression around all-reduce (torch's PowerSGD, per tensor); lossy."""
+
+    hook = staticmethod(powerSGD_hook.powerSGD_hook)
+
+    def __init__(
+        self,
+        ctx: HookContext,
+        matrix_approximation_rank: int = 2,
+        start_powerSGD_iter: int = 2,
+        use_error_feedback: bool = True,
+        warm_start: bool = True,
+        min_compression_rate: float = 2.0,
+    ) -> None:
+        self.state = powerSGD_hook.PowerSGDState(
+            process_group=ctx.process_group,
+            matrix_approximation_rank=matrix_approximation_rank,
+            start_powerSGD_iter=start_powerSGD_iter,
+            use_error_feedback=use_error_feedback,
+            warm_start=warm_start,
+            min_compression_rate=min_compression_rate,
+            random_seed=0,
+        )
+        self.previous: Future | None = None  # the last bucket's future (see after_previous)
+
+    @staticmethod
+    def check(matrix_approximation_rank: int, start_powerSGD_iter: int, use_error_feedback: bool,
+              warm_start: bool, min_compression_rate: float) -> None:
+        if matrix_approximation_rank < 1:
+            raise ValueError(f"hook option 'matrix_approximation_rank' must be at least 1; got {matrix_approximation_rank}")
+        if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
+            raise ValueError("hook option 'start_powerSGD_iter' must be more than 1 with error feedback or warm "
+                             "start (DDP rebuilds its buckets after the first iteration)")
+
+    def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
+        if bucket.buffer().is_sparse:  # as dense_only does for the stateless hooks
+            return self.after_previous(lambda: allreduce(ctx, bucket))
+        return self.after_previous(lambda: self.hook(self.state, bucket))
+
+    def after_previous(self, start: Callable[[], Future]) -> Future:
+        """Starts a bucket's communication once the previous bucket's has finished.
+
+        torch's PowerSGD issues its second and third all-reduce of a bucket from callbacks of
+        the first. Over gloo those callbacks run whenever each CPU collective completes, so with
+        several buckets in flight two trainers could issue the next bucket's all-reduce and
+        this bucket's in different orders, a collective mismatch (gloo aborts, or hangs). One
+        bucket at a time keeps the order the same on every trainer; over NCCL a future
+        completes as soon as its kernel is queued, so the chain costs no overlap there.
+        """
+        previous, done = self.previous, Future()
+        self.previous = done
+
+        def launch(_: Future | None = None) -> None:
+            try:
+                start().add_done_callback(lambda finished: settle(done, finished))
+            except Exception as error:  # noqa: BLE001 - the trainer waits on this future
+                done.set_exception(error)
+
+        if previous is None:
+            launch()
+        else:
+            previous.add_done_callback(launch)
+        return done
+
+
+# Both PowerSGD hooks send all-reduces of low-rank factors (sparse buckets whole): per tensor, the
+# tensors not worth compressing, then every P, then every Q; batched, the bucket's P, then its Q.
+@HOOKS.register("powersgd", aliases=("powerSGD_hook",),
+                record=Strategy(COLLECTIVE, "low-rank factors", lossless=False, sparse_buckets=SPARSE_ALLREDUCE,
+                                uncompressed="allreduce", factors="tensor"))
+class PowerSGDHook(PowerSGD):
+    """Low-rank compression around all-reduce (torch's powerSGD_hook, per tensor); lossy."""
+
+
+def _orthogonalize_one_or_many(matrices: torch.Tensor, epsilon: float = 0) -> None:
+    """torch 2.13's batched_powerSGD_hook hands ``_orthogonalize`` a single 2-D matrix, which it
+    rejects (it expects a batch); a batch of one is the same computation, in place."""
+    _orthogonalize_batch(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
+
+
+_orthogonalize_batch = powerSGD_hook._orthogonalize
+
+
+@HOOKS.register("batched_powersgd", aliases=("batched_powerSGD_hook",),
+                record=Strategy(COLLECTIVE, "low-rank factors", lossless=False, sparse_buckets=SPARSE_ALLREDUCE,
+                                uncompressed="allreduce", factors="bucket"))
+class BatchedPowerSGDHook(PowerSGD):
+    """Low-rank compression of each whole bucket as one square matrix (torch's batched_powerSGD_hook); lossy."""
+
+    hook = staticmethod(powerSGD_hook.batched_powerSGD_hook)
+
+
+if getattr(powerSGD_hook._orthogonalize, "__name__", "") == "_orthogonalize":
+    # Widens torch's check (3-D batches behave exactly as before) so the batched hook runs.
+    powerSGD_hook._orthogonalize = _orthogonalize_one_or_many
+
+
+
+@HOOKS.register("noop", aliases=("noop_hook",),
+                record=Strategy(None, "nothing", lossless=False, sparse_buckets=None))
+def noop(ctx: HookContext) -> Hook:
+    """No communication, the compute-only headroom: replicas drift apart by design."""
+    return debugging_hooks.noop_hook  # torch's own, called directly: it ignores the state

@@ -1,0 +1,374 @@
+"""What every strategy shares: its ``Strategy`` record, the registry users name it by, the
+context a trainer hands it, and how a strategy wraps and steps a trainer's model.
+
+A registry entry is a factory: ``factory(ctx, **options)`` returns either a DDP communication
+hook, a callable ``(HookContext, GradBucket) -> Future[Tensor]``, or a ``Synchroniser``, which
+also says how the model is wrapped (DDP, FSDP2), which optimizer steps it and what runs after
+each step (model averaging, an outer optimizer). Stateless hooks are plain functions
+(``@stateless``); stateful strategies are classes whose keyword arguments are their options
+(``--hook-option KEY=VALUE`` or ``"hook_options"`` in JSON). Each is registered with its
+``Strategy`` record, the one place that says what it sends and what it costs: validation,
+``--limits`` and the tests read the record. Every hook is wrapped by ``instrument``, which
+measures ``comm`` (the time during which at least one of the iteration's hook futures was
+outstanding) and, with ``--verify``, captures what went in and came out.
+
+One module per family: ``allreduce`` (all-reduce and compression), ``servers`` (parameter
+servers), ``sharded`` (FSDP2, ZeRO), ``local`` (local SGD, DiLoCo). Adding a strategy is one
+function or class in its family's module, registered with its record.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from torch import nn
+from torch.futures import Future
+from torch.nn.parallel import DistributedDataParallel
+
+from ps_bench.config import as_type
+from ps_bench.metrics.timers import IntervalTracker, tensor_bytes
+from ps_bench.metrics.wire import ByteCounter
+from ps_bench.registry import Registry
+from ps_bench.topology import balance_buckets
+
+Hook = Callable[["HookContext", dist.GradBucket], Future]
+COLLECTIVE, RPC = "collective", "rpc"  # transports
+PAYLOADS = ("float32", "float16", "bfloat16", "low-rank factors", "nothing")
+# What a strategy does with a sparse bucket: all-reduce it as it is on the trainers' group
+# (NCCL cannot), all-reduce it through the CPU over gloo (needs gloo in the group: multi), or
+# send it to a parameter server.
+SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS = "allreduce", "gloo", "servers"
+# Families, one module each.
+ALLREDUCE, SERVERS, SHARDED, LOCAL = "allreduce", "servers", "sharded", "local"
+FAMILIES = (ALLREDUCE, SERVERS, SHARDED, LOCAL)
+# How the model is wrapped: DDP (buckets, a hook), or FSDP2's fully_shard (no hook).
+DDP, FSDP = "ddp", "fsdp"
+# When the replicas are the same model: after every iteration, at each synchronisation point (every
+# ``period`` iterations), or as the full parameters gathered from the shards.
+EVERY_ITERATION, AT_SYNCHRONISATION, GATHERED = "every iteration", "the last synchronisation", "gathered full parameters"
+# The collectives a strategy issues besides (or instead of) its hook, each over the whole model's
+# parameter bytes, per iteration or once per ``period``.
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Everything ps_bench knows about a strategy without running it."""
+
+    transport: str | None  # COLLECTIVE: collectives among trainers; RPC: buckets to parameter servers; None: nothing
+    payload: str  # what crosses the transport, one of PAYLOADS
+    lossless: bool  # every trainer receives the exact mean gradient
+    sparse_buckets: str | None  # SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS; None: it moves nothing (or no DDP)
+    uncompressed: str | None = None  # a lossy strategy: the lossless one whose bytes it reduces
+    factors: str | None = None  # low-rank factors of each "tensor", or of the "bucket" as one square matrix
+    family: str | None = None  # one of FAMILIES, the module it lives in (default: servers for RPC, else allreduce)
+    wrap: str = DDP  # DDP or FSDP
+    identical: str = EVERY_ITERATION  # what "replicas identical" is checked at
+    # (collective, "iteration" | "period"): what it issues over the model's parameters besides its hook
+    sends: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.family is None:
+            object.__setattr__(self, "family", SERVERS if self.transport == RPC else ALLREDUCE)
+        if (self.transport not in (COLLECTIVE, RPC, None) or self.payload not in PAYLOADS
+                or self.sparse_buckets not in (SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS, None)
+                or self.family not in FAMILIES or self.wrap not in (DDP, FSDP)
+                or self.identical not in (EVERY_ITERATION, AT_SYNCHRONISATION, GATHERED)
+                or any(c not in COLLECTIVES or per not in ("iteration", "period") for c, per in self.sends)):
+            raise ValueError(f"bad strategy record {self}")
+        if self.transport is not None and self.lossless == (self.uncompressed is not None):
+            raise ValueError(f"a lossy strategy names the lossless one it compresses, and only it: {self}")
+        if (self.payload == "low-rank factors") != (self.factors in ("tensor", "bucket")):
+            raise ValueError(f"a low-rank strategy says what it factors, each tensor or the bucket: {self}")
+        if (self.transport == RPC) != (self.family == SERVERS):
+            raise ValueError(f"the strategies that send to parameter servers, and only they, are of that family: {self}")
+
+    @property
+    def needs_servers(self) -> bool:
+        return self.transport == RPC
+
+    @property
+    def takes_servers(self) -> bool:
+        """Whether a run of it may have parameter servers at all (the sharded and local families
+        have none to send to)."""
+        return self.family in (ALLREDUCE, SERVERS)
+
+    @property
+    def floor(self) -> str | None:
+        """The ``--limits`` floor it is held against: the raw transfer over its transport."""
+        return self.transport
+
+
+def collective_bytes(collective: str, nbytes: int, world: int, backend: str = "gloo") -> int:
+    """Bytes one rank sends (and receives, on average over the ranks) in one collective over a
+    buffer of ``nbytes`` (the whole model: a reduce-scatter's input, an all-gather's output).
+
+    A ring all-reduce moves ``2(n-1)/n`` of it; a ring reduce-scatter or all-gather ``(n-1)/n``;
+    a broadcast ``(n-1)/n`` on average (the source sends it to each of the others). gloo has no
+    reduce-scatter of its own: it runs an all-reduce of the whole input and keeps a chunk, so
+    on gloo a reduce-scatter moves what an all-reduce does."""
+    if world <= 1:
+        return 0
+    if collective == "all_reduce" or (collective == "reduce_scatter" and backend == "gloo"):
+        return 2 * (world - 1) * nbytes // world
+    return (world - 1) * nbytes // world
+
+
+def expected_bytes(record: Strategy, nbytes: int, world: int, period: int = 1, backend: str = "gloo") -> float:
+    """What a strategy that is not a DDP hook sends per iteration over a model of ``nbytes``
+    parameter bytes, amortised over its period (the hook's own bytes come from its buckets)."""
+    return sum(collective_bytes(collective, nbytes, world, backend) / (period if per == "period" else 1)
+               for collective, per in record.sends)
+
+
+HOOKS: Registry = Registry("hook", record_type=Strategy)
+
+
+@dataclass
+class ServerHandle:
+    rref: rpc.RRef
+    cuda_rpc: bool
+
+
+@dataclass
+class Capture:
+    """One bucket of a verified iteration: the local gradient and what the strategy returned."""
+
+    iteration: int
+    bucket_index: int
+    raw: torch.Tensor
+    delivered: torch.Tensor | None = None
+
+
+@dataclass
+class HookContext:
+    """Everything a hook needs; one per trainer, shared across iterations."""
+
+    process_group: dist.ProcessGroup
+    servers: list[ServerHandle]
+    mapping: str
+    group_server: int | None
+    cuda_rpc: bool
+    rpc_timeout: float
+    comm: IntervalTracker = field(default_factory=IntervalTracker)
+    wire: ByteCounter = field(default_factory=ByteCounter)
+    iteration: int = 0  # the trainer's current training iteration, from 1
+    capturing: bool = False  # --verify: keep this iteration's buckets
+    noting: bool = True  # record this iteration's bucket sizes (the trainer asks once per round)
+    captures: list[Capture] = field(default_factory=list)
+    # the last whole iteration's buckets, index -> (payload bytes, sparse, gradient shapes): the size
+    # report, --limits
+    buckets: dict[int, tuple[int, bool, list]] = field(default_factory=dict)
+    _filling: dict[int, tuple[int, bool, list]] = field(default_factory=dict)
+    _layout: dict[int, int] = field(default_factory=dict)
+    _seen: dict[int, int] = field(default_factory=dict)
+    _owners: dict[int, int] = field(default_factory=dict)
+
+    def server_for(self, bucket: dist.GradBucket) -> int:
+        """The server that owns this bucket.
+
+        ``group``: this trainer's group server. ``shard``: owners balance bytes across servers;
+        they are computed from the bucket layout of the previous iteration (DDP rebuilds its
+        buckets after the first one, and launches buckets in index order, so ``is_last`` closes
+        the layout). Sizes are dense sizes, identical on every trainer, so every trainer
+        computes the same owners without talking to the others.
+        """
+        if self.mapping == "group":
+            return self.group_server
+        tensor = bucket.buffer()
+        index = bucket.index()
+        self._seen[index] = tensor.numel() * tensor.element_size()
+        owner = self._owners.get(index, index % len(self.servers))
+        if bucket.is_last():
+            if self._seen != self._layout:
+                self._layout = self._seen
+                self._owners = balance_buckets(self._layout, len(self.servers))
+            self._seen = {}
+        return owner
+
+    def note_bucket(self, bucket: dist.GradBucket) -> None:
+        """Keeps the bucket sizes (and the shapes of its gradients) DDP hands the hook, one whole
+        iteration at a time."""
+        buffer = bucket.buffer()
+        shapes = [list(gradient.shape) for gradient in bucket.gradients()] if not buffer.is_sparse else []
+        self._filling[bucket.index()] = (tensor_bytes(buffer), buffer.is_sparse, shapes)
+        if bucket.is_last():
+            self.buckets, self._filling = self._filling, {}
+
+
+def stateless(name: str, record: Strategy, aliases: tuple[str, ...] = ()) -> Callable[[Hook], Hook]:
+    """Registers a plain hook function (it takes no options)."""
+
+    def decorator(function: Hook) -> Hook:
+        def factory(ctx: HookContext) -> Hook:
+            return function
+
+        factory.__doc__ = function.__doc__
+        HOOKS.register(name, aliases, record)(factory)
+        return function
+
+    return decorator
+
+
+def build_hook(name: str, ctx: HookContext, options: dict[str, Any]) -> Hook:
+    return HOOKS.get(name)(ctx, **options)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The run's optimizer (``--optimizer``): its class and keyword arguments, built by whoever
+    steps the parameters (the trainer, or ZeRO around its shard)."""
+
+    kind: type
+    options: dict[str, Any]
+
+    def build(self, parameters) -> torch.optim.Optimizer:
+        return self.kind(parameters, **self.options)
+
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+
+
+def optimizer_spec(name: str, lr: float, momentum: float, weight_decay: float) -> OptimizerSpec:
+    options = {"lr": lr, "weight_decay": weight_decay}
+    if name == "sgd":
+        options["momentum"] = momentum
+    return OptimizerSpec(OPTIMIZERS[name], options)
+
+
+class Synchroniser:
+    """How a strategy wraps a trainer's model and steps it. This base is DDP with the strategy's
+    hook and the run's optimizer; a family overrides what differs. ``after_step(ctx, model)``,
+    where a strategy has one, runs after every optimizer step inside the iteration's clock and
+    returns True where the replicas are now the same model; communication it does is timed into
+    ``ctx.comm`` and counted on the wire like the hook's."""
+
+    hook: Hook | None = None
+    after_step: Callable[[HookContext, nn.Module], bool] | None = None
+
+    def wrap(self, network: nn.Module, ctx: HookContext, ddp_options: dict[str, Any],
+             optimizer: OptimizerSpec | None) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """The model the loop trains and the optimizer that steps it."""
+        model = DistributedDataParallel(network, **ddp_options)
+        model.register_comm_hook(ctx, instrument(self.hook))
+        return model, None if optimizer is None else optimizer.build(model.parameters())
+
+    def note_synchronised(self, model: nn.Module) -> None:
+        """Right after ``after_step`` said True, outside the clock."""
+
+    def end_round(self, ctx: HookContext, model: nn.Module) -> None:
+        """After a round, outside the clock: whatever ``parameters_vector`` needs."""
+
+    def parameters_vector(self, model: nn.Module) -> torch.Tensor:
+        """This replica's parameters, flattened on the CPU, as its record's ``identical`` says."""
+        return flat_parameters(model.parameters()).cpu()
+
+    def full_parameters(self, model: nn.Module) -> torch.Tensor:
+        """This replica's whole parameters now, flattened on its device (every trainer calls it at once)."""
+        return flat_parameters(model.parameters())
+
+
+class HookOnly(Synchroniser):
+    """A DDP communication hook, and nothing else."""
+
+    def __init__(self, hook: Hook) -> None:
+        self.hook = hook
+
+
+def flat_parameters(parameters) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in parameters])
+
+
+def build_synchroniser(name: str, ctx: HookContext, options: dict[str, Any]) -> Synchroniser:
+    made = build_hook(name, ctx, options)
+    return made if isinstance(made, Synchroniser) else HookOnly(made)
+
+
+def timed_collective(ctx: HookContext, run: Callable[[], Any]) -> Any:
+    """Runs a collective that ``after_step`` issues and records its interval as the iteration's comm."""
+    start = time.perf_counter()
+    try:
+        return run()
+    finally:
+        ctx.comm.add((ctx.iteration, start, time.perf_counter()))
+
+
+def option_types(name: str) -> dict[str, tuple[type, Any]]:
+    """The options a hook takes: name -> (type, default)."""
+    factory = HOOKS.get(name)
+    target = factory.__init__ if inspect.isclass(factory) else factory
+    hints = typing.get_type_hints(target)
+    out = {}
+    for parameter in list(inspect.signature(factory).parameters.values())[1:]:  # after ctx
+        out[parameter.name] = (hints[parameter.name], parameter.default)
+    return out
+
+
+def hook_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options a hook runs with: its defaults, then ``options``."""
+    return {**{key: default for key, (_, default) in option_types(name).items()}, **options}
+
+
+def check_hook_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Validates options for a hook; raises ValueError with a sentence for people."""
+    known = option_types(name)
+    checked = {}
+    for key, value in options.items():
+        if key not in known:
+            valid = ", ".join(known) if known else "none (this hook takes no options)"
+            raise ValueError(f"hook {name!r} has no option {key!r}; its options: {valid}")
+        kind = known[key][0]
+        try:
+            checked[key] = as_type(value, kind)
+        except TypeError:
+            raise ValueError(f"hook option {key!r} must be {kind.__name__}; got {value!r}") from None
+    factory = HOOKS.get(name)
+    if hasattr(factory, "check"):
+        factory.check(**{k: d for k, (_, d) in known.items()} | checked)
+    return checked
+
+
+def instrument(hook: Hook) -> Hook:
+    """Times the hook's future and, on captured iterations, keeps its input and output.
+
+    Every bucket of every iteration pays for this wrapper: two clock reads and one append of
+    ``(iteration, start, end)``; the trainer turns them into ``comm`` and the bucket timeline
+    after the round (DDP hands the buckets over in index order, so an iteration's k-th start is
+    bucket k's)."""
+    clock = time.perf_counter
+
+    def run(ctx, bucket):  # unannotated: DDP rejects string annotations
+        iteration, capture = ctx.iteration, None
+        if ctx.capturing:
+            capture = Capture(iteration, bucket.index(), bucket.buffer().detach().clone())
+            ctx.captures.append(capture)
+        if ctx.noting:
+            ctx.note_bucket(bucket)
+        start = clock()
+        future = hook(ctx, bucket)
+        if future.done() and capture is None:  # finished already (noop, a local fast path): nothing to wait for
+            ctx.comm.add((iteration, start, clock()))
+            return future
+
+        def finished(fut: Future) -> torch.Tensor:
+            ctx.comm.add((iteration, start, clock()))
+            value = fut.value()
+            if capture is not None:
+                capture.delivered = value.detach().clone()
+            return value
+
+        # A chained future, not a done callback: DDP waits on what the hook returns, and a done
+        # callback may still be running (recording the interval, copying the answer) after that
+        # wait has returned and the next iteration has begun.
+        return future.then(finished)
+
+    return run
+
+

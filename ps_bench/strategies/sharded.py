@@ -1,0 +1,83 @@
+"""The sharded family: FSDP2 (``fully_shard``: gradients reduce-scattered, parameters
+all-gathered, each trainer keeping a shard of parameters, gradients and optimizer state) and
+ZeRO stage 1 (DDP's all-reduce, then ``ZeroRedundancyOptimizer``: each trainer steps the shard
+of the optimizer state it owns and broadcasts the parameters it updated).
+
+Both are torch's own; their bytes are counted from the collectives they issue
+(``ps_bench.metrics.wire``). gloo has no reduce-scatter of its own (it all-reduces the whole
+input and keeps a chunk), so on gloo FSDP2 moves what an all-reduce moves, and more than NCCL
+would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from ps_bench.strategies.allreduce import allreduce
+from ps_bench.strategies.base import (COLLECTIVE, FSDP, GATHERED, HOOKS, SHARDED, HookContext, OptimizerSpec, Strategy,
+                                      Synchroniser, flat_parameters)
+
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch releases before FSDP2 was public
+    from torch.distributed._composable.fsdp import fully_shard
+
+
+@HOOKS.register("fsdp", aliases=("fully_shard", "fsdp2"),
+                record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED, wrap=FSDP,
+                                identical=GATHERED, sends=(("all_gather", "iteration"), ("all_gather", "iteration"),
+                                                           ("reduce_scatter", "iteration"))))
+class FullyShard(Synchroniser):
+    """FSDP2 over the trainers: every module with parameters of its own is a unit (its parameters
+    all-gathered before its forward and again before its backward, having been freed in between,
+    its gradients reduce-scattered after), then the root; lossless. No DDP buckets and no hook: its communication runs inside forward and backward."""
+
+    def __init__(self, ctx: HookContext) -> None:
+        self.gathered: torch.Tensor | None = None
+
+    def wrap(self, network: nn.Module, ctx: HookContext, ddp_options: dict[str, Any],
+             optimizer: OptimizerSpec) -> tuple[nn.Module, torch.optim.Optimizer]:
+        device = next(network.parameters()).device
+        mesh = init_device_mesh(device.type, (ctx.process_group.size(),))
+        for module in list(network.modules())[1:]:
+            if any(True for _ in module.parameters(recurse=False)):
+                fully_shard(module, mesh=mesh)
+        fully_shard(network, mesh=mesh)
+        return network, optimizer.build(network.parameters())
+
+    def end_round(self, ctx: HookContext, model: nn.Module) -> None:
+        """The full parameters, gathered from every trainer's shards (not counted as wire bytes)."""
+        ctx.wire.paused = True
+        try:
+            self.gathered = self.full_parameters(model).cpu()
+        finally:
+            ctx.wire.paused = False
+
+    def parameters_vector(self, model: nn.Module) -> torch.Tensor:
+        return self.gathered if self.gathered is not None else torch.empty(0)
+
+    def full_parameters(self, model: nn.Module) -> torch.Tensor:
+        """Every parameter whole, flattened: an all-gather of each sharded one."""
+        return flat_parameters(p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters())
+
+
+@HOOKS.register("zero1", aliases=("zero", "ZeroRedundancyOptimizer"),
+                record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED,
+                                sends=(("broadcast", "iteration"),)))
+class ZeroOne(Synchroniser):
+    """DDP's all-reduce, then torch's ZeroRedundancyOptimizer: each trainer keeps and steps the
+    optimizer state of its shard of the parameters and broadcasts them; lossless."""
+
+    def __init__(self, ctx: HookContext) -> None:
+        self.hook = allreduce
+
+    def wrap(self, network: nn.Module, ctx: HookContext, ddp_options: dict[str, Any],
+             optimizer: OptimizerSpec) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model, _ = super().wrap(network, ctx, ddp_options, None)
+        return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer.kind,
+                                              process_group=ctx.process_group, **optimizer.options)

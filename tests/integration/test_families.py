@@ -1,0 +1,96 @@
+"""The sharded and low-communication families, for real: each is what it claims to be on the same
+seed (FSDP2 and ZeRO train exactly as all-reduce does; local SGD and DiLoCo reduce to it at a
+period of 1), sends what its record says, and keeps identical replicas where it synchronises."""
+
+from __future__ import annotations
+
+import pytest
+
+from ps_bench.strategies import HOOKS
+from ps_bench.strategies.base import LOCAL, SHARDED, expected_bytes
+from tests.contract import check_contract
+
+QUICK = ("--nserver", "0", "--rounds", "2")
+MODEL_BYTES = 800 * 4  # DummyModelSmall: 800 float32 parameters
+TRAINERS = 2
+FAMILIES = [name for name in HOOKS.names() if HOOKS.record(name).family in (SHARDED, LOCAL)]
+
+
+def family_run(bench_runs, hook: str, *options: str) -> dict:
+    results = bench_runs.ok("--hook", hook, *QUICK, *options, timeout_s=180)
+    check_contract(results)
+    return results
+
+
+def reference(bench_runs) -> dict:
+    return bench_runs.ok("--hook", "allreduce", *QUICK, timeout_s=120)
+
+
+def assert_same_parameters(results: dict, baseline: dict) -> None:
+    assert results["replicas"]["identical"] is True, results["replicas"]
+    assert results["replicas"]["param_norm"] == pytest.approx(baseline["replicas"]["param_norm"], rel=1e-5)
+    for which in ("first", "last"):
+        assert results["loss"][which] == pytest.approx(baseline["loss"][which], rel=1e-5)
+
+
+@pytest.mark.parametrize("hook", [name for name in FAMILIES if HOOKS.record(name).family == SHARDED])
+def test_a_sharded_strategy_ends_with_allreduces_parameters(hook, bench_runs):
+    results = family_run(bench_runs, hook)
+    assert_same_parameters(results, reference(bench_runs))
+    assert results["replicas"]["checked_at"] == HOOKS.record(hook).identical
+
+
+@pytest.mark.parametrize("hook, options", [("local_sgd", ("period=1",)),
+                                           ("diloco", ("period=1", "outer_lr=1", "outer_momentum=0"))])
+def test_a_local_strategy_with_a_period_of_one_is_allreduce(hook, options, bench_runs):
+    flags = [flag for option in options for flag in ("--hook-option", option)]
+    results = family_run(bench_runs, hook, *flags)
+    assert_same_parameters(results, reference(bench_runs))
+    assert results["bytes"]["trainer_sent_per_iter"] == reference(bench_runs)["bytes"]["trainer_sent_per_iter"]
+
+
+@pytest.mark.parametrize("period", [4, 16])
+def test_local_sgd_averages_every_period_and_sends_a_period_th_of_the_bytes(period, bench_runs):
+    """32 iterations a round, so every round ends right after an averaging: the replicas handed
+    over are those of that averaging, and each trainer sent 1/H of what all-reduce sends."""
+    results = family_run(bench_runs, "local_sgd", "--hook-option", f"period={period}")
+    baseline = reference(bench_runs)
+    assert results["replicas"]["identical"] is True and results["replicas"]["checked_at"] == "the last synchronisation"
+    assert results["replicas"]["param_norm"] != pytest.approx(baseline["replicas"]["param_norm"], rel=1e-7)
+    for key in ("trainer_sent_per_iter", "trainer_recv_per_iter"):
+        assert results["bytes"][key] * period == pytest.approx(baseline["bytes"][key])
+
+
+@pytest.mark.parametrize("hook, options", [("fsdp", ()), ("zero1", ()), ("local_sgd", ()), ("diloco", ()),
+                                           ("local_sgd", ("--hook-option", "period=16"))])
+def test_bytes_are_counted_from_the_collectives_each_strategy_issues(hook, options, bench_runs):
+    """The byte counter reads the collectives torch really calls; the record says which they
+    should be: FSDP2 all-gathers each unit's parameters before forward and again before backward,
+    and reduce-scatters its gradients (on gloo, an all-reduce); ZeRO all-reduces (its DDP hook)
+    and broadcasts each shard it stepped; local SGD and DiLoCo all-reduce the parameters once a
+    period."""
+    results = family_run(bench_runs, hook, *options)
+    record = HOOKS.record(hook)
+    period = int(options[-1].split("=")[1]) if options else {"local_sgd": 4, "diloco": 16}.get(hook, 1)
+    expected = expected_bytes(record, MODEL_BYTES, TRAINERS, period)
+    if hook == "zero1":  # its hook's all-reduce, counted from the buckets
+        expected += reference(bench_runs)["bytes"]["trainer_sent_per_iter"]
+    assert results["bytes"]["trainer_sent_per_iter"] == pytest.approx(expected)
+
+
+def test_diloco_trains_with_adamw_inside_and_records_its_optimizer(bench_runs):
+    results = family_run(bench_runs, "diloco", "--optimizer", "adamw", "--lr", "0.01")
+    assert results["config"]["optimizer"] == "adamw" and results["config"]["weight_decay"] == 0.01
+    assert results["config"]["hook_options"] == {}
+    assert results["loss"]["last"] < results["loss"]["first"]
+    sgd = family_run(bench_runs, "diloco")
+    assert sgd["config"]["optimizer"] == "sgd" and sgd["config"]["weight_decay"] == 0.0
+    assert results["replicas"]["param_norm"] != pytest.approx(sgd["replicas"]["param_norm"], rel=1e-6)
+
+
+@pytest.mark.parametrize("hook, options", [("fsdp", ()), ("diloco", ("--hook-option", "period=4"))])
+def test_a_target_loss_is_judged_on_the_averaged_model_for_every_family(hook, options, bench_runs):
+    results = family_run(bench_runs, hook, "--target-loss", "0.2", "--lr", "0.3", "--max-iterations", "400", *options)
+    convergence = results["convergence"]
+    assert convergence["reached"] and convergence["stopped_by"] == "target", convergence
+    assert convergence["iterations"] < 400

@@ -1,0 +1,110 @@
+"""The strategy families without processes: their records, what they send by arithmetic, their
+options, and every way a run of them is refused before anything starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ps_bench.config import ConfigError, build_config
+from ps_bench.job import validate
+from ps_bench.metrics.wire import ring_bytes
+from ps_bench.options import parse_run_options
+from ps_bench.strategies import HOOKS
+from ps_bench.strategies.base import (ALLREDUCE, AT_SYNCHRONISATION, FAMILIES, FSDP, GATHERED, LOCAL, SERVERS, SHARDED,
+                                      collective_bytes, expected_bytes, option_types)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def checked(*argv: str):
+    cfg = build_config(*parse_run_options(list(argv)))
+    validate(cfg, gpus=0)
+    return cfg
+
+
+def test_every_family_has_its_module_and_its_strategies():
+    by_family = {family: {name for name in HOOKS.names() if HOOKS.record(name).family == family} for family in FAMILIES}
+    assert by_family[SHARDED] == {"fsdp", "zero1"} and by_family[LOCAL] == {"local_sgd", "diloco"}
+    assert {"allreduce", "fp16", "powersgd", "noop"} <= by_family[ALLREDUCE]
+    assert {"ps", "sparse_ps", "ps_fp16"} <= by_family[SERVERS]
+    for family in FAMILIES:
+        module = ROOT / "ps_bench" / "strategies" / f"{family}.py"
+        assert module.exists(), module
+    for name in by_family[SHARDED] | by_family[LOCAL]:
+        assert not HOOKS.record(name).takes_servers and not HOOKS.record(name).needs_servers
+    assert HOOKS.record("fsdp").wrap == FSDP and HOOKS.record("fsdp").identical == GATHERED
+    assert HOOKS.record("local_sgd").identical == HOOKS.record("diloco").identical == AT_SYNCHRONISATION
+
+
+def test_no_module_of_the_package_is_over_400_lines():
+    for path in (ROOT / "ps_bench").rglob("*.py"):
+        assert len(path.read_text().splitlines()) <= 400, path
+
+
+def test_what_each_collective_moves_per_rank():
+    assert collective_bytes("all_reduce", 4000, 4) == 6000  # 2(n-1)/n
+    assert collective_bytes("all_gather", 4000, 4) == collective_bytes("broadcast", 4000, 4) == 3000  # (n-1)/n
+    assert collective_bytes("reduce_scatter", 4000, 4, "nccl") == 3000
+    assert collective_bytes("reduce_scatter", 4000, 4, "gloo") == 6000  # gloo runs it as an all-reduce
+    assert collective_bytes("all_reduce", 4000, 1) == 0
+    for kind in ("all_gather", "reduce_scatter"):  # the byte counter charges what the record expects
+        for backend in ("gloo", "nccl"):
+            assert ring_bytes(kind, 4000, 4, backend) == collective_bytes(kind, 4000, 4, backend)
+
+
+def test_what_each_strategy_sends_besides_its_hook_amortised_over_its_period():
+    assert expected_bytes(HOOKS.record("local_sgd"), 3200, 2, period=4) == 800
+    assert expected_bytes(HOOKS.record("diloco"), 3200, 2, period=16) == 200
+    assert expected_bytes(HOOKS.record("zero1"), 3200, 2) == 1600
+    assert expected_bytes(HOOKS.record("fsdp"), 3200, 2, backend="gloo") == 1600 + 1600 + 3200
+    assert expected_bytes(HOOKS.record("fsdp"), 3200, 2, backend="nccl") == 3 * 1600
+    assert expected_bytes(HOOKS.record("allreduce"), 3200, 2) == 0  # a hook's bytes come from its buckets
+
+
+def test_the_local_strategies_options_and_their_defaults():
+    assert {key: default for key, (_, default) in option_types("local_sgd").items()} == {"period": 4, "warmup_steps": 0}
+    assert {key: default for key, (_, default) in option_types("diloco").items()} == {
+        "period": 16, "outer_lr": 0.7, "outer_momentum": 0.9}
+    assert option_types("fsdp") == option_types("zero1") == {}
+    cfg = checked("--hook", "diloco", "--nserver", "0", "--hook-option", "period=64", "--optimizer", "adamw")
+    assert cfg.hook_options == {"period": 64} and cfg.weight_decay == 0.01
+    assert checked("--hook", "DiLoCo", "--nserver", "0").hook == "diloco"
+    assert checked("--hook", "fsdp", "--nserver", "0").weight_decay == 0.0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--hook", "local_sgd", "--nserver", "0", "--hook-option", "period=0"), "'period' must be at least 1"),
+    (("--hook", "diloco", "--nserver", "0", "--hook-option", "period=-2"), "'period' must be at least 1"),
+    (("--hook", "local_sgd", "--nserver", "0", "--hook-option", "warmup_steps=-1"), "'warmup_steps' must be 0 or more"),
+    (("--hook", "diloco", "--nserver", "0", "--hook-option", "outer_momentum=1"), "'outer_momentum' must be in"),
+    (("--hook", "fsdp"), r"trains without parameter servers: set --nserver 0 \(got --nserver 1"),
+    (("--hook", "diloco", "--nserver", "2", "--ntrainer", "3"), "trains without parameter servers"),
+    (("--hook", "zero1", "--nserver", "0", "--ncudaserver", "1"), "trains without parameter servers"),
+    (("--hook", "local_sgd", "--nserver", "0", "--staleness", "2"), "it needs --hook ps"),
+    (("--hook", "fsdp", "--nserver", "0", "--hook-option", "period=4"), "hook 'fsdp' has no option 'period'"),
+    (("--hook", "local_sgd", "--nserver", "0", "--hook-option", "outer_lr=1"), "has no option 'outer_lr'"),
+    (("--hook", "fsdp", "--nserver", "0", "--verify"), "cannot be combined with --verify"),
+    (("--hook", "zero1", "--nserver", "0", "--limits"), "cannot be combined with --limits"),
+    (("--hook", "fsdp", "--nserver", "0", "--model", "DummyModelSmallSparse"), "sparse gradients"),
+    (("--optimizer", "adamw", "--momentum", "0.9"), "--momentum is SGD's"),
+    (("--momentum", "-1"), "--momentum must be 0 or more"),
+    (("--weight-decay", "-0.1"), "--weight-decay must be 0 or more"),
+    (("--staleness", "1", "--optimizer", "adamw"), "plain SGD"),
+    (("--straggler", "any:20ms:0"), r"P must be a probability in \(0, 1\]"),
+    (("--straggler", "any:20ms:1.2"), r"P must be a probability in \(0, 1\]"),
+    (("--straggler", "any:fast:0.2"), "DELAY must be a number"),
+])
+def test_bad_input_is_refused_with_one_sentence(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        checked(*argv)
+
+
+def test_an_unknown_optimizer_exits_2_with_one_line_before_anything_starts():
+    run = subprocess.run([sys.executable, "bench.py", "--optimizer", "adam", "--hook", "diloco", "--nserver", "0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.count("\n") == 1 and "invalid choice: 'adam'" in run.stderr
