@@ -256,8 +256,9 @@ def plot_convergence(path: str, rows: list[Row], title: str) -> None:
         xs = [s for s, _ in curve[window - 1:]]
         ys = [np.mean([loss if loss is not None else np.nan for _, loss in curve[i - window + 1:i + 1]])
               for i in range(window - 1, len(curve))]
-        label = (" ".join(f"{c}={row.option(c)}" for c in columns) if len(columns) > 1
-                 else " ".join(str(row.option(c)) for c in columns)) or row.label
+        shown = [c for c in columns if row.option(c) not in (None, "{}")]  # an option left unset says nothing
+        label = (" ".join(f"{c}={row.option(c)}" for c in shown) if len(columns) > 1
+                 else " ".join(str(row.option(c)) for c in shown)) or row.label
         if not convergence["reached"]:
             label += f" (not reached: {convergence['stopped_by']})"
         line, = axes.plot(xs, ys, label=label, color=colour)

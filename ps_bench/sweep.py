@@ -93,8 +93,9 @@ def describe(overrides: dict[str, Any]) -> str:
     return " ".join(f"{k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in overrides.items()) or "base"
 
 
-def load_sweep(path: str) -> tuple[str, list[Point]]:
-    """Reads and expands a sweep file; every point is validated (ConfigError names the point)."""
+def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
+    """Reads and expands a sweep file; every point is validated (ConfigError names the point),
+    with ``machine=False`` as on a machine that can run it (root and tc for emulated links)."""
     raw = read_json(path, "sweep file")
     if not isinstance(raw, dict):
         raise ConfigError(f"sweep file {path!r} must hold a JSON object")
@@ -137,7 +138,7 @@ def load_sweep(path: str) -> tuple[str, list[Point]]:
             label = " ".join(filter(None, [variant_label, describe(combo) if combo else ""]))
             try:
                 cfg = build_config(options)
-                model, data = validate(cfg)
+                model, data = validate(cfg, machine=machine)
             except ConfigError as error:
                 raise ConfigError(f"sweep {path!r}: point {index} ({label}): {error}") from None
             resolved = {**cfg.to_dict(), "model_config": model.to_dict(), "data_config": data.to_dict()}
@@ -226,8 +227,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace, bench_argv: list[str]) -> None:
-    """The sweep file, every point of it validated."""
-    load_sweep(args.file)
+    """The sweep file, every point of it validated (as on a machine that can run it)."""
+    load_sweep(args.file, machine=False)
 
 
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:

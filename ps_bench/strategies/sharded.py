@@ -15,17 +15,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ps_bench.strategies.allreduce import allreduce
 from ps_bench.strategies.base import (COLLECTIVE, FSDP, GATHERED, HOOKS, SHARDED, HookContext, OptimizerSpec, Strategy,
                                       Synchroniser, flat_parameters)
-
-try:
-    from torch.distributed.fsdp import fully_shard
-except ImportError:  # torch releases before FSDP2 was public
-    from torch.distributed._composable.fsdp import fully_shard
+# torch.distributed.fsdp and torch.distributed.optim import DTensor's operators, over a second of CPU:
+# only the trainers of a run that shards pay for them, where they wrap the model.
 
 
 @HOOKS.register("fsdp", aliases=("fully_shard", "fsdp2"),
@@ -42,6 +37,11 @@ class FullyShard(Synchroniser):
 
     def wrap(self, network: nn.Module, ctx: HookContext, ddp_options: dict[str, Any],
              optimizer: OptimizerSpec) -> tuple[nn.Module, torch.optim.Optimizer]:
+        from torch.distributed.device_mesh import init_device_mesh
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch releases before FSDP2 was public
+            from torch.distributed._composable.fsdp import fully_shard
         device = next(network.parameters()).device
         mesh = init_device_mesh(device.type, (ctx.process_group.size(),))
         for module in list(network.modules())[1:]:
@@ -78,6 +78,7 @@ class ZeroOne(Synchroniser):
 
     def wrap(self, network: nn.Module, ctx: HookContext, ddp_options: dict[str, Any],
              optimizer: OptimizerSpec) -> tuple[nn.Module, torch.optim.Optimizer]:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
         model, _ = super().wrap(network, ctx, ddp_options, None)
         return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer.kind,
                                               process_group=ctx.process_group, **optimizer.options)
