@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -92,8 +93,10 @@ def record(error: BaseException) -> None:
     entry = _entry(error)
     path = error_file(me.run_dir, me.rank)
     try:
-        if not path.exists():
-            path.write_text(json.dumps(entry))
+        if not path.exists():  # written whole, then renamed: a reader never sees half a record
+            pending = path.with_name(f"{path.name}.{threading.get_ident()}.pending")
+            pending.write_text(json.dumps(entry))
+            os.replace(pending, path)
     except OSError:
         pass
     if me.echo:
@@ -101,9 +104,15 @@ def record(error: BaseException) -> None:
         sys.stderr.flush()
 
 
+_fatal = threading.Lock()  # taken by the first thread to fail, never released: the process ends with it
+
+
 def fatal(error: BaseException) -> None:
     """Records the failure and ends this process now: with a peer gone, RPC threads can block
-    interpreter teardown, so there is no orderly exit to wait for."""
+    interpreter teardown, so there is no orderly exit to wait for. Where several threads fail at
+    once (two trainers' calls to a failing server), the first records and ends the process; the
+    others wait for that, so none rewrites the record while the process exits."""
+    _fatal.acquire()
     record(error)
     if _identity is not None and _identity.echo:  # nobody reads the record under torchrun
         shutil.rmtree(_identity.run_dir, ignore_errors=True)
