@@ -49,6 +49,9 @@ class RunConfig:
     nserver: int = option(1, "parameter servers that aggregate on the CPU", group=TOPOLOGY)
     ncudaserver: int = option(0, "parameter servers that aggregate on a GPU", group=TOPOLOGY)
     backend: str = option("gloo", "trainers' collective backend", group=TOPOLOGY, choices=("gloo", "nccl", "multi"))
+    per_host: int | None = option(
+        None, "trainers per host, as GPUs share a node: trainers [kG, (k+1)G) are host k; hsdp shards within a "
+        "host and replicates across hosts (default: unset, every trainer on one host)", group=TOPOLOGY, metavar="G")
     hook: str = option("ps", "DDP communication hook (gradient strategy)", group=STRATEGY, aliases=("ddp_hook",))
     hook_options: dict = option({}, "options of the hook, e.g. PowerSGD's matrix_approximation_rank", group=STRATEGY)
     verify: bool = option(False, "compare what the strategy delivered with the exact mean gradient, "

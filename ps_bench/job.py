@@ -129,6 +129,15 @@ def check_pieces(cfg: RunConfig) -> None:
         unsupported += ["--gradient-as-bucket-view"] if cfg.gradient_as_bucket_view and record.wrap == FSDP else []
         need(not unsupported, f"--hook {cfg.hook} cannot be combined with {', '.join(unsupported)} yet "
                               f"(its floors and gradient captures are those of a DDP hook)")
+    if cfg.per_host is not None:
+        need(cfg.per_host >= 1, f"--per-host must be at least 1; got {cfg.per_host}")
+        need(cfg.num_trainers % cfg.per_host == 0, f"--per-host {cfg.per_host} does not divide the "
+                                                   f"{cfg.num_trainers} trainers into whole hosts")
+    if record.per_host:
+        hosts = cfg.num_trainers // cfg.per_host if cfg.per_host else 1
+        need(hosts >= 2, f"--hook {cfg.hook} synchronises within each host, then across hosts: it needs 2 hosts or "
+                         f"more (--per-host G with G a divisor of the trainers below their number; got "
+                         f"{cfg.num_trainers} trainers on {hosts} host)")
     if cfg.optimizer != "sgd" or cfg.momentum:
         need(cfg.staleness is None, "--staleness: the servers step the parameters with plain SGD; leave --optimizer "
                                     "and --momentum out")

@@ -73,6 +73,7 @@ class Strategy:
     identical: str = EVERY_ITERATION  # what "replicas identical" is checked at
     # (collective, "iteration" | "period"): what it issues over the model's parameters besides its hook
     sends: tuple[tuple[str, str], ...] = ()
+    per_host: bool = False  # it synchronises within each host before across hosts: needs --per-host, 2 hosts or more
 
     def __post_init__(self) -> None:
         if self.family is None:
@@ -157,6 +158,7 @@ class HookContext:
     group_server: int | None
     cuda_rpc: bool
     rpc_timeout: float
+    per_host: int | None = None  # --per-host: trainers per host (hsdp's shard group)
     comm: IntervalTracker = field(default_factory=IntervalTracker)
     wire: ByteCounter = field(default_factory=ByteCounter)
     iteration: int = 0  # the trainer's current training iteration, from 1

@@ -19,6 +19,7 @@ from torch import nn
 from ps_bench.strategies.allreduce import allreduce
 from ps_bench.strategies.base import (COLLECTIVE, FSDP, GATHERED, HOOKS, SHARDED, HookContext, OptimizerSpec, Strategy,
                                       Synchroniser, flat_parameters)
+MESH_NAMES = ("replicate", "shard")  # a 2-D mesh replicates across its rows and shards within each
 # torch.distributed.fsdp and torch.distributed.optim import DTensor's operators, over a second of CPU:
 # only the trainers of a run that shards pay for them, where they wrap the model.
 
@@ -43,12 +44,18 @@ class FullyShard(Synchroniser):
         except ImportError:  # torch releases before FSDP2 was public
             from torch.distributed._composable.fsdp import fully_shard
         device = next(network.parameters()).device
-        mesh = init_device_mesh(device.type, (ctx.process_group.size(),))
+        shape = self.mesh_shape(ctx)
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_NAMES[-len(shape):])
         for module in list(network.modules())[1:]:
             if any(True for _ in module.parameters(recurse=False)):
                 fully_shard(module, mesh=mesh)
         fully_shard(network, mesh=mesh)
         return network, optimizer.build(network.parameters())
+
+    @staticmethod
+    def mesh_shape(ctx: HookContext) -> tuple[int, ...]:
+        """One dimension: every trainer holds a shard."""
+        return (ctx.process_group.size(),)
 
     def end_round(self, ctx: HookContext, model: nn.Module) -> None:
         """The full parameters, gathered from every trainer's shards (not counted as wire bytes)."""
@@ -64,6 +71,22 @@ class FullyShard(Synchroniser):
     def full_parameters(self, model: nn.Module) -> torch.Tensor:
         """Every parameter whole, flattened: an all-gather of each sharded one."""
         return flat_parameters(p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters())
+
+
+# its collectives run over a host's trainers and over each shard's hosts, which ``sends`` (collectives
+# over all trainers) does not describe: its test counts them by hand
+@HOOKS.register("hsdp", aliases=("HSDP",),
+                record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED, wrap=FSDP,
+                                identical=GATHERED, per_host=True))
+class HybridShard(FullyShard):
+    """FSDP2 on a 2-D mesh (HSDP): parameters sharded among the trainers of a host (--per-host)
+    and replicated across hosts; gradients reduce-scattered within the host, then each shard
+    all-reduced across hosts; lossless."""
+
+    @staticmethod
+    def mesh_shape(ctx: HookContext) -> tuple[int, ...]:
+        """Hosts x trainers per host: host k is trainers [kG, (k+1)G), a row of the mesh."""
+        return (ctx.process_group.size() // ctx.per_host, ctx.per_host)
 
 
 @HOOKS.register("zero1", aliases=("zero", "ZeroRedundancyOptimizer"),

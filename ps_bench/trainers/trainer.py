@@ -79,6 +79,7 @@ class DdpTrainer:
             group_server=group_server,
             cuda_rpc=cuda_rpc,
             rpc_timeout=config.rpc_timeout,
+            per_host=config.per_host,
         )
         wire.install(self.hook_context.wire)
         self.synchroniser = build_synchroniser(config.hook, self.hook_context, config.hook_options)

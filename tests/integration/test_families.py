@@ -33,11 +33,24 @@ def assert_same_parameters(results: dict, baseline: dict) -> None:
         assert results["loss"][which] == pytest.approx(baseline["loss"][which], rel=1e-5)
 
 
-@pytest.mark.parametrize("hook", [name for name in FAMILIES if HOOKS.record(name).family == SHARDED])
+@pytest.mark.parametrize("hook", [name for name in FAMILIES if HOOKS.record(name).family == SHARDED
+                                  and not HOOKS.record(name).per_host])  # hsdp: its own test, on two hosts
 def test_a_sharded_strategy_ends_with_allreduces_parameters(hook, bench_runs):
     results = family_run(bench_runs, hook)
     assert_same_parameters(results, reference(bench_runs))
     assert results["replicas"]["checked_at"] == HOOKS.record(hook).identical
+
+
+def test_hsdp_shards_within_each_host_and_ends_with_allreduces_parameters(bench_runs):
+    """4 trainers, 2 per host: parameters gathered and reduce-scattered among the 2 of a host
+    (gloo: an all-reduce of the whole gradient), each host's half all-reduced with the other's."""
+    results = family_run(bench_runs, "hsdp", "--ntrainer", "4", "--per-host", "2")
+    baseline = bench_runs.ok("--hook", "allreduce", *QUICK, "--ntrainer", "4", timeout_s=120)
+    assert_same_parameters(results, baseline)
+    within = 2 * (MODEL_BYTES // 2) + MODEL_BYTES  # two all-gathers (n-1)/n, a gloo reduce-scatter 2(n-1)/n
+    across = MODEL_BYTES // 2  # a ring all-reduce of the host's shard between two hosts
+    assert results["bytes"]["trainer_sent_per_iter"] == within + across
+    assert results["config"]["per_host"] == 2
 
 
 @pytest.mark.parametrize("hook, options", [("local_sgd", ("period=1",)),

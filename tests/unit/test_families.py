@@ -28,7 +28,7 @@ def checked(*argv: str):
 
 def test_every_family_has_its_module_and_its_strategies():
     by_family = {family: {name for name in HOOKS.names() if HOOKS.record(name).family == family} for family in FAMILIES}
-    assert by_family[SHARDED] == {"fsdp", "zero1"} and by_family[LOCAL] == {"local_sgd", "diloco"}
+    assert by_family[SHARDED] == {"fsdp", "hsdp", "zero1"} and by_family[LOCAL] == {"local_sgd", "diloco"}
     assert {"allreduce", "fp16", "powersgd", "noop"} <= by_family[ALLREDUCE]
     assert {"ps", "sparse_ps", "ps_fp16"} <= by_family[SERVERS]
     for family in FAMILIES:
@@ -69,7 +69,8 @@ def test_the_local_strategies_options_and_their_defaults():
     assert {key: default for key, (_, default) in option_types("local_sgd").items()} == {"period": 4, "warmup_steps": 0}
     assert {key: default for key, (_, default) in option_types("diloco").items()} == {
         "period": 16, "outer_lr": 0.7, "outer_momentum": 0.9}
-    assert option_types("fsdp") == option_types("zero1") == {}
+    assert option_types("fsdp") == option_types("zero1") == option_types("hsdp") == {}
+    assert checked("--hook", "hsdp", "--nserver", "0", "--ntrainer", "4", "--per-host", "2").per_host == 2
     cfg = checked("--hook", "diloco", "--nserver", "0", "--hook-option", "period=64", "--optimizer", "adamw")
     assert cfg.hook_options == {"period": 64} and cfg.weight_decay == 0.01
     assert checked("--hook", "DiLoCo", "--nserver", "0").hook == "diloco"
@@ -90,6 +91,10 @@ def test_the_local_strategies_options_and_their_defaults():
     (("--hook", "fsdp", "--nserver", "0", "--verify"), "cannot be combined with --verify"),
     (("--hook", "zero1", "--nserver", "0", "--limits"), "cannot be combined with --limits"),
     (("--hook", "fsdp", "--nserver", "0", "--model", "DummyModelSmallSparse"), "sparse gradients"),
+    (("--hook", "hsdp", "--nserver", "0"), "it needs 2 hosts or more"),
+    (("--hook", "hsdp", "--nserver", "0", "--ntrainer", "4", "--per-host", "4"), "got 4 trainers on 1 host"),
+    (("--ntrainer", "4", "--per-host", "3"), "--per-host 3 does not divide the 4 trainers"),
+    (("--per-host", "0"), "--per-host must be at least 1"),
     (("--optimizer", "adamw", "--momentum", "0.9"), "--momentum is SGD's"),
     (("--momentum", "-1"), "--momentum must be 0 or more"),
     (("--weight-decay", "-0.1"), "--weight-decay must be 0 or more"),
