@@ -42,9 +42,10 @@ def verified_steps(iterations: int) -> set[int]:
 
 @TRAINERS.register("ddp", aliases=("DdpTrainer",))
 class DdpTrainer:
-    """Synchronous data parallel: a DDP replica over the trainers' process group, gradients combined by the hook.
-
-    Every iteration waits for every bucket's combined gradient before its optimizer step."""
+    """Data parallel over the trainers' process group, the model wrapped and stepped as the
+    strategy's ``Synchroniser`` says: a DDP replica whose hook combines the gradients (every
+    iteration waits for every bucket before its optimizer step), FSDP2's shards, or local steps
+    with the parameters synchronised after some of them (``after_step``)."""
 
     @fatal_on_error
     def __init__(
