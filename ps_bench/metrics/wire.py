@@ -113,21 +113,24 @@ def counted_single(collective, kind: str):
             group = kwargs.get("group", args[at] if len(args) > at else None)
             whole = output if kind == "all_gather" else input
             backend = dist.get_backend(group) if group is not None else dist.get_backend()
-            moved = ring_bytes(kind, tensor_bytes(whole), _world(group), backend)
+            moved = collective_bytes(kind, tensor_bytes(whole), _world(group), backend)
             _counter.add(sent=moved, recv=moved)
         return collective(output, input, *args, **kwargs)
 
     return counted
 
 
-def ring_bytes(kind: str, nbytes: int, world: int, backend: str) -> int:
-    """Bytes one rank sends (and receives) in a ring all-gather or reduce-scatter over a whole
-    buffer of ``nbytes``; gloo's reduce-scatter is an all-reduce of the whole input."""
-    if world <= 1:
-        return 0
-    if kind == "reduce_scatter" and backend == "gloo":
+def collective_bytes(collective: str, nbytes: int, world: int, backend: str = "gloo") -> int:
+    """Bytes one rank sends (and receives, on average over the ranks) in one collective over a
+    whole buffer of ``nbytes`` (a reduce-scatter's input, an all-gather's output).
+
+    A ring all-reduce moves ``2(n-1)/n`` of it; a ring reduce-scatter or all-gather ``(n-1)/n``;
+    a broadcast ``(n-1)/n`` on average (the source sends it to each of the others). gloo has no
+    reduce-scatter of its own: it runs an all-reduce of the whole input and keeps a chunk, so
+    on gloo a reduce-scatter moves what an all-reduce does."""
+    if collective == "all_reduce" or (collective == "reduce_scatter" and backend == "gloo"):
         return allreduce_bytes(nbytes, world)
-    return (world - 1) * nbytes // world
+    return (world - 1) * nbytes // world if world > 1 else 0
 
 
 def counted_broadcast(broadcast):

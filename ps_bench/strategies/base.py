@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ps_bench.config import as_type
 from ps_bench.metrics.timers import IntervalTracker, tensor_bytes
-from ps_bench.metrics.wire import ByteCounter
+from ps_bench.metrics.wire import ByteCounter, collective_bytes
 from ps_bench.registry import Registry
 from ps_bench.topology import balance_buckets
 
@@ -105,21 +105,6 @@ class Strategy:
     def floor(self) -> str | None:
         """The ``--limits`` floor it is held against: the raw transfer over its transport."""
         return self.transport
-
-
-def collective_bytes(collective: str, nbytes: int, world: int, backend: str = "gloo") -> int:
-    """Bytes one rank sends (and receives, on average over the ranks) in one collective over a
-    buffer of ``nbytes`` (the whole model: a reduce-scatter's input, an all-gather's output).
-
-    A ring all-reduce moves ``2(n-1)/n`` of it; a ring reduce-scatter or all-gather ``(n-1)/n``;
-    a broadcast ``(n-1)/n`` on average (the source sends it to each of the others). gloo has no
-    reduce-scatter of its own: it runs an all-reduce of the whole input and keeps a chunk, so
-    on gloo a reduce-scatter moves what an all-reduce does."""
-    if world <= 1:
-        return 0
-    if collective == "all_reduce" or (collective == "reduce_scatter" and backend == "gloo"):
-        return 2 * (world - 1) * nbytes // world
-    return (world - 1) * nbytes // world
 
 
 def expected_bytes(record: Strategy, nbytes: int, world: int, period: int = 1, backend: str = "gloo") -> float:

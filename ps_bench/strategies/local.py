@@ -35,7 +35,7 @@ class Periodic(Synchroniser):
     synced: torch.Tensor | None = None
 
     def note_synchronised(self, model: nn.Module) -> None:
-        self.synced = flat_parameters(model.parameters()).cpu().clone()
+        self.synced = flat_parameters(model.parameters()).cpu()  # a new tensor: cat copies
 
     def parameters_vector(self, model: nn.Module) -> torch.Tensor:
         return self.synced if self.synced is not None else super().parameters_vector(model)
