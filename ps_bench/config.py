@@ -52,6 +52,10 @@ class RunConfig:
     per_host: int | None = option(
         None, "trainers per host, as GPUs share a node: trainers [kG, (k+1)G) are host k; hsdp shards within a "
         "host and replicates across hosts (default: unset, every trainer on one host)", group=TOPOLOGY, metavar="G")
+    servers_on: str = option(
+        "dedicated", "where an emulated network places the parameter servers: dedicated (a host of their own) or "
+        "colocated (server k on trainer host k, one per host, as BytePS places them)", group=TOPOLOGY,
+        choices=("dedicated", "colocated"))
     hook: str = option("ps", "DDP communication hook (gradient strategy)", group=STRATEGY, aliases=("ddp_hook",))
     hook_options: dict = option({}, "options of the hook, e.g. PowerSGD's matrix_approximation_rank", group=STRATEGY)
     verify: bool = option(False, "compare what the strategy delivered with the exact mean gradient, "

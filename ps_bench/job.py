@@ -133,6 +133,13 @@ def check_pieces(cfg: RunConfig) -> None:
         need(cfg.per_host >= 1, f"--per-host must be at least 1; got {cfg.per_host}")
         need(cfg.num_trainers % cfg.per_host == 0, f"--per-host {cfg.per_host} does not divide the "
                                                    f"{cfg.num_trainers} trainers into whole hosts")
+    if cfg.servers_on == "colocated":
+        hosts = cfg.num_trainers // (cfg.per_host or 1)
+        need(cfg.emulate_link is not None, "--servers-on colocated places servers on the trainers' hosts of an "
+                                           "emulated network: set --emulate-link (bench.py emulate); on real hosts "
+                                           "the launcher places every rank")
+        need(cfg.num_servers == hosts, f"--servers-on colocated puts one server on each trainer host: this job has "
+                                       f"{hosts} trainer host(s), so --nserver {hosts}; got {cfg.num_servers}")
     if record.per_host:
         hosts = cfg.num_trainers // cfg.per_host if cfg.per_host else 1
         need(hosts >= 2, f"--hook {cfg.hook} synchronises within each host, then across hosts: it needs 2 hosts or "

@@ -100,6 +100,14 @@ class Master:
             server.rpc_sync().set_peers(servers)
         return servers
 
+    def rank_hosts(self) -> list[int] | None:
+        """The index in ``env.hosts`` of every rank's host (None: not known)."""
+        hosts = self.record.environment["hosts"]
+        owner = {rank: index for index, host in enumerate(hosts) for rank in host["ranks"]}
+        if len(owner) != self.topology.world_size:
+            return None
+        return [owner[rank] for rank in range(self.topology.world_size)]
+
     def create_trainers(self, servers: list[rpc.RRef]) -> list[rpc.RRef]:
         cfg, topo = self.config, self.topology
         dataset = build_data(self.data.class_name, self.data.kwargs, cfg.torch_seed, cfg.labels)
@@ -115,7 +123,7 @@ class Master:
             group_server = topo.group_of(info.index) if topo.mapping == "group" and servers else None
             trainers.append(rpc.remote(info.name, trainer_class, args=(
                 info.index, cfg, self.model, shard.inputs, shard.targets, handles, group_server, info.cuda_rpc,
-                device_name(self.device_of(info.rank)), held_out if info.index == 0 else None)))
+                device_name(self.device_of(info.rank)), held_out if info.index == 0 else None, self.rank_hosts())))
         iterations = [trainer.rpc_sync(timeout=0).ready() for trainer in trainers]  # every replica is built
         if cfg.staleness is not None:  # the servers own the parameters: a round is a budget of everyone's updates
             for server in servers:

@@ -81,9 +81,24 @@ def parse_delay(text: str) -> float:
 def placement(cfg: RunConfig) -> list[list[int]]:
     """The ranks on each emulated host. By default every trainer and every server has a host of
     its own and the master sits beside the last server (the last trainer without servers), so
-    every gradient crosses a link; with ``emulate_hosts`` N, the ranks in rank order, packed onto
-    N hosts as evenly as they go."""
+    every gradient crosses a link. With ``per_host`` G, trainers [kG, (k+1)G) share host k (they
+    reach each other over its loopback, as GPUs in a node do); ``servers_on`` colocated puts
+    server k on trainer host k, dedicated gives each server a host of its own; the master sits on
+    the last host. With ``emulate_hosts`` N (and no ``per_host``), the ranks in rank order,
+    packed onto N hosts as evenly as they go."""
     world = cfg.world_size
+    if cfg.per_host is not None or cfg.servers_on == "colocated":
+        per_host = cfg.per_host or 1
+        trainers, servers = cfg.num_trainers, cfg.num_servers
+        hosts = [list(range(start, start + per_host)) for start in range(0, trainers, per_host)]
+        for server in range(servers):
+            rank = trainers + server
+            if cfg.servers_on == "colocated":
+                hosts[server % len(hosts)].append(rank)
+            else:
+                hosts.append([rank])
+        hosts[-1].append(world - 1)
+        return hosts
     if cfg.emulate_hosts is None:
         hosts = [[rank] for rank in range(world - 1)]
         hosts[-1].append(world - 1)
@@ -119,6 +134,11 @@ def check(cfg: RunConfig, machine: bool = True) -> None:
     """The emulation options and (``machine``) this machine: a ConfigError says what is wrong,
     before anything is created."""
     parse_rate(cfg.emulate_link)
+    if cfg.emulate_hosts is not None and (cfg.per_host is not None or cfg.servers_on == "colocated"):
+        placed = len(placement(cfg))
+        if cfg.emulate_hosts != placed:
+            raise ConfigError(f"--hosts (--emulate-hosts) {cfg.emulate_hosts} disagrees with --per-host and "
+                              f"--servers-on, which place this job on {placed} hosts: leave --hosts out")
     hosts = len(placement(cfg)) if cfg.emulate_hosts is None else cfg.emulate_hosts
     if cfg.emulate_hosts is not None and not 1 <= cfg.emulate_hosts <= cfg.world_size:
         raise ConfigError(f"--hosts (--emulate-hosts) must be from 1 to this job's {cfg.world_size} processes; got {cfg.emulate_hosts}")

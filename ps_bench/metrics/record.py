@@ -103,6 +103,7 @@ class RunRecord:
         self.server_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.trainer_bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # sent, received
         self.server_bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # received, sent
+        self.host_traffic: dict[tuple[int, int], int] = defaultdict(int)  # (from host, to host) -> bytes
         self.iterations = self.rounds_done = 0
         self.trainer_work: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # rank -> iterations, samples
         self.staleness: list[int] = []  # --staleness: each applied update's observed staleness, every server
@@ -145,6 +146,8 @@ class RunRecord:
             self.trainer_bytes[info.rank][0] += result["bytes_sent"]
             self.trainer_bytes[info.rank][1] += result["bytes_recv"]
             self.grad_errors.extend(result["grad_errors"])
+            for source, destination, nbytes in result.get("host_traffic", []):
+                self.host_traffic[source, destination] += nbytes
             self.memory["trainer"][info.rank] = result["memory"]
             for bucket, offsets in result.get("timeline", {}).items():
                 self.bucket_offsets[bucket].extend(offsets)
@@ -283,6 +286,7 @@ class RunRecord:
                 "trainer_recv_per_iter": self.per_iteration(self.trainer_bytes, 1, topo.num_trainers),
                 "server_recv_per_iter": self.per_iteration(self.server_bytes, 0, topo.num_servers),
                 "server_sent_per_iter": self.per_iteration(self.server_bytes, 1, topo.num_servers),
+                **self.host_links(),
             },
             "timeline": self.timeline(),
             "replicas": self.replicas,
@@ -302,6 +306,19 @@ class RunRecord:
                 + [(i, self.server_samples) for i in topo.servers]
             ],
         }
+
+    def host_links(self) -> dict:
+        """With ranks on two hosts or more: the bytes per iteration that crossed between hosts,
+        in all and on each host's link each way (counted by the trainers, see ``wire``)."""
+        hosts = self.environment.get("hosts") or []
+        if len(hosts) < 2 or not self.iterations:
+            return {}
+        per = float(self.iterations)
+        links = [{"host": host["hostname"],
+                  "out_per_iter": sum(n for (src, dst), n in self.host_traffic.items() if src == index) / per,
+                  "in_per_iter": sum(n for (src, dst), n in self.host_traffic.items() if dst == index) / per}
+                 for index, host in enumerate(hosts)]
+        return {"across_hosts_per_iter": sum(self.host_traffic.values()) / per, "host_links": links}
 
     def per_iteration(self, counts: dict[int, list[int]], column: int, processes: int) -> float:
         """Bytes per iteration, mean per process of the role."""

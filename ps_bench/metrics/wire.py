@@ -11,6 +11,12 @@ sends the buffer to each of the others, and each of them receives it once). Only
 torch has are wrapped: torch 2.14 calls the single-tensor forms ``all_gather_single`` and
 ``reduce_scatter_single``, torch 2.11 ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
 (in 2.14 those call the new ones inside torch, past the wrapper, so nothing counts twice).
+
+Bytes between hosts are counted apart (``ByteCounter.crossing``, host to host), as a ring in
+the group's rank order moves them: what a rank sends in a ring collective goes to its
+successor, so it crosses a host link where the successor is on another host; a broadcast's
+source sends to each of the others; an RPC payload goes to its server and the answer comes
+back. A collective over one host's trainers crosses nothing.
 """
 
 from __future__ import annotations
@@ -50,13 +56,53 @@ class ByteCounter:
         self._lock = threading.Lock()
         self.sent = self.recv = 0
         self.paused = False
+        self.hosts: list[int] | None = None  # host index of every rank of the job, where known
+        self.rank = 0  # this trainer's rank in the job (= in the trainers' group)
+        self.crossing: dict[tuple[int, int], int] = {}  # (from host, to host) -> bytes, hosts apart only
+        self._successors: dict[object, int | None] = {}  # process group -> its ring successor's rank
 
-    def add(self, sent: int = 0, recv: int = 0) -> None:
+    def add(self, sent: int = 0, recv: int = 0, peer: int | None = None) -> None:
+        """``sent`` to and ``recv`` from ``peer`` (a rank of the job; None: no single peer)."""
         if self.paused:
             return
         with self._lock:
             self.sent += sent
             self.recv += recv
+            if peer is not None:
+                self._cross(self.rank, peer, sent)
+                self._cross(peer, self.rank, recv)
+
+    def _cross(self, source: int, destination: int, nbytes: int) -> None:
+        if self.hosts is None or not nbytes:
+            return
+        here, there = self.hosts[source], self.hosts[destination]
+        if here != there:
+            self.crossing[here, there] = self.crossing.get((here, there), 0) + nbytes
+
+    def successor(self, group) -> int | None:
+        """The rank this rank sends to in a ring over ``group`` (its members in rank order)."""
+        if group not in self._successors:
+            members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+            mine = members.index(dist.get_rank())
+            self._successors[group] = members[(mine + 1) % len(members)] if len(members) > 1 else None
+        return self._successors[group]
+
+    def add_ring(self, moved: int, group) -> None:
+        """A ring collective over ``group``: ``moved`` sent to the successor, as much received."""
+        if self.paused:
+            return
+        successor = self.successor(group) if self.hosts is not None else None
+        with self._lock:
+            self.sent += moved
+            self.recv += moved
+            if successor is not None:
+                self._cross(self.rank, successor, moved)
+
+    def take_crossing(self) -> dict[tuple[int, int], int]:
+        """The bytes between hosts since the last call."""
+        with self._lock:
+            crossing, self.crossing = self.crossing, {}
+        return crossing
 
 
 _counter: ByteCounter | None = None
@@ -80,16 +126,14 @@ def install(counter: ByteCounter) -> None:
     def counted_all_reduce(tensor: torch.Tensor, *args, **kwargs):
         group = kwargs.get("group", args[1] if len(args) > 1 else None)
         if _counter is not None:
-            moved = allreduce_bytes(tensor_bytes(tensor), _world(group), tensor.is_sparse)
-            _counter.add(sent=moved, recv=moved)
+            _counter.add_ring(allreduce_bytes(tensor_bytes(tensor), _world(group), tensor.is_sparse), group)
         return all_reduce(tensor, *args, **kwargs)
 
     @functools.wraps(all_gather)
     def counted_all_gather(tensor_list, tensor: torch.Tensor, *args, **kwargs):
         group = kwargs.get("group", args[0] if args else None)
         if _counter is not None:
-            moved = allgather_bytes(tensor_bytes(tensor), _world(group))
-            _counter.add(sent=moved, recv=moved)
+            _counter.add_ring(allgather_bytes(tensor_bytes(tensor), _world(group)), group)
         return all_gather(tensor_list, tensor, *args, **kwargs)
 
     dist.all_reduce, dist.all_gather = counted_all_reduce, counted_all_gather
@@ -113,8 +157,7 @@ def counted_single(collective, kind: str):
             group = kwargs.get("group", args[at] if len(args) > at else None)
             whole = output if kind == "all_gather" else input
             backend = dist.get_backend(group) if group is not None else dist.get_backend()
-            moved = collective_bytes(kind, tensor_bytes(whole), _world(group), backend)
-            _counter.add(sent=moved, recv=moved)
+            _counter.add_ring(collective_bytes(kind, tensor_bytes(whole), _world(group), backend), group)
         return collective(output, input, *args, **kwargs)
 
     return counted
@@ -146,8 +189,12 @@ def counted_broadcast(broadcast):
             mine = (group_source == dist.get_rank(group) if group_source is not None
                     else source == dist.get_rank())
             nbytes = tensor_bytes(tensor)
-            if world > 1:
-                _counter.add(sent=(world - 1) * nbytes if mine else 0, recv=0 if mine else nbytes)
+            if world > 1 and mine:
+                for peer in dist.get_process_group_ranks(group if group is not None else dist.group.WORLD):
+                    if peer != dist.get_rank():
+                        _counter.add(sent=nbytes, peer=peer)
+            elif world > 1:
+                _counter.add(recv=nbytes)
         return broadcast(tensor, *args, **kwargs)
 
     return counted

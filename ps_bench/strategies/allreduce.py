@@ -71,44 +71,10 @@ def settle(target: Future, source: Future) -> None:
         target.set_exception(error)
 
 
-class PowerSGD:
-    """Low-rank compression around all-reduce (torch's PowerSGD, per tensor); lossy."""
+class InOrder:
+    """A stateful hook whose buckets communicate one at a time (``after_previous``)."""
 
-    hook = staticmethod(powerSGD_hook.powerSGD_hook)
-
-    def __init__(
-        self,
-        ctx: HookContext,
-        matrix_approximation_rank: int = 2,
-        start_powerSGD_iter: int = 2,
-        use_error_feedback: bool = True,
-        warm_start: bool = True,
-        min_compression_rate: float = 2.0,
-    ) -> None:
-        self.state = powerSGD_hook.PowerSGDState(
-            process_group=ctx.process_group,
-            matrix_approximation_rank=matrix_approximation_rank,
-            start_powerSGD_iter=start_powerSGD_iter,
-            use_error_feedback=use_error_feedback,
-            warm_start=warm_start,
-            min_compression_rate=min_compression_rate,
-            random_seed=0,
-        )
-        self.previous: Future | None = None  # the last bucket's future (see after_previous)
-
-    @staticmethod
-    def check(matrix_approximation_rank: int, start_powerSGD_iter: int, use_error_feedback: bool,
-              warm_start: bool, min_compression_rate: float) -> None:
-        if matrix_approximation_rank < 1:
-            raise ValueError(f"hook option 'matrix_approximation_rank' must be at least 1; got {matrix_approximation_rank}")
-        if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
-            raise ValueError("hook option 'start_powerSGD_iter' must be more than 1 with error feedback or warm "
-                             "start (DDP rebuilds its buckets after the first iteration)")
-
-    def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
-        if bucket.buffer().is_sparse:  # as dense_only does for the stateless hooks
-            return self.after_previous(lambda: allreduce(ctx, bucket))
-        return self.after_previous(lambda: self.hook(self.state, bucket))
+    previous: Future | None = None  # the last bucket's future
 
     def after_previous(self, start: Callable[[], Future]) -> Future:
         """Starts a bucket's communication once the previous bucket's has finished.
@@ -134,6 +100,46 @@ class PowerSGD:
         else:
             previous.add_done_callback(launch)
         return done
+
+
+class PowerSGD(InOrder):
+    """Low-rank compression around all-reduce (torch's PowerSGD, per tensor); lossy."""
+
+    hook = staticmethod(powerSGD_hook.powerSGD_hook)
+
+    def __init__(
+        self,
+        ctx: HookContext,
+        matrix_approximation_rank: int = 2,
+        start_powerSGD_iter: int = 2,
+        use_error_feedback: bool = True,
+        warm_start: bool = True,
+        min_compression_rate: float = 2.0,
+    ) -> None:
+        self.state = powerSGD_hook.PowerSGDState(
+            process_group=ctx.process_group,
+            matrix_approximation_rank=matrix_approximation_rank,
+            start_powerSGD_iter=start_powerSGD_iter,
+            use_error_feedback=use_error_feedback,
+            warm_start=warm_start,
+            min_compression_rate=min_compression_rate,
+            random_seed=0,
+        )
+
+    @staticmethod
+    def check(matrix_approximation_rank: int, start_powerSGD_iter: int, use_error_feedback: bool,
+              warm_start: bool, min_compression_rate: float) -> None:
+        if matrix_approximation_rank < 1:
+            raise ValueError(f"hook option 'matrix_approximation_rank' must be at least 1; got {matrix_approximation_rank}")
+        if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
+            raise ValueError("hook option 'start_powerSGD_iter' must be more than 1 with error feedback or warm "
+                             "start (DDP rebuilds its buckets after the first iteration)")
+
+    def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
+        if bucket.buffer().is_sparse:  # as dense_only does for the stateless hooks
+            return self.after_previous(lambda: allreduce(ctx, bucket))
+        return self.after_previous(lambda: self.hook(self.state, bucket))
+
 
 
 # Both PowerSGD hooks send all-reduces of low-rank factors (sparse buckets whole): per tensor, the
@@ -167,6 +173,62 @@ if getattr(powerSGD_hook._orthogonalize, "__name__", "") == "_orthogonalize":
     # Widens torch's check (3-D batches behave exactly as before) so the batched hook runs.
     powerSGD_hook._orthogonalize = _orthogonalize_one_or_many
 
+
+
+@HOOKS.register("hierarchical", aliases=("hierarchical_allreduce", "2d_allreduce"),
+                record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=SPARSE_ALLREDUCE, per_host=True))
+class Hierarchical(InOrder):
+    """Two-level all-reduce over hosts of --per-host G trainers (host k is trainers [kG, (k+1)G)):
+    each bucket all-reduced within the host, then chunk j of it all-reduced across hosts by each
+    host's j-th trainer, then the chunks all-gathered within the host; lossless.
+
+    Each host's link carries 2(H-1)/H of a bucket each way for H hosts, split over its G
+    trainers, where a flat ring over every trainer carries 2(HG-1)/(HG) of it on every edge that
+    leaves a host (as NCCL's rings and trees within and across nodes, and Horovod's hierarchical
+    all-reduce, do). gloo runs a reduce-scatter as a whole all-reduce, so the first step is one;
+    sparse buckets are all-reduced flat. Buckets go one at a time (as PowerSGD's do), each step
+    issued when the previous one completes."""
+
+    def __init__(self, ctx: HookContext) -> None:
+        size, per_host = ctx.process_group.size(), ctx.per_host
+        hosts = size // per_host
+        self.intra, _ = dist.new_subgroups_by_enumeration(
+            [list(range(host * per_host, (host + 1) * per_host)) for host in range(hosts)])
+        self.inter, _ = dist.new_subgroups_by_enumeration(
+            [[host * per_host + local for host in range(hosts)] for local in range(per_host)])
+        self.local, self.per_host, self.size = dist.get_rank() % per_host, per_host, size
+
+    def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
+        if bucket.buffer().is_sparse:
+            return self.after_previous(lambda: allreduce(ctx, bucket))
+        return self.after_previous(lambda: self.two_level(bucket.buffer()))
+
+    def two_level(self, tensor: torch.Tensor) -> Future:
+        numel, done = tensor.numel(), Future()
+        padded = torch.cat([tensor, tensor.new_zeros(-numel % self.per_host)]) if numel % self.per_host else tensor.clone()
+        rows = padded.view(self.per_host, -1)
+
+        def step(run: Callable[[], Future], then: Callable[[], None]) -> None:
+            def next_step(finished: Future) -> None:
+                try:
+                    finished.wait()
+                    then()
+                except Exception as error:  # noqa: BLE001 - the trainer waits on ``done``
+                    done.set_exception(error)
+            run().add_done_callback(next_step)
+
+        def gathered() -> None:
+            done.set_result(padded[:numel].div_(self.size).view_as(tensor))
+
+        def across() -> None:
+            step(lambda: dist.all_gather(list(rows.unbind(0)), rows[self.local].clone(), group=self.intra,
+                                         async_op=True).get_future(), gathered)
+
+        def within() -> None:
+            step(lambda: dist.all_reduce(rows[self.local], group=self.inter, async_op=True).get_future(), across)
+
+        step(lambda: dist.all_reduce(padded, group=self.intra, async_op=True).get_future(), within)
+        return done
 
 
 @HOOKS.register("noop", aliases=("noop_hook",),

@@ -26,7 +26,8 @@ def send_to_server(ctx: HookContext, bucket: dist.GradBucket, wire_dtype: torch.
         payload = payload.coalesce()
     if wire_dtype is not None:
         payload = payload.to(wire_dtype)
-    ctx.wire.add(sent=tensor_bytes(payload))
+    peer = server.rref.owner().id  # the server's rank in the job
+    ctx.wire.add(sent=tensor_bytes(payload), peer=peer)
     reply = rpc.rpc_async(
         server.rref.owner(),
         ParameterServer.average_gradient,
@@ -36,7 +37,7 @@ def send_to_server(ctx: HookContext, bucket: dist.GradBucket, wire_dtype: torch.
 
     def received(fut: Future) -> torch.Tensor:
         average = fut.value()
-        ctx.wire.add(recv=tensor_bytes(average))
+        ctx.wire.add(recv=tensor_bytes(average), peer=peer)
         return average.to(device=tensor.device, dtype=tensor.dtype)
 
     return reply.then(received)

@@ -41,7 +41,8 @@ class StaleSynchronousTrainer:
     @fatal_on_error
     def __init__(self, trainer_index: int, config: RunConfig, model: Entry, inputs: tuple[torch.Tensor, ...],
                  targets: torch.Tensor, servers: list[tuple[rpc.RRef, bool]], group_server: int | None,
-                 cuda_rpc: bool, device: str, held_out: Dataset | None = None) -> None:
+                 cuda_rpc: bool, device: str, held_out: Dataset | None = None,
+                 rank_hosts: list[int] | None = None) -> None:
         self.index = trainer_index
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.straggling = Straggling(config.straggler, trainer_index, config.torch_seed)

@@ -60,11 +60,13 @@ class DdpTrainer:
         cuda_rpc: bool,
         device: str,
         held_out: Dataset | None = None,
+        rank_hosts: list[int] | None = None,
     ) -> None:
         """Trainer ``trainer_index`` of a run configured by ``config``: its data shard (``inputs``,
         ``targets``), the servers as (reference, takes CUDA tensors), with the ``group``
         mapping the index of its group's server, and with ``--target-loss`` the held-out
-        samples it evaluates the averaged model on (trainer 0)."""
+        samples it evaluates the averaged model on (trainer 0); ``rank_hosts``, the host index of
+        every rank of the job, lets it count the bytes that cross between hosts apart."""
         self.index = trainer_index
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.straggling = Straggling(config.straggler, trainer_index, config.torch_seed)  # --straggler
@@ -82,6 +84,7 @@ class DdpTrainer:
             rpc_timeout=config.rpc_timeout,
             per_host=config.per_host,
         )
+        self.hook_context.wire.hosts, self.hook_context.wire.rank = rank_hosts, trainer_index  # trainers rank first
         wire.install(self.hook_context.wire)
         self.synchroniser = build_synchroniser(config.hook, self.hook_context, config.hook_options)
         self.strategy = HOOKS.record(config.hook)
@@ -135,6 +138,7 @@ class DdpTrainer:
         losses: list[torch.Tensor] = []
         record, append_loss = records.append, losses.append
         sent_before, recv_before = wire.sent, wire.recv
+        wire.take_crossing()
         clock, stop = timer.clock, timer.stop
         model, loss_fn, optimizer, inputs, targets = self.model, self.loss_fn, self.optimizer, self.inputs, self.targets
         per_epoch, batch_size, fault, iteration = self.iterations_per_epoch, self.batch_size, self.fault, self.iteration
@@ -209,6 +213,8 @@ class DdpTrainer:
             "grad_errors": self.gradient_errors(),
             "memory": peak_memory(self.device),
             "timeline": timeline,
+            "host_traffic": [[source, destination, nbytes] for (source, destination), nbytes
+                             in sorted(wire.take_crossing().items())],
             **({"convergence": convergence.take(phases.sum(axis=1).tolist())} if convergence is not None else {}),
         }
 

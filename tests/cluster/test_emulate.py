@@ -97,17 +97,63 @@ def test_a_failed_rank_ctrl_c_and_kill_leave_nothing_behind(tmp_path, nothing_le
     communicate(process, 60, "bench.py emulate after SIGKILL")
 
 
+MODEL_BYTES = 800 * 4  # the default model, DummyModelSmall: one bucket of 800 float32 gradients
+TWO_BY_TWO = ("--ntrainer", "4", "--per-host", "2", *QUICK)
+
+
+def host_links(results: dict) -> dict[str, tuple[float, float]]:
+    return {link["host"]: (link["out_per_iter"], link["in_per_iter"]) for link in results["bytes"]["host_links"]}
+
+
+def test_two_hosts_of_two_trainers_hierarchical_and_colocated_servers_cross_the_links_less(tmp_path,
+                                                                                          nothing_left_behind):
+    """2 hosts x 2 trainers (M bytes of gradient each) behind 1 Gbit/s links, bytes between hosts
+    counted per host link: a flat ring all-reduce sends 2(4-1)/4 M = 1.5 M out of each host (the
+    ring crosses once each way), hierarchical 2(2-1)/2 M = M (split over the host's two trainers),
+    servers co-located one per host 2(H-1)/H x G x M = 2 M, their hosts' gradients once each way,
+    and dedicated servers every trainer's whole gradient, 2 M out of each trainer host."""
+    runs = {}
+    for name, options in {"allreduce": ("--hook", "allreduce", "--nserver", "0"),
+                          "hierarchical": ("--hook", "hierarchical", "--nserver", "0"),
+                          "colocated": ("--hook", "ps", "--nserver", "2", "--servers-on", "colocated"),
+                          "dedicated": ("--hook", "ps", "--nserver", "2")}.items():
+        run = emulate("--link", "1gbit", "--", *TWO_BY_TWO, *options, "--out", str(tmp_path / f"{name}.json"))
+        assert run.returncode == 0, run.output
+        runs[name] = run.results
+    trainer_hosts = {"emulated-h0", "emulated-h1"}
+    assert runs["colocated"]["env"]["emulated"]["placement"] == [[0, 1, 4], [2, 3, 5, 6]]
+    assert runs["dedicated"]["env"]["emulated"]["placement"] == [[0, 1], [2, 3], [4], [5, 6]]
+    expected_out = {"allreduce": 1.5 * MODEL_BYTES, "hierarchical": MODEL_BYTES, "colocated": 2 * MODEL_BYTES,
+                    "dedicated": 2 * MODEL_BYTES}
+    for name, results in runs.items():
+        links = host_links(results)
+        for host in trainer_hosts:
+            assert links[host] == (expected_out[name], expected_out[name]), (name, links)
+    assert runs["hierarchical"]["bytes"]["across_hosts_per_iter"] < runs["allreduce"]["bytes"]["across_hosts_per_iter"]
+    assert runs["hierarchical"]["replicas"]["param_norm"] == pytest.approx(
+        runs["allreduce"]["replicas"]["param_norm"], rel=1e-5)
+    # one bucket, owned by server 4: the servers' hosts carry the 4 trainers' copies each way
+    assert sum(out for host, (out, _) in host_links(runs["dedicated"]).items() if host not in trainer_hosts) == \
+        4 * MODEL_BYTES
+
+
 BAD_INPUTS = [
     (["--link", "fast"], "--link (--emulate-link): expected a rate in tc's units"),
     (["--link", "0gbit"], "--link (--emulate-link) must be at least 1kbit"),
     (["--link", "1gbit", "--hosts", "0"], "--hosts (--emulate-hosts) must be from 1 to this job's 4 processes"),
     (["--link", "1gbit", "--hosts", "5"], "--hosts (--emulate-hosts) must be from 1 to this job's 4 processes"),
+    (["--link", "1gbit", "--hosts", "2", "--", *TWO_BY_TWO], "--hosts (--emulate-hosts) 2 disagrees with --per-host"),
+    (["--link", "1gbit", "--", *TWO_BY_TWO, "--servers-on", "colocated"],
+     "--servers-on colocated puts one server on each trainer host: this job has 2 trainer host(s), so --nserver 2"),
+    (["--link", "1gbit", "--", "--ntrainer", "3", "--per-host", "2"], "--per-host 2 does not divide the 3 trainers"),
+    (["--link", "1gbit", "--", "--ntrainer", "2", "--per-host", "2", "--hook", "hierarchical", "--nserver", "0"],
+     "--hook hierarchical synchronises within each host, then across hosts: it needs 2 hosts"),
 ]
 
 
 @pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[" ".join(argv) for argv, _ in BAD_INPUTS])
 def test_bad_input_is_one_line_within_5_s_and_creates_nothing(argv, message, nothing_left_behind):
-    run = emulate(*argv, "--", timeout_s=60)
+    run = emulate(*argv, *([] if "--" in argv else ["--"]), timeout_s=60)
     assert run.returncode == 2 and run.elapsed_s < 5, run.output
     assert run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
 

@@ -53,6 +53,20 @@ def test_hsdp_shards_within_each_host_and_ends_with_allreduces_parameters(bench_
     assert results["config"]["per_host"] == 2
 
 
+def test_hierarchical_allreduces_within_then_across_hosts_and_ends_with_allreduces_parameters(bench_runs):
+    """4 trainers, 2 per host: the bucket all-reduced within the host, each half across hosts by
+    one trainer of each, the halves all-gathered within the host; --verify: the exact mean."""
+    results = bench_runs.ok("--hook", "hierarchical", *QUICK, "--ntrainer", "4", "--per-host", "2", "--verify",
+                            timeout_s=120)
+    check_contract(results)
+    baseline = bench_runs.ok("--hook", "allreduce", *QUICK, "--ntrainer", "4", timeout_s=120)
+    assert_same_parameters(results, baseline)
+    assert results["verify"]["grad_rel_error_max"] < 1e-6, results["verify"]
+    within = MODEL_BYTES + MODEL_BYTES // 2  # an all-reduce between two, then an all-gather of halves
+    across = MODEL_BYTES // 2  # each half all-reduced between the two hosts
+    assert results["bytes"]["trainer_sent_per_iter"] == within + across
+
+
 @pytest.mark.parametrize("hook, options", [("local_sgd", ("period=1",)),
                                            ("diloco", ("period=1", "outer_lr=1", "outer_momentum=0"))])
 def test_a_local_strategy_with_a_period_of_one_is_allreduce(hook, options, bench_runs):
