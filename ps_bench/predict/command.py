@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from tabulate import tabulate
@@ -12,7 +13,7 @@ from tabulate import tabulate
 from ps_bench.cluster.network import parse_delay, parse_rate
 from ps_bench.config import ConfigError
 from ps_bench.predict import models
-from ps_bench.predict.predictor import Calibration, Run, calibrate, predict
+from ps_bench.predict.predictor import Calibration, Run, calibrate, from_compute_ms, meta_buckets, predict
 from ps_bench.strategies import HOOKS, RPC
 
 PREDICTION_SCHEMA = "ps_bench.prediction/1"
@@ -30,12 +31,26 @@ examples:
   python bench.py --ntrainer 2 --nserver 1 --hook allreduce --limits --out ar.json
   python bench.py predict ps.json ar.json --trainers 8,64,256,1024 --servers 1,8,auto
   python bench.py predict ps.json ar.json --trainers 8,1024 --link 100gbit --latency 5us --plot scale.png
+  python bench.py predict ar.json --nodes 1,8,64 --per-node 8 --intra-link 900gbit --link 400gbit \
+      --hooks allreduce,hierarchical,ps --servers-on dedicated,colocated      # nodes of 8 GPUs
+  python bench.py predict --model resnet50 --batch-size 256 --compute-ms forward=30,backward=60,optimizer=5 \
+      --link 100gbit --latency 5us --per-node 8 --intra-link 900gbit --nodes 1,16,128   # no run at all
   python benchmarks/predict_check.py    # predictions against emulated runs (needs root)
 
 --servers auto picks, at each trainer count, the server count (1, 2, 4, ... up to the trainers)
 with the shortest predicted batch. A strategy with no run given takes the own compute of the one it
 compresses (ps_fp16 that of ps), else 0 (JSON: calibration.own_ms lists the ones measured);
 PowerSGD needs a run of it for its bytes.
+
+Nodes of several GPUs (--per-node G, trainers = nodes x G): a node's G trainers share its local
+link (--intra-link, or fitted from a run whose trainers all shared one emulated host) and one
+network link (--link). Each strategy has its model: a flat ring ordered node by node,
+hierarchical (within, across, within), hsdp, parameter servers on hosts of their own
+(dedicated) or one on each node (colocated); every formula and its reference is in
+ps_bench/predict/models.py. --compute RUN.json takes the compute phases and bucket timeline from a
+run on the device you will train on (e.g. --ntrainer 1 --nserver 0 --hook noop --device cuda);
+--compute-ms needs no run: DDP's buckets for --model, their ready times spread over backward in
+proportion to their bytes.
 """
 
 
@@ -58,8 +73,8 @@ def count_list(text: str, name: str, allow_auto: bool = False) -> list[int | str
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("results", nargs="+", metavar="RESULTS.json", help="results files of finished runs of one "
-                        "model and batch size (with --limits, unless --link is given)")
+    parser.add_argument("results", nargs="*", metavar="RESULTS.json", help="results files of finished runs of one "
+                        "model and batch size (with --limits, unless --link is given); none with --compute-ms")
     parser.add_argument("--compare", nargs="+", default=[], metavar="RESULTS.json", help="more results files, "
                         "shown beside the predictions they match but not used to calibrate (a check)")
     parser.add_argument("--trainers", default="8,64,256,1024", metavar="N,...", help="trainer counts to predict "
@@ -74,30 +89,140 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the link fitted to the runs' --limits)")
     parser.add_argument("--latency", metavar="TIME", help="the target link's latency per message, e.g. 5us "
                         "(default: the fitted one)")
+    parser.add_argument("--per-node", type=int, default=1, metavar="G", help="trainers (GPUs) per node, sharing its "
+                        "local link and one network link (default: 1)")
+    parser.add_argument("--nodes", metavar="N,...", help="node counts to predict: trainers = nodes x --per-node "
+                        "(instead of --trainers)")
+    parser.add_argument("--intra-link", metavar="RATE", help="a node's local link between its trainers, each way, "
+                        "e.g. 900gbit for NVLink, 200gbit for PCIe (default: fitted from a run whose trainers shared "
+                        "one host)")
+    parser.add_argument("--servers-on", default="dedicated", metavar="WHERE,...", help="parameter servers on hosts of "
+                        "their own (dedicated), one on each node (colocated), or both: dedicated,colocated "
+                        "(default: dedicated)")
+    parser.add_argument("--compute", metavar="RUN.json", help="the compute phases and bucket timeline from this run "
+                        "of the same model and batch size (on the device you will train on)")
+    parser.add_argument("--compute-ms", metavar="forward=F,backward=B,optimizer=O", help="the compute phases, ms, "
+                        "with no run at all (needs --model, --batch-size and --link)")
+    parser.add_argument("--model", metavar="NAME", help="with --compute-ms: the model whose DDP buckets to build")
+    parser.add_argument("--batch-size", type=int, metavar="B", help="with --compute-ms: the batch per trainer")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="X", help="with --compute-ms: DDP's "
+                        "bucket cap (default: 25)")
     parser.add_argument("--out", metavar="FILE.json", help="write the calibration and every prediction as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw batch time against trainers, one line per strategy "
                         "(needs matplotlib)")
 
 
-def check(args: argparse.Namespace, bench_argv: list[str]) -> tuple[list[int], float | None, float | None]:
-    """The scale, link and servers asked for, before any results file is read."""
-    trainers = sorted(set(count_list(args.trainers, "trainers")))
+PHASES = ("forward", "backward", "optimizer")
+PLACES = ("dedicated", "colocated")
+
+
+@dataclass
+class Target:
+    """What to predict for, from the command line alone."""
+
+    trainers: list[int]
+    link_bps: float | None
+    latency_s: float | None
+    per_node: int
+    intra_bps: float | None
+    servers_on: list[str]
+    compute_ms: dict[str, float] | None
+
+
+def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
+    """The scale, links, servers and compute asked for, before any results file is read."""
+    if args.per_node < 1:
+        raise ConfigError(f"--per-node must be at least 1 (trainers per node); got {args.per_node}")
+    if args.nodes is not None:
+        trainers = sorted({nodes * args.per_node for nodes in count_list(args.nodes, "nodes")})
+    else:
+        trainers = sorted(set(count_list(args.trainers, "trainers")))
+        uneven = [n for n in trainers if n % args.per_node]
+        if uneven:
+            raise ConfigError(f"--per-node {args.per_node} does not divide --trainers {uneven[0]} into whole nodes; "
+                              f"give --nodes N,... instead")
     link_bps = parse_target_rate(args.link) if args.link is not None else None
     latency_s = parse_target_latency(args.latency) if args.latency is not None else None
+    intra_bps = parse_target_rate(args.intra_link, "--intra-link") if args.intra_link is not None else None
     if args.servers is not None:
         count_list(args.servers, "servers", allow_auto=True)
-    return trainers, link_bps, latency_s
+    places = [place.strip() for place in args.servers_on.split(",")]
+    unknown = [place for place in places if place not in PLACES]
+    if unknown:
+        raise ConfigError(f"--servers-on: {unknown[0]!r} is not one of {', '.join(PLACES)}")
+    compute_ms = None
+    if args.compute_ms is not None:
+        compute_ms = parse_phases(args.compute_ms)
+        missing = [name for name, value in (("--model", args.model), ("--batch-size", args.batch_size),
+                                            ("--link", args.link)) if value is None]
+        if missing:
+            raise ConfigError(f"--compute-ms predicts with no run: give {', '.join(missing)} too")
+        if args.batch_size < 1:
+            raise ConfigError(f"--batch-size must be at least 1; got {args.batch_size}")
+        if args.compute is not None:
+            raise ConfigError("give --compute RUN.json or --compute-ms, not both")
+    elif not args.results:
+        raise ConfigError("predict needs results files to calibrate on, or --compute-ms with --model, --batch-size "
+                          "and --link")
+    return Target(trainers, link_bps, latency_s, args.per_node, intra_bps, list(dict.fromkeys(places)), compute_ms)
+
+
+def parse_phases(text: str) -> dict[str, float]:
+    """``forward=F,backward=B,optimizer=O`` (ms) as a dict; every phase, each at least 0."""
+    phases = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        try:
+            phases[name.strip()] = float(value)
+        except ValueError:
+            raise ConfigError(f"--compute-ms: expected forward=F,backward=B,optimizer=O in ms; got {text!r}") from None
+    missing = [name for name in PHASES if name not in phases]
+    extra = [name for name in phases if name not in PHASES]
+    if missing or extra:
+        raise ConfigError(f"--compute-ms: {'missing ' + ', '.join(missing) if missing else 'unknown ' + ', '.join(extra)}"
+                          f"; expected forward=F,backward=B,optimizer=O in ms")
+    if any(value < 0 for value in phases.values()):
+        raise ConfigError(f"--compute-ms: a phase cannot take less than 0 ms; got {text!r}")
+    return phases
+
+
+def no_run_calibration(args: argparse.Namespace, target: Target) -> Calibration:
+    """``--compute-ms``: the phases given, DDP's buckets for the model built on the meta device."""
+    from ps_bench.config import RunConfig
+    from ps_bench.models import MODEL_PRESETS, MODELS
+    from ps_bench.models.entries import construct, load_entry
+
+    entry = load_entry(RunConfig().model_config_path, args.model, "model_class", MODELS, "model", MODEL_PRESETS)
+    network = construct(entry, MODELS)
+    phases = models.Phases(**target.compute_ms)
+    latency_us = target.latency_s * 1e6 if target.latency_s is not None else 0.0
+    calibration = from_compute_ms(args.model, args.batch_size, phases, meta_buckets(network, args.bucket_cap_mb),
+                                  models.Link.of(latency_us, target.link_bps / 1e9),
+                                  f"--link {target.link_bps / 1e9:g} Gbit/s, latency {latency_us:g} us")
+    if target.intra_bps is not None:
+        calibration.intra_link = models.Link.of(0.0, target.intra_bps / 1e9)
+        calibration.intra_from = f"--intra-link {target.intra_bps / 1e9:g} Gbit/s"
+    return calibration
 
 
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
-    trainers, link_bps, latency_s = check(args, bench_argv)
+    target = check(args, bench_argv)
+    trainers, link_bps = target.trainers, target.link_bps
     runs = [Run.load(path) for path in args.results]
-    calibration = calibrate(runs, link_bps, latency_s)
+    if target.compute_ms is not None:
+        calibration = no_run_calibration(args, target)
+    else:
+        compute = Run.load(args.compute) if args.compute is not None else None
+        calibration = calibrate(runs, link_bps, target.latency_s, target.intra_bps, compute)
+    if target.per_node > 1 and calibration.intra_link is None:
+        raise ConfigError(f"--per-node {target.per_node}: no local link between a node's trainers: give --intra-link "
+                          f"RATE, or a run made with --limits whose trainers all shared one emulated host")
     hooks = choose_hooks(args.hooks, runs, calibration)
     servers = (count_list(args.servers, "servers", allow_auto=True) if args.servers is not None
                else sorted({run.servers for run in runs if run.servers} or {1}))
     compared = [Run.load(path) for path in args.compare]
-    rows = prediction_rows(calibration, hooks, trainers, servers, args.mapping, link_bps, compared)
+    rows = prediction_rows(calibration, hooks, trainers, servers, args.mapping, link_bps, compared, target.per_node,
+                           target.servers_on)
     print(describe_calibration(calibration))
     print(render(rows))
     print(render_winners(winners(rows)))
@@ -112,11 +237,12 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     return 0
 
 
-def parse_target_rate(text: str) -> float:
+def parse_target_rate(text: str, name: str = "--link") -> float:
     try:
         return parse_rate(text)
     except ConfigError:
-        raise ConfigError(f"--link: expected a rate with its unit, e.g. 25gbit, 100gbit, 500mbit; got {text!r}") from None
+        raise ConfigError(f"{name}: expected a rate with its unit, above 0, e.g. 25gbit, 100gbit, 500mbit; got "
+                          f"{text!r}") from None
 
 
 def parse_target_latency(text: str) -> float:
@@ -148,45 +274,56 @@ def server_counts(n: int) -> list[int]:
 
 
 def prediction_rows(calibration: Calibration, hooks: list[str], trainers: list[int], servers: list[int | str],
-                    mapping: str, link_bps: float | None, compared: list[Run] = ()) -> list[dict]:
+                    mapping: str, link_bps: float | None, compared: list[Run] = (), per_node: int = 1,
+                    servers_on: list[str] = ("dedicated",)) -> list[dict]:
     """One row per strategy, trainer count and (parameter-server strategies) server count; with
-    ``auto``, the server count of the shortest predicted batch is added, marked ``auto``."""
+    ``auto``, the server count of the shortest predicted batch is added, marked ``auto``; with
+    servers ``colocated``, one row with a server on each node."""
     rows = []
     explicit = [k for k in servers if k != "auto"]
+
+    def row(hook, n, k, place="dedicated"):
+        return row_of(calibration, hook, n, k, mapping, link_bps, compared, per_node, place)
+
     for n in trainers:
         for hook in hooks:
             if HOOKS.record(hook).transport != RPC:
-                rows.append(row_of(calibration, hook, n, None, mapping, link_bps, compared))
+                rows.append(row(hook, n, None))
                 continue
-            predicted = {k: row_of(calibration, hook, n, k, mapping, link_bps, compared) for k in explicit}
-            if "auto" in servers:
-                best = min((row_of(calibration, hook, n, k, mapping, link_bps, compared) for k in server_counts(n)),
-                           key=lambda row: row["batch_ms"])
-                if best["servers"] not in predicted:
-                    predicted[best["servers"]] = {**best, "auto": True}
-            rows.extend(row for _, row in sorted(predicted.items()))
+            if "dedicated" in servers_on:
+                predicted = {k: row(hook, n, k) for k in explicit}
+                if "auto" in servers:
+                    best = min((row(hook, n, k) for k in server_counts(n)), key=lambda r: r["batch_ms"])
+                    if best["servers"] not in predicted:
+                        predicted[best["servers"]] = {**best, "auto": True}
+                rows.extend(r for _, r in sorted(predicted.items()))
+            if "colocated" in servers_on:
+                rows.append(row(hook, n, n // per_node, "colocated"))
     return rows
 
 
 def row_of(calibration: Calibration, hook: str, n: int, k: int | None, mapping: str, link_bps: float | None,
-           compared: list[Run]) -> dict:
-    predicted = predict(calibration, hook, n, k or 0, mapping)
-    row = {"strategy": hook, "trainers": n, "servers": k, **predicted,
-           **measured(calibration, compared, hook, n, k or 0, mapping, link_bps, predicted["batch_ms"])}
-    if k:  # the best any parameter-server layout could do with this many servers, communication only
-        row["byteps_bound_ms"] = models.byteps_bound_ms(n, k, calibration.gradient_bytes, calibration.link)
+           compared: list[Run], per_node: int = 1, servers_on: str = "dedicated") -> dict:
+    predicted = predict(calibration, hook, n, k or 0, mapping, per_node=per_node, servers_on=servers_on)
+    row = {"strategy": hook, "trainers": n, "nodes": n // per_node, "per_node": per_node, "servers": k,
+           **({"servers_on": servers_on} if k else {}), **predicted,
+           **measured(calibration, compared, hook, n, k or 0, mapping, link_bps, predicted["batch_ms"], per_node,
+                      servers_on)}
+    if k:  # the best any parameter-server layout could do with its extra servers (BytePS sums within a node first)
+        row["byteps_bound_ms"] = models.byteps_bound_ms(n // per_node, 0 if servers_on == "colocated" else k,
+                                                        calibration.gradient_bytes, calibration.link)
     return row
 
 
 def measured(calibration: Calibration, compared: list[Run], hook: str, n: int, k: int, mapping: str,
-             link_bps: float | None, predicted_ms: float) -> dict:
-    """The given runs of this point (same strategy, trainers, servers, network): their batch p50,
-    the prediction's error against it, and whether one of them calibrated the strategy's own
-    compute (then the error is about 0 by construction)."""
+             link_bps: float | None, predicted_ms: float, per_node: int = 1, servers_on: str = "dedicated") -> dict:
+    """The given runs of this point (same strategy, trainers, trainers per host, servers and
+    their place, network): their batch p50, the prediction's error against it, and whether one
+    of them calibrated the strategy's own compute (then the error is about 0 by construction)."""
     uses_servers = HOOKS.record(hook).transport == RPC
     matches = [run for run in [*calibration.runs, *compared]
-               if run.hook == hook and run.trainers == n and (not uses_servers or (run.servers == k and
-                                                                                  run.mapping == mapping))
+               if run.hook == hook and run.trainers == n and run.per_host == per_node
+               and (not uses_servers or (run.servers == k and run.mapping == mapping and run.servers_on == servers_on))
                and (link_bps is None or run.link_rate_bps == link_bps)]
     if not matches:
         return {"measured_ms": None, "error_pct": None}
@@ -201,8 +338,15 @@ def winners(rows: list[dict]) -> list[dict]:
     for row in rows:
         if row["trainers"] not in best or row["batch_ms"] < best[row["trainers"]]["batch_ms"]:
             best[row["trainers"]] = row
-    return [{"trainers": n, "strategy": row["strategy"], "servers": row["servers"], "batch_ms": row["batch_ms"]}
+    return [{"trainers": n, "strategy": row["strategy"], "servers": row["servers"], "batch_ms": row["batch_ms"],
+             **({"servers_on": row["servers_on"]} if row.get("servers_on") else {})}
             for n, row in sorted(best.items())]
+
+
+def servers_label(row: dict) -> str:
+    if row["servers"] is None:
+        return "-"
+    return f"{row['servers']}" + (" colocated" if row.get("servers_on") == "colocated" else "")
 
 
 def describe_calibration(calibration: Calibration) -> str:
@@ -215,19 +359,24 @@ def describe_calibration(calibration: Calibration) -> str:
             f"{phases['optimizer']:.1f} ms; {len(c['buckets'])} bucket(s), {calibration.gradient_bytes / 1e6:.2f} MB, "
             f"ready at {ready} ms ({c['overlap_from']})\n"
             f"  link: latency {link['latency_us']:.1f} us, {link['bandwidth_gbit_s']:.3f} Gbit/s ({link['from']})\n"
-            f"  each strategy's own compute, from its run: {own} (a strategy without a run: the one it "
+            + (f"  a node's local link: latency {c['intra_link']['latency_us']:.1f} us, "
+               f"{c['intra_link']['bandwidth_gbit_s']:.3f} Gbit/s ({c['intra_link']['from']})\n" if c["intra_link"] else "")
+            + f"  each strategy's own compute, from its run: {own} (a strategy without a run: the one it "
             f"compresses, else 0)\n")
 
 
 def render(rows: list[dict]) -> str:
-    best = {(w["trainers"], w["strategy"], w["servers"]) for w in winners(rows)}
-    body = [[row["trainers"], row["strategy"], "-" if row["servers"] is None else row["servers"],
+    best = {(w["trainers"], w["strategy"], w["servers"], w.get("servers_on")) for w in winners(rows)}
+    nodes = any(row.get("per_node", 1) > 1 for row in rows)
+    body = [[*([f"{row['nodes']} x {row['per_node']}"] if nodes else []), row["trainers"], row["strategy"],
+             servers_label(row),
              f"{row['batch_ms']:.1f}", f"{row['samples_per_s']:.0f}" if row["samples_per_s"] else "-",
              "-" if row["measured_ms"] is None else f"{row['measured_ms']:.1f}",
              "-" if row["error_pct"] is None else f"{row['error_pct']:+.1f}" + (" (cal.)" if row.get("calibration") else ""),
              "-" if row.get("byteps_bound_ms") is None else f"{row['byteps_bound_ms']:.1f}",
-             "*" if (row["trainers"], row["strategy"], row["servers"]) in best else ""] for row in rows]
-    return tabulate(body, headers=["trainers", "strategy", "servers", "batch ms", "samples/s", "measured ms",
+             "*" if (row["trainers"], row["strategy"], row["servers"], row.get("servers_on")) in best else ""]
+            for row in rows]
+    return tabulate(body, headers=[*(["nodes x G"] if nodes else []), "trainers", "strategy", "servers", "batch ms", "samples/s", "measured ms",
                                    "error %", "BytePS bound ms", "best"], disable_numparse=True) + (
         "\nBytePS bound: the least any parameter-server layout with that many servers needs to move the gradients "
         "(communication only)")
@@ -235,7 +384,7 @@ def render(rows: list[dict]) -> str:
 
 def render_winners(best: list[dict]) -> str:
     lines = ["", "winner per trainer count: " + ", ".join(
-        f"{w['trainers']}: {w['strategy']}{'' if w['servers'] is None else ' (' + str(w['servers']) + ' servers)'}"
+        f"{w['trainers']}: {w['strategy']}{'' if w['servers'] is None else ' (' + servers_label(w) + ' servers)'}"
         for w in best)]
     for before, after in zip(best, best[1:]):
         if before["strategy"] != after["strategy"]:

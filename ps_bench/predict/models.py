@@ -65,6 +65,123 @@ def byteps_bound_ms(n: int, k: int, nbytes: float, link: Link) -> float:
     return 2 * n * (n - 1) * link.time(nbytes) / denominator
 
 
+@dataclass(frozen=True)
+class Nodes:
+    """``count`` nodes of ``per_node`` trainers each: a node's trainers reach each other over its
+    ``local`` link (NVLink, PCIe; a host's loopback in an emulated network), nodes reach each
+    other only through each node's one ``network`` link."""
+
+    count: int  # N
+    per_node: int  # G
+    network: Link
+    local: Link | None = None  # needed where G > 1
+
+    @property
+    def trainers(self) -> int:
+        return self.count * self.per_node
+
+    def within(self) -> Link:
+        if self.local is None:
+            raise ValueError("a node of several trainers needs its local link")
+        return self.local
+
+
+def flat_ring_ms(nodes: Nodes, nbytes: float, steps_per_message: int = 1) -> float:
+    """A ring all-reduce over all n = N·G trainers, ordered node by node (NCCL's ring): each node's
+    network link carries one ring edge each way, ``2(n-1)/n · M``, and the ring moves at its
+    slowest edge, so ``2(n-1)α + 2(n-1)/n · M / min(B_network, B_local)`` with α the network's
+    (Patarasuk and Yuan 2009; NCCL's ring, Jeaugey, "NCCL 2.0", GTC 2017). G = 1 is
+    ``ring_allreduce_ms`` over N; N = 1 is a ring over the local link alone."""
+    if nodes.count == 1:
+        return ring_allreduce_ms(nodes.per_node, nbytes, nodes.within(), steps_per_message) if nodes.per_node > 1 else 0.0
+    if nodes.per_node == 1:
+        return ring_allreduce_ms(nodes.count, nbytes, nodes.network, steps_per_message)
+    n, slowest = nodes.trainers, min(nodes.network.bytes_per_ms, nodes.within().bytes_per_ms)
+    return steps_per_message * 2 * (n - 1) * nodes.network.latency_ms + 2 * (n - 1) / n * nbytes / slowest
+
+
+def within_node_ms(nodes: Nodes, nbytes: float, collectives: int) -> float:
+    """``collectives`` ring reduce-scatters or all-gathers of ``nbytes`` among a node's G trainers:
+    each ``(G-1)α + (G-1)/G · M/B`` on the local link (Thakur et al. 2005)."""
+    g = nodes.per_node
+    if g <= 1:
+        return 0.0
+    local = nodes.within()
+    return collectives * ((g - 1) * local.latency_ms + (g - 1) / g * local.time(nbytes))
+
+
+def hierarchical_ms(nodes: Nodes, nbytes: float) -> float:
+    """Hierarchical all-reduce: reduce-scatter within the node, each of the G chunks all-reduced
+    across the N nodes by its trainer (the G rings share the node's link, which carries
+    ``2(N-1)/N · M`` each way in all), all-gather within the node:
+    ``2[(G-1)α_l + (G-1)/G · M/B_l] + 2(N-1)α + 2(N-1)/N · M/B`` (Horovod's hierarchical
+    all-reduce, Sergeev and Del Balso 2018; NCCL's rings across nodes). G = 1 is a ring over the
+    N nodes, N = 1 a ring over the local link. gloo all-reduces where NCCL reduce-scatters: its
+    first step moves twice the bytes, inside the node."""
+    return within_node_ms(nodes, nbytes, 2) + ring_allreduce_ms(nodes.count, nbytes, nodes.network)
+
+
+def hsdp_reduce_ms(nodes: Nodes, nbytes: float) -> float:
+    """HSDP's gradient step for ``nbytes`` of gradients: reduce-scatter within the node, then
+    each shard all-reduced across nodes (the node's link carries ``2(N-1)/N · M`` in all):
+    ``(G-1)α_l + (G-1)/G · M/B_l + 2(N-1)α + 2(N-1)/N · M/B`` (Zhao et al., "PyTorch FSDP",
+    VLDB 2023, hybrid sharding). Its parameters' all-gathers within the node, before forward and
+    again before backward, are ``hsdp_gather_ms``."""
+    return within_node_ms(nodes, nbytes, 1) + ring_allreduce_ms(nodes.count, nbytes, nodes.network)
+
+
+def hsdp_gather_ms(nodes: Nodes, nbytes: float) -> float:
+    """HSDP's two all-gathers of the parameters within the node per iteration (before forward,
+    and again before backward, having freed them), taken as not hidden behind compute (FSDP's
+    prefetch hides part of them: an upper bound)."""
+    return within_node_ms(nodes, nbytes, 2)
+
+
+def colocated_ps_pipeline(buckets: list[tuple[float, float]], nodes: Nodes,
+                          aggregate_bytes_per_ms: float | None = None) -> float:
+    """Parameter servers co-located one on each of the N nodes (BytePS's layout without extra
+    CPU machines), bucket by bucket, each bucket owned whole by one server (balanced by bytes, as
+    ``balance_buckets`` does; BytePS splits tensors finer, as a smaller bucket cap would). For a
+    bucket of S bytes owned by node j: every other node's link sends its G trainers' copies,
+    ``G·S/B`` (after its previous pushes), node j's link receives the ``(N-1)·G·S`` of them while
+    its own G copies cross its local link (``G·S/B_l``); the server adds the last copy
+    (``S/A``) and sends the average back over its node's link, ``(N-1)·G·S/B`` out (after that
+    link's previous pushes and answers), and over the local link. One bucket, N = 2:
+    ``2·G·S/B + 2α``, each node's gradient (its G trainers' copies) once each way; many buckets
+    spread over N servers approach ``2G(N-1)/N · M/B``, a ring's bytes per trainer (Jiang et
+    al., OSDI 2020: BytePS's gain over all-reduce comes from servers it adds,
+    ``byteps_bound_ms``). N = 1: the local link alone, ``2·G·S/B_l + 2α_l``."""
+    n, g, network = nodes.count, nodes.per_node, nodes.network
+    local = nodes.local
+    owners = balance_buckets({index: nbytes for index, (_, nbytes) in enumerate(buckets)}, n)
+    uplink, inbound = [0.0] * n, [0.0] * n  # each node's network link, out and in
+    done = 0.0
+    for index, (ready, nbytes) in enumerate(buckets):
+        owner = owners[index]
+        arrived = ready
+        if local is not None:  # the owner's own trainers, over the local link
+            arrived = ready + g * local.time(nbytes) + local.latency_ms
+        if n > 1:
+            pushed = []
+            for node in range(n):
+                if node != owner:
+                    start = max(ready, uplink[node])
+                    uplink[node] = start + g * network.time(nbytes)
+                    pushed.append((start, uplink[node]))
+            first = min(start for start, _ in pushed)
+            inbound[owner] = max(first, inbound[owner]) + (n - 1) * g * network.time(nbytes)
+            arrived = max(arrived, max(end for _, end in pushed), inbound[owner]) + network.latency_ms
+        added = arrived + (nbytes / aggregate_bytes_per_ms if aggregate_bytes_per_ms else 0.0)
+        answered = added
+        if local is not None:
+            answered = added + g * local.time(nbytes) + local.latency_ms
+        if n > 1:
+            uplink[owner] = max(added, uplink[owner]) + (n - 1) * g * network.time(nbytes)
+            answered = max(answered, uplink[owner] + network.latency_ms)
+        done = max(done, answered)
+    return done
+
+
 def pipeline(buckets: list[tuple[float, Any]], transfer: Callable[[Any], float]) -> float:
     """When the last of ``buckets`` (``(ready_ms, bucket)``, in launch order) has been combined,
     each transfer (``transfer(bucket)`` ms) starting once its bucket is ready and the previous
@@ -76,7 +193,7 @@ def pipeline(buckets: list[tuple[float, Any]], transfer: Callable[[Any], float])
 
 
 def ps_pipeline(buckets: list[tuple[float, float]], n: int, k: int, link: Link, mapping: str = "shard",
-                aggregate_bytes_per_ms: float | None = None) -> float:
+                aggregate_bytes_per_ms: float | None = None, per_node: int = 1) -> float:
     """A synchronous parameter server's iteration, bucket by bucket, every machine behind one link.
 
     Each trainer sends every bucket to the bucket's server (``shard``: buckets balanced over the
@@ -87,7 +204,9 @@ def ps_pipeline(buckets: list[tuple[float, float]], n: int, k: int, link: Link, 
     to each of its n_j trainers (``n_j · S / B`` on its link, after its previous answers). The
     bound it approaches, with every bucket ready at once and large buckets, is
     ``max(M, n·M/k) / B`` each way (Li et al., "Scaling Distributed Machine Learning with the
-    Parameter Server", OSDI 2014; the sharded layout is BytePS's, OSDI 2020)."""
+    Parameter Server", OSDI 2014; the sharded layout is BytePS's, OSDI 2020). With ``per_node``
+    G trainers sharing a node's link (servers on hosts of their own), the node sends and
+    receives G copies: ``max(G·M, n·M/k) / B`` each way."""
     if not buckets:
         return 0.0
     if mapping == "group":
@@ -97,18 +216,21 @@ def ps_pipeline(buckets: list[tuple[float, float]], n: int, k: int, link: Link, 
     else:
         owners = balance_buckets({index: nbytes for index, (_, nbytes) in enumerate(buckets)}, k)
         fan_in, servers = n, k
-    uplink = 0.0  # the trainer's link, outbound
+    uplink = downlink = 0.0  # the trainer's (node's) link, outbound and inbound
     inbound, outbound = [0.0] * servers, [0.0] * servers  # each server's link, both ways
     done = 0.0
     for index, (ready, nbytes) in enumerate(buckets):
         server = owners[index]
         sent_from = max(ready, uplink)
-        uplink = sent_from + link.time(nbytes)
+        uplink = sent_from + per_node * link.time(nbytes)
         arrived = max(uplink, max(sent_from, inbound[server]) + fan_in * link.time(nbytes)) + link.latency_ms
         inbound[server] = arrived
         added = arrived + (nbytes / aggregate_bytes_per_ms if aggregate_bytes_per_ms else 0.0)
         outbound[server] = max(added, outbound[server]) + fan_in * link.time(nbytes)
         done = max(done, outbound[server] + link.latency_ms)
+        if per_node > 1:  # the node's link, inbound: its G trainers' answers, one after another
+            downlink = max(added, downlink) + per_node * link.time(nbytes)
+            done = max(done, downlink + link.latency_ms)
     return done
 
 

@@ -8,7 +8,8 @@ Calibration (``calibrate``), from one or more results files of the same model an
 - when each DDP bucket became ready (``timeline``, p50 over the runs): overlap is computed from
   it; without one (a GPU run) every bucket is taken as ready when backward's compute ends;
 - the link: α and B fitted to the ``--limits`` link probe (median over the runs), unless the
-  target network is given (``--link``, ``--latency``);
+  target network is given (``--link``, ``--latency``); the probe of a run whose trainers all
+  shared one emulated host measured that host's local link instead (``--intra-link`` gives it);
 - the server's aggregation throughput: the ``--limits`` memory-copy bandwidth;
 - each strategy's own compute (casts, reductions, serialisation, PowerSGD's matrix products:
   whatever of its cost the transfers do not account for): its run's measured batch p50 minus the
@@ -23,6 +24,9 @@ import json
 import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 from ps_bench.config import ConfigError
 from ps_bench.metrics.limits import ELEMENT_BYTES
@@ -47,6 +51,7 @@ class Run:
     batch_ms: float
     forward_ms: float
     optimizer_ms: float
+    backward_ms: float
     compute_ms: float | None  # --limits compute-only iteration
     link: dict | None  # --limits link probe and its fit
     memcpy_gbps: float | None
@@ -54,6 +59,18 @@ class Run:
     buckets: list[dict]  # DDP's, as it built them (bytes, sparse)
     trainer_sent_per_iter: float
     link_rate_bps: float | None  # the emulated network's, if any
+    per_host: int = 1  # trainers on each trainer host (an emulated network's; else 1, every trainer apart)
+    servers_on: str = "dedicated"
+
+    @property
+    def communicates_nothing(self) -> bool:
+        """Whether its backward is compute alone (one trainer, or the noop strategy)."""
+        return self.trainers == 1 or HOOKS.record(self.hook).transport is None
+
+    @property
+    def on_one_host(self) -> bool:
+        """Whether its trainers all shared one host: its link probe measured the host's local link."""
+        return self.trainers > 1 and self.per_host == self.trainers
 
     @classmethod
     def load(cls, path: str) -> "Run":
@@ -76,13 +93,22 @@ class Run:
             path=path, hook=HOOKS.canonical(cfg["hook"]), trainers=cfg["ntrainer"] + cfg.get("ncudatrainer", 0),
             servers=cfg["nserver"] + cfg.get("ncudaserver", 0), mapping=cfg.get("mapping", "shard"),
             batch_size=cfg["batch_size"], model=cfg["model"], batch_ms=summary["batch"],
-            forward_ms=summary["forward"], optimizer_ms=summary["optimizer"],
+            forward_ms=summary["forward"], optimizer_ms=summary["optimizer"], backward_ms=summary.get("backward", 0.0),
             compute_ms=(limits.get("compute") or {}).get("p50_ms"), link=limits.get("link"),
             memcpy_gbps=(limits.get("memcpy") or {}).get("gbps"), timeline=results.get("timeline"),
             buckets=(cfg.get("model_size") or {}).get("ddp_buckets") or [],
             trainer_sent_per_iter=results["bytes"]["trainer_sent_per_iter"],
             link_rate_bps=emulated.get("link_rate_bps"),
+            per_host=trainers_per_host(emulated.get("placement"), cfg["ntrainer"] + cfg.get("ncudatrainer", 0)),
+            servers_on=cfg.get("servers_on", "dedicated"),
         )
+
+
+def trainers_per_host(placement: list[list[int]] | None, trainers: int) -> int:
+    """Trainers on each host that has any, from an emulated network's placement (ranks per host,
+    trainers ranking first); 1 without one, or where hosts hold different numbers."""
+    counts = {sum(rank < trainers for rank in ranks) for ranks in placement or []} - {0}
+    return counts.pop() if len(counts) == 1 else 1
 
 
 @dataclass
@@ -96,6 +122,8 @@ class Calibration:
     aggregate_bytes_per_ms: float | None
     overlap_from: str
     runs: list[Run]
+    intra_link: Link | None = None  # a node's local link, between its trainers
+    intra_from: str = "none"
     own_ms: dict[str, float] = field(default_factory=dict)  # strategy -> its own compute, from its run
     payload_ratio: dict[str, float] = field(default_factory=dict)  # low-rank strategies: bytes sent / dense
 
@@ -112,21 +140,31 @@ class Calibration:
             "overlap_from": self.overlap_from,
             "link": {"latency_us": self.link.latency_ms * 1000.0,
                      "bandwidth_gbit_s": self.link.bytes_per_ms * 1000.0 * 8 / 1e9, "from": self.link_from},
+            "intra_link": None if self.intra_link is None else {
+                "latency_us": self.intra_link.latency_ms * 1000.0,
+                "bandwidth_gbit_s": self.intra_link.bytes_per_ms * 1000.0 * 8 / 1e9, "from": self.intra_from},
             "aggregate_gbps": self.aggregate_bytes_per_ms * 1000.0 / 1e9 if self.aggregate_bytes_per_ms else None,
             "own_ms": self.own_ms, "payload_ratio": self.payload_ratio,
             "runs": [run.path for run in self.runs],
         }
 
 
-def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float | None = None) -> Calibration:
+def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float | None = None,
+              intra_bps: float | None = None, compute: Run | None = None) -> Calibration:
     """The calibration of ``runs`` (see the module's docstring); ``link_bps`` and ``latency_s``
-    describe the target network instead of the runs' own."""
+    describe the target network instead of the runs' own, ``intra_bps`` a node's local link;
+    ``compute`` (a run of the same model and batch, on the device to predict for) gives the
+    compute phases and bucket timeline instead of ``runs``."""
     first = runs[0]
     for run in runs[1:]:
         if (run.model, run.batch_size) != (first.model, first.batch_size):
             raise ConfigError(f"{run.path} is of model {run.model} at batch {run.batch_size}, {first.path} of "
                               f"{first.model} at batch {first.batch_size}: predict one workload at a time")
-    fitted = [run.link for run in runs if run.link]
+    if compute is not None and (compute.model, compute.batch_size) != (first.model, first.batch_size):
+        raise ConfigError(f"--compute {compute.path} is of model {compute.model} at batch {compute.batch_size}, the runs "
+                          f"of {first.model} at batch {first.batch_size}: give a run of the same model and batch size")
+    fitted = [run.link for run in runs if run.link and not run.on_one_host]
+    fitted_intra = [run.link for run in runs if run.link and run.on_one_host]
     if link_bps is None and not fitted:
         raise ConfigError("no link to predict with: give runs made with --limits (their link is fitted) or the "
                           "target network with --link RATE")
@@ -143,12 +181,28 @@ def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float |
         if latency_s is not None:
             link = Link(latency_s * 1000.0, link.bytes_per_ms)
         link_from = f"fitted to the --limits link probe of {len(fitted)} run(s)"
-    forward = statistics.median(run.forward_ms for run in runs)
-    optimizer = statistics.median(run.optimizer_ms for run in runs)
-    timelines = [run.timeline for run in runs if run.timeline]
-    dense = bucket_sizes(first.buckets)
-    computes = [run.compute_ms for run in runs if run.compute_ms is not None]
-    if timelines:
+    intra_link, intra_from = None, "none: give --intra-link RATE, or a run whose trainers shared one host"
+    if intra_bps is not None:
+        intra_latency = statistics.median(f["latency_us"] for f in fitted_intra) if fitted_intra else 0.0
+        intra_link, intra_from = Link.of(intra_latency, intra_bps / 1e9), f"--intra-link {intra_bps / 1e9:g} Gbit/s"
+    elif fitted_intra:
+        intra_link = Link.of(statistics.median(f["latency_us"] for f in fitted_intra),
+                             statistics.median(f["bandwidth_gbit_s"] for f in fitted_intra))
+        intra_from = f"fitted to the --limits link probe of {len(fitted_intra)} run(s) on one host"
+    timed = [compute] if compute is not None else runs
+    forward = statistics.median(run.forward_ms for run in timed)
+    optimizer = statistics.median(run.optimizer_ms for run in timed)
+    timelines = [run.timeline for run in timed if run.timeline]
+    dense = bucket_sizes((compute or first).buckets)
+    computes = [run.compute_ms for run in timed if run.compute_ms is not None]
+    if compute is not None and not timelines and not computes and compute.communicates_nothing:
+        backward = compute.backward_ms  # nothing to wait for: backward's own compute
+        buckets = [(ready, nbytes, sparse) for ready, nbytes, sparse in from_compute_ms(
+            first.model, first.batch_size, Phases(forward, backward, optimizer),
+            [dense[index] for index in sorted(dense)], Link(0, 1), "").buckets]
+        overlap_from = (f"--compute {compute.path}: no bucket timeline (a GPU run), bucket-ready times spread over "
+                        "backward in proportion to their bytes")
+    elif timelines:
         ready: dict[int, list[float]] = {}
         for timeline in timelines:
             for row in timeline:
@@ -165,7 +219,7 @@ def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float |
     memcpy = [run.memcpy_gbps for run in runs if run.memcpy_gbps]
     calibration = Calibration(first.model, first.batch_size, Phases(forward, backward, optimizer), buckets, link,
                               link_from, statistics.median(memcpy) * 1e9 / 1000.0 if memcpy else None, overlap_from,
-                              runs)
+                              runs, intra_link, intra_from)
     for run in runs:  # payloads first: a low-rank strategy's own compute is fitted with its payload known
         if HOOKS.record(run.hook).payload == "low-rank factors" and run.trainers > 1:
             ring = 2 * (run.trainers - 1) / run.trainers
@@ -181,8 +235,11 @@ def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float |
             network = link
         else:
             continue
+        if run.per_host > 1 and calibration.intra_link is None:
+            continue
         as_it_ran = replace(calibration, link=network, **own_terms(run, calibration))
-        modelled = predict(as_it_ran, run.hook, run.trainers, run.servers, run.mapping, own=False)
+        modelled = predict(as_it_ran, run.hook, run.trainers, run.servers, run.mapping, own=False,
+                           per_node=run.per_host, servers_on=run.servers_on)
         if modelled is not None:
             own.setdefault(run.hook, []).append(run.batch_ms - modelled["batch_ms"])
     calibration.own_ms = {hook: statistics.median(values) for hook, values in own.items()}
@@ -219,12 +276,16 @@ def own_terms(run: Run, calibration: Calibration) -> dict:
 
 
 def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n: int, k: int,
-                      mapping: str) -> float | None:
+                      mapping: str, per_node: int = 1, servers_on: str = "dedicated") -> float | None:
     """When the last bucket's combined gradient is back, ms after backward began (None: this
-    strategy cannot be predicted from this calibration)."""
+    strategy cannot be predicted from this calibration). ``per_node`` trainers share a node
+    (its local link, ``calibration.intra_link``, between them)."""
     link, buckets = calibration.link, calibration.buckets
     if strategy.transport is None:
         return 0.0
+    nodes = models.Nodes(n // per_node, per_node, link, calibration.intra_link)
+    if per_node > 1 or hook in NODE_MODELS or servers_on == "colocated":
+        return node_communication_end(calibration, strategy, hook, nodes, k, mapping, servers_on)
     if strategy.payload == "low-rank factors":
         ratio = calibration.payload_ratio.get(hook)
         if ratio is None:
@@ -246,6 +307,43 @@ def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n
     return None
 
 
+# strategies whose cost depends on the nodes, beyond a flat ring: per bucket of M bytes
+NODE_MODELS = {"hierarchical": models.hierarchical_ms, "hsdp": models.hsdp_reduce_ms}
+
+
+def node_communication_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: models.Nodes, k: int,
+                           mapping: str, servers_on: str) -> float | None:
+    """``communication_end`` on nodes of several trainers (or for a strategy that uses them)."""
+    buckets, link, n = calibration.buckets, calibration.link, nodes.trainers
+    if strategy.payload == "low-rank factors":
+        ratio = calibration.payload_ratio.get(hook)
+        if ratio is None:
+            return None
+        return models.pipeline([(ready, nbytes * ratio) for ready, nbytes, _ in buckets],
+                               lambda nbytes: models.flat_ring_ms(nodes, nbytes, steps_per_message=3))
+    factor = ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"]
+    if strategy.transport == COLLECTIVE:
+        dense = NODE_MODELS.get(hook, models.flat_ring_ms)
+        slowest = link if nodes.count > 1 else nodes.within()
+
+        def transfer(item):
+            nbytes, sparse = item
+            return models.allgather_ms(n, nbytes, slowest) if sparse else dense(nodes, nbytes * factor)
+        end = models.pipeline([(ready, (nbytes, sparse)) for ready, nbytes, sparse in buckets], transfer)
+        if hook == "hsdp":  # its parameters' all-gathers, before the gradients
+            end += models.hsdp_gather_ms(nodes, calibration.gradient_bytes)
+        return end
+    if strategy.transport == RPC:
+        sized = [(ready, nbytes if sparse and strategy.sparse_buckets == SPARSE_SERVERS else nbytes * factor)
+                 for ready, nbytes, sparse in buckets]
+        if servers_on == "colocated":
+            return models.colocated_ps_pipeline(sized, nodes, calibration.aggregate_bytes_per_ms)
+        if k < 1:
+            return None
+        return models.ps_pipeline(sized, n, k, link, mapping, calibration.aggregate_bytes_per_ms, nodes.per_node)
+    return None
+
+
 def own_compute(calibration: Calibration, hook: str) -> float:
     """The strategy's own compute from its run; without one, that of the lossless strategy it
     compresses (the same servers or collectives, fewer bytes); else 0."""
@@ -253,13 +351,42 @@ def own_compute(calibration: Calibration, hook: str) -> float:
     return calibration.own_ms.get(hook, calibration.own_ms.get(uncompressed, 0.0) if uncompressed else 0.0)
 
 
-def predict(calibration: Calibration, hook: str, n: int, k: int, mapping: str = "shard", own: bool = True) -> dict | None:
-    """Predicted iteration of ``hook`` with ``n`` trainers and ``k`` servers (None: not predictable)."""
+def predict(calibration: Calibration, hook: str, n: int, k: int, mapping: str = "shard", own: bool = True,
+            per_node: int = 1, servers_on: str = "dedicated") -> dict | None:
+    """Predicted iteration of ``hook`` with ``n`` trainers, ``per_node`` to a node, and ``k``
+    servers (dedicated, or colocated: one on each node) (None: not predictable)."""
     strategy = HOOKS.record(hook)
-    end = communication_end(calibration, strategy, hook, n, k, mapping)
+    end = communication_end(calibration, strategy, hook, n, k, mapping, per_node, servers_on)
     if end is None:
         return None
     own_ms = own_compute(calibration, hook) if own else 0.0
     batch = models.iteration_ms(calibration.phases, end, own_ms)
     return {"batch_ms": batch, "communication_end_ms": end, "own_ms": own_ms,
             "samples_per_s": n * calibration.batch_size / (batch / 1000.0) if batch > 0 else None}
+
+
+def meta_buckets(network: torch.nn.Module, bucket_cap_mb: float) -> list[tuple[int, bool]]:
+    """DDP's buckets for ``network`` (built on the meta device: sizes only), in the order backward
+    makes them ready: ``(bytes, sparse)``. DDP assigns the parameters in reverse order (the
+    last layer's gradient is ready first) to buckets of at most 1 MiB first, then
+    ``bucket_cap_mb``, as ``torch.distributed._compute_bucket_assignment_by_size`` does for it."""
+    parameters = [p for p in network.parameters() if p.requires_grad][::-1]
+    sparse = {id(module.weight) for module in network.modules() if getattr(module, "sparse", False)}
+    indices, _ = dist._compute_bucket_assignment_by_size(
+        parameters, [dist._DEFAULT_FIRST_BUCKET_BYTES, int(bucket_cap_mb * 1024 * 1024)],
+        [id(p) in sparse for p in parameters])
+    return [(sum(parameters[i].numel() * parameters[i].element_size() for i in bucket),
+             any(id(parameters[i]) in sparse for i in bucket)) for bucket in indices]
+
+
+def from_compute_ms(model: str, batch_size: int, phases: Phases, buckets: list[tuple[int, bool]], link: Link,
+                    link_from: str) -> Calibration:
+    """A calibration with no run: compute phases as given, each bucket ready when backward has
+    made its share of the gradients (bucket-ready times spread over backward in proportion to
+    their bytes: layers' backward time taken as proportional to their gradients)."""
+    total, made, timed = sum(nbytes for nbytes, _ in buckets) or 1, 0, []
+    for nbytes, sparse in buckets:
+        made += nbytes
+        timed.append((phases.backward * made / total, nbytes, sparse))
+    return Calibration(model, batch_size, phases, timed, link, link_from, None,
+                       "--compute-ms: bucket-ready times spread over backward in proportion to their bytes", [])

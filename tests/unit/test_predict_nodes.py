@@ -1,0 +1,155 @@
+"""``bench.py predict`` on nodes of several trainers: each node model against values computed by
+hand (G = 1 is today's flat model, N = 1 the node's local link alone), ``--compute-ms`` on a
+made-up model, ``--compute`` from another run, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from ps_bench.cli import main
+from ps_bench.predict import models
+from ps_bench.predict.models import Link, Nodes, Phases
+from ps_bench.predict.predictor import Run, calibrate, from_compute_ms, meta_buckets, predict
+from tests.unit.test_predict import results_file
+
+NETWORK = Link(latency_ms=0.01, bytes_per_ms=1e6)  # 1 MB per ms, 10 µs
+LOCAL = Link(latency_ms=0.001, bytes_per_ms=10e6)  # ten times faster, 1 µs
+MB = 1e6
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_one_trainer_per_node_is_the_flat_ring_and_one_node_is_its_local_link(n):
+    flat = Nodes(n, 1, NETWORK)
+    assert models.flat_ring_ms(flat, 8 * MB) == models.ring_allreduce_ms(n, 8 * MB, NETWORK)
+    assert models.hierarchical_ms(flat, 8 * MB) == models.ring_allreduce_ms(n, 8 * MB, NETWORK)
+    assert models.hsdp_reduce_ms(flat, 8 * MB) == models.ring_allreduce_ms(n, 8 * MB, NETWORK)
+    node = Nodes(1, n, NETWORK, LOCAL)
+    assert models.flat_ring_ms(node, 8 * MB) == models.ring_allreduce_ms(n, 8 * MB, LOCAL)
+    assert models.hierarchical_ms(node, 8 * MB) == pytest.approx(models.ring_allreduce_ms(n, 8 * MB, LOCAL))
+    buckets = [(0.0, 4 * MB)]
+    assert models.ps_pipeline(buckets, n, 1, NETWORK, per_node=1) == models.ps_pipeline(buckets, n, 1, NETWORK)
+
+
+def test_the_flat_ring_on_nodes_moves_at_the_network_link_with_2_n_minus_1_latencies():
+    # 2 nodes x 4: n = 8, 2(n-1)/n = 1.75 of the bytes at the slower link, 14 latencies of the network
+    assert models.flat_ring_ms(Nodes(2, 4, NETWORK, LOCAL), 8 * MB) == pytest.approx(14 * 0.01 + 1.75 * 8.0)
+
+
+def test_hierarchical_is_a_reduce_scatter_and_all_gather_inside_and_a_ring_across():
+    # 4 nodes x 2: inside 2 x (1 latency + 1/2 x 8 MB at 10 MB/ms) = 2 x (0.001 + 0.4);
+    # across 2(4-1) latencies + 2(3)/4 x 8 MB at 1 MB/ms = 0.06 + 12
+    assert models.hierarchical_ms(Nodes(4, 2, NETWORK, LOCAL), 8 * MB) == pytest.approx(2 * 0.401 + 0.06 + 12.0)
+    # fewer bytes on the network link than the flat ring's 2(8-1)/8 = 1.75
+    assert models.hierarchical_ms(Nodes(4, 2, NETWORK, LOCAL), 8 * MB) < models.flat_ring_ms(
+        Nodes(4, 2, NETWORK, LOCAL), 8 * MB)
+
+
+def test_hsdp_reduces_once_inside_and_gathers_twice():
+    nodes = Nodes(2, 4, NETWORK, LOCAL)
+    inside = 3 * 0.001 + 0.75 * 0.8  # (G-1) latencies, (G-1)/G x 8 MB at 10 MB/ms
+    assert models.hsdp_reduce_ms(nodes, 8 * MB) == pytest.approx(inside + 2 * 0.01 + 8.0)
+    assert models.hsdp_gather_ms(nodes, 8 * MB) == pytest.approx(2 * inside)
+
+
+def test_dedicated_servers_see_every_trainer_of_a_node_on_its_link():
+    # one 1 MB bucket, 2 nodes x 2, one server: the node sends 2 copies (2 ms), the server
+    # receives 4 (4 ms after the first starts) and answers 4 (4 ms), the node receives 2
+    assert models.ps_pipeline([(0.0, MB)], 4, 1, NETWORK, per_node=2) == pytest.approx(4.0 + 0.01 + 4.0 + 0.01)
+    # 4 servers of 4 one-MB buckets: each server hears 4 copies; each node's link, outbound,
+    # carries 2 copies of each of 4 buckets: 8 ms, the bound
+    four = [(0.0, MB)] * 4
+    assert models.ps_pipeline(four, 4, 4, NETWORK, per_node=2) >= 8.0
+
+
+def test_colocated_servers_carry_each_nodes_gradient_once_each_way_on_two_nodes():
+    # one bucket of S = 1 MB owned by node 0's server, 2 nodes x 2: node 1 pushes 2 S (2 ms, then
+    # 10 µs), node 0's own copies cross its local link meanwhile; the answers, 2 S out of node 0
+    nodes = Nodes(2, 2, NETWORK, LOCAL)
+    assert models.colocated_ps_pipeline([(0.0, MB)], nodes) == pytest.approx(2.0 + 0.01 + 2.0 + 0.01)
+    # one node: the local link alone, G copies each way
+    assert models.colocated_ps_pipeline([(0.0, MB)], Nodes(1, 4, NETWORK, LOCAL)) == pytest.approx(
+        2 * (4 * 0.1 + 0.001))
+
+
+class MadeUp(nn.Module):
+    """Three layers of known sizes: 2.5 MB, 0.5 MB and 1 MB of float32 weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(625, 1000, bias=False)  # 625,000 x 4 B = 2.5 MB
+        self.second = nn.Linear(125, 1000, bias=False)  # 0.5 MB
+        self.third = nn.Linear(250, 1000, bias=False)  # 1 MB
+
+
+def test_compute_ms_builds_ddps_buckets_and_spreads_their_ready_times_over_backward():
+    with torch.device("meta"):
+        network = MadeUp()
+    buckets = meta_buckets(network, bucket_cap_mb=2.0)
+    # reverse order, a bucket closed once it reaches its cap (1 MiB for the first): third and
+    # second (1.5 MB), then first
+    assert buckets == [(1_500_000, False), (2_500_000, False)]
+    calibration = from_compute_ms("MadeUp", 8, Phases(10.0, 40.0, 2.0), buckets, NETWORK, "given")
+    assert [ready for ready, _, _ in calibration.buckets] == pytest.approx([15.0, 40.0])
+    # two trainers: each bucket a ring of 2 when ready: 1.5 + 0.02 ms after 15, 2.5 + 0.02 after
+    # 40: backward ends at 42.52
+    assert predict(calibration, "allreduce", 2, 0)["batch_ms"] == pytest.approx(10.0 + 42.52 + 2.0)
+
+
+def test_compute_from_a_run_replaces_the_calibrations_phases(tmp_path):
+    network_run = Run.load(results_file(tmp_path, "ar.json", batch_ms=80.0))
+    device = json.loads(open(results_file(tmp_path, "gpu.json", hook="noop", trainers=1, limits=False)).read())
+    device["summary"] = [{"role": "trainer", "metric": metric, "p50": value}
+                         for metric, value in (("batch", 7.0), ("forward", 2.0), ("backward", 4.0),
+                                               ("optimizer", 1.0))]
+    del device["timeline"]
+    (tmp_path / "gpu.json").write_text(json.dumps(device))
+    calibration = calibrate([network_run], compute=Run.load(str(tmp_path / "gpu.json")))
+    assert calibration.phases == Phases(2.0, 4.0, 1.0)
+    # two 10 MB buckets: ready at half and all of backward
+    assert [ready for ready, _, _ in calibration.buckets] == pytest.approx([2.0, 4.0])
+
+
+def test_a_run_on_one_emulated_host_calibrates_the_local_link(tmp_path):
+    one_host = results_file(tmp_path, "one.json", env={"emulated": {"placement": [[0, 1, 2]], "link_rate_bps": 1e9}})
+    apart = results_file(tmp_path, "apart.json", env={"emulated": {"placement": [[0], [1, 2]], "link_rate_bps": 1e9}},
+                         limits=True)
+    data = json.loads(open(one_host).read())
+    data["limits"]["link"] = {"latency_us": 1.0, "bandwidth_gbit_s": 80.0}
+    (tmp_path / "one.json").write_text(json.dumps(data))
+    calibration = calibrate([Run.load(one_host), Run.load(apart)])
+    assert calibration.intra_link == Link.of(1.0, 80.0) and calibration.link == Link.of(10.0, 8.0)
+    assert Run.load(one_host).per_host == 2 and Run.load(apart).per_host == 1
+
+
+def other_model(folder) -> str:
+    path = results_file(folder, "other.json", hook="noop", trainers=1)
+    data = json.loads(open(path).read())
+    data["config"]["model"] = "DummyModelSmall"
+    open(path, "w").write(json.dumps(data))
+    return path
+
+
+BAD_INPUTS = [
+    (lambda p: [results_file(p), "--per-node", "0"], "--per-node must be at least 1"),
+    (lambda p: [results_file(p), "--per-node", "4", "--trainers", "6"], "--per-node 4 does not divide --trainers 6"),
+    (lambda p: [results_file(p), "--per-node", "2", "--intra-link=-5gbit"], "--intra-link: expected a rate"),
+    (lambda p: [results_file(p), "--per-node", "2", "--intra-link", "900"], "--intra-link: expected a rate"),
+    (lambda p: [results_file(p), "--per-node", "2"], "--per-node 2: no local link between a node's trainers"),
+    (lambda p: ["--compute-ms", "forward=1,backward=2", "--model", "resnet18", "--batch-size", "8", "--link",
+                "10gbit"], "--compute-ms: missing optimizer"),
+    (lambda p: ["--compute-ms", "forward=1,backward=2,optimizer=1"], "give --model, --batch-size, --link too"),
+    (lambda p: [results_file(p), "--compute", other_model(p)], "give a run of the same model and batch size"),
+    (lambda p: [], "predict needs results files to calibrate on"),
+    (lambda p: [results_file(p), "--servers-on", "nearby"], "--servers-on: 'nearby' is not one of"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[message[:40] for _, message in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
+    assert main(["predict", *argv(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
