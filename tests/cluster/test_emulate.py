@@ -78,9 +78,11 @@ def test_the_rpc_floor_across_200mbit_links_is_what_the_links_allow(tmp_path, no
 
 
 def test_a_failed_rank_ctrl_c_and_kill_leave_nothing_behind(tmp_path, nothing_left_behind):
-    failed = emulate("--link", "1gbit", "--hosts", "2", "--", "--inject-fault", "trainer:0:3:raise",
-                     "--out", str(tmp_path / "failed.json"))
-    assert failed.returncode == 1 and "injected fault" in failed.stderr.strip().splitlines()[-1]
+    # hosts of several ranks: 2 trainers and a co-located server on each
+    failed = emulate("--link", "1gbit", "--", "--ntrainer", "4", "--per-host", "2", "--nserver", "2", "--servers-on",
+                     "colocated", "--inject-fault", "trainer:2:3:raise", "--out", str(tmp_path / "failed.json"))
+    last = failed.stderr.strip().splitlines()[-1]
+    assert failed.returncode == 1 and "injected fault" in last and "trainer 2" in last, failed.output
     assert failed.results["status"] == "failed"
     process = subprocess.Popen([sys.executable, str(ROOT / "bench.py"), "emulate", "--link", "1gbit", "--",
                                 "--rounds", "100000", "--out", str(tmp_path / "stopped.json")], cwd=ROOT,
