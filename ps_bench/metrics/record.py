@@ -24,6 +24,7 @@ from ps_bench.metrics import limits
 from ps_bench.metrics.memory import combine_peaks, peak_memory
 from ps_bench.metrics.results import SCHEMA, iso_now
 from ps_bench.metrics.stats import SummaryRow, summary_rows
+from ps_bench.metrics.wire import host_links
 from ps_bench.models.entries import Entry
 from ps_bench.topology import Topology
 from ps_bench.trainers.convergence import DEFAULT_MAX_ITERATIONS, SMOOTHING, smoothed_loss
@@ -95,8 +96,7 @@ class RunRecord:
                  environment: dict, recovered: list[dict] | None = None) -> None:
         self.config, self.topology = config, topology
         self.model, self.data = model, data
-        self.argv = argv
-        self.environment = environment
+        self.argv, self.environment = argv, environment
         self.recovered = recovered or []  # earlier attempts torchrun restarted the job after
         self.started = iso_now()
         self.trainer_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -286,7 +286,7 @@ class RunRecord:
                 "trainer_recv_per_iter": self.per_iteration(self.trainer_bytes, 1, topo.num_trainers),
                 "server_recv_per_iter": self.per_iteration(self.server_bytes, 0, topo.num_servers),
                 "server_sent_per_iter": self.per_iteration(self.server_bytes, 1, topo.num_servers),
-                **self.host_links(),
+                **host_links(self.host_traffic, self.environment.get("hosts") or [], self.iterations),
             },
             "timeline": self.timeline(),
             "replicas": self.replicas,
@@ -306,19 +306,6 @@ class RunRecord:
                 + [(i, self.server_samples) for i in topo.servers]
             ],
         }
-
-    def host_links(self) -> dict:
-        """With ranks on two hosts or more: the bytes per iteration that crossed between hosts,
-        in all and on each host's link each way (counted by the trainers, see ``wire``)."""
-        hosts = self.environment.get("hosts") or []
-        if len(hosts) < 2 or not self.iterations:
-            return {}
-        per = float(self.iterations)
-        links = [{"host": host["hostname"],
-                  "out_per_iter": sum(n for (src, dst), n in self.host_traffic.items() if src == index) / per,
-                  "in_per_iter": sum(n for (src, dst), n in self.host_traffic.items() if dst == index) / per}
-                 for index, host in enumerate(hosts)]
-        return {"across_hosts_per_iter": sum(self.host_traffic.values()) / per, "host_links": links}
 
     def per_iteration(self, counts: dict[int, list[int]], column: int, processes: int) -> float:
         """Bytes per iteration, mean per process of the role."""

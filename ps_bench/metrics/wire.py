@@ -198,3 +198,16 @@ def counted_broadcast(broadcast):
         return broadcast(tensor, *args, **kwargs)
 
     return counted
+
+
+def host_links(traffic: dict[tuple[int, int], int], hosts: list[dict], iterations: int) -> dict:
+    """With ranks on two hosts or more: the bytes per iteration that crossed between hosts, in all
+    (``across_hosts_per_iter``) and on each host's link each way (``host_links``), from the
+    trainers' ``crossing`` counts summed over a run (``traffic``)."""
+    if len(hosts) < 2 or not iterations:
+        return {}
+    links = [{"host": host["hostname"],
+              "out_per_iter": sum(n for (source, _), n in traffic.items() if source == index) / iterations,
+              "in_per_iter": sum(n for (_, destination), n in traffic.items() if destination == index) / iterations}
+             for index, host in enumerate(hosts)]
+    return {"across_hosts_per_iter": sum(traffic.values()) / iterations, "host_links": links}

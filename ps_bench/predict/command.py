@@ -10,10 +10,10 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from ps_bench.cluster.network import parse_delay, parse_rate
 from ps_bench.config import ConfigError
 from ps_bench.predict import models
-from ps_bench.predict.predictor import Calibration, Run, calibrate, from_compute_ms, meta_buckets, predict
+from ps_bench.predict.inputs import count_list, model_buckets, parse_phases, parse_target_latency, parse_target_rate
+from ps_bench.predict.predictor import Calibration, Run, calibrate, from_compute_ms, predict
 from ps_bench.strategies import HOOKS, RPC
 
 PREDICTION_SCHEMA = "ps_bench.prediction/1"
@@ -52,24 +52,6 @@ run on the device you will train on (e.g. --ntrainer 1 --nserver 0 --hook noop -
 --compute-ms needs no run: DDP's buckets for --model, their ready times spread over backward in
 proportion to their bytes.
 """
-
-
-def count_list(text: str, name: str, allow_auto: bool = False) -> list[int | str]:
-    values: list[int | str] = []
-    for item in text.split(","):
-        item = item.strip()
-        if allow_auto and item == "auto":
-            values.append("auto")
-            continue
-        try:
-            value = int(item)
-        except ValueError:
-            raise ConfigError(f"--{name}: expected whole numbers separated by commas{' or auto' if allow_auto else ''}; "
-                              f"got {text!r}") from None
-        if value < 1:
-            raise ConfigError(f"--{name} must be at least 1; got {value}")
-        values.append(value)
-    return values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,7 +94,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(needs matplotlib)")
 
 
-PHASES = ("forward", "backward", "optimizer")
 PLACES = ("dedicated", "colocated")
 
 
@@ -167,36 +148,11 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
     return Target(trainers, link_bps, latency_s, args.per_node, intra_bps, list(dict.fromkeys(places)), compute_ms)
 
 
-def parse_phases(text: str) -> dict[str, float]:
-    """``forward=F,backward=B,optimizer=O`` (ms) as a dict; every phase, each at least 0."""
-    phases = {}
-    for item in text.split(","):
-        name, _, value = item.partition("=")
-        try:
-            phases[name.strip()] = float(value)
-        except ValueError:
-            raise ConfigError(f"--compute-ms: expected forward=F,backward=B,optimizer=O in ms; got {text!r}") from None
-    missing = [name for name in PHASES if name not in phases]
-    extra = [name for name in phases if name not in PHASES]
-    if missing or extra:
-        raise ConfigError(f"--compute-ms: {'missing ' + ', '.join(missing) if missing else 'unknown ' + ', '.join(extra)}"
-                          f"; expected forward=F,backward=B,optimizer=O in ms")
-    if any(value < 0 for value in phases.values()):
-        raise ConfigError(f"--compute-ms: a phase cannot take less than 0 ms; got {text!r}")
-    return phases
-
-
 def no_run_calibration(args: argparse.Namespace, target: Target) -> Calibration:
     """``--compute-ms``: the phases given, DDP's buckets for the model built on the meta device."""
-    from ps_bench.config import RunConfig
-    from ps_bench.models import MODEL_PRESETS, MODELS
-    from ps_bench.models.entries import construct, load_entry
-
-    entry = load_entry(RunConfig().model_config_path, args.model, "model_class", MODELS, "model", MODEL_PRESETS)
-    network = construct(entry, MODELS)
-    phases = models.Phases(**target.compute_ms)
     latency_us = target.latency_s * 1e6 if target.latency_s is not None else 0.0
-    calibration = from_compute_ms(args.model, args.batch_size, phases, meta_buckets(network, args.bucket_cap_mb),
+    calibration = from_compute_ms(args.model, args.batch_size, models.Phases(**target.compute_ms),
+                                  model_buckets(args.model, args.bucket_cap_mb),
                                   models.Link.of(latency_us, target.link_bps / 1e9),
                                   f"--link {target.link_bps / 1e9:g} Gbit/s, latency {latency_us:g} us")
     if target.intra_bps is not None:
@@ -235,21 +191,6 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
         plot(args.plot, rows, calibration)
         print(f"plot: {args.plot}")
     return 0
-
-
-def parse_target_rate(text: str, name: str = "--link") -> float:
-    try:
-        return parse_rate(text)
-    except ConfigError:
-        raise ConfigError(f"{name}: expected a rate with its unit, above 0, e.g. 25gbit, 100gbit, 500mbit; got "
-                          f"{text!r}") from None
-
-
-def parse_target_latency(text: str) -> float:
-    try:
-        return parse_delay(text)
-    except ConfigError:
-        raise ConfigError(f"--latency: expected a time with its unit, e.g. 5us, 1ms; got {text!r}") from None
 
 
 def choose_hooks(text: str | None, runs: list[Run], calibration: Calibration) -> list[str]:

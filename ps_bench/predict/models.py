@@ -110,24 +110,25 @@ def within_node_ms(nodes: Nodes, nbytes: float, collectives: int) -> float:
     return collectives * ((g - 1) * local.latency_ms + (g - 1) / g * local.time(nbytes))
 
 
-def hierarchical_ms(nodes: Nodes, nbytes: float) -> float:
+def hierarchical_ms(nodes: Nodes, nbytes: float, gloo: bool = False) -> float:
     """Hierarchical all-reduce: reduce-scatter within the node, each of the G chunks all-reduced
     across the N nodes by its trainer (the G rings share the node's link, which carries
     ``2(N-1)/N · M`` each way in all), all-gather within the node:
     ``2[(G-1)α_l + (G-1)/G · M/B_l] + 2(N-1)α + 2(N-1)/N · M/B`` (Horovod's hierarchical
     all-reduce, Sergeev and Del Balso 2018; NCCL's rings across nodes). G = 1 is a ring over the
-    N nodes, N = 1 a ring over the local link. gloo all-reduces where NCCL reduce-scatters: its
-    first step moves twice the bytes, inside the node."""
-    return within_node_ms(nodes, nbytes, 2) + ring_allreduce_ms(nodes.count, nbytes, nodes.network)
+    N nodes, N = 1 a ring over the local link. ``gloo`` all-reduces where NCCL reduce-scatters:
+    its first step moves twice the bytes, inside the node (three steps' worth in all)."""
+    return within_node_ms(nodes, nbytes, 3 if gloo else 2) + ring_allreduce_ms(nodes.count, nbytes, nodes.network)
 
 
-def hsdp_reduce_ms(nodes: Nodes, nbytes: float) -> float:
+def hsdp_reduce_ms(nodes: Nodes, nbytes: float, gloo: bool = False) -> float:
     """HSDP's gradient step for ``nbytes`` of gradients: reduce-scatter within the node, then
     each shard all-reduced across nodes (the node's link carries ``2(N-1)/N · M`` in all):
     ``(G-1)α_l + (G-1)/G · M/B_l + 2(N-1)α + 2(N-1)/N · M/B`` (Zhao et al., "PyTorch FSDP",
     VLDB 2023, hybrid sharding). Its parameters' all-gathers within the node, before forward and
-    again before backward, are ``hsdp_gather_ms``."""
-    return within_node_ms(nodes, nbytes, 1) + ring_allreduce_ms(nodes.count, nbytes, nodes.network)
+    again before backward, are ``hsdp_gather_ms``. On ``gloo`` the reduce-scatter is an all-reduce
+    (twice the bytes inside the node)."""
+    return within_node_ms(nodes, nbytes, 2 if gloo else 1) + ring_allreduce_ms(nodes.count, nbytes, nodes.network)
 
 
 def hsdp_gather_ms(nodes: Nodes, nbytes: float) -> float:

@@ -25,13 +25,11 @@ import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 from ps_bench.config import ConfigError
 from ps_bench.metrics.limits import ELEMENT_BYTES
 from ps_bench.metrics.results import SCHEMA
 from ps_bench.predict import models
+from ps_bench.predict.inputs import spread
 from ps_bench.predict.models import Link, Phases
 from ps_bench.strategies import COLLECTIVE, HOOKS, RPC, SPARSE_SERVERS, Strategy
 
@@ -59,6 +57,7 @@ class Run:
     buckets: list[dict]  # DDP's, as it built them (bytes, sparse)
     trainer_sent_per_iter: float
     link_rate_bps: float | None  # the emulated network's, if any
+    backend: str = "gloo"  # the trainers' collectives'
     per_host: int = 1  # trainers on each trainer host (an emulated network's; else 1, every trainer apart)
     servers_on: str = "dedicated"
 
@@ -100,7 +99,7 @@ class Run:
             trainer_sent_per_iter=results["bytes"]["trainer_sent_per_iter"],
             link_rate_bps=emulated.get("link_rate_bps"),
             per_host=trainers_per_host(emulated.get("placement"), cfg["ntrainer"] + cfg.get("ncudatrainer", 0)),
-            servers_on=cfg.get("servers_on", "dedicated"),
+            servers_on=cfg.get("servers_on", "dedicated"), backend=cfg.get("backend", "gloo"),
         )
 
 
@@ -123,6 +122,7 @@ class Calibration:
     overlap_from: str
     runs: list[Run]
     intra_link: Link | None = None  # a node's local link, between its trainers
+    gloo: bool = False  # the runs' collectives ran on gloo (no reduce-scatter of its own); False: NCCL's
     intra_from: str = "none"
     own_ms: dict[str, float] = field(default_factory=dict)  # strategy -> its own compute, from its run
     payload_ratio: dict[str, float] = field(default_factory=dict)  # low-rank strategies: bytes sent / dense
@@ -197,9 +197,7 @@ def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float |
     computes = [run.compute_ms for run in timed if run.compute_ms is not None]
     if compute is not None and not timelines and not computes and compute.communicates_nothing:
         backward = compute.backward_ms  # nothing to wait for: backward's own compute
-        buckets = [(ready, nbytes, sparse) for ready, nbytes, sparse in from_compute_ms(
-            first.model, first.batch_size, Phases(forward, backward, optimizer),
-            [dense[index] for index in sorted(dense)], Link(0, 1), "").buckets]
+        buckets = spread(backward, [dense[index] for index in sorted(dense)])
         overlap_from = (f"--compute {compute.path}: no bucket timeline (a GPU run), bucket-ready times spread over "
                         "backward in proportion to their bytes")
     elif timelines:
@@ -219,7 +217,8 @@ def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float |
     memcpy = [run.memcpy_gbps for run in runs if run.memcpy_gbps]
     calibration = Calibration(first.model, first.batch_size, Phases(forward, backward, optimizer), buckets, link,
                               link_from, statistics.median(memcpy) * 1e9 / 1000.0 if memcpy else None, overlap_from,
-                              runs, intra_link, intra_from)
+                              runs, intra_link=intra_link, intra_from=intra_from,
+                              gloo=all(run.backend == "gloo" for run in runs))
     for run in runs:  # payloads first: a low-rank strategy's own compute is fitted with its payload known
         if HOOKS.record(run.hook).payload == "low-rank factors" and run.trainers > 1:
             ring = 2 * (run.trainers - 1) / run.trainers
@@ -323,12 +322,16 @@ def node_communication_end(calibration: Calibration, strategy: Strategy, hook: s
                                lambda nbytes: models.flat_ring_ms(nodes, nbytes, steps_per_message=3))
     factor = ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"]
     if strategy.transport == COLLECTIVE:
-        dense = NODE_MODELS.get(hook, models.flat_ring_ms)
         slowest = link if nodes.count > 1 else nodes.within()
+
+        def dense(nbytes: float) -> float:
+            if hook in NODE_MODELS:
+                return NODE_MODELS[hook](nodes, nbytes, gloo=calibration.gloo)
+            return models.flat_ring_ms(nodes, nbytes)
 
         def transfer(item):
             nbytes, sparse = item
-            return models.allgather_ms(n, nbytes, slowest) if sparse else dense(nodes, nbytes * factor)
+            return models.allgather_ms(n, nbytes, slowest) if sparse else dense(nbytes * factor)
         end = models.pipeline([(ready, (nbytes, sparse)) for ready, nbytes, sparse in buckets], transfer)
         if hook == "hsdp":  # its parameters' all-gathers, before the gradients
             end += models.hsdp_gather_ms(nodes, calibration.gradient_bytes)
@@ -365,28 +368,9 @@ def predict(calibration: Calibration, hook: str, n: int, k: int, mapping: str = 
             "samples_per_s": n * calibration.batch_size / (batch / 1000.0) if batch > 0 else None}
 
 
-def meta_buckets(network: torch.nn.Module, bucket_cap_mb: float) -> list[tuple[int, bool]]:
-    """DDP's buckets for ``network`` (built on the meta device: sizes only), in the order backward
-    makes them ready: ``(bytes, sparse)``. DDP assigns the parameters in reverse order (the
-    last layer's gradient is ready first) to buckets of at most 1 MiB first, then
-    ``bucket_cap_mb``, as ``torch.distributed._compute_bucket_assignment_by_size`` does for it."""
-    parameters = [p for p in network.parameters() if p.requires_grad][::-1]
-    sparse = {id(module.weight) for module in network.modules() if getattr(module, "sparse", False)}
-    indices, _ = dist._compute_bucket_assignment_by_size(
-        parameters, [dist._DEFAULT_FIRST_BUCKET_BYTES, int(bucket_cap_mb * 1024 * 1024)],
-        [id(p) in sparse for p in parameters])
-    return [(sum(parameters[i].numel() * parameters[i].element_size() for i in bucket),
-             any(id(parameters[i]) in sparse for i in bucket)) for bucket in indices]
-
-
 def from_compute_ms(model: str, batch_size: int, phases: Phases, buckets: list[tuple[int, bool]], link: Link,
                     link_from: str) -> Calibration:
-    """A calibration with no run: compute phases as given, each bucket ready when backward has
-    made its share of the gradients (bucket-ready times spread over backward in proportion to
-    their bytes: layers' backward time taken as proportional to their gradients)."""
-    total, made, timed = sum(nbytes for nbytes, _ in buckets) or 1, 0, []
-    for nbytes, sparse in buckets:
-        made += nbytes
-        timed.append((phases.backward * made / total, nbytes, sparse))
-    return Calibration(model, batch_size, phases, timed, link, link_from, None,
+    """A calibration with no run: compute phases as given, the buckets' ready times spread over
+    backward in proportion to their bytes (``inputs.spread``)."""
+    return Calibration(model, batch_size, phases, spread(phases.backward, buckets), link, link_from, None,
                        "--compute-ms: bucket-ready times spread over backward in proportion to their bytes", [])

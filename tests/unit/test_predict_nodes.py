@@ -13,7 +13,8 @@ from torch import nn
 from ps_bench.cli import main
 from ps_bench.predict import models
 from ps_bench.predict.models import Link, Nodes, Phases
-from ps_bench.predict.predictor import Run, calibrate, from_compute_ms, meta_buckets, predict
+from ps_bench.predict.inputs import meta_buckets
+from ps_bench.predict.predictor import Run, calibrate, from_compute_ms, predict
 from tests.unit.test_predict import results_file
 
 NETWORK = Link(latency_ms=0.01, bytes_per_ms=1e6)  # 1 MB per ms, 10 µs
@@ -46,6 +47,12 @@ def test_hierarchical_is_a_reduce_scatter_and_all_gather_inside_and_a_ring_acros
     # fewer bytes on the network link than the flat ring's 2(8-1)/8 = 1.75
     assert models.hierarchical_ms(Nodes(4, 2, NETWORK, LOCAL), 8 * MB) < models.flat_ring_ms(
         Nodes(4, 2, NETWORK, LOCAL), 8 * MB)
+
+
+def test_on_gloo_the_first_step_inside_is_an_all_reduce():
+    nodes = Nodes(4, 2, NETWORK, LOCAL)
+    assert models.hierarchical_ms(nodes, 8 * MB, gloo=True) == pytest.approx(3 * 0.401 + 0.06 + 12.0)
+    assert models.hsdp_reduce_ms(nodes, 8 * MB, gloo=True) - models.hsdp_reduce_ms(nodes, 8 * MB) == pytest.approx(0.401)
 
 
 def test_hsdp_reduces_once_inside_and_gathers_twice():
