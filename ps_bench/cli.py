@@ -38,6 +38,8 @@ from ps_bench.topology import Topology
 SUBCOMMANDS = {
     "sweep": ("ps_bench.sweep", "FILE --out DIR", "every point of a sweep file, fresh ranks for each", "docs/sweeps.md"),
     "report": ("ps_bench.report", "DIR|FILE...", "compare runs: table, speedups, CSV, plot", "docs/sweeps.md"),
+    "compare": ("ps_bench.compare", "BASE NEW", "did it get faster? changes, 95 % intervals, verdicts, a CI gate",
+                "docs/compare.md"),
     "slurm": ("ps_bench.cluster.slurm", "--nodes N -- [options]",
               "an sbatch script: one torchrun per node (--submit runs it)", "docs/clusters.md"),
     "launch": ("ps_bench.cluster.hosts", "--hosts H1,H2 -- [options]", "one torchrun per host of your own, over ssh",

@@ -1,15 +1,17 @@
 """``bench.py sweep FILE --out DIR``: many runs from one JSON file, each in its own process tree.
 
 A sweep file is ``{"name": ..., "base": {options}, "grid": {option: [values]}, "variants":
-[{"name": ..., option: value}]}``. Its points are the cartesian product of ``grid`` (times each
-variant when both are given); a point is ``base`` plus its overrides. Every point is validated
-before anything runs. The sweep is every point's launcher: it starts the preloaded forkserver
-once (``ps_bench.preload``), and each point's ranks are new processes forked from it, so no
-point pays for importing torch and a crash or hang of one point's ranks ends only that point
-(its ranks are stopped, what finished is kept, the next point starts afresh). One JSON line per
-point (the full results object plus ``point``: name, overrides and configuration hash) is
-appended to ``DIR/results.jsonl``; each point's output (its run file, ``POINT.config.json``,
-reruns it alone with ``bench.py --config``) goes to its log in ``DIR/logs/``.
+[{"name": ..., option: value}], "repeat": N}``. Its points are the cartesian product of ``grid``
+(times each variant when both are given); a point is ``base`` plus its overrides, run ``repeat``
+times (default 1; the repeats take turns, point after point, so a drifting machine touches every
+point alike). Every point is validated before anything runs. The sweep is every point's
+launcher: it starts the preloaded forkserver once (``ps_bench.preload``), and each point's ranks
+are new processes forked from it, so no point pays for importing torch and a crash or hang of
+one point's ranks ends only that point (its ranks are stopped, what finished is kept, the next
+point starts afresh). One JSON line per run of a point (the full results object plus ``point``:
+name, overrides, configuration hash and which repeat) is appended to ``DIR/results.jsonl``;
+each point's output (its run file, ``POINT.config.json``, reruns it alone with ``bench.py
+--config``) goes to its log in ``DIR/logs/``.
 """
 
 from __future__ import annotations
@@ -42,13 +44,14 @@ DESCRIPTION = (
     "Run every point of a sweep file, each in its own process tree, appending one JSON line per "
     "point to OUT/results.jsonl (logs in OUT/logs/). A sweep file is {\"name\": ..., \"base\": {options}, "
     "\"grid\": {option: [values]}, \"variants\": [{\"name\": ..., option: value}]}: the points are the "
-    "cartesian product of grid (times each variant), each base plus its overrides.")
+    "cartesian product of grid (times each variant), each base plus its overrides; \"repeat\": N runs each point "
+    "N times, every run recorded (bench.py compare reads them all).")
 EPILOG = """\
 example:
   python bench.py sweep configs/sweeps/hooks.json --out results/hooks && python bench.py report results/hooks
 """
 
-SWEEP_KEYS = ("name", "base", "grid", "variants")
+SWEEP_KEYS = ("name", "base", "grid", "variants", "repeat")
 RESULTS_NAME = "results.jsonl"
 # Options a sweep sets itself, and options that change how a run reports, not what it measures.
 NOT_HASHED = ("out", "dry_run", "per_rank", "debug", "verbose", "emulate_keep")
@@ -65,6 +68,7 @@ class Point:
     config: RunConfig  # validated
     model: Entry
     data: Entry
+    repeats: int = 1  # how many times the sweep runs it, each run a line of its own
 
 
 def config_hash(resolved: dict[str, Any]) -> str:
@@ -128,6 +132,10 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
         variants.append((label, options))
     if not grid and not variants:
         raise ConfigError(f"sweep {path!r} has no points: give a grid, variants, or both")
+    repeats = raw.get("repeat", 1)
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ConfigError(f"sweep {path!r}: repeat must be a whole number of runs per point, at least 1; "
+                          f"got {json.dumps(repeats)}")
     combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())] if grid else [{}]
     points = []
     for variant_label, variant_options in variants or [(None, {})]:
@@ -143,7 +151,7 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
                 raise ConfigError(f"sweep {path!r}: point {index} ({label}): {error}") from None
             resolved = {**cfg.to_dict(), "model_config": model.to_dict(), "data_config": data.to_dict()}
             points.append(Point(index, label, {**overrides, **variant_options}, options, config_hash(resolved),
-                                resolved, cfg, model, data))
+                                resolved, cfg, model, data, repeats))
     return name, points
 
 
@@ -243,14 +251,18 @@ def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None, debug:
     (out_dir / "points").mkdir(parents=True, exist_ok=True)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     results_path = out_dir / RESULTS_NAME
-    done = {line["point"]["hash"] for line in read_lines(results_path)
+    done = {(line["point"]["hash"], line["point"].get("repeat", 1)) for line in read_lines(results_path)
             if line.get("status") == "ok" and "point" in line} if resume else set()
     if not resume and results_path.exists() and results_path.stat().st_size:
         raise ConfigError(f"{results_path} already holds results: add --resume to continue that sweep, "
                           f"or choose another --out")
-    todo = [p for p in points if p.config_hash not in done]
-    print(f"sweep {name}: {len(points)} points, {len(points) - len(todo)} already done, {len(todo)} to run; "
-          f"results in {results_path}", flush=True)
+    repeats = points[0].repeats
+    # repeat after repeat, each of every point: a machine that drifts during the sweep touches every point alike
+    runs = [(point, repeat) for repeat in range(1, repeats + 1) for point in points]
+    todo = [(point, repeat) for point, repeat in runs if (point.config_hash, repeat) not in done]
+    each = f" x {repeats} runs each" if repeats > 1 else ""
+    print(f"sweep {name}: {len(points)} points{each}, {len(runs) - len(todo)}{' runs' if each else ''} already done, "
+          f"{len(todo)} to run; results in {results_path}", flush=True)
     if todo:
         preload.start(debug)
     try:
@@ -259,30 +271,34 @@ def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None, debug:
         preload.stop()
 
 
-def run_points(name: str, points: list[Point], todo: list[Point], out_dir: Path, timeout_s: float | None) -> int:
-    """Runs the points not done yet, one after the other; returns the sweep's exit status."""
+def run_points(name: str, points: list[Point], todo: list[tuple[Point, int]], out_dir: Path,
+               timeout_s: float | None) -> int:
+    """Runs the (point, repeat) pairs not done yet, one after the other; returns the sweep's exit status."""
     results_path = out_dir / RESULTS_NAME
     failed = 0
     started = time.monotonic()
-    for number, point in enumerate(todo, start=1):
+    unit = "point(s)" if points[0].repeats == 1 else "run(s)"
+    for number, (point, repeat) in enumerate(todo, start=1):
         point_start = time.monotonic()
+        which = f"{point.name} run {repeat}/{point.repeats}" if point.repeats > 1 else point.name
         try:
             results = run_point(point, out_dir, timeout_s)
         except Interrupted as stopped:
-            print(f"sweep stopped at point {point.index} ({point.name}); {number - 1} point(s) of this run "
+            print(f"sweep stopped at point {point.index} ({which}); {number - 1} {unit} of this run "
                   f"are in {results_path}; --resume continues", file=sys.stderr, flush=True)
             return stopped.exit_code
         results["point"] = {"index": point.index, "name": point.name, "overrides": point.overrides,
-                            "hash": point.config_hash, "sweep": name}
+                            "hash": point.config_hash, "sweep": name, "repeat": repeat}
         append_line(results_path, results)
         elapsed = time.monotonic() - point_start
         status = results.get("status", "failed")
         failed += status != "ok"
         mean = (time.monotonic() - started) / number
         detail = "ok" if status == "ok" else f"FAILED: {str(results.get('error', '')).splitlines()[0][:160]}"
-        print(f"[{point.index}/{len(points)}] {point.name}  {elapsed:.1f} s  {detail}  "
+        print(f"[{point.index}/{len(points)}] {which}  {elapsed:.1f} s  {detail}  "
               f"(elapsed {duration(time.monotonic() - started)}, ~{duration(mean * (len(todo) - number))} left)",
               flush=True)
-    print(f"sweep {name}: ran {len(todo)} point(s): {len(todo) - failed} ok, {failed} failed; "
-          f"`bench.py report {out_dir}` compares them", flush=True)
+    print(f"sweep {name}: ran {len(todo)} {unit}: {len(todo) - failed} ok, {failed} failed; "
+          f"`bench.py report {out_dir}` compares them"
+          f"{f', `bench.py compare` two such folders' if points[0].repeats > 1 else ''}", flush=True)
     return 1 if failed else 0

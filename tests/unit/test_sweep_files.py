@@ -90,3 +90,17 @@ def test_report_columns_and_speedups(tmp_path):
     headers, body = table(rows, "batch", rows[1])
     assert headers[0] == "hook" and headers[-2:] == ["speedup", "status"]
     assert body[0][headers.index("speedup")] == "0.25x" and body[1][headers.index("speedup")] == "1.00x"
+
+
+def test_repeat_runs_each_point_several_times_and_report_shows_the_last(tmp_path):
+    _, points = load_sweep(sweep(tmp_path, {"grid": {"hook": ["ps", "allreduce"]}, "repeat": 3}))
+    assert [p.repeats for p in points] == [3, 3]
+    assert load_sweep(sweep(tmp_path, {"grid": {"hook": ["ps"]}}))[1][0].repeats == 1
+    for bad in (0, "3", 2.5, True):
+        with pytest.raises(ConfigError, match="repeat must be a whole number of runs per point, at least 1"):
+            load_sweep(sweep(tmp_path, {"grid": {"hook": ["ps"]}, "repeat": bad}))
+    point = {"index": 1, "name": "hook=ps", "hash": "a"}
+    lines = [dict(result("ps", p50), point={**point, "repeat": repeat}) for repeat, p50 in ((1, 4.0), (2, 5.0))]
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    rows = load_rows([str(tmp_path)])
+    assert len(rows) == 1 and rows[0].stat("batch", "p50") == 5.0
