@@ -22,7 +22,8 @@ QUICK = ("--warmup-rounds", "1", "--rounds", "2")
 SERVER_STRATEGIES = [name for name in HOOKS.names() if HOOKS.record(name).needs_servers and HOOKS.record(name).lossless]
 CASES = [(*case, ()) for case in itertools.product(SERVER_STRATEGIES, AVERAGING, ("shard", "group"))]
 CASES += [(hook, "average", "shard", ()) for hook in HOOKS.names() if hook not in SERVER_STRATEGIES
-          and HOOKS.record(hook).takes_servers and (HOOKS.record(hook).lossless or HOOKS.record(hook).transport is None)]
+          and HOOKS.record(hook).takes_servers and (HOOKS.record(hook).lossless or HOOKS.record(hook).transport is None)
+          and not HOOKS.record(hook).per_host]  # hosts of several trainers: tests/integration/test_families.py
 CASES += [("ps", "average", "shard", ("--bucket-cap-mb", "0.001"))]  # many buckets, owners balanced over servers
 
 

@@ -22,9 +22,12 @@ def test_bulk_synchronous_gives_the_parameters_of_synchronous_ps(bench_runs):
     ssp = staleness_run(bench_runs, "0", "--rounds", "2")
     ps = bench_runs.ok("--hook", "ps", "--rounds", "2", timeout_s=120)
     assert ssp["staleness"]["max"] == 0 and ssp["staleness"]["updates"] == 2 * ssp["throughput"]["iterations"]
-    assert ssp["replicas"]["param_norm"] == pytest.approx(ps["replicas"]["param_norm"], rel=1e-6)
+    # the same arithmetic in another place (the servers step, not the trainers): float rounding
+    # apart, which compounds over the iterations to a few parts in a million at most (once 3.7e-6
+    # on a busy machine); a wrong average or a stale update moves the loss by 1e-3 or more
+    assert ssp["replicas"]["param_norm"] == pytest.approx(ps["replicas"]["param_norm"], rel=2e-5)
     for which in ("first", "last"):  # every trainer's loss, iteration by iteration, averaged per round
-        assert ssp["loss"][which] == pytest.approx(ps["loss"][which], rel=1e-6)
+        assert ssp["loss"][which] == pytest.approx(ps["loss"][which], rel=2e-5)
     assert ssp["config"]["trainer"] == ssp["config"]["server"] == "ssp"
 
 
