@@ -316,9 +316,8 @@ class RunRecord:
     def timeline(self) -> list[dict] | None:
         """Each DDP bucket in the order it became ready: its payload bytes, and p50 over every
         trainer's sampled timed iterations (the last few of each round) of when backward handed
-        it to the strategy (``ready_ms``) and when the strategy delivered it (``done_ms``), in ms
-        after backward began; None where the clocks cannot say (a GPU) or before the buckets are
-        known."""
+        it to the strategy (``ready_ms``) and when the strategy delivered it (``done_ms``; on a GPU,
+        the end of backward), in ms after backward began; None before the buckets are known."""
         if not self.bucket_offsets or self.buckets is None:
             return None
         sizes = {bucket["index"]: bucket["bytes"] for bucket in self.buckets}

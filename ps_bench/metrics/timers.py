@@ -98,6 +98,25 @@ def bucket_offsets(intervals: list[tuple[int, float, float]],
     return offsets
 
 
+def cuda_bucket_offsets(ready_events: list[tuple[int, "torch.cuda.Event"]],
+                        backward: dict[int, tuple["torch.cuda.Event", "torch.cuda.Event"]]) -> dict[int, list]:
+    """On a GPU, per bucket, ``(ready, done)`` ms after its iteration's backward began, on the
+    device's clock, for the iterations in ``backward`` (iteration -> the CUDA events that began
+    and ended its backward): ``ready`` when the device had made the bucket (the event recorded
+    as DDP handed it over, an iteration's k-th being bucket k), ``done`` the end of backward, by
+    which DDP has waited for every bucket (an upper bound: the GPU's collectives run on streams
+    of their own, whose completion the CPU learns late). Every event must have completed."""
+    offsets: dict[int, list[tuple[float, float]]] = {}
+    for iteration, group in itertools.groupby(ready_events, key=operator.itemgetter(0)):
+        span = backward.get(iteration)
+        if span is not None:
+            began, ended = span
+            done = began.elapsed_time(ended)
+            for bucket, (_, made) in enumerate(group):
+                offsets.setdefault(bucket, []).append((began.elapsed_time(made), done))
+    return offsets
+
+
 def covered_seconds(spans: list[tuple[float, float]]) -> float:
     """The length of the union of ``(start, end)`` spans sorted by start."""
     covered, (low, high) = 0.0, spans[0]

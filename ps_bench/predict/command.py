@@ -48,7 +48,7 @@ network link (--link). Each strategy has its model: a flat ring ordered node by 
 hierarchical (within, across, within), hsdp, parameter servers on hosts of their own
 (dedicated) or one on each node (colocated); every formula and its reference is in
 ps_bench/predict/models.py. --compute RUN.json takes the compute phases and bucket timeline from a
-run on the device you will train on (e.g. --ntrainer 1 --nserver 0 --hook noop --device cuda);
+run on the device you will train on (e.g. --backend nccl --ntrainer 1 --nserver 0 --hook noop);
 --compute-ms needs no run: DDP's buckets for --model, their ready times spread over backward in
 proportion to their bytes.
 """

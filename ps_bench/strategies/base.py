@@ -147,6 +147,8 @@ class HookContext:
     comm: IntervalTracker = field(default_factory=IntervalTracker)
     wire: ByteCounter = field(default_factory=ByteCounter)
     iteration: int = 0  # the trainer's current training iteration, from 1
+    # on a GPU: (iteration, CUDA event recorded as DDP handed a bucket over), in hand-over order
+    ready_events: list | None = None
     capturing: bool = False  # --verify: keep this iteration's buckets
     noting: bool = True  # record this iteration's bucket sizes (the trainer asks once per round)
     captures: list[Capture] = field(default_factory=list)
@@ -339,6 +341,10 @@ def instrument(hook: Hook) -> Hook:
         if ctx.noting:
             ctx.note_bucket(bucket)
         start = clock()
+        if ctx.ready_events is not None:  # a GPU: when the device had made the bucket, on its own clock
+            made = torch.cuda.Event(enable_timing=True)
+            made.record()
+            ctx.ready_events.append((iteration, made))
         future = hook(ctx, bucket)
         if future.done() and capture is None:  # finished already (noop, a local fast path): nothing to wait for
             ctx.comm.add((iteration, start, clock()))

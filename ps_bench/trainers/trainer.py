@@ -19,7 +19,7 @@ from ps_bench.failures import fatal_on_error
 from ps_bench.faults import Fault, Straggling, maybe_inject
 from ps_bench.metrics import limits, wire
 from ps_bench.metrics.memory import peak_memory
-from ps_bench.metrics.timers import StepTimer, bucket_offsets, covered_ms
+from ps_bench.metrics.timers import StepTimer, bucket_offsets, covered_ms, cuda_bucket_offsets
 from ps_bench.models.base import Dataset, build_model
 from ps_bench.models.entries import Entry
 from ps_bench.registry import Registry
@@ -83,6 +83,7 @@ class DdpTrainer:
             cuda_rpc=cuda_rpc,
             rpc_timeout=config.rpc_timeout,
             per_host=config.per_host,
+            ready_events=[] if self.device.type == "cuda" else None,
         )
         self.hook_context.wire.hosts, self.hook_context.wire.rank = rank_hosts, trainer_index  # trainers rank first
         wire.install(self.hook_context.wire)
@@ -139,6 +140,8 @@ class DdpTrainer:
         record, append_loss = records.append, losses.append
         sent_before, recv_before = wire.sent, wire.recv
         wire.take_crossing()
+        if ctx.ready_events is not None:
+            ctx.ready_events.clear()
         clock, stop = timer.clock, timer.stop
         model, loss_fn, optimizer, inputs, targets = self.model, self.loss_fn, self.optimizer, self.inputs, self.targets
         per_epoch, batch_size, fault, iteration = self.iterations_per_epoch, self.batch_size, self.fault, self.iteration
@@ -195,13 +198,15 @@ class DdpTrainer:
         intervals, first_iteration, untimed = ctx.comm.drain(), iteration - iterations + 1, checked | traced
         samples = self.round_samples(phases, moved, covered_ms(intervals), first_iteration, untimed=untimed)
         # when each bucket became ready and was done, after backward began, in the round's last
-        # timed iterations (CPU clocks only: on a GPU the readings are CUDA events, another clock)
+        # timed iterations: on the CPU's clock, or on a GPU the device's (CUDA events)
         timeline = {}
-        if not timer.cuda:
-            steps = [step for step in range(iterations) if step not in untimed][-TIMELINE_ITERATIONS:]
-            if steps:
-                tail = intervals[bisect.bisect_left(intervals, (first_iteration + steps[0],)):]
-                timeline = bucket_offsets(tail, {first_iteration + step: readings[step][1] for step in steps})
+        steps = [step for step in range(iterations) if step not in untimed][-TIMELINE_ITERATIONS:]
+        if steps and not timer.cuda:
+            tail = intervals[bisect.bisect_left(intervals, (first_iteration + steps[0],)):]
+            timeline = bucket_offsets(tail, {first_iteration + step: readings[step][1] for step in steps})
+        elif steps and ctx.ready_events:
+            timeline = cuda_bucket_offsets(ctx.ready_events, {first_iteration + step: readings[step][1:3]
+                                                              for step in steps})
         return {
             "samples": samples,
             "iterations": iterations,

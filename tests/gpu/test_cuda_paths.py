@@ -143,3 +143,16 @@ def test_gpu_batch_times_are_wall_clock_times(bench_runs):
     batch = next(r for r in results["summary"] if r["role"] == "trainer" and r["metric"] == "batch")
     wall_ms = 1000 * results["throughput"]["timed_s"] / results["throughput"]["iterations"]
     assert batch["p50"] == pytest.approx(wall_ms, rel=0.10), (batch, wall_ms)
+
+
+def test_a_gpu_run_records_its_bucket_timeline_on_the_devices_clock(bench_runs):
+    """CUDA events recorded as DDP hands each bucket over: every bucket of resnet18 has a ready
+    time within backward, in the order DDP built them, which is what ``predict --compute`` reads."""
+    results = job(bench_runs, "--backend", "nccl", "--ntrainer", "1", "--nserver", "0", "--hook", "allreduce",
+                  "--model", "resnet18", "--batch-size", "32", "--epochs", "8", *QUICK)
+    backward = next(r["p50"] for r in results["summary"] if r["role"] == "trainer" and r["metric"] == "backward")
+    timeline = results["timeline"]
+    assert timeline and len(timeline) == len(buckets(results)), timeline
+    assert [row["index"] for row in timeline] == sorted(row["index"] for row in timeline)
+    for row in timeline:
+        assert 0 < row["ready_ms"] <= row["done_ms"] <= backward * 1.5, (row, backward)
