@@ -274,55 +274,28 @@ def own_terms(run: Run, calibration: Calibration) -> dict:
     return {"phases": Phases(run.forward_ms, backward, run.optimizer_ms), "buckets": buckets}
 
 
+# strategies whose cost depends on the nodes, beyond a flat ring: per bucket of M bytes
+NODE_MODELS = {"hierarchical": models.hierarchical_ms, "hsdp": models.hsdp_reduce_ms}
+
+
 def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n: int, k: int,
                       mapping: str, per_node: int = 1, servers_on: str = "dedicated") -> float | None:
     """When the last bucket's combined gradient is back, ms after backward began (None: this
     strategy cannot be predicted from this calibration). ``per_node`` trainers share a node
-    (its local link, ``calibration.intra_link``, between them)."""
+    (its local link, ``calibration.intra_link``, between them); at 1, every model is the flat one."""
     link, buckets = calibration.link, calibration.buckets
     if strategy.transport is None:
         return 0.0
     nodes = models.Nodes(n // per_node, per_node, link, calibration.intra_link)
-    if per_node > 1 or hook in NODE_MODELS or servers_on == "colocated":
-        return node_communication_end(calibration, strategy, hook, nodes, k, mapping, servers_on)
     if strategy.payload == "low-rank factors":
         ratio = calibration.payload_ratio.get(hook)
         if ratio is None:
             return None  # its bytes depend on the layers' shapes: known from a run of it only
         return models.pipeline([(ready, nbytes * ratio) for ready, nbytes, _ in buckets],
-                               lambda nbytes: models.ring_allreduce_ms(n, nbytes, link, steps_per_message=3))
+                               lambda nbytes: models.flat_ring_ms(nodes, nbytes, steps_per_message=3))
     factor = ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"]  # wire bytes per float32 byte
     if strategy.transport == COLLECTIVE:
-        def transfer(item):
-            nbytes, sparse = item
-            return models.allgather_ms(n, nbytes, link) if sparse else models.ring_allreduce_ms(n, nbytes * factor, link)
-        return models.pipeline([(ready, (nbytes, sparse)) for ready, nbytes, sparse in buckets], transfer)
-    if strategy.transport == RPC:
-        if k < 1:
-            return None
-        sized = [(ready, nbytes if sparse and strategy.sparse_buckets == SPARSE_SERVERS else nbytes * factor)
-                 for ready, nbytes, sparse in buckets]
-        return models.ps_pipeline(sized, n, k, link, mapping, calibration.aggregate_bytes_per_ms)
-    return None
-
-
-# strategies whose cost depends on the nodes, beyond a flat ring: per bucket of M bytes
-NODE_MODELS = {"hierarchical": models.hierarchical_ms, "hsdp": models.hsdp_reduce_ms}
-
-
-def node_communication_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: models.Nodes, k: int,
-                           mapping: str, servers_on: str) -> float | None:
-    """``communication_end`` on nodes of several trainers (or for a strategy that uses them)."""
-    buckets, link, n = calibration.buckets, calibration.link, nodes.trainers
-    if strategy.payload == "low-rank factors":
-        ratio = calibration.payload_ratio.get(hook)
-        if ratio is None:
-            return None
-        return models.pipeline([(ready, nbytes * ratio) for ready, nbytes, _ in buckets],
-                               lambda nbytes: models.flat_ring_ms(nodes, nbytes, steps_per_message=3))
-    factor = ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"]
-    if strategy.transport == COLLECTIVE:
-        slowest = link if nodes.count > 1 else nodes.within()
+        slowest = nodes.within() if nodes.count == 1 and per_node > 1 else link
 
         def dense(nbytes: float) -> float:
             if hook in NODE_MODELS:
@@ -343,7 +316,7 @@ def node_communication_end(calibration: Calibration, strategy: Strategy, hook: s
             return models.colocated_ps_pipeline(sized, nodes, calibration.aggregate_bytes_per_ms)
         if k < 1:
             return None
-        return models.ps_pipeline(sized, n, k, link, mapping, calibration.aggregate_bytes_per_ms, nodes.per_node)
+        return models.ps_pipeline(sized, n, k, link, mapping, calibration.aggregate_bytes_per_ms, per_node)
     return None
 
 
