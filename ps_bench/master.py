@@ -117,13 +117,14 @@ class Master:
                                       min(HELD_OUT_SAMPLES, len(dataset)))
         handles = [(rref, info.cuda_rpc) for rref, info in zip(servers, topo.servers)]
         trainer_class = TRAINERS.get(cfg.trainer)
+        rank_hosts = self.rank_hosts()
         trainers = []
         for info in topo.trainers:
             shard = dataset.shard(info.index, topo.num_trainers)
             group_server = topo.group_of(info.index) if topo.mapping == "group" and servers else None
             trainers.append(rpc.remote(info.name, trainer_class, args=(
                 info.index, cfg, self.model, shard.inputs, shard.targets, handles, group_server, info.cuda_rpc,
-                device_name(self.device_of(info.rank)), held_out if info.index == 0 else None, self.rank_hosts())))
+                device_name(self.device_of(info.rank)), held_out if info.index == 0 else None, rank_hosts)))
         iterations = [trainer.rpc_sync(timeout=0).ready() for trainer in trainers]  # every replica is built
         if cfg.staleness is not None:  # the servers own the parameters: a round is a budget of everyone's updates
             for server in servers:
