@@ -283,14 +283,15 @@ def plot_convergence(path: str, rows: list[Row], title: str) -> None:
     plt.close(figure)
 
 
-def pyplot():
+def pyplot(command: str = "report"):
+    """matplotlib's pyplot, drawing to files; a one-line error naming ``command`` where it is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError("report --plot needs matplotlib: pip install -e '.[plot]'") from None
+        raise ConfigError(f"{command} --plot needs matplotlib: pip install -e '.[plot]'") from None
     return plt
 
 

@@ -20,6 +20,7 @@ from ps_bench.compare.intervals import CONFIDENCE, MIN_RUNS, OPTIMISTIC
 from ps_bench.compare.sides import ENTRIES, ignored_fields
 from ps_bench.config import ConfigError
 from ps_bench.options import typed
+from ps_bench.report import pyplot
 
 DESCRIPTION = (
     "Did it get faster? Compare two sides, each a results file, a sweep folder or a folder of results files: "
@@ -105,21 +106,10 @@ def write_csv(path: str, rows: list[Row]) -> None:
         writer.writerows({k: "" if v is None else v for k, v in record.items()} for record in records)
 
 
-def pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("compare --plot needs matplotlib: pip install -e '.[plot]'") from None
-    return plt
-
-
 def plot(path: str, comparison: Comparison) -> None:
     """Per matched point, every run's per-iteration batch times as a box (p10-p90 whiskers), base's
     runs then new's side by side, with the point's batch p50 change and verdict as its title."""
-    plt = pyplot()
+    plt = pyplot("compare")
     pairings = comparison.pairings
     columns = min(3, len(pairings))
     lines = math.ceil(len(pairings) / columns)
@@ -189,7 +179,7 @@ def write(path: str, flag: str, writer: Callable[[str], None]) -> None:
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     check(args, bench_argv)
     if args.plot:
-        pyplot()  # a missing matplotlib is said before anything is read
+        pyplot("compare")  # a missing matplotlib is said before anything is read
     comparison = compare(args.base, args.new, args.match, args.threshold, args.fail_over)
     print(render(comparison, markdown=args.format == "markdown"))
     if args.csv:

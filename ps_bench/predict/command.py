@@ -14,6 +14,7 @@ from ps_bench.config import ConfigError
 from ps_bench.predict import models
 from ps_bench.predict.inputs import count_list, model_buckets, parse_phases, parse_target_latency, parse_target_rate
 from ps_bench.predict.predictor import Calibration, Run, calibrate, from_compute_ms, predict
+from ps_bench.report import pyplot
 from ps_bench.strategies import HOOKS, RPC
 
 PREDICTION_SCHEMA = "ps_bench.prediction/1"
@@ -335,13 +336,7 @@ def render_winners(best: list[dict]) -> str:
 
 
 def plot(path: str, rows: list[dict], calibration: Calibration) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("predict --plot needs matplotlib: pip install -e '.[plot]'") from None
+    plt = pyplot("predict")
     figure, axes = plt.subplots(figsize=(7, 4.5))
     series: dict[str, list[dict]] = {}
     for row in rows:
