@@ -5,7 +5,7 @@ import time
 
 launched_at = time.time()  # "ready after N s" counts from here, imports included
 
-from ps_bench import preload  # noqa: E402  (no torch: it starts the ranks' interpreter first)
+from ps_bench.runtime import preload  # noqa: E402  (no torch: it starts the ranks' interpreter first)
 
 if __name__ == "__main__":
     if preload.starts_ranks(sys.argv[1:]):

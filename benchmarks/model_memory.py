@@ -30,8 +30,8 @@ def measure(model_name: str, batch_size: int) -> dict:
     from ps_bench.models import build_data, build_model
 
     torch.set_num_threads(1)
-    model, data = validate(RunConfig(model=model_name, batch_size=batch_size, ntrainer=1, nserver=0,
-                                     hook="allreduce"), gpus=0)
+    job = validate(RunConfig(model=model_name, batch_size=batch_size, ntrainer=1, nserver=0, hook="allreduce"), gpus=0)
+    model, data = job.model, job.data
     store = tempfile.NamedTemporaryFile(delete=False).name
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     network = DistributedDataParallel(build_model(model.class_name, model.kwargs, 0))

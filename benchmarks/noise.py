@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT))
 from ps_bench.cli import build_parser  # noqa: E402
 from ps_bench.compare import DEFAULT_THRESHOLD_PCT, METRICS, Run, Side, compare_sides  # noqa: E402
 from ps_bench.options import parse_run_options  # noqa: E402
-from ps_bench.sweep import RESULTS_NAME, read_lines  # noqa: E402
+from ps_bench.results.files import RESULTS_NAME  # noqa: E402
+from ps_bench.results.load import load_lines  # noqa: E402
 
 
 def make_runs(out: Path, runs: int, options: dict) -> list[Run]:
@@ -40,7 +41,7 @@ def make_runs(out: Path, runs: int, options: dict) -> list[Run]:
                            "--resume"], cwd=ROOT)
     if done.returncode not in (0, 1):
         sys.exit(f"noise: the sweep stopped (exit {done.returncode})")
-    lines = [line for line in read_lines(out / "runs" / RESULTS_NAME) if line.get("status") == "ok"]
+    lines = [line for line in load_lines(out / "runs" / RESULTS_NAME) if line.get("status") == "ok"]
     latest = {line["point"]["repeat"]: line for line in lines}  # a repeat re-run after a failure: its latest line
     return [Run(f"run {repeat}", latest[repeat]) for repeat in sorted(latest)]
 

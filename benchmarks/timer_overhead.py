@@ -35,7 +35,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks  # noqa:
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from ps_bench.config import RunConfig  # noqa: E402
-from ps_bench.faults import Fault, maybe_inject  # noqa: E402
+from ps_bench.runtime.faults import Fault, maybe_inject  # noqa: E402
 from ps_bench.job import validate  # noqa: E402
 from ps_bench.models import build_data, build_model  # noqa: E402
 from ps_bench.strategies.base import HookContext  # noqa: E402
@@ -94,13 +94,14 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     cfg = RunConfig(hook="noop", nserver=0, ntrainer=1, epochs=args.epochs, model=args.model, data=args.data)
-    model_entry, data_entry = validate(cfg, gpus=0)
+    job = validate(cfg, gpus=0)
+    model_entry, data_entry = job.model, job.data
     dataset = build_data(data_entry.class_name, data_entry.kwargs, cfg.torch_seed)
     store = Path(tempfile.mkdtemp()) / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
 
     def timed_trainer() -> DdpTrainer:
-        return DdpTrainer(0, cfg, model_entry, dataset.inputs, dataset.targets, servers=[], group_server=None,
+        return DdpTrainer(0, cfg, job.strategy, model_entry, dataset.inputs, dataset.targets, servers=[], group_server=None,
                           cuda_rpc=False, device="cpu")
 
     def untimed_model() -> tuple[nn.Module, torch.optim.Optimizer]:

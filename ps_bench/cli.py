@@ -20,21 +20,23 @@ from typing import NoReturn
 
 from tabulate import tabulate
 
-from ps_bench import preload
+from ps_bench.runtime import preload
 from ps_bench.config import ConfigError, RunConfig, build_config
-from ps_bench.failures import Terminated, raise_terminated
+from ps_bench.runtime.failures import Terminated, raise_terminated
 from ps_bench.job import cuda_device_count, validate
-from ps_bench.launch import JobFailed, LaunchSpec, run_torchrun_rank, spawn, under_torchrun
-from ps_bench.metrics.results import default_results_path
+from ps_bench.runtime.launch import JobFailed, LaunchSpec, run_torchrun_rank, spawn, under_torchrun
+from ps_bench.results.files import default_results_path
 from ps_bench.options import (EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, Parser, add_run_options,
                               parse_run_options, plural, usage_error)
-from ps_bench.topology import Topology
+from ps_bench.runtime.topology import Topology
 
 # name -> (module, usage, summary, docs page). Each module has DESCRIPTION and EPILOG (its --help),
-# add_arguments(parser) and main(args, bench_argv) -> exit status, raising ConfigError for bad
-# input; BENCH_OPTIONS = True: it takes run options after "--", handed to main as bench_argv; an
-# optional check(args, bench_argv) checks what main would before it starts or writes anything.
-# A new subcommand is its module and one line here.
+# add_arguments(parser) and either main(args, bench_argv) -> exit status, raising ConfigError for
+# bad input, or run_argv(args, bench_argv) -> the run's own command line, which this module runs
+# (a subcommand that is one run of this machine's launcher, set up another way); BENCH_OPTIONS =
+# True: it takes run options after "--", handed to it as bench_argv; an optional
+# check(args, bench_argv) checks what main would before it starts or writes anything. A new
+# subcommand is its module and one line here.
 SUBCOMMANDS = {
     "sweep": ("ps_bench.sweep", "FILE --out DIR", "every point of a sweep file, fresh ranks for each", "docs/sweeps.md"),
     "report": ("ps_bench.report", "DIR|FILE...", "compare runs: table, speedups, CSV, plot", "docs/sweeps.md"),
@@ -122,6 +124,8 @@ def run_subcommand(name: str, argv: list[str], launched_at: float) -> int:
     args = parser.parse_args(own)
     args.launched_at = launched_at  # a subcommand that runs a job counts its start-up from here
     try:
+        if hasattr(module, "run_argv"):
+            return run(module.run_argv(args, bench_argv), launched_at, time.time())
         return module.main(args, bench_argv)
     except ConfigError as error:
         return usage_error(error, args.debug)
@@ -150,6 +154,8 @@ def check(argv: list[str], gpus: int = 8) -> None:
     args = parser.parse_args(own)
     if hasattr(module, "check"):
         module.check(args, bench_argv)
+    elif hasattr(module, "run_argv"):
+        check_run(module.run_argv(args, bench_argv), gpus=0)
     elif bench_argv:
         check_run(bench_argv, gpus)
 
@@ -179,9 +185,9 @@ def launch_spec(cfg: RunConfig, argv: list[str], launched_at: float, imported: f
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)) if torchrun else cfg.world_size
     node = int(os.environ.get("GROUP_RANK", 0)) if torchrun else 0
     node_ranks = range(node * local_world_size, (node + 1) * local_world_size)
-    model, data = validate(cfg, trainers_on_node=sum(r < cfg.num_trainers for r in node_ranks))
+    job = validate(cfg, trainers_on_node=sum(r < cfg.num_trainers for r in node_ranks))
     results_path = cfg.out or str(default_results_path(cfg.hook, cfg.num_trainers, cfg.num_servers))
-    return LaunchSpec(cfg, model, data, ["bench.py", *argv], "", results_path, local_world_size,
+    return LaunchSpec(job, ["bench.py", *argv], "", results_path, local_world_size,
                       cuda_device_count(), torchrun, launched_at,
                       milestones={"imported": imported, "validated": time.time()})
 

@@ -25,9 +25,21 @@ class ConfigError(ValueError):
     """Bad user input: reported as one line, exit status 2."""
 
 
+def need(condition: bool, message: str) -> None:
+    """Raises ConfigError(``message``) unless ``condition``."""
+    if not condition:
+        raise ConfigError(message)
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of an option: ``max_iterations`` -> ``--max-iterations``."""
+    return f"--{name.replace('_', '-')}"
+
+
 TOPOLOGY, STRATEGY, RUN = "topology", "strategy and workload", "rounds, rendezvous and output"  # --help groups
 NETWORK = "emulated network (see bench.py emulate --help)"
 CONVERGENCE = "time to a target loss"
+DEFAULT_MAX_ITERATIONS = 1000  # --max-iterations when --target-loss is given without it
 
 
 def option(default: Any, help: str, *, group: str = RUN, aliases: tuple[str, ...] = (), choices: tuple[str, ...] = (),
@@ -89,7 +101,8 @@ class RunConfig:
         "iterations and after how many seconds of training the target was reached", group=CONVERGENCE,
         metavar="X")
     max_iterations: int | None = option(
-        None, "the most training iterations a --target-loss run takes, warmup included (default: 1000)",
+        None, f"the most training iterations a --target-loss run takes, warmup included (default: "
+              f"{DEFAULT_MAX_ITERATIONS})",
         group=CONVERGENCE)
     staleness: str | None = option(
         None, "parameter servers that own the parameters and apply SGD themselves, trainers without DDP that push "

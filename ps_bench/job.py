@@ -2,27 +2,28 @@
 
 ``validate`` holds a ``RunConfig`` against the registered pieces (each strategy's record,
 the servers, trainers, models and data) and against the GPUs of the node, and returns the
-model and data entries it names. Every problem is a ``ConfigError``: one line that names the
-input and what to change.
+``Job``: the configuration with the strategy record it resolved to and the model and data
+entries it names, which travel together to every rank. Every problem is a ``ConfigError``: one
+line that names the input and what to change.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 
-from ps_bench.cluster import network
-from ps_bench.config import ConfigError, RunConfig, check_interface, check_port, check_writable_folder
-from ps_bench.faults import Fault, Straggler
+from ps_bench.config import ConfigError, RunConfig, check_interface, check_port, check_writable_folder, flag, need
 from ps_bench.models import DATA, DATA_PRESETS, MODEL_PRESETS, MODELS, PRESET_DATA, RANDOM, TEACHER
 from ps_bench.models.base import SyntheticData
 from ps_bench.models.entries import DEFAULT_DATA, ZOO, Entry, construct, load_entry, model_size
 from ps_bench.registry import UnknownNameError
+from ps_bench.runtime import network
+from ps_bench.runtime.faults import Fault, Straggler
 from ps_bench.servers import SERVERS
-from ps_bench.servers.ssp import parse_staleness
-from ps_bench.strategies import HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, check_hook_options
+from ps_bench.strategies import HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Strategy, check_hook_options, stale
 from ps_bench.strategies.base import FSDP, SHARDED
 from ps_bench.trainers.trainer import TRAINERS
 
@@ -30,17 +31,20 @@ from ps_bench.trainers.trainer import TRAINERS
 DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adamw": 0.01}  # torch's own defaults
 
 
+@dataclass(frozen=True)
+class Job:
+    """A validated run: its configuration (names canonical, defaults chosen), the record of the
+    strategy it trains with (``--hook``'s, or the stale-synchronous one under ``--staleness``),
+    and the model and data entries it names."""
+
+    config: RunConfig
+    strategy: Strategy
+    model: Entry
+    data: Entry
+
+
 def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def need(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
-def flag(name: str) -> str:
-    return f"--{name.replace('_', '-')}"
 
 
 def check_options(cfg: RunConfig) -> None:
@@ -61,6 +65,14 @@ def check_options(cfg: RunConfig) -> None:
         count = {"trainer": cfg.num_trainers, "server": cfg.num_servers, "master": 1}[fault.role]
         need(fault.index < count, f"--inject-fault: there is no {fault.role} {fault.index}; "
                                   f"this run has {count} {fault.role}(s), numbered from 0")
+    for text in cfg.straggler:
+        try:
+            straggler = Straggler.parse(text)
+        except ValueError as error:
+            raise ConfigError(f"--straggler {text}: {error}") from None
+        need(straggler.index is None or straggler.index < cfg.num_trainers,
+             f"--straggler {text}: there is no trainer {straggler.index}; this run has {cfg.num_trainers} trainer(s), "
+             f"numbered from 0")
     if cfg.profile is not None:
         check_writable_folder(cfg.profile, "--profile")
     need(cfg.num_trainers >= 1, "at least one trainer is needed: set --ntrainer or --ncudatrainer to 1 or more")
@@ -106,9 +118,10 @@ def check_labels(cfg: RunConfig, dataset: SyntheticData) -> None:
          f"use --labels teacher (the default with a target)")
 
 
-def check_pieces(cfg: RunConfig) -> None:
+def check_pieces(cfg: RunConfig) -> Strategy:
     """Strategy, server and trainer by their registered names (upstream's become ours), the
-    hook's options, and what the strategy's record needs of the topology."""
+    hook's options, and what the strategy's record needs of the topology; returns the record of
+    the strategy the run trains with."""
     for name, registry in (("hook", HOOKS), ("server", SERVERS), ("trainer", TRAINERS)):
         try:
             setattr(cfg, name, registry.canonical(getattr(cfg, name)))
@@ -118,7 +131,7 @@ def check_pieces(cfg: RunConfig) -> None:
         cfg.hook_options = check_hook_options(cfg.hook, cfg.hook_options)
     except ValueError as error:
         raise ConfigError(f"--hook-option: {error}") from None
-    record = HOOKS.record(cfg.hook)
+    record = stale.resolve(cfg, HOOKS.record(cfg.hook))
     if record.needs_servers:
         need(cfg.num_servers >= 1, f"--hook {cfg.hook} sends gradients to parameter servers: set --nserver 1 or more")
     if not record.takes_servers:
@@ -145,47 +158,13 @@ def check_pieces(cfg: RunConfig) -> None:
         need(hosts >= 2, f"--hook {cfg.hook} synchronises within each host, then across hosts: it needs 2 hosts or "
                          f"more (--per-host G with G a divisor of the trainers below their number; got "
                          f"{cfg.num_trainers} trainers on {hosts} host)")
-    if cfg.optimizer != "sgd" or cfg.momentum:
-        need(cfg.staleness is None, "--staleness: the servers step the parameters with plain SGD; leave --optimizer "
-                                    "and --momentum out")
     if cfg.mapping == "group" and cfg.num_servers:
         need(
             cfg.num_servers <= cfg.num_trainers,
             f"--mapping group needs at least as many trainers as servers: {cfg.num_servers} servers "
             f"need {cfg.num_servers} trainers; got {cfg.num_trainers}",
         )
-
-
-def check_staleness(cfg: RunConfig) -> None:
-    """--staleness: servers that own the parameters, and what that mode cannot do; --straggler."""
-    for text in cfg.straggler:
-        try:
-            straggler = Straggler.parse(text)
-        except ValueError as error:
-            raise ConfigError(f"--straggler {text}: {error}") from None
-        need(straggler.index is None or straggler.index < cfg.num_trainers, f"--straggler {text}: there is no trainer {straggler.index}; this run "
-                                                 f"has {cfg.num_trainers} trainer(s), numbered from 0")
-    if cfg.staleness is None:
-        for name in ("trainer", "server"):
-            need(getattr(cfg, name) != "ssp", f"--{name} ssp is the mode of --staleness S: set --staleness")
-        return
-    try:
-        bound = parse_staleness(cfg.staleness)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    cfg.staleness = "inf" if bound == math.inf else str(int(bound))
-    need(cfg.hook == "ps", f"--staleness {cfg.staleness} trains with servers that own the parameters, which trainers "
-                           f"push gradients to and read from: it needs --hook ps (got --hook {cfg.hook})")
-    need(cfg.trainer in ("ddp", "ssp") and cfg.server in ("average", "ssp"),
-         f"--staleness chooses its own trainer and server (ssp): leave --trainer and --server out "
-         f"(got {cfg.trainer} and {cfg.server})")
-    cfg.trainer = cfg.server = "ssp"
-    unsupported = [flag(name) for name in ("ncudatrainer", "ncudaserver", "verify", "limits") if getattr(cfg, name)]
-    unsupported += ["--profile"] if cfg.profile is not None else []
-    unsupported += [f"--backend {cfg.backend}"] if cfg.backend != "gloo" else []
-    unsupported += ["--mapping group"] if cfg.mapping == "group" else []
-    need(not unsupported, f"--staleness runs CPU trainers and servers without DDP's buckets: it cannot be combined "
-                          f"with {', '.join(unsupported)}")
+    return record
 
 
 def check_workload(cfg: RunConfig) -> tuple[Entry, Entry, torch.nn.Module]:
@@ -214,7 +193,8 @@ def check_workload(cfg: RunConfig) -> tuple[Entry, Entry, torch.nn.Module]:
     return model, data, network
 
 
-def check_devices(cfg: RunConfig, network: torch.nn.Module, gpus: int, trainers_on_node: int) -> None:
+def check_devices(cfg: RunConfig, record: Strategy, network: torch.nn.Module, gpus: int,
+                  trainers_on_node: int) -> None:
     """CUDA where the options ask for it, one GPU per NCCL trainer, no sparse all-reduce on NCCL."""
     wants_cuda = [
         f"--backend {cfg.backend}" if cfg.backend != "gloo" else "",
@@ -226,7 +206,7 @@ def check_devices(cfg: RunConfig, network: torch.nn.Module, gpus: int, trainers_
         raise ConfigError(f"CUDA is needed for {' and '.join(wants_cuda)}, but no GPU is available here "
                           f"(torch.cuda.is_available() is False); use --backend gloo with CPU trainers and servers")
     sparse = any(getattr(m, "sparse", False) for m in network.modules())
-    need(not (sparse and HOOKS.record(cfg.hook).family == SHARDED),
+    need(not (sparse and record.family == SHARDED),
          f"--model {cfg.model} has sparse gradients, which --hook {cfg.hook} cannot shard; use a dense model, or "
          f"--hook allreduce, ps or sparse_ps")
     if cfg.backend not in ("nccl", "multi"):
@@ -238,7 +218,7 @@ def check_devices(cfg: RunConfig, network: torch.nn.Module, gpus: int, trainers_
     )
     if not any(getattr(m, "sparse", False) for m in network.modules()):
         return
-    sparse_buckets = HOOKS.record(cfg.hook).sparse_buckets
+    sparse_buckets = record.sparse_buckets
     if sparse_buckets == SPARSE_ALLREDUCE:
         raise ConfigError(f"--model {cfg.model} has sparse gradients, which NCCL cannot all-reduce "
                           f"(--hook {cfg.hook}, --backend {cfg.backend}); use --hook hybrid with "
@@ -259,16 +239,15 @@ def check_network(cfg: RunConfig, machine: bool = True) -> None:
 
 
 def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | None = None,
-             machine: bool = True) -> tuple[Entry, Entry]:
+             machine: bool = True) -> Job:
     """Checks a whole configuration before any process starts (canonicalising the names it
-    holds); returns the model and data entries it names. ``gpus`` defaults to the CUDA devices
-    visible here, ``trainers_on_node`` to every trainer (one machine); ``machine=False`` leaves
-    out what only this machine decides (root and tc for an emulated network)."""
+    holds); returns the job it describes. ``gpus`` defaults to the CUDA devices visible here,
+    ``trainers_on_node`` to every trainer (one machine); ``machine=False`` leaves out what only
+    this machine decides (root and tc for an emulated network)."""
     check_options(cfg)
-    check_pieces(cfg)
-    check_staleness(cfg)
+    record = check_pieces(cfg)
     check_network(cfg, machine)
     model, data, network = check_workload(cfg)
-    check_devices(cfg, network, cuda_device_count() if gpus is None else gpus,
+    check_devices(cfg, record, network, cuda_device_count() if gpus is None else gpus,
                   cfg.num_trainers if trainers_on_node is None else trainers_on_node)
-    return model, data
+    return Job(cfg, record, model, data)

@@ -14,9 +14,9 @@ import numpy as np
 from tabulate import tabulate
 
 from ps_bench.config import ConfigError
-from ps_bench.metrics.limits import byteps_optimum_ms, ps_bound_ms
+from ps_bench.metrics.costs import Link, byteps_bound_ms, ps_bound_ms
 from ps_bench.options import typed
-from ps_bench.sweep import RESULTS_NAME, read_lines
+from ps_bench.results.load import load_source
 
 DESCRIPTION = (
     "Compare runs: one row per point, with the options that vary across points, p50 and p90 of a "
@@ -58,27 +58,20 @@ class Row:
 
 def load_rows(sources: list[str]) -> list[Row]:
     """Points from sweep folders (their results.jsonl; a re-run point's latest line wins),
-    .jsonl files, and single results files, in the order given."""
+    .jsonl files, folders of results files and single results files, in the order given."""
     rows: list[Row] = []
     for source in sources:
-        path = Path(source)
-        if path.is_dir():
-            path = path / RESULTS_NAME
-        if not path.exists():
-            raise ConfigError(f"report: {source!r} does not exist (give a sweep folder or results files)")
-        if path.suffix == ".jsonl":
+        loaded = load_source(source)
+        if loaded.kind in ("sweep folder", "sweep results"):
             latest: dict[str, dict] = {}
-            for line in read_lines(path):
+            for _, line in loaded.runs:
                 key = line.get("point", {}).get("hash") or str(len(latest))
                 latest.pop(key, None)
                 latest[key] = line
             for line in sorted(latest.values(), key=lambda r: r.get("point", {}).get("index", 0)):
-                rows.append(Row(line.get("point", {}).get("name", path.stem), line))
+                rows.append(Row(line.get("point", {}).get("name", Path(source).stem), line))
         else:
-            try:
-                rows.append(Row(path.stem, json.loads(path.read_text())))
-            except json.JSONDecodeError as error:
-                raise ConfigError(f"report: {source!r} is not a results file: {error.msg} at line {error.lineno}") from None
+            rows += [Row(Path(where).stem, results) for where, results in loaded.runs]
     if not rows:
         raise ConfigError(f"report: no results in {', '.join(sources)}")
     return rows
@@ -299,8 +292,8 @@ def scaling_table(rows: list[Row], link_gbps: float | None) -> tuple[list[str], 
     """Per-iteration time for each trainers x servers point next to the analytic bounds.
 
     M is the point's bytes per trainer per iteration, B ``link_gbps`` or else the point's own
-    memcpy floor (``--limits``): the parameter-server bound ``max(M, n·M/k) / B`` (a worker
-    moves M, each of k servers n·M/k) and BytePS's optimum ``2n(n-1)M / ((n² + kn - 2k)·B)``."""
+    memcpy floor (``--limits``): the parameter-server bound and BytePS's optimum
+    (``costs.ps_bound_ms``, ``costs.byteps_bound_ms``)."""
     headers = ["hook", "trainers", "servers", "batch p50 ms", "comm p50 ms", "MB/iter", "B GB/s",
                "PS bound ms", "BytePS optimum ms", "comm / PS bound"]
     body = []
@@ -310,8 +303,9 @@ def scaling_table(rows: list[Row], link_gbps: float | None) -> tuple[list[str], 
         moved = (row.results.get("bytes") or {}).get("trainer_sent_per_iter") or 0.0
         memcpy = ((row.results.get("limits") or {}).get("memcpy") or {}).get("gbps")
         gbps = link_gbps or memcpy
-        bound = ps_bound_ms(n, k, moved, gbps) if gbps and k and moved else None
-        optimum = byteps_optimum_ms(n, k, moved, gbps) if gbps and moved else None
+        link = Link.of(0.0, gbps * 8) if gbps else None  # GB/s
+        bound = ps_bound_ms(n, k, moved, link) if link and k and moved else None
+        optimum = byteps_bound_ms(n, k, moved, link) if link and moved else None
         comm = row.stat("comm", "p50")
         body.append([row.option("hook"), n, k, fixed(row.stat("batch", "p50"), 3), fixed(comm, 3),
                      fixed(moved / 1e6, 3), fixed(gbps, 2), fixed(bound, 3), fixed(optimum, 3),

@@ -5,7 +5,7 @@ A sweep file is ``{"name": ..., "base": {options}, "grid": {option: [values]}, "
 (times each variant when both are given); a point is ``base`` plus its overrides, run ``repeat``
 times (default 1; the repeats take turns, point after point, so a drifting machine touches every
 point alike). Every point is validated before anything runs. The sweep is every point's
-launcher: it starts the preloaded forkserver once (``ps_bench.preload``), and each point's ranks
+launcher: it starts the preloaded forkserver once (``ps_bench.runtime.preload``), and each point's ranks
 are new processes forked from it, so no point pays for importing torch and a crash or hang of
 one point's ranks ends only that point (its ranks are stopped, what finished is kept, the next
 point starts afresh). One JSON line per run of a point (the full results object plus ``point``:
@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import itertools
 import json
-import os
 import signal
 import sys
 import time
@@ -30,15 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ps_bench import preload
-from ps_bench.config import JSON_KEYS, ConfigError, RunConfig, build_config, coerce, read_json
-from ps_bench.failures import Terminated, raise_terminated
-from ps_bench.job import cuda_device_count, validate
-from ps_bench.launch import JobFailed, LaunchSpec, spawn
-from ps_bench.metrics.record import failed_results
-from ps_bench.metrics.results import environment, iso_now
-from ps_bench.models.entries import Entry
+from ps_bench.config import JSON_KEYS, ConfigError, build_config, coerce, read_json
+from ps_bench.job import Job, cuda_device_count, validate
 from ps_bench.options import typed
+from ps_bench.results.files import RESULTS_NAME, append_line, config_hash, environment, iso_now
+from ps_bench.results.load import load_file, load_lines
+from ps_bench.results.record import failed_results
+from ps_bench.runtime import preload
+from ps_bench.runtime.failures import Terminated, raise_terminated
+from ps_bench.runtime.launch import JobFailed, LaunchSpec, spawn
 
 DESCRIPTION = (
     "Run every point of a sweep file, each in its own process tree, appending one JSON line per "
@@ -52,9 +50,6 @@ example:
 """
 
 SWEEP_KEYS = ("name", "base", "grid", "variants", "repeat")
-RESULTS_NAME = "results.jsonl"
-# Options a sweep sets itself, and options that change how a run reports, not what it measures.
-NOT_HASHED = ("out", "dry_run", "per_rank", "debug", "verbose", "emulate_keep")
 
 
 @dataclass
@@ -65,17 +60,8 @@ class Point:
     options: dict[str, Any]  # base plus overrides, as a run JSON
     config_hash: str
     resolved: dict[str, Any]
-    config: RunConfig  # validated
-    model: Entry
-    data: Entry
+    job: Job  # validated
     repeats: int = 1  # how many times the sweep runs it, each run a line of its own
-
-
-def config_hash(resolved: dict[str, Any]) -> str:
-    """A hash of what a run measures: every resolved option (canonical names) and the
-    model and data entries they name."""
-    payload = {k: v for k, v in resolved.items() if k not in NOT_HASHED}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def run_options(values: dict[str, Any], where: str) -> dict[str, Any]:
@@ -145,34 +131,13 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
             index = len(points) + 1
             label = " ".join(filter(None, [variant_label, describe(combo) if combo else ""]))
             try:
-                cfg = build_config(options)
-                model, data = validate(cfg, machine=machine)
+                job = validate(build_config(options), machine=machine)
             except ConfigError as error:
                 raise ConfigError(f"sweep {path!r}: point {index} ({label}): {error}") from None
-            resolved = {**cfg.to_dict(), "model_config": model.to_dict(), "data_config": data.to_dict()}
+            resolved = {**job.config.to_dict(), "model_config": job.model.to_dict(), "data_config": job.data.to_dict()}
             points.append(Point(index, label, {**overrides, **variant_options}, options, config_hash(resolved),
-                                resolved, cfg, model, data, repeats))
+                                resolved, job, repeats))
     return name, points
-
-
-def read_lines(path: Path) -> list[dict]:
-    """The JSON lines of a results.jsonl; a torn last line (a killed writer) is skipped."""
-    if not path.exists():
-        return []
-    lines = []
-    for text in path.read_text().splitlines():
-        try:
-            lines.append(json.loads(text))
-        except json.JSONDecodeError:
-            continue
-    return lines
-
-
-def append_line(path: Path, entry: dict) -> None:
-    with open(path, "a") as stream:
-        stream.write(json.dumps(entry) + "\n")
-        stream.flush()
-        os.fsync(stream.fileno())
 
 
 def duration(seconds: float) -> str:
@@ -200,9 +165,10 @@ def run_point(point: Point, out_dir: Path, timeout_s: float | None) -> dict:
     results_file = out_dir / "points" / f"{stem}-{attempt}.json"
     log_file = out_dir / "logs" / f"{stem}.log"
     argv = ["bench.py", "--config", str(config_file), "--out", str(results_file)]
-    cfg = dataclasses.replace(point.config, out=str(results_file))
+    cfg = dataclasses.replace(point.job.config, out=str(results_file))
     started = time.time()
-    spec = LaunchSpec(cfg, point.model, point.data, argv, "", str(results_file), cfg.world_size, cuda_device_count(),
+    spec = LaunchSpec(dataclasses.replace(point.job, config=cfg), argv, "", str(results_file), cfg.world_size,
+                      cuda_device_count(),
                       launched_at=started, milestones={"imported": started, "validated": started},
                       log_path=str(log_file))
     error = None
@@ -220,7 +186,7 @@ def run_point(point: Point, out_dir: Path, timeout_s: float | None) -> dict:
         except Terminated:
             raise Interrupted(143) from None
     if results_file.exists():
-        return json.loads(results_file.read_text())
+        return load_file(results_file)
     return failed_results(None, error or f"the point wrote no results; see {log_file}", config=point.resolved,
                           argv=argv, env=environment(cfg.backend))
 
@@ -251,7 +217,7 @@ def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None, debug:
     (out_dir / "points").mkdir(parents=True, exist_ok=True)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     results_path = out_dir / RESULTS_NAME
-    done = {(line["point"]["hash"], line["point"].get("repeat", 1)) for line in read_lines(results_path)
+    done = {(line["point"]["hash"], line["point"].get("repeat", 1)) for line in load_lines(results_path)
             if line.get("status") == "ok" and "point" in line} if resume else set()
     if not resume and results_path.exists() and results_path.stat().st_size:
         raise ConfigError(f"{results_path} already holds results: add --resume to continue that sweep, "

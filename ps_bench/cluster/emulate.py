@@ -3,8 +3,8 @@
 The job runs as ``bench.py`` runs it, from this machine's launcher and its preloaded
 forkserver, but each rank first enters the network namespace of its emulated host, and every
 host reaches the others only through its own link, shaped both ways to ``--link`` (see
-``ps_bench.cluster.network``). This is the launcher entering each rank's namespace rather than a
-torchrun agent per host: it is as faithful (every byte between hosts crosses the shaped veth
+``ps_bench.runtime.network``): ``bench.py`` runs the job that ``run_argv`` describes. This is
+the launcher entering each rank's namespace rather than a torchrun agent per host: it is as faithful (every byte between hosts crosses the shaped veth
 links, RPC over TCP as gloo is), starts in the time a local job does, and keeps ps_bench's own
 supervision, failure naming and cleanup, down to a launcher killed by SIGKILL. The options here
 are the run options ``--emulate-link``, ``--emulate-hosts``, ``--emulate-delay`` and
@@ -14,9 +14,7 @@ are the run options ``--emulate-link``, ``--emulate-hosts``, ``--emulate-delay``
 from __future__ import annotations
 
 import argparse
-import time
 
-from ps_bench import cli
 from ps_bench.options import typed
 
 BENCH_OPTIONS = True
@@ -55,12 +53,3 @@ def run_argv(args: argparse.Namespace, bench_argv: list[str]) -> list[str]:
     emulation += ["--emulate-delay", args.delay] if args.delay is not None else []
     emulation += ["--emulate-keep"] if args.keep else []
     return [*bench_argv, *emulation]
-
-
-def check(args: argparse.Namespace, bench_argv: list[str]) -> None:
-    """The run with its emulated network, as on a machine that can emulate it."""
-    cli.check_run(run_argv(args, bench_argv), gpus=0)
-
-
-def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
-    return cli.run(run_argv(args, bench_argv), args.launched_at, time.time())

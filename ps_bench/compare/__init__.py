@@ -21,19 +21,17 @@ from ps_bench.compare.comparison import (COMPARISON_SCHEMA, DEFAULT_THRESHOLD_PC
                                          per_second, percentile_of, reached, trainer_samples, trainer_stat)
 from ps_bench.compare.intervals import (CONFIDENCE, MIN_RUNS, OPTIMISTIC, RESAMPLES, TRAPEZOID, Interval, few,
                                         runs_interval, t_quantile, verdict, within_run_interval)
-from ps_bench.compare.sides import (ENTRIES, NOT_COMPARED, Pairing, Run, Side, checked, compared_config,
-                                    differing_fields, group_points, ignored_fields, jsonl_runs, label_points,
-                                    load_side, pair_points, point_key, point_label, read_json_file, schema_version,
-                                    shown, varying)
+from ps_bench.compare.sides import (ENTRIES, NOT_COMPARED, Pairing, Run, Side, compared_config, differing_fields,
+                                    group_points, ignored_fields, label_points, load_side, pair_points, point_key,
+                                    point_label, shown, varying)
 
 __all__ = [
     # the interval and the verdict
     "CONFIDENCE", "MIN_RUNS", "OPTIMISTIC", "RESAMPLES", "TRAPEZOID", "Interval", "few", "runs_interval",
     "t_quantile", "verdict", "within_run_interval",
     # the sides and matching
-    "ENTRIES", "NOT_COMPARED", "Pairing", "Run", "Side", "checked", "compared_config", "differing_fields",
-    "group_points", "ignored_fields", "jsonl_runs", "label_points", "load_side", "pair_points", "point_key",
-    "point_label", "read_json_file", "schema_version", "shown", "varying",
+    "ENTRIES", "NOT_COMPARED", "Pairing", "Run", "Side", "compared_config", "differing_fields", "group_points",
+    "ignored_fields", "label_points", "load_side", "pair_points", "point_key", "point_label", "shown", "varying",
     # one comparison
     "COMPARISON_SCHEMA", "DEFAULT_THRESHOLD_PCT", "HEADERS", "METRICS", "Comparison", "Metric", "Row", "compare",
     "compare_point", "compare_sides", "geometric_mean", "mean_of", "per_second", "percentile_of", "reached",

@@ -13,7 +13,7 @@ import numpy as np
 
 from ps_bench.compare.intervals import CONFIDENCE, MIN_RUNS, Interval, runs_interval, verdict, within_run_interval
 from ps_bench.compare.sides import Pairing, Run, Side, ignored_fields, load_side, pair_points, point_label, varying
-from ps_bench.metrics.results import iso_now
+from ps_bench.results.files import iso_now
 
 COMPARISON_SCHEMA = "ps_bench.comparison/1"
 DEFAULT_THRESHOLD_PCT = 5.0

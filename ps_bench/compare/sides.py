@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ps_bench.config import JSON_KEYS, ConfigError
-from ps_bench.metrics.results import SCHEMA
-from ps_bench.sweep import NOT_HASHED, RESULTS_NAME, config_hash, read_lines
+from ps_bench.results.files import NOT_HASHED, config_hash
+from ps_bench.results.load import load_source
 
 # Resolved options that say where a run wrote or listened, or what it derived, not what it measured.
 NOT_COMPARED = (*NOT_HASHED, "model_size", "master_port")
@@ -50,90 +50,36 @@ class Side:
     runs: list[Run]  # the successful ones
     failed: list[Run] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # files of a folder that are not results files
+    torn: int = 0  # lines of a results.jsonl that do not parse (a killed writer's)
 
     def describe(self) -> str:
         torch = sorted({str((run.results.get("env") or {}).get("torch")) for run in self.runs})
         extra = [f"{len(self.failed)} failed run(s) left out"] if self.failed else []
         extra += [f"{len(self.skipped)} file(s) that are not results skipped"] if self.skipped else []
+        extra += [f"{self.torn} torn line(s) skipped"] if self.torn else []
         return (f"{self.role}: {self.path} ({self.kind}, {len(self.runs)} run(s), torch {', '.join(torch)}"
                 f"{''.join('; ' + e for e in extra)})")
 
 
-def schema_version(results: Any) -> int | None:
-    """1 for a ``ps_bench.result/1`` results file, its number for a later one, None for anything else."""
-    schema = results.get("schema") if isinstance(results, dict) else None
-    prefix = SCHEMA.rsplit("/", 1)[0] + "/"
-    if not isinstance(schema, str) or not schema.startswith(prefix):
-        return None
-    try:
-        return int(schema[len(prefix):])
-    except ValueError:
-        return None
-
-
-def checked(results: Any, where: str, role: str) -> dict:
-    """A results object this ps_bench reads, else ConfigError naming it."""
-    version = schema_version(results)
-    if version is None:
-        raise ConfigError(f"compare: {role} {where} is not a ps_bench results file (no \"schema\": \"{SCHEMA}\")")
-    if version > int(SCHEMA.rsplit("/", 1)[1]):
-        raise ConfigError(f"compare: {role} {where} is from a newer ps_bench (schema {results['schema']}; this one "
-                          f"reads {SCHEMA}): compare it with that version")
-    return results
-
-
-def read_json_file(path: Path, role: str) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"compare: {role} {str(path)!r} is not a results file: "
-                          f"{getattr(error, 'msg', error)}") from None
-
-
-def jsonl_runs(path: Path, role: str) -> list[Run]:
-    """A sweep's lines; a re-run point's latest line wins, each repeat of it apart."""
-    latest: dict[Any, Run] = {}
-    for number, line in enumerate(read_lines(path), start=1):
-        point = line.get("point") or {}
-        key = (point["hash"], point.get("repeat", 1)) if "hash" in point else number
-        latest.pop(key, None)
-        latest[key] = Run(f"{path}:{number}", checked(line, f"{str(path)!r} line {number}", role))
-    return list(latest.values())
-
-
 def load_side(source: str, role: str) -> Side:
     """A results file, a sweep folder (its results.jsonl), a .jsonl file, or a folder of results
-    files (those that are not results files are skipped and counted)."""
-    path = Path(source)
-    if not path.exists():
-        raise ConfigError(f"compare: {role} {source!r} does not exist (give a results file, a sweep folder or a "
-                          f"folder of results files)")
-    skipped: list[str] = []
-    if path.is_dir() and (path / RESULTS_NAME).exists():
-        kind, runs = "sweep folder", jsonl_runs(path / RESULTS_NAME, role)
-    elif path.is_dir():
-        kind, runs = "folder of results files", []
-        for file in sorted(path.glob("*.json")):
-            try:
-                results = json.loads(file.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                skipped.append(file.name)
-                continue
-            if schema_version(results) is None:
-                skipped.append(file.name)
-            else:
-                runs.append(Run(str(file), checked(results, repr(str(file)), role)))
-    elif path.suffix == ".jsonl":
-        kind, runs = "sweep results", jsonl_runs(path, role)
-    else:
-        kind, runs = "results file", [Run(source, checked(read_json_file(path, role), repr(source), role))]
+    files (those that are not results files are passed over and counted); a sweep's re-run
+    point's latest line wins, each repeat of it apart."""
+    loaded = load_source(source)
+    latest: dict[Any, Run] = {}
+    for number, (where, results) in enumerate(loaded.runs):
+        point = results.get("point") or {}
+        key = (point["hash"], point.get("repeat", 1)) if "hash" in point else number
+        latest.pop(key, None)
+        latest[key] = Run(where, results)
+    runs = list(latest.values())
     if not runs:
         raise ConfigError(f"compare: {role} {source!r} holds no results (give a results file, a sweep folder or a "
                           f"folder of results files)")
     ok = [run for run in runs if run.ok]
     if not ok:
         raise ConfigError(f"compare: {role} {source!r} holds no successful run ({len(runs)} failed)")
-    return Side(role, source, kind, ok, [run for run in runs if not run.ok], skipped)
+    return Side(role, source, loaded.kind, ok, [run for run in runs if not run.ok], loaded.skipped, loaded.torn)
 
 
 # ---------------------------------------------------------------------------- matching

@@ -1,1 +1,2 @@
-"""Timers, statistics, byte accounting, tables and results files."""
+"""Measuring: timers, statistics, bytes on the wire, what collectives move and cost (``costs``),
+floors (``limits``), memory and start-up phases. Nothing here knows a strategy or a trainer."""

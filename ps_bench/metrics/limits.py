@@ -20,7 +20,7 @@ moves floors and strategy alike):
   bandwidth B (the calibration of ``bench.py predict``).
 
 Bandwidths follow nccl-tests: ``algbw = bytes / time``; for an all-reduce
-``busbw = algbw * 2(n-1)/n``, comparable across trainer counts and with the hardware's link
+``busbw`` (``costs.busbw_gbps``), comparable across trainer counts and with the hardware's link
 bandwidth. ``efficiency`` is the strategy's own floor (the raw transfer of what it sends, over
 the transport its ``Strategy`` record names) divided by its measured cost (trainer ``comm``
 p50): 1.0 means the strategy costs no more than moving its bytes. ``gain_over_float32`` is the
@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from ps_bench.metrics import costs
+from ps_bench.metrics.costs import busbw_gbps
 from ps_bench.metrics.timers import now_ms
 
 FLOOR_WARMUP = 3  # untimed repetitions before each floor: connections, allocations, caches
@@ -56,32 +58,11 @@ def algbw_gbps(nbytes: float, milliseconds: float) -> float:
     return nbytes / (milliseconds / 1000.0) / 1e9 if milliseconds > 0 else 0.0
 
 
-def busbw_gbps(algbw: float, world: int) -> float:
-    """nccl-tests' bus bandwidth of an all-reduce among ``world`` ranks: ``algbw * 2(n-1)/n``."""
-    return algbw * 2 * (world - 1) / world if world > 0 else 0.0
-
-
 def efficiency(floor_ms: float | None, cost_ms: float | None) -> float | None:
     """Floor time over the measured cost; None when either is missing or the cost is zero."""
     if floor_ms is None or cost_ms is None or cost_ms <= 0:
         return None
     return floor_ms / cost_ms
-
-
-def ps_bound_ms(trainers: int, servers: int, bytes_per_trainer: float, gbps: float) -> float:
-    """Lower bound of one parameter-server iteration when every link moves ``gbps`` each way:
-    a trainer sends and receives M, each of k servers receives and sends n·M/k; the busiest
-    side sets the pace, ``max(M, n·M/k) / B``."""
-    bandwidth = gbps * 1e9
-    return max(bytes_per_trainer, trainers * bytes_per_trainer / servers) / bandwidth * 1000.0
-
-
-def byteps_optimum_ms(trainers: int, servers: int, bytes_per_trainer: float, gbps: float) -> float:
-    """BytePS's optimal communication time with n workers and k CPU servers:
-    ``2n(n-1)M / ((n² + kn - 2k) · B)``."""
-    n, k = trainers, servers
-    denominator = (n * n + k * n - 2 * k) * gbps * 1e9
-    return 2 * n * (n - 1) * bytes_per_trainer / denominator * 1000.0 if denominator > 0 else 0.0
 
 
 def low_rank_factors(shapes: list[list[int]], rank: int, min_compression_rate: float) -> tuple[int, int, int]:
@@ -144,9 +125,9 @@ def message_bytes(messages: dict[int, list[tuple[int, str]]]) -> int:
 
 def link_terms(method: str, peers: int) -> tuple[float, float]:
     """How many latencies and how many times the message crosses a link in one probe:
-    a ring all-reduce among n ranks, ``2(n-1) α + 2(n-1)/n · S/B``; an RPC round trip, ``2α + 2S/B``."""
+    a ring all-reduce among n ranks (``costs.ring_allreduce_ms``); an RPC round trip, ``2α + 2S/B``."""
     if method == "allreduce":
-        return 2.0 * (peers - 1), 2.0 * (peers - 1) / peers
+        return float(costs.ring_steps(peers)), costs.ring_share(peers)
     return 2.0, 2.0
 
 

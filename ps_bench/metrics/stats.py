@@ -71,3 +71,14 @@ def summary_rows(role: str, per_rank: dict[int, dict[str, list[float]]], metrics
                 if samples.get(metric):
                     rows.append(SummaryRow(role, metric, unit, **summarize(samples[metric]), rank=rank))
     return rows
+
+
+SMOOTHING = 10  # iterations a --target-loss run's training loss is averaged over
+
+
+def smoothed_loss(curve: list[tuple]) -> float | None:
+    """The mean of the last SMOOTHING losses of a curve of (iterations, loss), the value held
+    against the target; None before there are that many."""
+    if len(curve) < SMOOTHING:
+        return None
+    return sum(point[1] for point in curve[-SMOOTHING:]) / SMOOTHING

@@ -4,10 +4,9 @@ RPC payloads are counted by the hooks and servers that send them (``tensor_bytes
 Collectives are counted where every strategy, ours or torch's (DDP hooks, FSDP2, ZeRO, model
 averaging), calls them: ``install`` wraps ``torch.distributed``'s all-reduce, all-gather
 (both forms), reduce-scatter and broadcast in the trainer process and charges each call what
-the algorithm moves per rank (a ring all-reduce sends and receives ``2(n-1)/n`` of the buffer;
-an all-gather sends its input to and receives one from each of ``n-1`` peers; a reduce-scatter
-``(n-1)/n`` of its input, except on gloo, which runs it as an all-reduce; a broadcast's source
-sends the buffer to each of the others, and each of them receives it once). Only the names this
+the algorithm moves per rank (``ps_bench.metrics.costs``: a ring all-reduce sends and
+receives ``2(n-1)/n`` of the buffer; a broadcast's source sends the buffer to each of the
+others, and each of them receives it once). Only the names this
 torch has are wrapped: torch 2.14 calls the single-tensor forms ``all_gather_single`` and
 ``reduce_scatter_single``, torch 2.11 ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
 (in 2.14 those call the new ones inside torch, past the wrapper, so nothing counts twice).
@@ -27,23 +26,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ps_bench.metrics.costs import allgather_bytes, allreduce_bytes, collective_bytes
 from ps_bench.metrics.timers import tensor_bytes
-
-
-def allreduce_bytes(nbytes: int, world: int, sparse: bool = False) -> int:
-    """Bytes one rank sends (and receives) in an all-reduce of ``nbytes``.
-
-    Dense: a ring, ``2(n-1)/n`` of the buffer. Sparse (gloo): every rank's indices and values
-    go to every other rank, ``(n-1)`` times the payload.
-    """
-    if world <= 1:
-        return 0
-    return (world - 1) * nbytes if sparse else 2 * (world - 1) * nbytes // world
-
-
-def allgather_bytes(nbytes: int, world: int) -> int:
-    """Bytes one rank sends (and receives) in an all-gather of ``nbytes`` per rank."""
-    return (world - 1) * nbytes if world > 1 else 0
 
 
 class ByteCounter:
@@ -161,19 +145,6 @@ def counted_single(collective, kind: str):
         return collective(output, input, *args, **kwargs)
 
     return counted
-
-
-def collective_bytes(collective: str, nbytes: int, world: int, backend: str = "gloo") -> int:
-    """Bytes one rank sends (and receives, on average over the ranks) in one collective over a
-    whole buffer of ``nbytes`` (a reduce-scatter's input, an all-gather's output).
-
-    A ring all-reduce moves ``2(n-1)/n`` of it; a ring reduce-scatter or all-gather ``(n-1)/n``;
-    a broadcast ``(n-1)/n`` on average (the source sends it to each of the others). gloo has no
-    reduce-scatter of its own: it runs an all-reduce of the whole input and keeps a chunk, so
-    on gloo a reduce-scatter moves what an all-reduce does."""
-    if collective == "all_reduce" or (collective == "reduce_scatter" and backend == "gloo"):
-        return allreduce_bytes(nbytes, world)
-    return (world - 1) * nbytes // world if world > 1 else 0
 
 
 def counted_broadcast(broadcast):

@@ -1,3 +1,4 @@
-"""``bench.py predict``: batch time at scale from a short measured run. ``models``: the
-transports' arithmetic and the bucket pipeline; ``predictor``: the calibration from results
-files and a strategy's prediction; ``command``: the subcommand."""
+"""``bench.py predict``: batch time at scale from a short measured run. ``pipelines``: the bucket
+pipelines on the formulas of ``ps_bench.metrics.costs``; ``predictor``: the calibration from
+results files and a strategy's prediction; ``inputs``: its command line's parsing and the
+meta-device buckets; ``command``: the subcommand."""

@@ -11,7 +11,8 @@ from pathlib import Path
 from tabulate import tabulate
 
 from ps_bench.config import ConfigError
-from ps_bench.predict import models
+from ps_bench.metrics import costs
+from ps_bench.predict import pipelines
 from ps_bench.predict.inputs import count_list, model_buckets, parse_phases, parse_target_latency, parse_target_rate
 from ps_bench.predict.predictor import Calibration, Run, calibrate, from_compute_ms, predict
 from ps_bench.report import pyplot
@@ -48,7 +49,7 @@ link (--intra-link, or fitted from a run whose trainers all shared one emulated 
 network link (--link). Each strategy has its model: a flat ring ordered node by node,
 hierarchical (within, across, within), hsdp, parameter servers on hosts of their own
 (dedicated) or one on each node (colocated); every formula and its reference is in
-ps_bench/predict/models.py. --compute RUN.json takes the compute phases and bucket timeline from a
+ps_bench/metrics/costs.py, the bucket pipelines in ps_bench/predict/pipelines.py. --compute RUN.json takes the compute phases and bucket timeline from a
 run on the device you will train on (e.g. --backend nccl --ntrainer 1 --nserver 0 --hook noop);
 --compute-ms needs no run: DDP's buckets for --model, their ready times spread over backward in
 proportion to their bytes.
@@ -152,12 +153,12 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
 def no_run_calibration(args: argparse.Namespace, target: Target) -> Calibration:
     """``--compute-ms``: the phases given, DDP's buckets for the model built on the meta device."""
     latency_us = target.latency_s * 1e6 if target.latency_s is not None else 0.0
-    calibration = from_compute_ms(args.model, args.batch_size, models.Phases(**target.compute_ms),
+    calibration = from_compute_ms(args.model, args.batch_size, pipelines.Phases(**target.compute_ms),
                                   model_buckets(args.model, args.bucket_cap_mb),
-                                  models.Link.of(latency_us, target.link_bps / 1e9),
+                                  costs.Link.of(latency_us, target.link_bps / 1e9),
                                   f"--link {target.link_bps / 1e9:g} Gbit/s, latency {latency_us:g} us")
     if target.intra_bps is not None:
-        calibration.intra_link = models.Link.of(0.0, target.intra_bps / 1e9)
+        calibration.intra_link = costs.Link.of(0.0, target.intra_bps / 1e9)
         calibration.intra_from = f"--intra-link {target.intra_bps / 1e9:g} Gbit/s"
     return calibration
 
@@ -252,7 +253,7 @@ def row_of(calibration: Calibration, hook: str, n: int, k: int | None, mapping: 
            **measured(calibration, compared, hook, n, k or 0, mapping, link_bps, predicted["batch_ms"], per_node,
                       servers_on)}
     if k:  # the best any parameter-server layout could do with its extra servers (BytePS sums within a node first)
-        row["byteps_bound_ms"] = models.byteps_bound_ms(n // per_node, 0 if servers_on == "colocated" else k,
+        row["byteps_bound_ms"] = costs.byteps_bound_ms(n // per_node, 0 if servers_on == "colocated" else k,
                                                         calibration.gradient_bytes, calibration.link)
     return row
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ps_bench.cluster.network import parse_delay, parse_rate
+from ps_bench.runtime.network import parse_delay, parse_rate
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.models import MODEL_PRESETS, MODELS
 from ps_bench.models.entries import construct, load_entry

@@ -1,5 +1,5 @@
 """A prediction calibrated on measured runs: compute phases, the bucket timeline and the link
-from results files, each strategy's own compute from its own run, then ``models`` at any n, k.
+from results files, each strategy's own compute from its own run, then ``pipelines`` at any n, k.
 
 Calibration (``calibrate``), from one or more results files of the same model and batch:
 
@@ -20,17 +20,17 @@ Calibration (``calibrate``), from one or more results files of the same model an
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from ps_bench.config import ConfigError
+from ps_bench.metrics import costs
+from ps_bench.metrics.costs import Link
 from ps_bench.metrics.limits import ELEMENT_BYTES
-from ps_bench.metrics.results import SCHEMA
-from ps_bench.predict import models
+from ps_bench.predict import pipelines
 from ps_bench.predict.inputs import spread
-from ps_bench.predict.models import Link, Phases
+from ps_bench.predict.pipelines import Phases
+from ps_bench.results.load import load_file
 from ps_bench.strategies import COLLECTIVE, HOOKS, RPC, SPARSE_SERVERS, Strategy
 
 
@@ -73,14 +73,7 @@ class Run:
 
     @classmethod
     def load(cls, path: str) -> "Run":
-        try:
-            results = json.loads(Path(path).read_text())
-        except OSError as error:
-            raise ConfigError(f"cannot read {path}: {error.strerror}") from None
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{path} is not JSON ({error.msg}, line {error.lineno})") from None
-        if not isinstance(results, dict) or results.get("schema") != SCHEMA:
-            raise ConfigError(f"{path} is not a ps_bench results file (no schema {SCHEMA!r})")
+        results = load_file(path)
         if results.get("status") != "ok":
             raise ConfigError(f"{path} is a failed run ({results.get('error', 'no error recorded')}): predict from "
                               "runs that finished")
@@ -275,7 +268,7 @@ def own_terms(run: Run, calibration: Calibration) -> dict:
 
 
 # strategies whose cost depends on the nodes, beyond a flat ring: per bucket of M bytes
-NODE_MODELS = {"hierarchical": models.hierarchical_ms, "hsdp": models.hsdp_reduce_ms}
+NODE_MODELS = {"hierarchical": costs.hierarchical_ms, "hsdp": costs.hsdp_reduce_ms}
 
 
 def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n: int, k: int,
@@ -286,13 +279,13 @@ def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n
     link, buckets = calibration.link, calibration.buckets
     if strategy.transport is None:
         return 0.0
-    nodes = models.Nodes(n // per_node, per_node, link, calibration.intra_link)
+    nodes = costs.Nodes(n // per_node, per_node, link, calibration.intra_link)
     if strategy.payload == "low-rank factors":
         ratio = calibration.payload_ratio.get(hook)
         if ratio is None:
             return None  # its bytes depend on the layers' shapes: known from a run of it only
-        return models.pipeline([(ready, nbytes * ratio) for ready, nbytes, _ in buckets],
-                               lambda nbytes: models.flat_ring_ms(nodes, nbytes, steps_per_message=3))
+        return pipelines.pipeline([(ready, nbytes * ratio) for ready, nbytes, _ in buckets],
+                               lambda nbytes: costs.flat_ring_ms(nodes, nbytes, steps_per_message=3))
     factor = ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"]  # wire bytes per float32 byte
     if strategy.transport == COLLECTIVE:
         slowest = nodes.within() if nodes.count == 1 and per_node > 1 else link
@@ -300,23 +293,23 @@ def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n
         def dense(nbytes: float) -> float:
             if hook in NODE_MODELS:
                 return NODE_MODELS[hook](nodes, nbytes, gloo=calibration.gloo)
-            return models.flat_ring_ms(nodes, nbytes)
+            return costs.flat_ring_ms(nodes, nbytes)
 
         def transfer(item):
             nbytes, sparse = item
-            return models.allgather_ms(n, nbytes, slowest) if sparse else dense(nbytes * factor)
-        end = models.pipeline([(ready, (nbytes, sparse)) for ready, nbytes, sparse in buckets], transfer)
+            return costs.allgather_ms(n, nbytes, slowest) if sparse else dense(nbytes * factor)
+        end = pipelines.pipeline([(ready, (nbytes, sparse)) for ready, nbytes, sparse in buckets], transfer)
         if hook == "hsdp":  # its parameters' all-gathers, before the gradients
-            end += models.hsdp_gather_ms(nodes, calibration.gradient_bytes)
+            end += costs.hsdp_gather_ms(nodes, calibration.gradient_bytes)
         return end
     if strategy.transport == RPC:
         sized = [(ready, nbytes if sparse and strategy.sparse_buckets == SPARSE_SERVERS else nbytes * factor)
                  for ready, nbytes, sparse in buckets]
         if servers_on == "colocated":
-            return models.colocated_ps_pipeline(sized, nodes, calibration.aggregate_bytes_per_ms)
+            return pipelines.colocated_ps_pipeline(sized, nodes, calibration.aggregate_bytes_per_ms)
         if k < 1:
             return None
-        return models.ps_pipeline(sized, n, k, link, mapping, calibration.aggregate_bytes_per_ms, per_node)
+        return pipelines.ps_pipeline(sized, n, k, link, mapping, calibration.aggregate_bytes_per_ms, per_node)
     return None
 
 
@@ -336,7 +329,7 @@ def predict(calibration: Calibration, hook: str, n: int, k: int, mapping: str = 
     if end is None:
         return None
     own_ms = own_compute(calibration, hook) if own else 0.0
-    batch = models.iteration_ms(calibration.phases, end, own_ms)
+    batch = pipelines.iteration_ms(calibration.phases, end, own_ms)
     return {"batch_ms": batch, "communication_end_ms": end, "own_ms": own_ms,
             "samples_per_s": n * calibration.batch_size / (batch / 1000.0) if batch > 0 else None}
 

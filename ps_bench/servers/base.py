@@ -18,8 +18,8 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from ps_bench.failures import fatal_on_error
-from ps_bench.faults import Fault, maybe_inject
+from ps_bench.runtime.failures import fatal_on_error
+from ps_bench.runtime.faults import Fault, maybe_inject
 from ps_bench.metrics.memory import peak_memory
 from ps_bench.metrics.timers import now_ms, tensor_bytes
 from ps_bench.registry import Registry

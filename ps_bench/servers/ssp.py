@@ -1,4 +1,5 @@
-"""Servers that own the parameters: stale-synchronous and asynchronous training (``--staleness``).
+"""Servers that own the parameters: stale-synchronous and asynchronous training (``--staleness``;
+the strategy's record, its option S and its checks are ``ps_bench.strategies.stale``).
 
 Each server holds a shard of the model's parameters (whole tensors, balanced by bytes) and
 applies SGD to it. A trainer pushes its gradient of clock ``c`` (its ``c``-th iteration, from
@@ -28,14 +29,14 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from ps_bench.failures import fatal_on_error
-from ps_bench.faults import Fault, maybe_inject
+from ps_bench.runtime.failures import fatal_on_error
+from ps_bench.runtime.faults import Fault, maybe_inject
 from ps_bench.metrics.memory import peak_memory
 from ps_bench.metrics.timers import now_ms, tensor_bytes
 from ps_bench.models.base import build_model
 from ps_bench.models.entries import Entry
 from ps_bench.servers.base import SERVERS, ServerBooks
-from ps_bench.topology import balance_buckets
+from ps_bench.runtime.topology import balance_buckets
 
 GO, ROUND_OVER, STOPPED = "go", "round", "stop"  # what an answer tells the trainer
 
@@ -45,19 +46,6 @@ def shard_owners(network: torch.nn.Module, num_servers: int) -> dict[int, int]:
     the same on every trainer and server."""
     sizes = {i: p.numel() * p.element_size() for i, p in enumerate(network.parameters())}
     return balance_buckets(sizes, num_servers)
-
-
-def parse_staleness(text: str) -> float:
-    """``S`` as given (an integer of 0 or more, or ``inf``); raises ValueError with a sentence."""
-    if str(text).strip().lower() in ("inf", "infinity"):
-        return math.inf
-    try:
-        value = int(str(text))
-    except ValueError:
-        raise ValueError(f"--staleness must be an integer of 0 or more, or inf; got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"--staleness must be an integer of 0 or more, or inf; got {value}")
-    return float(value)
 
 
 @SERVERS.register("ssp", aliases=("stale_synchronous",))

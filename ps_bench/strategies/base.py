@@ -12,9 +12,10 @@ each step (model averaging, an outer optimizer). Stateless hooks are plain funct
 measures ``comm`` (the time during which at least one of the iteration's hook futures was
 outstanding) and, with ``--verify``, captures what went in and came out.
 
-One module per family: ``allreduce`` (all-reduce and compression), ``servers`` (parameter
-servers), ``sharded`` (FSDP2, ZeRO), ``local`` (local SGD, DiLoCo). Adding a strategy is one
-function or class in its family's module, registered with its record.
+One module per family: ``allreduce`` (all-reduce and compression, hierarchical), ``servers``
+(parameter servers) and ``stale`` (their stale-synchronous mode, ``--staleness``), ``sharded``
+(FSDP2, HSDP, ZeRO), ``local`` (local SGD, DiLoCo). Adding a strategy is one function or class
+in its family's module, registered with its record.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ps_bench.config import as_type
 from ps_bench.metrics.timers import IntervalTracker, tensor_bytes
 from ps_bench.metrics.wire import ByteCounter, collective_bytes
 from ps_bench.registry import Registry
-from ps_bench.topology import balance_buckets
+from ps_bench.runtime.topology import balance_buckets
 
 Hook = Callable[["HookContext", dist.GradBucket], Future]
 COLLECTIVE, RPC = "collective", "rpc"  # transports
@@ -48,11 +49,14 @@ SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS = "allreduce", "gloo", "servers"
 # Families, one module each.
 ALLREDUCE, SERVERS, SHARDED, LOCAL = "allreduce", "servers", "sharded", "local"
 FAMILIES = (ALLREDUCE, SERVERS, SHARDED, LOCAL)
-# How the model is wrapped: DDP (buckets, a hook), or FSDP2's fully_shard (no hook).
-DDP, FSDP = "ddp", "fsdp"
+# How the model is wrapped: DDP (buckets, a hook), FSDP2's fully_shard (no hook), or not at all: the
+# parameter servers own the parameters, and the trainers push gradients and read them (--staleness).
+DDP, FSDP, SERVER_OWNED = "ddp", "fsdp", "server-owned"
 # When the replicas are the same model: after every iteration, at each synchronisation point (every
-# ``period`` iterations), or as the full parameters gathered from the shards.
+# ``period`` iterations), or as the full parameters gathered from the shards; or there are no replicas
+# to compare, the servers holding the one model.
 EVERY_ITERATION, AT_SYNCHRONISATION, GATHERED = "every iteration", "the last synchronisation", "gathered full parameters"
+SERVERS_MODEL = "the servers' one model"
 # The collectives a strategy issues besides (or instead of) its hook, each over the whole model's
 # parameter bytes, per iteration or once per ``period``.
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
@@ -69,8 +73,8 @@ class Strategy:
     uncompressed: str | None = None  # a lossy strategy: the lossless one whose bytes it reduces
     factors: str | None = None  # low-rank factors of each "tensor", or of the "bucket" as one square matrix
     family: str | None = None  # one of FAMILIES, the module it lives in (default: servers for RPC, else allreduce)
-    wrap: str = DDP  # DDP or FSDP
-    identical: str = EVERY_ITERATION  # what "replicas identical" is checked at
+    wrap: str = DDP  # DDP, FSDP or SERVER_OWNED
+    identical: str = EVERY_ITERATION  # what "replicas identical" is checked at (SERVERS_MODEL: nothing to compare)
     # (collective, "iteration" | "period"): what it issues over the model's parameters besides its hook
     sends: tuple[tuple[str, str], ...] = ()
     per_host: bool = False  # it synchronises within each host before across hosts: needs --per-host, 2 hosts or more
@@ -80,8 +84,8 @@ class Strategy:
             object.__setattr__(self, "family", SERVERS if self.transport == RPC else ALLREDUCE)
         if (self.transport not in (COLLECTIVE, RPC, None) or self.payload not in PAYLOADS
                 or self.sparse_buckets not in (SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS, None)
-                or self.family not in FAMILIES or self.wrap not in (DDP, FSDP)
-                or self.identical not in (EVERY_ITERATION, AT_SYNCHRONISATION, GATHERED)
+                or self.family not in FAMILIES or self.wrap not in (DDP, FSDP, SERVER_OWNED)
+                or self.identical not in (EVERY_ITERATION, AT_SYNCHRONISATION, GATHERED, SERVERS_MODEL)
                 or any(c not in COLLECTIVES or per not in ("iteration", "period") for c, per in self.sends)):
             raise ValueError(f"bad strategy record {self}")
         if self.transport is not None and self.lossless == (self.uncompressed is not None):

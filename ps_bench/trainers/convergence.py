@@ -28,21 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ps_bench.config import DEFAULT_MAX_ITERATIONS
+from ps_bench.metrics.stats import SMOOTHING, smoothed_loss
 from ps_bench.metrics.wire import ByteCounter
 from ps_bench.models.base import Dataset
 
-SMOOTHING = 10  # iterations the target's training loss is averaged over
-DEFAULT_MAX_ITERATIONS = 1000
 HELD_OUT_SAMPLES = 256  # at most; the data's own sample count if smaller
 HELD_OUT_POINTS = 10  # held-out evaluations spread over --max-iterations, besides the first and the last
-
-
-def smoothed_loss(curve: list[tuple]) -> float | None:
-    """The mean of the last SMOOTHING losses of a curve of (iterations, loss), the value held
-    against the target; None before there are that many."""
-    if len(curve) < SMOOTHING:
-        return None
-    return sum(point[1] for point in curve[-SMOOTHING:]) / SMOOTHING
 
 
 class Convergence:

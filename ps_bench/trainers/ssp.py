@@ -23,13 +23,14 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from ps_bench.config import RunConfig
-from ps_bench.failures import fatal_on_error
-from ps_bench.faults import Fault, Straggling, maybe_inject
+from ps_bench.runtime.failures import fatal_on_error
+from ps_bench.runtime.faults import Fault, Straggling, maybe_inject
 from ps_bench.metrics.memory import peak_memory
 from ps_bench.metrics.timers import tensor_bytes
 from ps_bench.models.base import Dataset, build_model
 from ps_bench.models.entries import Entry
 from ps_bench.servers.ssp import GO, STOPPED, StaleSynchronousServer, shard_owners
+from ps_bench.strategies import Strategy
 from ps_bench.trainers.convergence import Convergence
 from ps_bench.trainers.trainer import TRAINERS
 
@@ -39,7 +40,8 @@ class StaleSynchronousTrainer:
     """A replica that computes gradients and reads parameters from the servers that own them."""
 
     @fatal_on_error
-    def __init__(self, trainer_index: int, config: RunConfig, model: Entry, inputs: tuple[torch.Tensor, ...],
+    def __init__(self, trainer_index: int, config: RunConfig, strategy: Strategy, model: Entry,
+                 inputs: tuple[torch.Tensor, ...],
                  targets: torch.Tensor, servers: list[tuple[rpc.RRef, bool]], group_server: int | None,
                  cuda_rpc: bool, device: str, held_out: Dataset | None = None,
                  rank_hosts: list[int] | None = None) -> None:

@@ -15,17 +15,17 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from ps_bench.config import RunConfig
-from ps_bench.failures import fatal_on_error
-from ps_bench.faults import Fault, Straggling, maybe_inject
+from ps_bench.runtime.failures import fatal_on_error
+from ps_bench.runtime.faults import Fault, Straggling, maybe_inject
 from ps_bench.metrics import limits, wire
 from ps_bench.metrics.memory import peak_memory
 from ps_bench.metrics.timers import StepTimer, bucket_offsets, covered_ms, cuda_bucket_offsets
 from ps_bench.models.base import Dataset, build_model
 from ps_bench.models.entries import Entry
 from ps_bench.registry import Registry
-from ps_bench.strategies import HOOKS, RPC
+from ps_bench.strategies import RPC, Strategy
 from ps_bench.strategies.base import HookContext, ServerHandle, build_synchroniser, optimizer_spec
-from ps_bench.topology import balance_buckets
+from ps_bench.runtime.topology import balance_buckets
 from ps_bench.trainers.convergence import Convergence
 
 TRAINERS: Registry = Registry("trainer")
@@ -52,6 +52,7 @@ class DdpTrainer:
         self,
         trainer_index: int,
         config: RunConfig,
+        strategy: Strategy,
         model: Entry,
         inputs: tuple[torch.Tensor, ...],
         targets: torch.Tensor,
@@ -62,7 +63,8 @@ class DdpTrainer:
         held_out: Dataset | None = None,
         rank_hosts: list[int] | None = None,
     ) -> None:
-        """Trainer ``trainer_index`` of a run configured by ``config``: its data shard (``inputs``,
+        """Trainer ``trainer_index`` of a run configured by ``config``, training with ``strategy``
+        (the job's resolved record) the model of entry ``model``: its data shard (``inputs``,
         ``targets``), the servers as (reference, takes CUDA tensors), with the ``group``
         mapping the index of its group's server, and with ``--target-loss`` the held-out
         samples it evaluates the averaged model on (trainer 0); ``rank_hosts``, the host index of
@@ -88,7 +90,7 @@ class DdpTrainer:
         self.hook_context.wire.hosts, self.hook_context.wire.rank = rank_hosts, trainer_index  # trainers rank first
         wire.install(self.hook_context.wire)
         self.synchroniser = build_synchroniser(config.hook, self.hook_context, config.hook_options)
-        self.strategy = HOOKS.record(config.hook)
+        self.strategy = strategy
         self.loss_fn = nn.CrossEntropyLoss()
         # before the strategy wraps the model (FSDP2 shards it in place): the averaged model's template
         self.convergence = None if config.target_loss is None else Convergence(

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ps_bench.cluster.network import TOOLS, netem_available, privileged
+from ps_bench.runtime.network import TOOLS, netem_available, privileged
 from tests.benchrun import ROOT, communicate, read_until, run_bench, start_bench
 
 pytestmark = pytest.mark.skipif(not privileged() or any(shutil.which(tool) is None for tool in TOOLS),

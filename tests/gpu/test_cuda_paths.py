@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from ps_bench.metrics.wire import allreduce_bytes
+from ps_bench.metrics.costs import allreduce_bytes
 from tests.benchrun import run_bench
 from tests.contract import check_contract
 from tests.gpu import GPUS

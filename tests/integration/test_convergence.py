@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ps_bench.metrics.wire import ByteCounter
-from ps_bench.trainers.convergence import SMOOTHING, Convergence
+from ps_bench.metrics.stats import SMOOTHING
+from ps_bench.trainers.convergence import Convergence
 from tests.benchrun import ROOT
 from tests.contract import check_contract
 

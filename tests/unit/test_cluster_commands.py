@@ -11,7 +11,7 @@ from ps_bench.cli import main
 from ps_bench.cluster.slurm import SlurmJob, sbatch_script
 from ps_bench.cluster.torchrun import NodeLayout, layout_for, torchrun_command, trainers_per_node
 from ps_bench.config import ConfigError, RunConfig
-from ps_bench.faults import Fault
+from ps_bench.runtime.faults import Fault
 
 
 def test_a_fault_can_be_limited_to_the_first_attempt(monkeypatch):

@@ -266,12 +266,12 @@ def two_files(tmp_path) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("case, message", [
-    ("missing", "new '{tmp}/nothing.json' does not exist"),
-    ("not json", "new '{tmp}/text.json' is not a results file"),
-    ("not results", "new '{tmp}/other.json' is not a ps_bench results file"),
+    ("missing", "'{tmp}/nothing.json' does not exist"),
+    ("not json", "results file '{tmp}/text.json' is not JSON"),
+    ("not results", "results file '{tmp}/other.json' is not a ps_bench results file"),
     ("empty folder", "new '{tmp}/empty' holds no results"),
     ("other model", "base runs model DummyModelSmall and new runs resnet18"),
-    ("newer schema", "is from a newer ps_bench (schema ps_bench.result/2"),
+    ("newer schema", "has schema 'ps_bench.result/2', and this ps_bench reads ps_bench.result/1"),
     ("negative gate", "--fail-over is a percentage, 0 or more; got -5"),
     ("gate not a number", "argument --fail-over: expected float, got 'five'"),
     ("unknown match", "--match 'hooks': not an option"),

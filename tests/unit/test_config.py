@@ -15,7 +15,8 @@ def write(tmp_path, data, name="run.json"):
 
 def test_defaults_run_as_they_are():
     cfg = RunConfig()
-    model, data = validate(cfg, gpus=0)
+    job = validate(cfg, gpus=0)
+    model, data = job.model, job.data
     assert (cfg.ntrainer, cfg.nserver, cfg.backend, cfg.hook, cfg.server, cfg.mapping) == (
         2, 1, "gloo", "ps", "average", "shard")
     assert model.id == "DummyModelSmall" and data.id == "DummyDataSmall"
@@ -148,7 +149,8 @@ UPSTREAM_DATA = {"DummyData": {"data_class": "DummyData", "configurations": {
 
 def test_upstream_current_data_file_is_accepted(tmp_path):
     cfg = RunConfig(model="DummyModel", data="DummyData", data_config_path=write(tmp_path, UPSTREAM_DATA))
-    model, data = validate(cfg, gpus=0)
+    job = validate(cfg, gpus=0)
+    model, data = job.model, job.data
     assert data.kwargs["sample_count"] == 1024
     assert model.size["parameters"] == 1024 * 1024 + 8 * (1024 * 1024 + 1024)  # upstream's DummyModel
 
@@ -199,8 +201,9 @@ def test_model_and_data_must_fit(overrides, message):
 
 def test_zoo_model_brings_its_own_data_and_size():
     cfg = RunConfig(model="gpt2_small")
-    model, data = validate(cfg, gpus=0)
+    job = validate(cfg, gpus=0)
+    model, data = job.model, job.data
     assert cfg.data == data.id == "tokens1024" and model.source == data.source == "the model zoo"
     assert 124_000_000 < model.size["parameters"] < 125_000_000  # GPT-2 small, output tied to the embedding
-    dlrm, _ = validate(RunConfig(model="dlrm"), gpus=0)
+    dlrm = validate(RunConfig(model="dlrm"), gpus=0).model
     assert dlrm.size["sparse_gradient_bytes"] == 4 * 8 * 250_000 * 64  # the tables' gradients are sparse

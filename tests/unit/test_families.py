@@ -11,7 +11,7 @@ import pytest
 
 from ps_bench.config import ConfigError, build_config
 from ps_bench.job import validate
-from ps_bench.metrics.wire import collective_bytes
+from ps_bench.metrics.costs import collective_bytes
 from ps_bench.options import parse_run_options
 from ps_bench.strategies import HOOKS
 from ps_bench.strategies.base import (ALLREDUCE, AT_SYNCHRONISATION, FAMILIES, FSDP, GATHERED, LOCAL, SERVERS, SHARDED,

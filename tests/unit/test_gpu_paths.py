@@ -11,7 +11,7 @@ import pytest
 
 from ps_bench.config import ConfigError, build_config
 from ps_bench.job import validate
-from ps_bench.launch import LaunchSpec
+from ps_bench.runtime.launch import LaunchSpec
 from ps_bench.options import parse_run_options
 
 GPU_PAGE = Path(__file__).resolve().parents[2] / "docs" / "gpus.md"
@@ -29,8 +29,8 @@ def test_the_gpu_page_shows_gpu_examples():
 @pytest.mark.parametrize("argv", gpu_examples(), ids=lambda argv: " ".join(argv))
 def test_each_gpu_example_is_a_valid_job_with_a_gpu_per_nccl_trainer(argv):
     cfg = build_config(*parse_run_options(argv))
-    model, data = validate(cfg, gpus=max(1, cfg.num_trainers))
-    spec = LaunchSpec(cfg, model, data, argv, "", "r.json", cfg.world_size, max(1, cfg.num_trainers))
+    job = validate(cfg, gpus=max(1, cfg.num_trainers))
+    spec = LaunchSpec(job, argv, "", "r.json", cfg.world_size, max(1, cfg.num_trainers))
     devices = [spec.device_of(info.rank) for info in spec.topology().trainers]
     assert all(device is not None for device in devices)  # every trainer computes on a GPU
     if cfg.backend != "gloo":
@@ -47,8 +47,7 @@ def test_each_gpu_example_is_a_valid_job_with_a_gpu_per_nccl_trainer(argv):
 def test_cuda_servers_share_a_gpu_with_the_trainers_on_one_gpu():
     cfg = build_config(*parse_run_options(["--ntrainer", "0", "--ncudatrainer", "2", "--nserver", "0",
                                            "--ncudaserver", "1", "--hook", "ps"]))
-    model, data = validate(cfg, gpus=1)
-    spec = LaunchSpec(cfg, model, data, [], "", "r.json", cfg.world_size, 1)
+    spec = LaunchSpec(validate(cfg, gpus=1), [], "", "r.json", cfg.world_size, 1)
     topology = spec.topology()
     assert [spec.device_of(rank) for rank in range(cfg.world_size)] == [0, 0, 0, None]  # the master has none
     assert topology.device_maps(0, cfg.world_size, 1) == {"server2": {0: 0}}

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from ps_bench.metrics.timers import tensor_bytes
-from ps_bench.metrics.wire import ByteCounter, allgather_bytes, allreduce_bytes
+from ps_bench.metrics.costs import allgather_bytes, allreduce_bytes
+from ps_bench.metrics.wire import ByteCounter
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.job import validate
 from ps_bench.strategies import COLLECTIVE, HOOKS, RPC, SPARSE_ALLREDUCE, SPARSE_GLOO, Strategy, check_hook_options

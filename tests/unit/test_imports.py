@@ -1,5 +1,5 @@
-"""The package's imports form no circle: read from the source, and checked by importing every
-module with no other module of ps_bench loaded."""
+"""The package's imports form no circle and never run back up its layers: read from the source,
+and checked by importing every module with no other module of ps_bench loaded."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ps_bench.preload import PRELOAD
+from ps_bench.runtime.preload import PRELOAD
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ps_bench"
 
@@ -63,6 +63,49 @@ def test_no_import_circle_in_the_package():
     assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()))
 
 
+# The package's layers, bottom first (docs/development.md, "Layers"). A module may import from its own
+# layer and the ones below, never from a layer above. A module belongs to the layer of the longest
+# name here that it is or lies inside.
+LAYERS = [
+    # what every piece stands on: options, registries, a job's ranks, a rank's failure, the forkserver
+    ("ps_bench", "ps_bench.config", "ps_bench.registry", "ps_bench.runtime", "ps_bench.runtime.topology",
+     "ps_bench.runtime.failures", "ps_bench.runtime.faults", "ps_bench.runtime.preload",
+     "ps_bench.runtime.forkserver", "ps_bench.runtime.network"),
+    ("ps_bench.metrics", "ps_bench.models"),  # measuring, and the workloads measured
+    ("ps_bench.servers",),
+    ("ps_bench.strategies",),
+    ("ps_bench.trainers",),
+    ("ps_bench.job", "ps_bench.options"),  # a whole job checked; the run's flags
+    ("ps_bench.results",),  # the books of a run, and its files
+    ("ps_bench.runtime.rendezvous", "ps_bench.runtime.supervision", "ps_bench.runtime.master",
+     "ps_bench.runtime.launch"),  # the processes of a job
+    ("ps_bench.cluster",),  # the engines past one machine
+    ("ps_bench.sweep", "ps_bench.report", "ps_bench.compare", "ps_bench.predict"),  # the subcommands
+    ("ps_bench.cli", "ps_bench.__main__"),
+]
+
+
+def layer(module: str) -> int:
+    """The index in LAYERS of the longest name that ``module`` is or lies inside."""
+    matches = [(len(name), index) for index, names in enumerate(LAYERS) for name in names
+               if module == name or module.startswith(name + ".")]
+    if not matches:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+    return max(matches)[1]
+
+
+def test_no_import_runs_back_up_the_layers():
+    upward = [f"{importer} (layer {layer(importer)}) imports {target} (layer {layer(target)})"
+              for importer, targets in import_graph().items() for target in sorted(targets)
+              if layer(target) > layer(importer)]
+    assert upward == []
+
+
+def test_the_layer_check_finds_an_import_that_runs_up():
+    assert layer("ps_bench.metrics.wire") < layer("ps_bench.strategies.base") < layer("ps_bench.results.record")
+    assert layer("ps_bench.runtime.topology") < layer("ps_bench.runtime.launch")  # by module, not by package
+
+
 def test_no_module_of_ours_is_imported_inside_a_function():
     """Imports of ps_bench modules stand at the top of each module, where the graph above sees them."""
     late = []
@@ -75,9 +118,9 @@ def test_no_module_of_ours_is_imported_inside_a_function():
 
 
 def test_only_the_forkserver_imports_the_module_that_ties_it_to_its_launcher():
-    """Importing ps_bench.forkserver sets the parent-death signal on the importing process."""
-    assert [name for name, targets in import_graph().items() if "ps_bench.forkserver" in targets] == []
-    assert PRELOAD[0] == "ps_bench.forkserver"
+    """Importing ps_bench.runtime.forkserver sets the parent-death signal on the importing process."""
+    assert [name for name, targets in import_graph().items() if "ps_bench.runtime.forkserver" in targets] == []
+    assert PRELOAD[0] == "ps_bench.runtime.forkserver"
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ps_bench.models import DATA, build_data, build_held_out
-from ps_bench.trainers.convergence import SMOOTHING, smoothed_loss
+from ps_bench.metrics.stats import SMOOTHING, smoothed_loss
 
 BAGS = {"max_val": 64, "sample_count": 1024, "sample_length": 16, "sparsity_percentage": 20, "num_classes": 8}
 IMAGES = {"sample_count": 64, "image_size": 8, "num_classes": 10}

@@ -3,19 +3,21 @@
 import pytest
 import torch
 
-from ps_bench.metrics import limits
+from ps_bench.metrics import costs, limits
+from ps_bench.metrics.costs import Link
 from ps_bench.metrics.memory import combine_peaks, peak_memory
-from ps_bench.metrics.results import render_limits, render_memory
+from ps_bench.results.printed import render_limits, render_memory
 from ps_bench.strategies import HOOKS
 
 MB = 1e6
+GB_S = Link.of(0.0, 8.0)  # 1 GB/s, no latency
 
 
 def test_bandwidths_follow_nccl_tests():
     assert limits.algbw_gbps(2e9, 1000.0) == pytest.approx(2.0)
-    assert limits.busbw_gbps(2.0, 2) == pytest.approx(2.0)  # 2(n-1)/n = 1 for two ranks
-    assert limits.busbw_gbps(2.0, 4) == pytest.approx(3.0)
-    assert limits.busbw_gbps(2.0, 1) == 0.0  # one rank moves nothing
+    assert costs.busbw_gbps(2.0, 2) == pytest.approx(2.0)  # 2(n-1)/n = 1 for two ranks
+    assert costs.busbw_gbps(2.0, 4) == pytest.approx(3.0)
+    assert costs.busbw_gbps(2.0, 1) == 0.0  # one rank moves nothing
 
 
 def test_efficiency_is_floor_over_cost():
@@ -26,17 +28,17 @@ def test_efficiency_is_floor_over_cost():
 
 def test_parameter_server_bound_is_set_by_the_busier_side():
     # 4 trainers, 1 server, 100 MB at 1 GB/s: the server moves 400 MB each way
-    assert limits.ps_bound_ms(4, 1, 100 * MB, 1.0) == pytest.approx(400.0)
+    assert costs.ps_bound_ms(4, 1, 100 * MB, GB_S) == pytest.approx(400.0)
     # as many servers as trainers: each side moves M
-    assert limits.ps_bound_ms(4, 4, 100 * MB, 1.0) == pytest.approx(100.0)
+    assert costs.ps_bound_ms(4, 4, 100 * MB, GB_S) == pytest.approx(100.0)
 
 
 def test_byteps_optimum_matches_its_special_cases():
-    n, m, gbps = 8, 100 * MB, 1.0
+    n, m = 8, 100 * MB
     # no servers: all-reduce's 2(n-1)/n · M / B
-    assert limits.byteps_optimum_ms(n, 0, m, gbps) == pytest.approx(2 * (n - 1) / n * m / 1e9 * 1000)
+    assert costs.byteps_bound_ms(n, 0, m, GB_S) == pytest.approx(2 * (n - 1) / n * m / 1e9 * 1000)
     # as many servers as workers: M / B
-    assert limits.byteps_optimum_ms(n, n, m, gbps) == pytest.approx(m / 1e9 * 1000)
+    assert costs.byteps_bound_ms(n, n, m, GB_S) == pytest.approx(m / 1e9 * 1000)
 
 
 def test_floor_summary_and_memcpy():

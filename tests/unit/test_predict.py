@@ -9,8 +9,10 @@ import pytest
 
 from ps_bench.cli import main
 from ps_bench.metrics.limits import fit_link, link_summary
-from ps_bench.predict import models
-from ps_bench.predict.models import Link, Phases
+from ps_bench.metrics import costs
+from ps_bench.predict import pipelines
+from ps_bench.metrics.costs import Link
+from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.predictor import Run, calibrate, predict
 
 # 1 MB per ms (8 Gbit/s), 10 µs per message: round numbers to compute by hand
@@ -19,64 +21,64 @@ MB = 1e6
 
 
 def test_ring_allreduce_is_2_n_minus_1_latencies_plus_2_n_minus_1_over_n_of_the_bytes():
-    assert models.ring_allreduce_ms(1, 8 * MB, LINK) == 0.0  # one trainer: nothing to combine
-    assert models.ring_allreduce_ms(2, 8 * MB, LINK) == pytest.approx(2 * 0.01 + 8.0)
-    assert models.ring_allreduce_ms(4, 8 * MB, LINK) == pytest.approx(6 * 0.01 + 1.5 * 8.0)
-    assert models.ring_allreduce_ms(4, 8 * MB, LINK, steps_per_message=3) == pytest.approx(18 * 0.01 + 12.0)
+    assert costs.ring_allreduce_ms(1, 8 * MB, LINK) == 0.0  # one trainer: nothing to combine
+    assert costs.ring_allreduce_ms(2, 8 * MB, LINK) == pytest.approx(2 * 0.01 + 8.0)
+    assert costs.ring_allreduce_ms(4, 8 * MB, LINK) == pytest.approx(6 * 0.01 + 1.5 * 8.0)
+    assert costs.ring_allreduce_ms(4, 8 * MB, LINK, steps_per_message=3) == pytest.approx(18 * 0.01 + 12.0)
 
 
 def test_allgather_moves_n_minus_1_payloads():
-    assert models.allgather_ms(1, MB, LINK) == 0.0
-    assert models.allgather_ms(3, MB, LINK) == pytest.approx(2 * 0.01 + 2.0)
+    assert costs.allgather_ms(1, MB, LINK) == 0.0
+    assert costs.allgather_ms(3, MB, LINK) == pytest.approx(2 * 0.01 + 2.0)
 
 
 def test_byteps_bound_runs_from_allreduce_at_k_0_to_one_payload_at_k_n():
-    assert models.byteps_bound_ms(4, 0, 8 * MB, LINK) == pytest.approx(1.5 * 8.0)
-    assert models.byteps_bound_ms(4, 4, 8 * MB, LINK) == pytest.approx(8.0)
-    assert models.byteps_bound_ms(1, 1, 8 * MB, LINK) == 0.0
+    assert costs.byteps_bound_ms(4, 0, 8 * MB, LINK) == pytest.approx(1.5 * 8.0)
+    assert costs.byteps_bound_ms(4, 4, 8 * MB, LINK) == pytest.approx(8.0)
+    assert costs.byteps_bound_ms(1, 1, 8 * MB, LINK) == 0.0
 
 
 def test_pipeline_starts_each_transfer_when_ready_and_after_the_previous():
     # ready at 10 and 20 ms, 15 ms each: the second waits for the first (10 + 15 = 25), ends at 40
-    assert models.pipeline([(10.0, 15.0), (20.0, 15.0)], lambda ms: ms) == pytest.approx(40.0)
+    assert pipelines.pipeline([(10.0, 15.0), (20.0, 15.0)], lambda ms: ms) == pytest.approx(40.0)
     # ready far apart: each runs as soon as it is ready; the last ends at 50 + 15
-    assert models.pipeline([(0.0, 15.0), (50.0, 15.0)], lambda ms: ms) == pytest.approx(65.0)
-    assert models.pipeline([], lambda ms: ms) == 0.0
+    assert pipelines.pipeline([(0.0, 15.0), (50.0, 15.0)], lambda ms: ms) == pytest.approx(65.0)
+    assert pipelines.pipeline([], lambda ms: ms) == 0.0
 
 
 def test_one_trainer_one_server_is_a_round_trip():
     # out (1 ms on the trainer's link, then the server's), back (1 ms), a latency each way
-    assert models.ps_pipeline([(0.0, MB)], 1, 1, LINK) == pytest.approx(2.0 + 2 * 0.01)
+    assert pipelines.ps_pipeline([(0.0, MB)], 1, 1, LINK) == pytest.approx(2.0 + 2 * 0.01)
 
 
 def test_one_server_carries_every_trainers_bytes_both_ways():
     # 4 trainers, one 8 MB bucket ready at once: 32 MB in through the server's link, 32 MB out
-    assert models.ps_pipeline([(0.0, 8 * MB)], 4, 1, LINK) == pytest.approx(64.0 + 2 * 0.01)
+    assert pipelines.ps_pipeline([(0.0, 8 * MB)], 4, 1, LINK) == pytest.approx(64.0 + 2 * 0.01)
     # ... and the aggregation of the last copy at 4 MB/ms between them
-    assert models.ps_pipeline([(0.0, 8 * MB)], 4, 1, LINK, aggregate_bytes_per_ms=4 * MB) == pytest.approx(
+    assert pipelines.ps_pipeline([(0.0, 8 * MB)], 4, 1, LINK, aggregate_bytes_per_ms=4 * MB) == pytest.approx(
         64.0 + 2.0 + 2 * 0.01)
 
 
 def test_servers_beyond_the_buckets_do_nothing_and_shards_pipeline():
     buckets = [(0.0, 6 * MB), (0.0, 2 * MB)]
-    two = models.ps_pipeline(buckets, 2, 2, LINK)
+    two = pipelines.ps_pipeline(buckets, 2, 2, LINK)
     # server 0 holds the 6 MB bucket: 12 MB in (the trainers' links send 6 MB first), 12 MB back
     assert two == pytest.approx(24.0 + 2 * 0.01)
-    assert models.ps_pipeline(buckets, 2, 8, LINK) == pytest.approx(two)  # k > n and k > buckets
+    assert pipelines.ps_pipeline(buckets, 2, 8, LINK) == pytest.approx(two)  # k > n and k > buckets
     # one server: the 6 MB bucket is in at 12 and answered by 24, overlapping the 2 MB bucket's
     # arrival (in at 16); its answer (4 ms) follows the first on the server's link: 28 ms
-    assert models.ps_pipeline(buckets, 2, 1, LINK) == pytest.approx(max(12.0 + 12.0, 16.0) + 4.0 + 2 * 0.01)
+    assert pipelines.ps_pipeline(buckets, 2, 1, LINK) == pytest.approx(max(12.0 + 12.0, 16.0) + 4.0 + 2 * 0.01)
 
 
 def test_group_mapping_sends_everything_to_the_groups_server():
     # 4 trainers in 2 groups: each server hears from 2 trainers, 8 MB each: 16 in, 16 out
-    assert models.ps_pipeline([(0.0, 8 * MB)], 4, 2, LINK, mapping="group") == pytest.approx(32.0 + 2 * 0.01)
+    assert pipelines.ps_pipeline([(0.0, 8 * MB)], 4, 2, LINK, mapping="group") == pytest.approx(32.0 + 2 * 0.01)
 
 
 def test_iteration_overlaps_backward_with_the_transfers():
     phases = Phases(forward=5.0, backward=30.0, optimizer=2.0)
-    assert models.iteration_ms(phases, communication_end=20.0) == pytest.approx(37.0)  # hidden behind backward
-    assert models.iteration_ms(phases, communication_end=50.0, own_ms=3.0) == pytest.approx(60.0)
+    assert pipelines.iteration_ms(phases, communication_end=20.0) == pytest.approx(37.0)  # hidden behind backward
+    assert pipelines.iteration_ms(phases, communication_end=50.0, own_ms=3.0) == pytest.approx(60.0)
 
 
 def test_the_link_fit_recovers_latency_and_bandwidth():
@@ -176,7 +178,7 @@ BAD_INPUTS = [
     (lambda p: [results_file(p), "--trainers", "8,many"], "--trainers: expected whole numbers"),
     (lambda p: [results_file(p), "--link", "10"], "--link: expected a rate with its unit"),
     (lambda p: [results_file(p, limits=False)], "no link to predict with: give runs made with --limits"),
-    (lambda p: [str(p / "missing.json")], "cannot read"),
+    (lambda p: [str(p / "missing.json")], "missing.json' does not exist"),
     (lambda p: [results_file(p), "--hooks", "powersgd"], "give a run of powersgd to calibrate it"),
 ]
 

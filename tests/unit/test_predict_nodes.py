@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from ps_bench.cli import main
-from ps_bench.predict import models
-from ps_bench.predict.models import Link, Nodes, Phases
+from ps_bench.metrics import costs
+from ps_bench.predict import pipelines
+from ps_bench.metrics.costs import Link, Nodes
+from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.inputs import meta_buckets
 from ps_bench.predict.predictor import Run, calibrate, from_compute_ms, predict
 from tests.unit.test_predict import results_file
@@ -25,60 +27,60 @@ MB = 1e6
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_one_trainer_per_node_is_the_flat_ring_and_one_node_is_its_local_link(n):
     flat = Nodes(n, 1, NETWORK)
-    assert models.flat_ring_ms(flat, 8 * MB) == models.ring_allreduce_ms(n, 8 * MB, NETWORK)
-    assert models.hierarchical_ms(flat, 8 * MB) == models.ring_allreduce_ms(n, 8 * MB, NETWORK)
-    assert models.hsdp_reduce_ms(flat, 8 * MB) == models.ring_allreduce_ms(n, 8 * MB, NETWORK)
+    assert costs.flat_ring_ms(flat, 8 * MB) == costs.ring_allreduce_ms(n, 8 * MB, NETWORK)
+    assert costs.hierarchical_ms(flat, 8 * MB) == costs.ring_allreduce_ms(n, 8 * MB, NETWORK)
+    assert costs.hsdp_reduce_ms(flat, 8 * MB) == costs.ring_allreduce_ms(n, 8 * MB, NETWORK)
     node = Nodes(1, n, NETWORK, LOCAL)
-    assert models.flat_ring_ms(node, 8 * MB) == models.ring_allreduce_ms(n, 8 * MB, LOCAL)
-    assert models.hierarchical_ms(node, 8 * MB) == pytest.approx(models.ring_allreduce_ms(n, 8 * MB, LOCAL))
+    assert costs.flat_ring_ms(node, 8 * MB) == costs.ring_allreduce_ms(n, 8 * MB, LOCAL)
+    assert costs.hierarchical_ms(node, 8 * MB) == pytest.approx(costs.ring_allreduce_ms(n, 8 * MB, LOCAL))
     buckets = [(0.0, 4 * MB)]
-    assert models.ps_pipeline(buckets, n, 1, NETWORK, per_node=1) == models.ps_pipeline(buckets, n, 1, NETWORK)
+    assert pipelines.ps_pipeline(buckets, n, 1, NETWORK, per_node=1) == pipelines.ps_pipeline(buckets, n, 1, NETWORK)
 
 
 def test_the_flat_ring_on_nodes_moves_at_the_network_link_with_2_n_minus_1_latencies():
     # 2 nodes x 4: n = 8, 2(n-1)/n = 1.75 of the bytes at the slower link, 14 latencies of the network
-    assert models.flat_ring_ms(Nodes(2, 4, NETWORK, LOCAL), 8 * MB) == pytest.approx(14 * 0.01 + 1.75 * 8.0)
+    assert costs.flat_ring_ms(Nodes(2, 4, NETWORK, LOCAL), 8 * MB) == pytest.approx(14 * 0.01 + 1.75 * 8.0)
 
 
 def test_hierarchical_is_a_reduce_scatter_and_all_gather_inside_and_a_ring_across():
     # 4 nodes x 2: inside 2 x (1 latency + 1/2 x 8 MB at 10 MB/ms) = 2 x (0.001 + 0.4);
     # across 2(4-1) latencies + 2(3)/4 x 8 MB at 1 MB/ms = 0.06 + 12
-    assert models.hierarchical_ms(Nodes(4, 2, NETWORK, LOCAL), 8 * MB) == pytest.approx(2 * 0.401 + 0.06 + 12.0)
+    assert costs.hierarchical_ms(Nodes(4, 2, NETWORK, LOCAL), 8 * MB) == pytest.approx(2 * 0.401 + 0.06 + 12.0)
     # fewer bytes on the network link than the flat ring's 2(8-1)/8 = 1.75
-    assert models.hierarchical_ms(Nodes(4, 2, NETWORK, LOCAL), 8 * MB) < models.flat_ring_ms(
+    assert costs.hierarchical_ms(Nodes(4, 2, NETWORK, LOCAL), 8 * MB) < costs.flat_ring_ms(
         Nodes(4, 2, NETWORK, LOCAL), 8 * MB)
 
 
 def test_on_gloo_the_first_step_inside_is_an_all_reduce():
     nodes = Nodes(4, 2, NETWORK, LOCAL)
-    assert models.hierarchical_ms(nodes, 8 * MB, gloo=True) == pytest.approx(3 * 0.401 + 0.06 + 12.0)
-    assert models.hsdp_reduce_ms(nodes, 8 * MB, gloo=True) - models.hsdp_reduce_ms(nodes, 8 * MB) == pytest.approx(0.401)
+    assert costs.hierarchical_ms(nodes, 8 * MB, gloo=True) == pytest.approx(3 * 0.401 + 0.06 + 12.0)
+    assert costs.hsdp_reduce_ms(nodes, 8 * MB, gloo=True) - costs.hsdp_reduce_ms(nodes, 8 * MB) == pytest.approx(0.401)
 
 
 def test_hsdp_reduces_once_inside_and_gathers_twice():
     nodes = Nodes(2, 4, NETWORK, LOCAL)
     inside = 3 * 0.001 + 0.75 * 0.8  # (G-1) latencies, (G-1)/G x 8 MB at 10 MB/ms
-    assert models.hsdp_reduce_ms(nodes, 8 * MB) == pytest.approx(inside + 2 * 0.01 + 8.0)
-    assert models.hsdp_gather_ms(nodes, 8 * MB) == pytest.approx(2 * inside)
+    assert costs.hsdp_reduce_ms(nodes, 8 * MB) == pytest.approx(inside + 2 * 0.01 + 8.0)
+    assert costs.hsdp_gather_ms(nodes, 8 * MB) == pytest.approx(2 * inside)
 
 
 def test_dedicated_servers_see_every_trainer_of_a_node_on_its_link():
     # one 1 MB bucket, 2 nodes x 2, one server: the node sends 2 copies (2 ms), the server
     # receives 4 (4 ms after the first starts) and answers 4 (4 ms), the node receives 2
-    assert models.ps_pipeline([(0.0, MB)], 4, 1, NETWORK, per_node=2) == pytest.approx(4.0 + 0.01 + 4.0 + 0.01)
+    assert pipelines.ps_pipeline([(0.0, MB)], 4, 1, NETWORK, per_node=2) == pytest.approx(4.0 + 0.01 + 4.0 + 0.01)
     # 4 servers of 4 one-MB buckets: each server hears 4 copies; each node's link, outbound,
     # carries 2 copies of each of 4 buckets: 8 ms, the bound
     four = [(0.0, MB)] * 4
-    assert models.ps_pipeline(four, 4, 4, NETWORK, per_node=2) >= 8.0
+    assert pipelines.ps_pipeline(four, 4, 4, NETWORK, per_node=2) >= 8.0
 
 
 def test_colocated_servers_carry_each_nodes_gradient_once_each_way_on_two_nodes():
     # one bucket of S = 1 MB owned by node 0's server, 2 nodes x 2: node 1 pushes 2 S (2 ms, then
     # 10 µs), node 0's own copies cross its local link meanwhile; the answers, 2 S out of node 0
     nodes = Nodes(2, 2, NETWORK, LOCAL)
-    assert models.colocated_ps_pipeline([(0.0, MB)], nodes) == pytest.approx(2.0 + 0.01 + 2.0 + 0.01)
+    assert pipelines.colocated_ps_pipeline([(0.0, MB)], nodes) == pytest.approx(2.0 + 0.01 + 2.0 + 0.01)
     # one node: the local link alone, G copies each way
-    assert models.colocated_ps_pipeline([(0.0, MB)], Nodes(1, 4, NETWORK, LOCAL)) == pytest.approx(
+    assert pipelines.colocated_ps_pipeline([(0.0, MB)], Nodes(1, 4, NETWORK, LOCAL)) == pytest.approx(
         2 * (4 * 0.1 + 0.001))
 
 

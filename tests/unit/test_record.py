@@ -9,9 +9,10 @@ import torch
 
 from ps_bench.config import RunConfig
 from ps_bench.job import validate
-from ps_bench.metrics.record import RunRecord, failed_results, read_snapshot, replica_summary, write_snapshot
-from ps_bench.metrics.results import print_report, write_results
-from ps_bench.topology import Topology
+from ps_bench.results.record import RunRecord, failed_results, read_snapshot, replica_summary, write_snapshot
+from ps_bench.results.files import write_results
+from ps_bench.results.printed import print_report
+from ps_bench.runtime.topology import Topology
 from tests.contract import TRAINER_METRICS, check_contract, check_failed_minimum, metrics_of
 
 ITERATIONS = 4
@@ -40,11 +41,10 @@ def server_round(recv: int) -> dict:
 
 def make_record(**options) -> RunRecord:
     cfg = RunConfig(**options)
-    model, data = validate(cfg, gpus=0)
+    job = validate(cfg, gpus=0)
     topology = Topology(cfg.ntrainer, cfg.ncudatrainer, cfg.nserver, cfg.ncudaserver, cfg.mapping)
-    return RunRecord(cfg, topology, model, data, ["bench.py"], {"torch": torch.__version__, "python": "3",
-                                                                "hostname": "h", "cuda_devices": [],
-                                                                "backend": cfg.backend})
+    return RunRecord(job, topology, ["bench.py"], {"torch": torch.__version__, "python": "3", "hostname": "h",
+                                                   "cuda_devices": [], "backend": cfg.backend})
 
 
 def two_rounds(record: RunRecord) -> None:

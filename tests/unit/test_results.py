@@ -1,6 +1,19 @@
-import json
+"""Results files: written atomically and never over another, a sweep's lines appended whole, and
+read back through the one checked loader, whose refusal is the same one line from every command."""
 
-from ps_bench.metrics.results import write_results
+import json
+from pathlib import Path
+
+import pytest
+
+from ps_bench.cli import main
+from ps_bench.config import ConfigError
+from ps_bench.results.files import append_line, write_results
+from ps_bench.results.load import load_file, load_lines, load_source
+
+# A results file ps_bench wrote before the results package existed (commit 32d8e0b, `python bench.py`
+# on the development machine), its samples cut to five per metric.
+EARLIER = Path(__file__).resolve().parents[1] / "fixtures" / "ps-2t1s-32d8e0b.json"
 
 
 def test_results_are_never_overwritten(tmp_path):
@@ -11,3 +24,69 @@ def test_results_are_never_overwritten(tmp_path):
     assert (first, second, third) == (target, target.with_name("run-1.json"), target.with_name("run-2.json"))
     assert [json.loads(p.read_text())["n"] for p in (first, second, third)] == [1, 2, 3]
     assert sorted(p.name for p in target.parent.iterdir()) == ["run-1.json", "run-2.json", "run.json"]
+
+
+def test_a_file_written_before_the_results_package_is_read_by_every_command(tmp_path, capsys):
+    assert load_file(EARLIER)["schema"] == "ps_bench.result/1"
+    assert main(["report", str(EARLIER)]) == 0
+    assert main(["compare", str(EARLIER), str(EARLIER)]) == 0
+    capsys.readouterr()
+
+
+def bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """Files every reader refuses, and the words each refusal has."""
+    text = EARLIER.read_text()
+    files = {
+        "other schema": (json.dumps({**json.loads(text), "schema": "ps_bench.result/2"}),
+                         "has schema 'ps_bench.result/2', and this ps_bench reads ps_bench.result/1"),
+        "truncated": (text[: len(text) // 2], "is truncated: its JSON is cut off at line"),
+        "truncated in a string": (text[: text.index('"hostname"') + 4], "is truncated: its JSON is cut off at line"),
+        "not results": (json.dumps({"loss": [1.0, 0.5]}), "is not a ps_bench results file"),
+    }
+    made = {}
+    for case, (content, words) in files.items():
+        path = tmp_path / f"{case.replace(' ', '-')}.json"
+        path.write_text(content)
+        made[case] = (path, words)
+    return made
+
+
+@pytest.mark.parametrize("case", ["other schema", "truncated", "truncated in a string", "not results"])
+def test_report_compare_and_predict_refuse_a_bad_file_with_the_same_line(case, tmp_path, capsys):
+    path, words = bad_files(tmp_path)[case]
+    lines = []
+    for argv in (["report", str(path)], ["compare", str(EARLIER), str(path)], ["predict", str(path), "--trainers", "4"]):
+        assert main(argv) == 2, argv
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+        lines.append(captured.err)
+    assert lines[0] == lines[1] == lines[2]
+    assert lines[0] == f"ps_bench: error: results file {str(path)!r} {words}" + lines[0].split(words, 1)[1]
+
+
+def test_a_sweeps_torn_line_is_passed_over_and_the_next_line_stays_whole(tmp_path):
+    lines = tmp_path / "results.jsonl"
+    earlier = load_file(EARLIER)
+    append_line(lines, earlier)
+    with open(lines, "a") as stream:  # a writer killed half-way through its line
+        stream.write(json.dumps(earlier)[:100])
+    append_line(lines, {**earlier, "status": "failed", "error": "the next run"})
+    assert [run["status"] for run in load_lines(lines)] == ["ok", "failed"]
+    source = load_source(str(tmp_path))
+    assert (source.kind, len(source.runs), source.torn) == ("sweep folder", 2, 1)
+    assert source.runs[1][0].endswith("results.jsonl:3")
+
+
+def test_a_sweeps_line_of_another_schema_is_refused_naming_its_line(tmp_path):
+    lines = tmp_path / "results.jsonl"
+    append_line(lines, load_file(EARLIER))
+    append_line(lines, {**load_file(EARLIER), "schema": "ps_bench.result/9"})
+    with pytest.raises(ConfigError, match=r"results\.jsonl' line 2 has schema 'ps_bench.result/9'"):
+        load_lines(lines)
+
+
+def test_a_folder_skips_its_files_that_are_not_results(tmp_path):
+    (tmp_path / "run.json").write_text(EARLIER.read_text())
+    (tmp_path / "notes.json").write_text("{}")
+    source = load_source(str(tmp_path))
+    assert (source.kind, len(source.runs), source.skipped) == ("folder of results files", 1, ["notes.json"])

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from ps_bench.config import build_config, load_run_file
-from ps_bench.faults import Straggler, Straggling
-from ps_bench.servers.ssp import GO, ROUND_OVER, STOPPED, StaleSynchronousServer, parse_staleness
+from ps_bench.runtime.faults import Straggler, Straggling
+from ps_bench.servers.ssp import GO, ROUND_OVER, STOPPED, StaleSynchronousServer
+from ps_bench.strategies.stale import parse_staleness
 
 
 def server(bound: float, trainers: int = 2, budget: int = 100) -> StaleSynchronousServer:

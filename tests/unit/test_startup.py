@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from ps_bench.supervision import supervise
+from ps_bench.runtime.supervision import supervise
 from ps_bench.metrics.startup import render_startup, startup_phases
-from ps_bench.preload import starts_ranks
+from ps_bench.runtime.preload import starts_ranks
 
 
 @pytest.mark.parametrize("argv, starts", [

@@ -73,7 +73,7 @@ def test_bad_sweeps_name_the_point_and_the_problem(tmp_path, content, message):
 
 
 def result(hook, p50, status="ok", sent=100.0):
-    return {"status": status, "config": {"hook": hook, "ntrainer": 2, "out": f"{hook}.json"},
+    return {"schema": "ps_bench.result/1", "status": status, "config": {"hook": hook, "ntrainer": 2, "out": f"{hook}.json"},
             "summary": [{"role": "trainer", "metric": "batch", "unit": "ms", "p50": p50, "p90": p50 * 2}],
             "throughput": {"samples_per_s": 10.0}, "bytes": {"trainer_sent_per_iter": sent}}
 

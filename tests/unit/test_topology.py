@@ -1,6 +1,6 @@
 import pytest
 
-from ps_bench.topology import MASTER, SERVER, TRAINER, Topology, balance_buckets, split_evenly
+from ps_bench.runtime.topology import MASTER, SERVER, TRAINER, Topology, balance_buckets, split_evenly
 
 
 def test_rank_order_roles_and_names():

@@ -13,12 +13,12 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Protocol
 
-from ps_bench import failures
-from ps_bench.topology import Topology
+from ps_bench.runtime import failures
+from ps_bench.runtime.topology import Topology
 
 
 class Job(Protocol):
-    """What supervision needs of a job (``ps_bench.launch.LaunchSpec`` has it)."""
+    """What supervision needs of a job (``ps_bench.runtime.launch.LaunchSpec`` has it)."""
 
     run_dir: str
 

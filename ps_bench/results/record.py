@@ -19,16 +19,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ps_bench.config import RunConfig
+from ps_bench.config import DEFAULT_MAX_ITERATIONS
+from ps_bench.job import Job
 from ps_bench.metrics import limits
 from ps_bench.metrics.memory import combine_peaks, peak_memory
-from ps_bench.metrics.results import SCHEMA, iso_now
-from ps_bench.metrics.stats import SummaryRow, summary_rows
+from ps_bench.metrics.stats import SMOOTHING, SummaryRow, smoothed_loss, summary_rows
 from ps_bench.metrics.wire import host_links
-from ps_bench.models.entries import Entry
-from ps_bench.topology import Topology
-from ps_bench.trainers.convergence import DEFAULT_MAX_ITERATIONS, SMOOTHING, smoothed_loss
-from ps_bench.strategies import HOOKS
+from ps_bench.results.files import SCHEMA, iso_now
+from ps_bench.runtime.topology import Topology
 from ps_bench.strategies.base import EVERY_ITERATION
 
 TRAINER_METRICS = ("batch", "forward", "backward", "optimizer", "comm")  # ms, per iteration
@@ -92,10 +90,10 @@ class RunRecord:
     ``--limits``, and sets ``buckets`` and ``replicas`` once they are known; ``results`` builds
     the results object at any point, ``rows`` the printed tables."""
 
-    def __init__(self, config: RunConfig, topology: Topology, model: Entry, data: Entry, argv: list[str],
-                 environment: dict, recovered: list[dict] | None = None) -> None:
-        self.config, self.topology = config, topology
-        self.model, self.data = model, data
+    def __init__(self, job: Job, topology: Topology, argv: list[str], environment: dict,
+                 recovered: list[dict] | None = None) -> None:
+        self.config, self.strategy, self.topology = job.config, job.strategy, topology
+        self.model, self.data = job.model, job.data
         self.argv, self.environment = argv, environment
         self.recovered = recovered or []  # earlier attempts torchrun restarted the job after
         self.started = iso_now()
@@ -343,7 +341,7 @@ class RunRecord:
         if self.floor_messages is None or self.memcpy is None:
             return None
         per_iteration = limits.message_bytes(self.floor_messages)
-        strategy = HOOKS.record(self.config.hook)
+        strategy = self.strategy
         own = None
         if self.own_messages is not None and samples["own_ms"]:
             own_bytes = limits.message_bytes(self.own_messages)
@@ -370,7 +368,7 @@ class RunRecord:
         """The strategy's own floor p50 (its transport's float32 floor when it sends its float32
         buckets) over its trainer ``comm`` p50, and the float32 floor over the same cost (None
         for strategies that move nothing)."""
-        kind = HOOKS.record(self.config.hook).floor
+        kind = self.strategy.floor
         uncompressed = floors.get(kind) if kind else None
         p50 = {r.metric: r.p50 for r in self.rows() if r.role == "trainer" and r.unit == "ms"}
         if uncompressed is None or "comm" not in p50:

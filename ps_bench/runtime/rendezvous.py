@@ -23,8 +23,8 @@ from urllib.parse import parse_qs, urlparse
 
 import torch.distributed as dist
 
-from ps_bench import failures
-from ps_bench.faults import restart_count
+from ps_bench.runtime import failures
+from ps_bench.runtime.faults import restart_count
 
 SCHEME = "ps-bench-attempt"
 INIT_METHOD = f"{SCHEME}://"  # what RPC is given: the store of this attempt, see _rendezvous
@@ -92,7 +92,7 @@ def _rendezvous(url: str, **kwargs):
     """``torch.distributed.rendezvous`` handler: a store of this attempt, and the rank and world
     size from the query RPC adds."""
     if _timeout_s is None:
-        raise RuntimeError(f"{INIT_METHOD} needs ps_bench.rendezvous.join() first")
+        raise RuntimeError(f"{INIT_METHOD} needs ps_bench.runtime.rendezvous.join() first")
     query = parse_qs(urlparse(url).query)
     yield attempt_view(_timeout_s), int(query["rank"][0]), int(query["world_size"][0])
     raise RuntimeError(f"{INIT_METHOD} cannot rendezvous twice")

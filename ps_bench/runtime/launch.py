@@ -2,7 +2,7 @@
 
 Locally, ``spawn`` hosts the rendezvous store in the parent (on a socket bound to
 ``--master-addr``, loopback by default, before any child starts, so no other run can take its
-port), starts every rank from the preloaded forkserver (``ps_bench.preload``) and watches them:
+port), starts every rank from the preloaded forkserver (``ps_bench.runtime.preload``) and watches them:
 the first rank that fails ends the job, named by role and rank, no process is left running, and
 the results of the rounds that finished are kept. A local job's ranks bind RPC and gloo to the
 loopback interface. Under torchrun, ``run_torchrun_rank`` runs the one rank torchrun started;
@@ -36,15 +36,14 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 
-from ps_bench import failures, preload, rendezvous
-from ps_bench.cluster import network
 from ps_bench.config import ConfigError, RunConfig
-from ps_bench.master import Master
-from ps_bench.metrics.record import failed_results, read_snapshot
-from ps_bench.metrics.results import environment, write_results
-from ps_bench.models.entries import Entry
-from ps_bench.supervision import JobFailed, listen_for_stack_requests, supervise, terminate
-from ps_bench.topology import MASTER, TRAINER, Topology
+from ps_bench.job import Job
+from ps_bench.results.files import environment, write_results
+from ps_bench.results.record import failed_results, read_snapshot
+from ps_bench.runtime import failures, network, preload, rendezvous
+from ps_bench.runtime.master import Master
+from ps_bench.runtime.supervision import JobFailed, listen_for_stack_requests, supervise, terminate
+from ps_bench.runtime.topology import MASTER, TRAINER, Topology
 
 PG_BACKENDS = {"gloo": "gloo", "nccl": "nccl", "multi": "cpu:gloo,cuda:nccl"}
 PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
@@ -54,9 +53,7 @@ PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
 class LaunchSpec:
     """Everything a rank needs; pickled to every spawned process."""
 
-    config: RunConfig
-    model: Entry
-    data: Entry
+    job: Job
     argv: list[str]
     run_dir: str  # failure records, stacks and the master's snapshot of finished rounds
     results_path: str
@@ -70,6 +67,10 @@ class LaunchSpec:
     launcher_pid: int = field(default_factory=os.getpid)
     namespaces: dict[int, dict[str, str]] = field(default_factory=dict)  # rank -> its emulated host's namespaces
     emulated: dict | None = None  # the emulated network, for the results (env.emulated)
+
+    @property
+    def config(self) -> RunConfig:
+        return self.job.config
 
     def topology(self) -> Topology:
         cfg = self.config
@@ -180,7 +181,7 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
             if recovered:
                 print(f"ps_bench: torchrun restart {len(recovered)} of {rendezvous.max_restarts()}: starting the job "
                       f"over after {recovered[-1]['failure']}", flush=True)
-            master = Master(cfg, topology, spec.model, spec.data, spec.device_of, spec.argv,
+            master = Master(spec.job, topology, spec.device_of, spec.argv,
                             spec.run_dir, spec.results_path, spec.launched_at,
                             hosts=rendezvous.gather_hosts(view, topology.world_size), recovered=recovered,
                             startup=lambda: {"launcher": {"launched": spec.launched_at, **spec.milestones},

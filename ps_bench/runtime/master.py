@@ -9,19 +9,21 @@ from typing import Callable
 
 import torch.distributed.rpc as rpc
 
-from ps_bench.config import RunConfig
-from ps_bench.faults import Fault, maybe_inject
+from ps_bench.job import Job
 from ps_bench.metrics import limits
-from ps_bench.metrics.record import RunRecord, mean_loss, replica_summary, servers_model_summary, write_snapshot
-from ps_bench.metrics.results import environment, format_bytes, print_report, write_results
 from ps_bench.metrics.startup import render_startup, startup_phases
 from ps_bench.models import build_data, build_held_out
 from ps_bench.models.entries import Entry
-from ps_bench.rendezvous import one_machine_warning, rpc_paths
+from ps_bench.results.files import environment, write_results
+from ps_bench.results.printed import format_bytes, print_report
+from ps_bench.results.record import RunRecord, mean_loss, replica_summary, servers_model_summary, write_snapshot
+from ps_bench.runtime.faults import Fault, maybe_inject
+from ps_bench.runtime.rendezvous import one_machine_warning, rpc_paths
+from ps_bench.runtime.topology import RankInfo, Topology
 from ps_bench.servers import SERVERS
-from ps_bench.servers.ssp import parse_staleness
-from ps_bench.topology import RankInfo, Topology
 from ps_bench.strategies import HOOKS, hook_options
+from ps_bench.strategies.base import SERVER_OWNED, SERVERS_MODEL
+from ps_bench.strategies.stale import parse_staleness
 from ps_bench.trainers.convergence import HELD_OUT_SAMPLES
 from ps_bench.trainers.trainer import TRAINERS
 
@@ -58,22 +60,22 @@ class Master:
     Every number goes into a ``RunRecord``; after each timed round a snapshot of it goes to the
     run folder, so that the launcher keeps the finished rounds if the job fails later."""
 
-    def __init__(self, config: RunConfig, topology: Topology, model: Entry, data: Entry,
-                 device_of: Callable[[int], int | None], argv: list[str], run_dir: str, results_path: str,
-                 launched_at: float | None = None, hosts: list[dict] | None = None,
+    def __init__(self, job: Job, topology: Topology, device_of: Callable[[int], int | None], argv: list[str],
+                 run_dir: str, results_path: str, launched_at: float | None = None, hosts: list[dict] | None = None,
                  recovered: list[dict] | None = None, startup: Callable[[], dict] | None = None,
                  emulated: dict | None = None) -> None:
-        self.config, self.topology = config, topology
-        self.model, self.data = model, data
+        config = job.config
+        self.job, self.config, self.topology = job, config, topology
+        self.model, self.data = job.model, job.data
+        self.servers_own_parameters = job.strategy.wrap == SERVER_OWNED  # --staleness
         self.device_of = device_of
         self.run_dir = run_dir
         self.results_path = results_path
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.launched_at = time.time() if launched_at is None else launched_at
-        self.record = RunRecord(config, topology, model, data, argv, {**environment(config.backend),
-                                                                      "hosts": hosts or [],
-                                                                      "rpc": rpc_paths(hosts or [], config.rpc_transport),
-                                                                      **({"emulated": emulated} if emulated else {})},
+        self.record = RunRecord(job, topology, argv, {**environment(config.backend), "hosts": hosts or [],
+                                                      "rpc": rpc_paths(hosts or [], config.rpc_transport),
+                                                      **({"emulated": emulated} if emulated else {})},
                                 recovered)
         # --limits: one RpcFloorTarget per server, for the float32 buckets (and the strategy's own messages)
         self.floor_targets: list[list[rpc.RRef]] = []
@@ -123,10 +125,11 @@ class Master:
             shard = dataset.shard(info.index, topo.num_trainers)
             group_server = topo.group_of(info.index) if topo.mapping == "group" and servers else None
             trainers.append(rpc.remote(info.name, trainer_class, args=(
-                info.index, cfg, self.model, shard.inputs, shard.targets, handles, group_server, info.cuda_rpc,
+                info.index, cfg, self.job.strategy, self.model, shard.inputs, shard.targets, handles, group_server,
+                info.cuda_rpc,
                 device_name(self.device_of(info.rank)), held_out if info.index == 0 else None, rank_hosts)))
         iterations = [trainer.rpc_sync(timeout=0).ready() for trainer in trainers]  # every replica is built
-        if cfg.staleness is not None:  # the servers own the parameters: a round is a budget of everyone's updates
+        if self.servers_own_parameters:  # a round is a budget of everyone's updates
             for server in servers:
                 server.rpc_sync().own(self.model, cfg.torch_seed, cfg.lr, parse_staleness(cfg.staleness),
                                       sum(iterations))
@@ -176,7 +179,7 @@ class Master:
             timed = (round_index >= cfg.warmup_rounds or stopped) and rounds[0]["iterations"] > 0
             if record.buckets is None and rounds[0]["iterations"]:  # DDP rebuilds its buckets in the first iteration
                 record.buckets = trainers[0].rpc_sync().bucket_layout()
-                print(describe_buckets(record.buckets, shards=cfg.staleness is not None), flush=True)
+                print(describe_buckets(record.buckets, shards=self.servers_own_parameters), flush=True)
             if timed:  # kept before it is announced
                 loss = record.add_round(elapsed, rounds, served)
                 self.snapshot()
@@ -191,11 +194,11 @@ class Master:
             if stopped:
                 break
             round_index += 1
-        if cfg.staleness is not None:  # one model, on the servers
+        if self.job.strategy.identical == SERVERS_MODEL:
             record.replicas = servers_model_summary([s.rpc_sync().parameters_vector() for s in servers])
         else:
             record.replicas = replica_summary([t.rpc_sync().parameters_vector() for t in trainers],
-                                              HOOKS.record(cfg.hook).identical)
+                                              self.job.strategy.identical)
         if cfg.limits:
             record.memcpy = limits.memcpy_floor(limits.message_bytes(record.floor_messages))
         results = record.results("ok")
@@ -228,7 +231,7 @@ class Master:
         if record.floor_messages is None:
             buckets = trainers[0].rpc_sync().bucket_layout()
             record.floor_messages = limits.floor_messages(HOOKS.record("allreduce"), buckets, {})
-            own = limits.floor_messages(HOOKS.record(cfg.hook), buckets, hook_options(cfg.hook, cfg.hook_options))
+            own = limits.floor_messages(self.job.strategy, buckets, hook_options(cfg.hook, cfg.hook_options))
             record.own_messages = own if own != record.floor_messages else None
             self.floor_targets = [[rpc.remote(info.name, limits.RpcFloorTarget, args=(messages,))
                                    for info in self.topology.servers]

@@ -1,38 +1,13 @@
-"""Results files (the ``ps_bench.result/1`` contract) and the printed report."""
+"""The printed report of a run: the one place that prints a run's results (the master calls
+``print_report`` once, after the last round), its tables and lines."""
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import socket
-import tempfile
-import time
-from pathlib import Path
-
-import torch
 from tabulate import tabulate
 
 from ps_bench.metrics.stats import TABLE_HEADERS, SummaryRow
 
-SCHEMA = "ps_bench.result/1"
 MIB = 1024 * 1024
-
-
-def iso_now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
-
-
-def environment(backend: str) -> dict:
-    cuda = torch.cuda.is_available()
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "hostname": socket.gethostname(),
-        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
-        "backend": backend,
-        "intra_op_threads": torch.get_num_threads(),
-    }
 
 
 def format_bytes(nbytes: float) -> str:
@@ -41,39 +16,6 @@ def format_bytes(nbytes: float) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes:.0f} B"
-
-
-def default_results_path(hook: str, num_trainers: int, num_servers: int) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("results") / f"{stamp}-{hook}-{num_trainers}t{num_servers}s.json"
-
-
-def write_results(results: dict, path: str | os.PathLike) -> Path:
-    """Writes atomically and never overwrites: an existing name gets a numbered suffix.
-
-    The content goes to a temporary file in the target folder, which is then hard-linked
-    under the first free name (link fails rather than replace), so a reader never sees a
-    half-written file and two runs never take the same name.
-    """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=target.parent)
-    try:
-        with os.fdopen(handle, "w") as stream:
-            json.dump(results, stream, indent=2)
-            stream.write("\n")
-            stream.flush()
-            os.fsync(stream.fileno())
-        for attempt in range(10_000):
-            candidate = target if attempt == 0 else target.with_name(f"{target.stem}-{attempt}{target.suffix}")
-            try:
-                os.link(temporary, candidate)
-                return candidate
-            except FileExistsError:
-                continue
-        raise FileExistsError(f"no free name next to {target}")
-    finally:
-        os.unlink(temporary)
 
 
 def render_table(rows: list[SummaryRow]) -> str:

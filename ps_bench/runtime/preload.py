@@ -19,7 +19,7 @@ import signal
 from multiprocessing import forkserver, resource_tracker
 
 START_METHOD = "forkserver"
-PRELOAD = ["ps_bench.forkserver", "ps_bench.launch", "torch._dynamo"]  # torch, RPC, trainers, servers, models, metrics; and what
+PRELOAD = ["ps_bench.runtime.forkserver", "ps_bench.runtime.launch", "torch._dynamo"]  # torch, RPC, trainers, servers, models, metrics; and what
 # DistributedDataParallel imports when a trainer first builds one (1 to 2 s of CPU)
 RUN_ONLY_FLAGS = ("-h", "--help", "--dry-run", "--dry_run")
 RUNNING_SUBCOMMANDS = ("emulate",)  # subcommands that run one job from this machine's launcher
@@ -45,7 +45,7 @@ def start(debug: bool = False) -> None:
     """Starts the forkserver now (it imports ``PRELOAD`` while the caller goes on); a no-op
     when it is running already."""
     prepare_environment(debug)
-    os.environ["PS_BENCH_LAUNCHER_PID"] = str(os.getpid())  # read by ps_bench.forkserver
+    os.environ["PS_BENCH_LAUNCHER_PID"] = str(os.getpid())  # read by ps_bench.runtime.forkserver
     context()
     forkserver.ensure_running()
 

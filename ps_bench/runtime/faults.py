@@ -16,7 +16,7 @@ import random
 import threading
 from dataclasses import dataclass
 
-from ps_bench import failures
+from ps_bench.runtime import failures
 
 ROLES = ("trainer", "server", "master")
 KINDS = ("exit", "raise", "hang")

@@ -1,0 +1,95 @@
+"""Writing results: one run's file (the ``ps_bench.result/1`` contract, docs/results.md), written
+atomically and never over another; a sweep's lines (``results.jsonl``, one results object per
+run of a point, appended); the configuration hash that tells a sweep's points apart and matches
+them across sweeps. Reading them back is ``ps_bench.results.load``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SCHEMA = "ps_bench.result/1"
+RESULTS_NAME = "results.jsonl"  # a sweep's lines, in its --out folder
+# Options a sweep sets itself, and options that change how a run reports, not what it measures.
+NOT_HASHED = ("out", "dry_run", "per_rank", "debug", "verbose", "emulate_keep")
+
+
+def iso_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def environment(backend: str) -> dict:
+    cuda = torch.cuda.is_available()
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "hostname": socket.gethostname(),
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "backend": backend,
+        "intra_op_threads": torch.get_num_threads(),
+    }
+
+
+def default_results_path(hook: str, num_trainers: int, num_servers: int) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("results") / f"{stamp}-{hook}-{num_trainers}t{num_servers}s.json"
+
+
+def write_results(results: dict, path: str | os.PathLike) -> Path:
+    """Writes atomically and never overwrites: an existing name gets a numbered suffix.
+
+    The content goes to a temporary file in the target folder, which is then hard-linked
+    under the first free name (link fails rather than replace), so a reader never sees a
+    half-written file and two runs never take the same name.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=target.parent)
+    try:
+        with os.fdopen(handle, "w") as stream:
+            json.dump(results, stream, indent=2)
+            stream.write("\n")
+            stream.flush()
+            os.fsync(stream.fileno())
+        for attempt in range(10_000):
+            candidate = target if attempt == 0 else target.with_name(f"{target.stem}-{attempt}{target.suffix}")
+            try:
+                os.link(temporary, candidate)
+                return candidate
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"no free name next to {target}")
+    finally:
+        os.unlink(temporary)
+
+
+def append_line(path: Path, entry: dict) -> None:
+    """One results object as a line of ``path``, flushed to disk. A line torn by a writer that
+    was killed stays a line of its own (the reader skips it): the new one starts on a fresh line."""
+    with open(path, "ab+") as stream:
+        stream.seek(0, os.SEEK_END)
+        if stream.tell():
+            stream.seek(-1, os.SEEK_END)
+            torn = stream.read(1) != b"\n"
+        else:
+            torn = False
+        stream.write((("\n" if torn else "") + json.dumps(entry) + "\n").encode())
+        stream.flush()
+        os.fsync(stream.fileno())
+
+
+def config_hash(resolved: dict[str, Any]) -> str:
+    """A hash of what a run measures: every resolved option (canonical names) and the model and
+    data entries they name, less ``NOT_HASHED``."""
+    payload = {k: v for k, v in resolved.items() if k not in NOT_HASHED}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
