@@ -9,7 +9,8 @@ from ps_bench.runtime import preload  # noqa: E402  (no torch: it starts the ran
 
 if __name__ == "__main__":
     if preload.starts_ranks(sys.argv[1:]):
-        preload.start(debug="--debug" in sys.argv)  # it imports torch while this process does too
+        # it imports torch (and what the named model needs) while this process does too
+        preload.start(debug="--debug" in sys.argv, models=preload.named_models(sys.argv[1:]))
     from ps_bench.cli import main
 
     sys.exit(main(launched_at=launched_at))

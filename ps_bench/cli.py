@@ -253,5 +253,5 @@ def entry_point() -> NoReturn:
     """The ``ps-bench`` command."""
     launched_at = time.time()
     if preload.starts_ranks(sys.argv[1:]):
-        preload.start(debug="--debug" in sys.argv)
+        preload.start(debug="--debug" in sys.argv, models=preload.named_models(sys.argv[1:]))
     sys.exit(main(launched_at=launched_at))

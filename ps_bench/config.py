@@ -118,7 +118,12 @@ class RunConfig:
     data: str | None = option(
         None, "entry of the data configuration file, or zoo data (default: the zoo model's own data, "
         "else DummyDataSmall)", group=STRATEGY)
-    model: str = option("DummyModelSmall", "entry of the model configuration file, or a zoo model", group=STRATEGY)
+    model: str = option(
+        "DummyModelSmall", "entry of the model configuration file, a zoo model, or hf:CONFIG: a Hugging Face "
+        "transformers architecture from its config.json (a path, or one shipped in configs/hf), built with random "
+        "seeded weights, nothing downloaded; needs pip install -e \".[hf]\"", group=STRATEGY)
+    model_options: dict = option({}, "options of the model: keys of an hf: model's config, or of a zoo model's "
+                                     "configurations", group=STRATEGY)
     data_config_path: str = option("configs/data_configurations.json", "data configuration file", group=STRATEGY,
                                    metavar="PATH")
     model_config_path: str = option("configs/model_configurations.json", "model configuration file", group=STRATEGY,
@@ -273,13 +278,14 @@ def load_run_file(path: str) -> dict[str, Any]:
 
 
 def build_config(cli_values: dict[str, Any], config_path: str | None = None) -> RunConfig:
-    """Defaults, then the JSON run file, then the command line (hook options key by key)."""
+    """Defaults, then the JSON run file, then the command line (hook and model options key by key)."""
     values: dict[str, Any] = {}
     if config_path is not None:
         values.update(load_run_file(config_path))
     cli_values = dict(cli_values)
-    if "hook_options" in cli_values:
-        cli_values["hook_options"] = {**values.get("hook_options", {}), **cli_values["hook_options"]}
+    for name in ("hook_options", "model_options"):
+        if name in cli_values:
+            cli_values[name] = {**values.get(name, {}), **cli_values[name]}
     values.update(cli_values)
     return RunConfig(**values)
 

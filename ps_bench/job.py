@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from ps_bench.config import ConfigError, RunConfig, check_interface, check_port, check_writable_folder, flag, need
-from ps_bench.models import DATA, DATA_PRESETS, MODEL_PRESETS, MODELS, PRESET_DATA, RANDOM, TEACHER
+from ps_bench.models import DATA, DATA_PRESETS, MODELS, RANDOM, TEACHER, default_data, model_entry
 from ps_bench.models.base import SyntheticData
-from ps_bench.models.entries import DEFAULT_DATA, ZOO, Entry, construct, load_entry, model_size
+from ps_bench.models.huggingface import is_hf
+from ps_bench.models.entries import Entry, construct, load_entry, model_size
 from ps_bench.registry import UnknownNameError
 from ps_bench.runtime import network
 from ps_bench.runtime.faults import Fault, Straggler
@@ -169,9 +170,9 @@ def check_pieces(cfg: RunConfig) -> Strategy:
 
 def check_workload(cfg: RunConfig) -> tuple[Entry, Entry, torch.nn.Module]:
     """The model and data entries, built on the meta device: they fit each other and the batch."""
-    model = load_entry(cfg.model_config_path, cfg.model, "model_class", MODELS, "model", MODEL_PRESETS)
+    model = model_entry(cfg.model, cfg.model_options, cfg.model_config_path)
     if cfg.data is None:
-        cfg.data = PRESET_DATA.get(cfg.model, DEFAULT_DATA) if model.source == ZOO else DEFAULT_DATA
+        cfg.data = default_data(model)
     data = load_entry(cfg.data_config_path, cfg.data, "data_class", DATA, "data", DATA_PRESETS)
     network, dataset = construct(model, MODELS), construct(data, DATA)
     model = dataclasses.replace(model, size=model_size(network))
@@ -206,6 +207,9 @@ def check_devices(cfg: RunConfig, record: Strategy, network: torch.nn.Module, gp
         raise ConfigError(f"CUDA is needed for {' and '.join(wants_cuda)}, but no GPU is available here "
                           f"(torch.cuda.is_available() is False); use --backend gloo with CPU trainers and servers")
     sparse = any(getattr(m, "sparse", False) for m in network.modules())
+    need(not (record.for_sparse and is_hf(cfg.model)),
+         f"--hook {cfg.hook} is made for sparse embedding gradients, and --model {cfg.model} has none (a Hugging Face "
+         f"model's embeddings are dense): on it, it is --hook {record.for_sparse}")
     need(not (sparse and record.family == SHARDED),
          f"--model {cfg.model} has sparse gradients, which --hook {cfg.hook} cannot shard; use a dense model, or "
          f"--hook allreduce, ps or sparse_ps")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import traceback
 from typing import Any, NoReturn
@@ -83,18 +84,19 @@ def flags(name: str) -> list[str]:
 
 
 class KeyValue(argparse.Action):
-    """Collects ``KEY=VALUE`` pairs into a dict; VALUE is parsed as JSON when it can be."""
+    """Collects ``KEY=VALUE`` pairs into a dict, several to a flag when separated by commas
+    (``a=1,b=2``); VALUE is parsed as JSON when it can be."""
 
     def __call__(self, parser, namespace, value, option_string=None):
-        key, sep, text = value.partition("=")
-        if not sep or not key:
-            parser.error(f"argument {option_string}: expected KEY=VALUE, got {value!r}")
-        try:
-            parsed = json.loads(text)
-        except json.JSONDecodeError:
-            parsed = text
         options = dict(getattr(namespace, self.dest, None) or {})
-        options[key] = parsed
+        for pair in re.split(r",(?=\s*[A-Za-z_][A-Za-z0-9_.]*=)", value):
+            key, sep, text = pair.strip().partition("=")
+            if not sep or not key:
+                parser.error(f"argument {option_string}: expected KEY=VALUE, got {value!r}")
+            try:
+                options[key] = json.loads(text)
+            except json.JSONDecodeError:
+                options[key] = text
         setattr(namespace, self.dest, options)
 
 
@@ -118,10 +120,12 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         if name == "model":
             help_text += (f"; zoo: {', '.join(m for m in MODEL_PRESETS if m not in TEST_SIZED)}, and their "
                           f"test-sized {', '.join(TEST_SIZED)}")
-        if kind is dict:  # hook_options: --hook-option KEY=VALUE, repeated
-            group.add_argument("--hook-option", "--hook_option", dest=name, action=KeyValue, metavar="KEY=VALUE",
-                               help="an option of the hook (repeat for more); VALUE is JSON (4, true, 0.5) "
-                                    "or text; in a JSON run file: \"hook_options\": {...}")
+        if kind is dict:  # hook_options, model_options: --hook-option KEY=VALUE, repeated
+            singular = name.removesuffix("s")
+            group.add_argument(f"--{singular.replace('_', '-')}", f"--{singular}", dest=name, action=KeyValue,
+                               metavar="KEY=VALUE",
+                               help=f"{meta['help']} (repeat, or separate pairs with commas); VALUE is JSON "
+                                    f"(4, true, 0.5) or text; in a JSON run file: \"{name}\": {{...}}")
         elif kind is bool:
             group.add_argument(*flags(name), dest=name, action="store_true", help=help_text)
         elif kind is list:  # repeated: each occurrence adds one

@@ -230,7 +230,7 @@ def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None, debug:
     print(f"sweep {name}: {len(points)} points{each}, {len(runs) - len(todo)}{' runs' if each else ''} already done, "
           f"{len(todo)} to run; results in {results_path}", flush=True)
     if todo:
-        preload.start(debug)
+        preload.start(debug, models=[point.job.config.model for point, _ in todo])
     try:
         return run_points(name, points, todo, out_dir, timeout_s)
     finally:

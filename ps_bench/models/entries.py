@@ -4,6 +4,7 @@ found, checked and sized before any process starts."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 from dataclasses import dataclass
@@ -60,11 +61,24 @@ def load_entry(path: str, entry_id: str, class_key: str, registry: Registry, opt
         factory = registry.get(entry[class_key])
     except KeyError as error:
         raise ConfigError(f"{source}: entry {entry_id!r}: {error}") from None
+    check_keys(factory, kwargs, f"{source}: entry {entry_id!r}: unknown configuration")
+    return Entry(entry_id, registry.canonical(entry[class_key]), dict(kwargs), source)
+
+
+def check_keys(factory: Any, kwargs: dict[str, Any], what: str) -> None:
+    """A ConfigError (``what`` KEY; the valid keys) unless ``factory`` takes every key of ``kwargs``."""
     accepted = [name for name in inspect.signature(factory).parameters if name != "self"]
     for key in kwargs:
         if key not in accepted:
-            raise ConfigError(f"{source}: entry {entry_id!r}: unknown configuration {key!r}; valid: {', '.join(accepted)}")
-    return Entry(entry_id, registry.canonical(entry[class_key]), dict(kwargs), source)
+            raise ConfigError(f"{what} {key!r}; valid: {', '.join(accepted)}")
+
+
+def with_options(entry: Entry, options: dict[str, Any], registry: Registry) -> Entry:
+    """``entry`` with ``--model-option``s over its configurations."""
+    if not options:
+        return entry
+    check_keys(registry.get(entry.class_name), options, f"--model-option: --model {entry.id} has no configuration")
+    return dataclasses.replace(entry, kwargs={**entry.kwargs, **options})
 
 
 class SkipMetaInit(TorchFunctionMode):

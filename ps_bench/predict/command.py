@@ -11,6 +11,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from ps_bench.config import ConfigError
+from ps_bench.options import KeyValue
 from ps_bench.metrics import costs
 from ps_bench.predict import pipelines
 from ps_bench.predict.inputs import count_list, model_buckets, parse_phases, parse_target_latency, parse_target_rate
@@ -87,7 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "of the same model and batch size (on the device you will train on)")
     parser.add_argument("--compute-ms", metavar="forward=F,backward=B,optimizer=O", help="the compute phases, ms, "
                         "with no run at all (needs --model, --batch-size and --link)")
-    parser.add_argument("--model", metavar="NAME", help="with --compute-ms: the model whose DDP buckets to build")
+    parser.add_argument("--model", metavar="NAME", help="with --compute-ms: the model whose DDP buckets to build, "
+                        "on the meta device (a zoo model, or hf:CONFIG for a Hugging Face architecture)")
+    parser.add_argument("--model-option", "--model_option", dest="model_options", action=KeyValue, default={},
+                        metavar="KEY=VALUE", help="with --model: an option of the model, as a run takes it")
     parser.add_argument("--batch-size", type=int, metavar="B", help="with --compute-ms: the batch per trainer")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="X", help="with --compute-ms: DDP's "
                         "bucket cap (default: 25)")
@@ -154,7 +158,7 @@ def no_run_calibration(args: argparse.Namespace, target: Target) -> Calibration:
     """``--compute-ms``: the phases given, DDP's buckets for the model built on the meta device."""
     latency_us = target.latency_s * 1e6 if target.latency_s is not None else 0.0
     calibration = from_compute_ms(args.model, args.batch_size, pipelines.Phases(**target.compute_ms),
-                                  model_buckets(args.model, args.bucket_cap_mb),
+                                  model_buckets(args.model, args.bucket_cap_mb, args.model_options),
                                   costs.Link.of(latency_us, target.link_bps / 1e9),
                                   f"--link {target.link_bps / 1e9:g} Gbit/s, latency {latency_us:g} us")
     if target.intra_bps is not None:
@@ -296,7 +300,8 @@ def describe_calibration(calibration: Calibration) -> str:
     c = calibration.to_dict()
     phases, link = c["phases_ms"], c["link"]
     own = ", ".join(f"{hook} {ms:+.1f} ms" for hook, ms in sorted(c["own_ms"].items())) or "none (no matching run)"
-    ready = ", ".join(f"{bucket['ready_ms']:.1f}" for bucket in c["buckets"])
+    times = [f"{bucket['ready_ms']:.1f}" for bucket in c["buckets"]]
+    ready = ", ".join(times if len(times) <= 8 else [*times[:4], "...", *times[-2:]])
     return (f"calibration: {c['model']} at batch {c['batch_size']}, from {len(c['runs'])} run(s)\n"
             f"  compute: forward {phases['forward']:.1f} ms, backward {phases['backward']:.1f} ms, optimizer "
             f"{phases['optimizer']:.1f} ms; {len(c['buckets'])} bucket(s), {calibration.gradient_bytes / 1e6:.2f} MB, "

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from ps_bench.runtime.network import parse_delay, parse_rate
 from ps_bench.config import ConfigError, RunConfig
-from ps_bench.models import MODEL_PRESETS, MODELS
-from ps_bench.models.entries import construct, load_entry
+from ps_bench.models import MODELS, model_entry
+from ps_bench.models.entries import construct
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -81,9 +81,10 @@ def meta_buckets(network: torch.nn.Module, bucket_cap_mb: float) -> list[tuple[i
              any(id(parameters[i]) in sparse for i in bucket)) for bucket in indices]
 
 
-def model_buckets(model: str, bucket_cap_mb: float) -> list[tuple[int, bool]]:
-    """``meta_buckets`` of a model entry (a zoo model or one of the model configuration file)."""
-    entry = load_entry(RunConfig().model_config_path, model, "model_class", MODELS, "model", MODEL_PRESETS)
+def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None) -> list[tuple[int, bool]]:
+    """``meta_buckets`` of what ``--model`` names (a zoo model, one of the model configuration
+    file, or a Hugging Face config), with ``--model-option``s."""
+    entry = model_entry(model, options or {}, RunConfig().model_config_path)
     return meta_buckets(construct(entry, MODELS), bucket_cap_mb)
 
 

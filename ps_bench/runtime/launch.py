@@ -283,7 +283,7 @@ def spawn(spec: LaunchSpec, watchdog: tuple[float, str] | None = None) -> int:
                 "MASTER_PORT": str(port),
                 "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank is a client of the store above
             }
-        preload.start(cfg.debug)  # running already when bench.py started it
+        preload.start(cfg.debug, models=[cfg.model])  # running already when bench.py started it
         try:
             context = mp.start_processes(_spawned, args=(spec,), nprocs=cfg.world_size, join=False,
                                          start_method=preload.START_METHOD)

@@ -13,22 +13,29 @@ This module imports nothing heavy: ``bench.py`` calls it before torch is loaded.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
+from collections.abc import Iterable
 from multiprocessing import forkserver, resource_tracker
 
 START_METHOD = "forkserver"
 PRELOAD = ["ps_bench.runtime.forkserver", "ps_bench.runtime.launch", "torch._dynamo"]  # torch, RPC, trainers, servers, models, metrics; and what
 # DistributedDataParallel imports when a trainer first builds one (1 to 2 s of CPU)
+# What building any Hugging Face model imports (4 s of CPU on the development machine), preloaded
+# only when a run names one (--model hf:...): a missing transformers is passed over here and
+# reported by the run's validation.
+HF_MODULES = ("transformers.modeling_utils",)
 RUN_ONLY_FLAGS = ("-h", "--help", "--dry-run", "--dry_run")
 RUNNING_SUBCOMMANDS = ("emulate",)  # subcommands that run one job from this machine's launcher
 
 
-def context() -> multiprocessing.context.BaseContext:
-    """The forkserver context ranks are started from, preloading ``PRELOAD``."""
+def context(models: Iterable[str] = ()) -> multiprocessing.context.BaseContext:
+    """The forkserver context ranks are started from, preloading ``PRELOAD`` and what the
+    ``models`` the runs will train import."""
     ctx = multiprocessing.get_context(START_METHOD)
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload(PRELOAD + (list(HF_MODULES) if any(str(m).startswith("hf:") for m in models) else []))
     return ctx
 
 
@@ -41,13 +48,34 @@ def prepare_environment(debug: bool) -> None:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
-def start(debug: bool = False) -> None:
-    """Starts the forkserver now (it imports ``PRELOAD`` while the caller goes on); a no-op
-    when it is running already."""
+def start(debug: bool = False, models: Iterable[str] = ()) -> None:
+    """Starts the forkserver now (it imports ``PRELOAD``, and what ``models`` need, while the
+    caller goes on); a no-op when it is running already."""
     prepare_environment(debug)
     os.environ["PS_BENCH_LAUNCHER_PID"] = str(os.getpid())  # read by ps_bench.runtime.forkserver
-    context()
+    context(models)
     forkserver.ensure_running()
+
+
+def named_models(argv: list[str]) -> list[str]:
+    """The models a command line names, from its words alone (``--model NAME``, ``--model=NAME``
+    and a ``--config`` file's ``"model"``), before it is parsed: a wrong guess costs a preloaded
+    module or a slower start, never a wrong result."""
+    models, config = [], None
+    for word, following in zip(argv, argv[1:] + [""]):
+        if word == "--model":
+            models.append(following)
+        elif word.startswith("--model="):
+            models.append(word.split("=", 1)[1])
+        elif word in ("--config", "--config-file"):
+            config = following
+    if config:
+        try:
+            with open(config) as stream:
+                models.append(str(json.load(stream).get("model", "")))
+        except (OSError, ValueError, AttributeError):
+            pass
+    return models
 
 
 def stop() -> None:

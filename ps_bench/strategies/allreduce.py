@@ -22,7 +22,7 @@ def allreduce(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     return default_hooks.allreduce_hook(ctx.process_group, bucket)
 
 
-@stateless("hybrid", Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=SPARSE_GLOO),
+@stateless("hybrid", Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=SPARSE_GLOO, for_sparse="allreduce"),
            aliases=("hybrid_hook",))
 def hybrid(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     """All-reduce, sparse buckets through the CPU (gloo), dense on the trainer's device (nccl with --backend multi); lossless."""

@@ -78,6 +78,7 @@ class Strategy:
     # (collective, "iteration" | "period"): what it issues over the model's parameters besides its hook
     sends: tuple[tuple[str, str], ...] = ()
     per_host: bool = False  # it synchronises within each host before across hosts: needs --per-host, 2 hosts or more
+    for_sparse: str | None = None  # made for sparse gradients: on a model without them it is this strategy
 
     def __post_init__(self) -> None:
         if self.family is None:

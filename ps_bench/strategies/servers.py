@@ -65,7 +65,8 @@ def parameter_server_bf16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
 
 
 # held against the RPC floor: its dense buckets are all-reduced, but what it is for is the servers
-@stateless("sparse_ps", Strategy(RPC, "float32", lossless=True, sparse_buckets=SPARSE_SERVERS, family=SERVERS),
+@stateless("sparse_ps", Strategy(RPC, "float32", lossless=True, sparse_buckets=SPARSE_SERVERS, family=SERVERS,
+                                 for_sparse="allreduce"),
            aliases=("sparse_rpc_hook",))
 def sparse_parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     """Sparse gradients to the parameter servers, dense ones all-reduced among trainers; lossless."""

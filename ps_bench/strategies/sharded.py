@@ -24,14 +24,24 @@ MESH_NAMES = ("replicate", "shard")  # a 2-D mesh replicates across its rows and
 # only the trainers of a run that shards pay for them, where they wrap the model.
 
 
+def shard_units(network: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 wraps one by one before the root: those the model names
+    (``shard_units()``: a Hugging Face model's transformer blocks, as torchtitan and accelerate
+    wrap them), else every module with parameters of its own."""
+    if hasattr(network, "shard_units"):
+        return network.shard_units()
+    return [module for module in list(network.modules())[1:] if any(True for _ in module.parameters(recurse=False))]
+
+
 @HOOKS.register("fsdp", aliases=("fully_shard", "fsdp2"),
                 record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED, wrap=FSDP,
                                 identical=GATHERED, sends=(("all_gather", "iteration"), ("all_gather", "iteration"),
                                                            ("reduce_scatter", "iteration"))))
 class FullyShard(Synchroniser):
-    """FSDP2 over the trainers: every module with parameters of its own is a unit (its parameters
+    """FSDP2 over the trainers: the model's units (``shard_units``), each with its parameters
     all-gathered before its forward and again before its backward, having been freed in between,
-    its gradients reduce-scattered after), then the root; lossless. No DDP buckets and no hook: its communication runs inside forward and backward."""
+    and its gradients reduce-scattered after, then the root; lossless. No DDP buckets and no hook:
+    its communication runs inside forward and backward."""
 
     def __init__(self, ctx: HookContext) -> None:
         self.gathered: torch.Tensor | None = None
@@ -46,9 +56,8 @@ class FullyShard(Synchroniser):
         device = next(network.parameters()).device
         shape = self.mesh_shape(ctx)
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_NAMES[-len(shape):])
-        for module in list(network.modules())[1:]:
-            if any(True for _ in module.parameters(recurse=False)):
-                fully_shard(module, mesh=mesh)
+        for module in shard_units(network):
+            fully_shard(module, mesh=mesh)
         fully_shard(network, mesh=mesh)
         return network, optimizer.build(network.parameters())
 
