@@ -8,8 +8,9 @@ alone (``allreduce``, ``fp16`` and ``ps`` with 1 server, made with ``--limits``)
 ``hosts``: hosts of several trainers. Calibrated on one host of 2 trainers (``allreduce``, its
 link probe measures the host's local link) and on 2 hosts of 1 trainer each (``allreduce`` and
 ``ps`` with 1 server, ``--limits``; ``hierarchical``), it predicts 2 hosts x 2 trainers for
-``allreduce``, ``hierarchical`` and ``ps`` with servers dedicated (1 and 2) and co-located (one on
-each host), and compares with emulated runs of them. The compute comes from the device the
+``allreduce``, ``hierarchical``, ``ps`` with servers dedicated (1 and 2) and co-located (one on
+each host), and ``ps_node`` (a host's gradients summed, pushed once) with 2 servers dedicated and
+co-located, and compares with emulated runs of them. The compute comes from the device the
 trainers will run on (``predict --compute``): here four trainers sharing this machine's cores, so
 a ``noop`` run of 2 hosts x 2 trainers gives the compute phases and bucket timeline (it moves no
 gradient: nothing of the network is in it).
@@ -61,8 +62,9 @@ class Point:
         return flags + (["--limits"] if self.limits else [])
 
     def key(self) -> tuple:
-        return self.hook, self.trainers, self.servers if self.hook == "ps" else 0, self.per_host, (
-            self.servers_on if self.hook == "ps" else None)
+        servers = self.hook in ("ps", "ps_node")
+        return self.hook, self.trainers, self.servers if servers else 0, self.per_host, (
+            self.servers_on if servers else None)
 
 
 FLAT = [Point(hook, n, 0, calibration=n == 2, limits=n == 2) for hook in ("allreduce", "fp16") for n in TRAINERS] + [
@@ -78,6 +80,8 @@ HOSTS = [
     Point("ps", 4, 1, per_host=2),
     Point("ps", 4, 2, per_host=2),
     Point("ps", 4, 2, per_host=2, servers_on="colocated"),
+    Point("ps_node", 4, 2, per_host=2),  # a host's sum pushed once, each trainer a half
+    Point("ps_node", 4, 2, per_host=2, servers_on="colocated"),
 ]
 
 
@@ -104,7 +108,7 @@ def predict_args(case: str) -> list[str]:
     if case == "flat":
         return ["--trainers", ",".join(map(str, TRAINERS)), "--servers", "1,2", "--hooks", "allreduce,fp16,ps"]
     return ["--trainers", "4", "--per-node", "2", "--servers", "1,2", "--servers-on", "dedicated,colocated",
-            "--hooks", "allreduce,hierarchical,ps"]
+            "--hooks", "allreduce,hierarchical,ps,ps_node"]
 
 
 def check(case: str, points: list[Point], out: Path, link: str, plot: str | None) -> list[float]:

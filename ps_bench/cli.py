@@ -218,6 +218,8 @@ def run_job(argv: list[str], launched_at: float, imported: float) -> int:
         print(f"ps_bench: {cfg.world_size} processes ({plural(cfg.num_trainers, 'trainer')}, "
               f"{plural(cfg.num_servers, 'server')}, 1 master), hook {cfg.hook}, server {cfg.server}, "
               f"mapping {cfg.mapping}, backend {cfg.backend}", flush=True)
+        for note in spec.job.notes:
+            print(f"ps_bench: note: {note}", flush=True)
         return spawn(spec)
     except ConfigError as error:
         return usage_error(error, debug)

@@ -70,6 +70,10 @@ class RunConfig:
         choices=("dedicated", "colocated"))
     hook: str = option("ps", "DDP communication hook (gradient strategy)", group=STRATEGY, aliases=("ddp_hook",))
     hook_options: dict = option({}, "options of the hook, e.g. PowerSGD's matrix_approximation_rank", group=STRATEGY)
+    ds_config: str | None = option(
+        None, "a DeepSpeed config (ds_config.json) for --hook deepspeed_zero1|2|3: its batch size, optimizer and "
+        "precision become the run's (\"auto\" takes the run's), and what conflicts with an option given here is "
+        "refused", group=STRATEGY, metavar="FILE")
     verify: bool = option(False, "compare what the strategy delivered with the exact mean gradient, "
                                  "on a few iterations per timed round (left out of the timings)")
     server: str = option("average", "parameter-server aggregation algorithm", group=STRATEGY)

@@ -10,6 +10,7 @@ line that names the input and what to change.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -23,9 +24,10 @@ from ps_bench.models.entries import Entry, construct, load_entry, model_size
 from ps_bench.registry import UnknownNameError
 from ps_bench.runtime import network
 from ps_bench.runtime.faults import Fault, Straggler
+from ps_bench.runtime.topology import Topology
 from ps_bench.servers import SERVERS
 from ps_bench.strategies import HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Strategy, check_hook_options, stale
-from ps_bench.strategies.base import FSDP, SHARDED
+from ps_bench.strategies.base import ENGINE, ENGINES, FSDP, SHARDED
 from ps_bench.trainers.trainer import TRAINERS
 
 
@@ -42,6 +44,16 @@ class Job:
     strategy: Strategy
     model: Entry
     data: Entry
+    engine_config: dict | None = None  # an engine's own config (DeepSpeed's), resolved from the run
+    notes: tuple[str, ...] = ()  # what the user should hear before it starts (a line each)
+
+    def topology(self) -> Topology:
+        """The job's ranks and roles; with node-aggregated parameter servers, a server hears once
+        from each host."""
+        cfg, strategy = self.config, self.strategy
+        return Topology(cfg.ntrainer, cfg.ncudatrainer, cfg.nserver, cfg.ncudaserver, cfg.mapping,
+                        cuda_collectives=cfg.backend != "gloo",
+                        pushing_hosts=cfg.per_host if strategy.per_host and strategy.needs_servers else None)
 
 
 def cuda_device_count() -> int:
@@ -85,7 +97,6 @@ def check_options(cfg: RunConfig) -> None:
         allowed, value = RunConfig.__dataclass_fields__[name].metadata["choices"], getattr(cfg, name)
         need(value in allowed or (value is None and name == "labels"),  # None: chosen by check_labels
              f"--{name} must be one of {', '.join(allowed)}; got {value!r}")
-    check_optimizer(cfg)
     if cfg.target_loss is not None:
         need(math.isfinite(cfg.target_loss) and cfg.target_loss > 0,
              f"--target-loss must be a positive number; got {cfg.target_loss}")
@@ -140,7 +151,8 @@ def check_pieces(cfg: RunConfig) -> Strategy:
                                    f"set --nserver 0 (got --nserver {cfg.nserver}, --ncudaserver {cfg.ncudaserver})")
         unsupported = ["--limits"] if cfg.limits else []
         unsupported += ["--verify"] if cfg.verify and record.wrap == FSDP else []
-        unsupported += ["--gradient-as-bucket-view"] if cfg.gradient_as_bucket_view and record.wrap == FSDP else []
+        unsupported += ["--gradient-as-bucket-view"] if cfg.gradient_as_bucket_view and record.wrap in (FSDP, ENGINE) \
+            else []
         need(not unsupported, f"--hook {cfg.hook} cannot be combined with {', '.join(unsupported)} yet "
                               f"(its floors and gradient captures are those of a DDP hook)")
     if cfg.per_host is not None:
@@ -159,6 +171,11 @@ def check_pieces(cfg: RunConfig) -> Strategy:
         need(hosts >= 2, f"--hook {cfg.hook} synchronises within each host, then across hosts: it needs 2 hosts or "
                          f"more (--per-host G with G a divisor of the trainers below their number; got "
                          f"{cfg.num_trainers} trainers on {hosts} host)")
+        need(not (record.needs_servers and cfg.mapping == "group" and cfg.num_servers > hosts),
+             f"--hook {cfg.hook} --mapping group gives each server a group of hosts: {cfg.num_servers} servers need "
+             f"{cfg.num_servers} hosts; got {hosts}")
+        need(not (record.needs_servers and cfg.limits), f"--hook {cfg.hook} cannot be combined with --limits yet "
+                                                        f"(its floors are those of whole buckets to the servers)")
     if cfg.mapping == "group" and cfg.num_servers:
         need(
             cfg.num_servers <= cfg.num_trainers,
@@ -207,6 +224,9 @@ def check_devices(cfg: RunConfig, record: Strategy, network: torch.nn.Module, gp
         raise ConfigError(f"CUDA is needed for {' and '.join(wants_cuda)}, but no GPU is available here "
                           f"(torch.cuda.is_available() is False); use --backend gloo with CPU trainers and servers")
     sparse = any(getattr(m, "sparse", False) for m in network.modules())
+    need(not (sparse and record.per_host and record.needs_servers),
+         f"--model {cfg.model} has sparse gradients, which --hook {cfg.hook} cannot sum within a host (each trainer's "
+         f"rows differ): use --hook ps")
     need(not (record.for_sparse and is_hf(cfg.model)),
          f"--hook {cfg.hook} is made for sparse embedding gradients, and --model {cfg.model} has none (a Hugging Face "
          f"model's embeddings are dense): on it, it is --hook {record.for_sparse}")
@@ -248,10 +268,26 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
     holds); returns the job it describes. ``gpus`` defaults to the CUDA devices visible here,
     ``trainers_on_node`` to every trainer (one machine); ``machine=False`` leaves out what only
     this machine decides (root and tc for an emulated network)."""
+    gpus = cuda_device_count() if gpus is None else gpus
     check_options(cfg)
     record = check_pieces(cfg)
+    engine_config, notes = check_engine(cfg, record, gpus)  # may set the batch and optimizer from the engine's
+    check_optimizer(cfg)
     check_network(cfg, machine)
     model, data, network = check_workload(cfg)
-    check_devices(cfg, record, network, cuda_device_count() if gpus is None else gpus,
-                  cfg.num_trainers if trainers_on_node is None else trainers_on_node)
-    return Job(cfg, record, model, data)
+    check_devices(cfg, record, network, gpus, cfg.num_trainers if trainers_on_node is None else trainers_on_node)
+    return Job(cfg, record, model, data, engine_config, tuple(notes))
+
+
+def check_engine(cfg: RunConfig, record: Strategy, gpus: int) -> tuple[dict | None, list[str]]:
+    """A strategy run by an engine of its own: the package is there, and its config resolved
+    (``configure`` of the strategy), with notes for the user; ``--ds-config`` only where
+    DeepSpeed runs."""
+    need(cfg.ds_config is None or record.engine == "deepspeed",
+         f"--ds-config configures DeepSpeed: it goes with --hook deepspeed_zero1, 2 or 3 (got --hook {cfg.hook})")
+    if record.engine is None:
+        return None, []
+    need(importlib.util.find_spec(record.engine) is not None,
+         f"--hook {cfg.hook} runs on {record.engine}, which is not installed: {ENGINES[record.engine]}")
+    factory = HOOKS.get(cfg.hook)
+    return factory.configure(cfg, gpus) if hasattr(factory, "configure") else (None, [])

@@ -30,7 +30,7 @@ example:
 
 # Resolved options never shown as columns: they describe the output, or repeat another column.
 HIDDEN = {"out", "dry_run", "per_rank", "debug", "verbose", "emulate_keep", "model_config", "data_config",
-          "model_size", "master_port"}
+          "model_size", "master_port", "engine_config"}
 
 
 @dataclass

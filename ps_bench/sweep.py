@@ -31,9 +31,8 @@ from typing import Any
 from ps_bench.config import JSON_KEYS, ConfigError, build_config, coerce, read_json
 from ps_bench.job import Job, cuda_device_count, validate
 from ps_bench.options import typed
-from ps_bench.results.files import RESULTS_NAME, append_line, config_hash, environment, iso_now
+from ps_bench.results.files import RESULTS_NAME, append_line, config_hash, environment, failed_results, iso_now
 from ps_bench.results.load import load_file, load_lines
-from ps_bench.results.record import failed_results
 from ps_bench.runtime import preload
 from ps_bench.runtime.failures import Terminated, raise_terminated
 from ps_bench.runtime.launch import JobFailed, LaunchSpec, spawn
@@ -174,6 +173,8 @@ def run_point(point: Point, out_dir: Path, timeout_s: float | None) -> dict:
     error = None
     with open(log_file, "a") as log, redirect_stdout(log), redirect_stderr(log):
         print(f"==== {iso_now()} attempt {attempt}: {' '.join(argv)}", flush=True)
+        for note in point.job.notes:
+            print(f"ps_bench: note: {note}", flush=True)
         try:
             spawn(spec, watchdog=(timeout_s, "--point-timeout") if timeout_s else None)
         except (JobFailed, ConfigError) as failure:

@@ -9,6 +9,8 @@ GPU (``gpu``). ``python -m pytest -m "not cluster"`` or ``-m cluster`` runs one 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -52,6 +54,18 @@ class BenchRuns:
         run = self.get(*args, timeout_s=timeout_s)
         assert run.returncode == 0, run.output
         return run.results
+
+
+@pytest.fixture(scope="session")
+def bare_import_s() -> float:
+    """Seconds a bare ``import torch`` takes on this machine now (the slower of two), for tests
+    that hold a command's quickness against it rather than against a fixed number of seconds."""
+    times = []
+    for _ in range(2):
+        started = time.monotonic()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=120)
+        times.append(time.monotonic() - started)
+    return max(times)
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ from ps_bench.cluster.torchrun import (DEFAULT_PORT, UNKNOWN_GPUS, NodeLayout, a
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.runtime.failures import Terminated, raise_terminated
 from ps_bench.options import EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM, typed
-from ps_bench.runtime.rendezvous import interface_env
+from ps_bench.runtime.addresses import interface_env
 from ps_bench.runtime.topology import Topology
 
 STOP_GRACE_S = 10.0  # after the local ssh clients are told to stop, before they are killed

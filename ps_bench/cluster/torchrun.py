@@ -22,7 +22,7 @@ from typing import Sequence
 from ps_bench.config import ConfigError, RunConfig, build_config, check_port
 from ps_bench.job import validate
 from ps_bench.options import parse_run_options, plural, typed
-from ps_bench.runtime.rendezvous import interface_env
+from ps_bench.runtime.addresses import interface_env
 
 DEFAULT_PORT = 29500
 UNKNOWN_GPUS = -1  # hosts of one's own: the GPU count is what the options ask for, each host checks

@@ -16,7 +16,7 @@ from ps_bench.results.files import NOT_HASHED, config_hash
 from ps_bench.results.load import load_source
 
 # Resolved options that say where a run wrote or listened, or what it derived, not what it measured.
-NOT_COMPARED = (*NOT_HASHED, "model_size", "master_port")
+NOT_COMPARED = (*NOT_HASHED, "model_size", "master_port", "engine_config")  # engine_config: derived from the options
 # --match model also ignores the model's entry, and --match data the data's.
 ENTRIES = {"model": "model_config", "data": "data_config"}
 

@@ -187,6 +187,15 @@ def hsdp_reduce_ms(nodes: Nodes, nbytes: float, gloo: bool = False) -> float:
     return within_node_ms(nodes, nbytes, 2 if gloo else 1) + ring_allreduce_ms(nodes.count, nbytes, nodes.network)
 
 
+def collective_ms(collective: str, nodes: Nodes, nbytes: float, gloo: bool = False) -> float:
+    """One collective over all N·G trainers on a whole buffer of ``nbytes`` (a reduce-scatter's
+    input, an all-gather's output), ring-ordered node by node (``flat_ring_ms``): an all-reduce
+    the whole ring, a reduce-scatter, all-gather or (pipelined) broadcast half of it; on gloo a
+    reduce-scatter is an all-reduce (``collective_bytes``)."""
+    whole = flat_ring_ms(nodes, nbytes)
+    return whole if collective == "all_reduce" or (collective == "reduce_scatter" and gloo) else whole / 2
+
+
 def hsdp_gather_ms(nodes: Nodes, nbytes: float) -> float:
     """HSDP's two all-gathers of the parameters within the node per iteration (before forward,
     and again before backward, having freed them), taken as not hidden behind compute (FSDP's

@@ -131,18 +131,21 @@ def install(counter: ByteCounter) -> None:
 
 
 def counted_single(collective, kind: str):
-    """An all-gather or reduce-scatter of one whole tensor (``output, input, ..., group=``),
-    charged over the whole tensor: the all-gather's output, the reduce-scatter's input."""
+    """An all-gather or reduce-scatter of one whole tensor, charged over the whole tensor: the
+    all-gather's output, the reduce-scatter's input. Its arguments come by position or by name
+    (``output_tensor``/``input_tensor`` for an all-gather, ``output``/``input`` for a
+    reduce-scatter, as torch names them; DeepSpeed passes them by name)."""
+    names = ("output_tensor", "input_tensor", "group") if kind == "all_gather" else ("output", "input", "op", "group")
 
     @functools.wraps(collective)
-    def counted(output: torch.Tensor, input: torch.Tensor, *args, **kwargs):
+    def counted(*args, **kwargs):
         if _counter is not None:
-            at = 1 if kind == "reduce_scatter" else 0  # reduce-scatter takes its op before the group
-            group = kwargs.get("group", args[at] if len(args) > at else None)
-            whole = output if kind == "all_gather" else input
+            given = dict(zip(names, args)) | kwargs
+            group = given.get("group")
+            whole = given[names[0]] if kind == "all_gather" else given[names[1]]
             backend = dist.get_backend(group) if group is not None else dist.get_backend()
             _counter.add_ring(collective_bytes(kind, tensor_bytes(whole), _world(group), backend), group)
-        return collective(output, input, *args, **kwargs)
+        return collective(*args, **kwargs)
 
     return counted
 

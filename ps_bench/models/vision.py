@@ -1,4 +1,5 @@
-"""Image classification: torchvision's ResNets (random initialisation) on seeded synthetic images."""
+"""Image classification: torchvision's ResNets and the classic benchmark CNNs (VGG-16, AlexNet,
+Inception v3), random initialisation, on seeded synthetic images."""
 
 from __future__ import annotations
 
@@ -85,8 +86,55 @@ class ResNet(BenchmarkModel):
         return None
 
 
+CLASSIC = {"vgg16": "vgg16", "alexnet": "alexnet", "inception_v3": "inception_v3"}  # torchvision's builders
+
+
+@MODELS.register("TorchvisionCNN")
+class TorchvisionCNN(BenchmarkModel):
+    """A classic benchmark CNN from torchvision (``arch``: vgg16, alexnet, inception_v3), as
+    published (no batch norm for VGG-16 and AlexNet); Inception v3 without its auxiliary
+    classifier (a training-time second output). VGG-16 is the standard communication-bound
+    case: 138 M parameters, 90 % of them in its fully connected layers, for little compute."""
+
+    takes = IMAGES
+
+    def __init__(self, arch: str = "vgg16", num_classes: int = 1000) -> None:
+        super().__init__()
+        if arch not in CLASSIC:
+            raise ValueError(f"arch must be one of {', '.join(CLASSIC)}; got {arch!r}")
+        need_positive(num_classes=num_classes)
+        try:
+            from torchvision import models  # only runs that build one pay for the import
+        except ImportError as error:
+            raise ValueError(f"{arch} needs torchvision, which did not import ({error}); install the pinned torch "
+                             f"and torchvision as the README's quick start does") from None
+        options = {"aux_logits": False, "init_weights": True} if arch == "inception_v3" else {}
+        self.arch, self.num_classes = arch, num_classes
+        self.min_batch_size = 2 if arch == "inception_v3" else 1  # its BatchNorm
+        self.network = getattr(models, CLASSIC[arch])(weights=None, num_classes=num_classes, **options)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.network(images)
+
+    def fits(self, data: SyntheticData) -> str | None:
+        if data.channels != 3:
+            return f"has {data.channels} channels but {self.arch} takes 3"
+        if data.num_classes > self.num_classes:
+            return f"has {data.num_classes} classes but the model outputs {self.num_classes}"
+        smallest = 75 if self.arch == "inception_v3" else 32 if self.arch == "vgg16" else 63
+        if data.image_size < smallest:
+            return f"has images of {data.image_size} pixels, smaller than {self.arch}'s {smallest}"
+        return None
+
+
 preset("resnet18", "ResNet", {"depth": 18}, "images224", "SyntheticImages", {"sample_count": 128, "image_size": 224})
 preset("resnet50", "ResNet", {"depth": 50}, "images224")
+preset("resnet101", "ResNet", {"depth": 101}, "images224")
+preset("resnet152", "ResNet", {"depth": 152}, "images224")
+preset("vgg16", "TorchvisionCNN", {"arch": "vgg16"}, "images224")
+preset("alexnet", "TorchvisionCNN", {"arch": "alexnet"}, "images224")
+preset("inception_v3", "TorchvisionCNN", {"arch": "inception_v3"}, "images299", "SyntheticImages",
+       {"sample_count": 128, "image_size": 299})
 preset("resnet18_small", "ResNet", {"depth": 18, "num_classes": 10, "layers": [1, 1, 1, 1]},
        "images32", "SyntheticImages", {"sample_count": 32, "image_size": 32, "num_classes": 10}, small_of="resnet18")
 preset("resnet50_small", "ResNet", {"depth": 50, "num_classes": 10, "layers": [1, 1, 1, 1]}, "images32",

@@ -179,7 +179,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     if target.per_node > 1 and calibration.intra_link is None:
         raise ConfigError(f"--per-node {target.per_node}: no local link between a node's trainers: give --intra-link "
                           f"RATE, or a run made with --limits whose trainers all shared one emulated host")
-    hooks = choose_hooks(args.hooks, runs, calibration)
+    hooks = choose_hooks(args.hooks, runs, calibration, target.per_node)
     servers = (count_list(args.servers, "servers", allow_auto=True) if args.servers is not None
                else sorted({run.servers for run in runs if run.servers} or {1}))
     compared = [Run.load(path) for path in args.compare]
@@ -199,9 +199,12 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     return 0
 
 
-def choose_hooks(text: str | None, runs: list[Run], calibration: Calibration) -> list[str]:
+def choose_hooks(text: str | None, runs: list[Run], calibration: Calibration, per_node: int = 1) -> list[str]:
+    """The strategies to predict: ``--hooks``, else the runs' and the defaults (and, on nodes of
+    several trainers, ``ps_node`` beside ``ps``)."""
     if text is None:
-        names = list(dict.fromkeys([run.hook for run in runs] + list(DEFAULT_HOOKS)))
+        defaults = [*DEFAULT_HOOKS[:2], "ps_node", *DEFAULT_HOOKS[2:]] if per_node > 1 else list(DEFAULT_HOOKS)
+        names = list(dict.fromkeys([run.hook for run in runs] + defaults))
         return [name for name in names if predict(calibration, name, 2, 1) is not None]
     hooks = []
     for name in text.split(","):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ps_bench.metrics.costs import Link, Nodes
+from ps_bench.metrics.costs import Link, Nodes, within_node_ms
 from ps_bench.runtime.topology import balance_buckets
 
 
@@ -130,3 +130,34 @@ def iteration_ms(phases: Phases, communication_end: float, own_ms: float = 0.0) 
     (measured from the start of backward), then the optimizer step, plus the strategy's own
     compute not already inside the transfers (casts, matrix products)."""
     return phases.forward + max(phases.backward, communication_end) + phases.optimizer + own_ms
+
+
+def node_ps_pipeline(buckets: list[tuple[float, float]], nodes: Nodes, k: int, aggregate_bytes_per_ms: float | None = None,
+                     colocated: bool = False, gloo: bool = False) -> float:
+    """Parameter servers fed once per node (``ps_node``; BytePS's layout), bucket after bucket
+    as ps_bench runs it (each bucket once the previous one is done). A bucket of S bytes: summed
+    within the node (a ring all-reduce of S on the local link, or NCCL's reduce-scatter, half of
+    it), each of the G trainers pushing its S/G slice to the slice's server (slices balanced over
+    the k servers as ``balance_buckets`` deals them), so the node's link sends S and server j
+    receives N·c_j·S/G for its c_j slices; the server adds the last copy (``S/A`` at aggregation
+    throughput A) and answers the same bytes back; then the slices all-gathered within the node.
+    ``colocated``: server j is on node j (k = N): a node's link sends the slices its servers do
+    not own, ``(N-1)/N · S``, while it receives the other nodes' slices for its own server,
+    ``(N-1)·c_j·S/G``, and the answers go the other way. Each phase takes its busiest link. A
+    node's link carries its gradient once each way where ``ps`` carries G copies: the bound is
+    ``costs.byteps_bound_ms`` over the N nodes. N = 1: the local steps and the servers' link."""
+    g, n, network = nodes.per_node, nodes.count, nodes.network
+    sizes = {index: nbytes for index, (_, nbytes) in enumerate(buckets)}
+    owners = balance_buckets({index * g + part: size / g for index, size in sizes.items() for part in range(g)}, k)
+    done = 0.0
+    for index, (ready, nbytes) in enumerate(buckets):
+        local = (within_node_ms(nodes, nbytes, 2 if gloo else 1) if g > 1 else 0.0)  # the sum within the node
+        slices = [owners[index * g + part] for part in range(g)]
+        served = max(slices.count(server) for server in range(k)) * nbytes / g * (n - 1 if colocated else n)
+        pushed = nbytes * (n - 1) / n if colocated else nbytes  # what a node's link sends, and receives back
+        link = max(pushed, served)
+        transfer = 2 * (network.time(link) + network.latency_ms) if n > 1 or not colocated else 0.0
+        added = nbytes / g / aggregate_bytes_per_ms if aggregate_bytes_per_ms else 0.0
+        gathered = within_node_ms(nodes, nbytes, 1) if g > 1 else 0.0
+        done = max(ready, done) + local + transfer + added + gathered
+    return done

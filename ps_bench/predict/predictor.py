@@ -31,7 +31,7 @@ from ps_bench.predict import pipelines
 from ps_bench.predict.inputs import spread
 from ps_bench.predict.pipelines import Phases
 from ps_bench.results.load import load_file
-from ps_bench.strategies import COLLECTIVE, HOOKS, RPC, SPARSE_SERVERS, Strategy
+from ps_bench.strategies import COLLECTIVE, HOOKS, RPC, SPARSE_SERVERS, Strategy, hook_options
 
 
 
@@ -305,6 +305,12 @@ def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n
     if strategy.transport == RPC:
         sized = [(ready, nbytes if sparse and strategy.sparse_buckets == SPARSE_SERVERS else nbytes * factor)
                  for ready, nbytes, sparse in buckets]
+        if strategy.per_host:  # node-aggregated: one push per node, each trainer a slice
+            if servers_on != "colocated" and k < 1:
+                return None
+            return pipelines.node_ps_pipeline(sized, nodes, nodes.count if servers_on == "colocated" else k,
+                                              calibration.aggregate_bytes_per_ms, servers_on == "colocated",
+                                              calibration.gloo)
         if servers_on == "colocated":
             return pipelines.colocated_ps_pipeline(sized, nodes, calibration.aggregate_bytes_per_ms)
         if k < 1:
@@ -320,17 +326,34 @@ def own_compute(calibration: Calibration, hook: str) -> float:
     return calibration.own_ms.get(hook, calibration.own_ms.get(uncompressed, 0.0) if uncompressed else 0.0)
 
 
+def sends_ms(calibration: Calibration, strategy: Strategy, hook: str, n: int, per_node: int = 1) -> float:
+    """What a strategy's collectives over the whole model (its record's ``sends``: FSDP2's and
+    ZeRO's gathers and scatters, local SGD's and DiLoCo's all-reduce once a period) cost an
+    iteration, amortised over the period (its default, ``hook_options``), taken as not hidden
+    behind compute (FSDP2 prefetches some of its gathers: an upper bound)."""
+    if not strategy.sends:
+        return 0.0
+    nodes = costs.Nodes(n // per_node, per_node, calibration.link, calibration.intra_link)
+    period = hook_options(hook, {}).get("period", 1)
+    factor = ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"] if strategy.payload in ELEMENT_BYTES else 1.0
+    return sum(costs.collective_ms(collective, nodes, calibration.gradient_bytes * factor, calibration.gloo)
+               / (period if per == "period" else 1) for collective, per in strategy.sends)
+
+
 def predict(calibration: Calibration, hook: str, n: int, k: int, mapping: str = "shard", own: bool = True,
             per_node: int = 1, servers_on: str = "dedicated") -> dict | None:
     """Predicted iteration of ``hook`` with ``n`` trainers, ``per_node`` to a node, and ``k``
-    servers (dedicated, or colocated: one on each node) (None: not predictable)."""
+    servers (dedicated, or colocated: one on each node) (None: not predictable): its hook's
+    buckets overlapped with backward, then the collectives it issues besides (``sends_ms``)."""
     strategy = HOOKS.record(hook)
-    end = communication_end(calibration, strategy, hook, n, k, mapping, per_node, servers_on)
+    end = communication_end(calibration, strategy, hook, n, k, mapping, per_node, servers_on) \
+        if strategy.hook_sends or hook in NODE_MODELS else 0.0
     if end is None:
         return None
     own_ms = own_compute(calibration, hook) if own else 0.0
-    batch = pipelines.iteration_ms(calibration.phases, end, own_ms)
-    return {"batch_ms": batch, "communication_end_ms": end, "own_ms": own_ms,
+    sent_ms = sends_ms(calibration, strategy, hook, n, per_node)
+    batch = pipelines.iteration_ms(calibration.phases, end, own_ms) + sent_ms
+    return {"batch_ms": batch, "communication_end_ms": end, "sends_ms": sent_ms, "own_ms": own_ms,
             "samples_per_s": n * calibration.batch_size / (batch / 1000.0) if batch > 0 else None}
 
 

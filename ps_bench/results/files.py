@@ -93,3 +93,32 @@ def config_hash(resolved: dict[str, Any]) -> str:
     data entries they name, less ``NOT_HASHED``."""
     payload = {k: v for k, v in resolved.items() if k not in NOT_HASHED}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+SNAPSHOT_NAME = "partial.json"  # in the run folder: the finished rounds of a running job
+
+
+def failed_results(results: dict | None, error: str, *, config: dict, argv: list[str] | None = None,
+                   env: dict | None = None) -> dict:
+    """``results`` (what finished, or None when nothing did) marked failed with ``error``. With
+    nothing finished, the contract's identifying keys are kept and nothing is measured:
+    ``rounds_completed`` 0, an empty ``summary``."""
+    if results is None:
+        results = {"schema": SCHEMA, "started": iso_now(), "argv": argv or [], "config": config, "env": env or {},
+                   "rounds_completed": 0, "summary": []}
+    return {**results, "status": "failed", "error": error, "finished": iso_now()}
+
+
+def write_snapshot(results: dict, run_dir: str | os.PathLike) -> None:
+    """What has finished so far, for the launcher to keep if the job fails later."""
+    path = Path(run_dir) / SNAPSHOT_NAME
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(results))
+    os.replace(temporary, path)
+
+
+def read_snapshot(run_dir: str | os.PathLike) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / SNAPSHOT_NAME).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None

@@ -61,9 +61,15 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
         print(render_convergence(results["convergence"]))
     if "verify" in results:
         check = results["verify"]
-        print(f"gradient error vs exact mean: p50 {check['grad_rel_error_p50']:.3g}, max "
-              f"{check['grad_rel_error_max']:.3g} over {check['iterations']} iterations "
-              f"({check['buckets_checked']} buckets, every trainer)")
+        if check["buckets_checked"]:
+            print(f"gradient error vs exact mean: p50 {check['grad_rel_error_p50']:.3g}, max "
+                  f"{check['grad_rel_error_max']:.3g} over {check['iterations']} iterations "
+                  f"({check['buckets_checked']} buckets, every trainer)")
+        if "engine_sent_per_iter" in check:
+            ours, theirs = results["bytes"]["trainer_sent_per_iter"], check["engine_sent_per_iter"]
+            print(f"bytes per iteration against the engine's own comms logger: counted {ours:.0f}, logged "
+                  f"{theirs:.0f} ({100 * (ours - theirs) / theirs:+.2f} %): "
+                  + ", ".join(f"{name} {entry['calls_per_iter']:.2f} calls" for name, entry in check["engine"].items()))
     if results.get("memory"):
         print("\nMemory (peak per process, largest of the role)")
         print(render_memory(results["memory"]))

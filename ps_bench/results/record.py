@@ -3,18 +3,13 @@
 ``RunRecord`` takes plain data (the dicts trainers and servers return for a round, floor
 samples, the replicas' comparison) and builds the ``ps_bench.result/1`` object, for a run that
 finished and for one that failed half-way alike; it starts no process and calls no RPC, so the
-contract is unit-tested with made-up rounds. ``failed_results`` is the shape of a run that has
-nothing of its own to report (the master never got going, or wrote no file): the launcher and
-the sweep build those through it, and ``write_snapshot``/``read_snapshot`` hand a running
-job's finished rounds from the master to its launcher.
+contract is unit-tested with made-up rounds. A failed run's file, and the snapshots of finished
+rounds a running job's master hands its launcher, are written by ``ps_bench.results.files``.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,6 +17,7 @@ import torch
 from ps_bench.config import DEFAULT_MAX_ITERATIONS
 from ps_bench.job import Job
 from ps_bench.metrics import limits
+from ps_bench.metrics.costs import collective_bytes
 from ps_bench.metrics.memory import combine_peaks, peak_memory
 from ps_bench.metrics.stats import SMOOTHING, SummaryRow, smoothed_loss, summary_rows
 from ps_bench.metrics.wire import host_links
@@ -29,36 +25,12 @@ from ps_bench.results.files import SCHEMA, iso_now
 from ps_bench.runtime.topology import Topology
 from ps_bench.strategies.base import EVERY_ITERATION
 
+# An engine's names for its collectives -> what ``costs.collective_bytes`` charges them as
+COLLECTIVE_KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_base": "all_gather",
+                    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_base": "reduce_scatter"}
 TRAINER_METRICS = ("batch", "forward", "backward", "optimizer", "comm")  # ms, per iteration
 BYTE_METRICS = ("bytes_sent", "bytes_recv")  # B, per iteration
 SERVER_METRICS = ("straggler", "aggregate", "round")  # ms, per bucket and iteration
-SNAPSHOT_NAME = "partial.json"
-
-
-def failed_results(results: dict | None, error: str, *, config: dict, argv: list[str] | None = None,
-                   env: dict | None = None) -> dict:
-    """``results`` (what finished, or None when nothing did) marked failed with ``error``. With
-    nothing finished, the contract's identifying keys are kept and nothing is measured:
-    ``rounds_completed`` 0, an empty ``summary``."""
-    if results is None:
-        results = {"schema": SCHEMA, "started": iso_now(), "argv": argv or [], "config": config, "env": env or {},
-                   "rounds_completed": 0, "summary": []}
-    return {**results, "status": "failed", "error": error, "finished": iso_now()}
-
-
-def write_snapshot(results: dict, run_dir: str | os.PathLike) -> None:
-    """What has finished so far, for the launcher to keep if the job fails later."""
-    path = Path(run_dir) / SNAPSHOT_NAME
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(results))
-    os.replace(temporary, path)
-
-
-def read_snapshot(run_dir: str | os.PathLike) -> dict | None:
-    try:
-        return json.loads((Path(run_dir) / SNAPSHOT_NAME).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 def servers_model_summary(vectors: list[torch.Tensor]) -> dict:
@@ -92,7 +64,7 @@ class RunRecord:
 
     def __init__(self, job: Job, topology: Topology, argv: list[str], environment: dict,
                  recovered: list[dict] | None = None) -> None:
-        self.config, self.strategy, self.topology = job.config, job.strategy, topology
+        self.config, self.strategy, self.topology, self.engine_config = job.config, job.strategy, topology, job.engine_config
         self.model, self.data = job.model, job.data
         self.argv, self.environment = argv, environment
         self.recovered = recovered or []  # earlier attempts torchrun restarted the job after
@@ -109,6 +81,7 @@ class RunRecord:
         self.timed_s = 0.0
         self.losses: list[float] = []  # mean training loss of each timed round
         self.grad_errors: list[float] = []
+        self.engine_counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # --verify, an engine's own: calls, bytes
         self.verified_iterations = 0
         self.memory: dict[str, dict[int, dict]] = {"trainer": {}, "server": {}}
         self.buckets: list[dict] | None = None  # DDP's buckets as it built them, from trainer 0
@@ -144,6 +117,9 @@ class RunRecord:
             self.trainer_bytes[info.rank][0] += result["bytes_sent"]
             self.trainer_bytes[info.rank][1] += result["bytes_recv"]
             self.grad_errors.extend(result["grad_errors"])
+            for name, (calls, nbytes) in (result.get("engine_counts", {}) if info.index == 0 else {}).items():
+                self.engine_counts[name][0] += calls
+                self.engine_counts[name][1] += nbytes
             for source, destination, nbytes in result.get("host_traffic", []):
                 self.host_traffic[source, destination] += nbytes
             self.memory["trainer"][info.rank] = result["memory"]
@@ -263,7 +239,8 @@ class RunRecord:
             "finished": iso_now(),
             "argv": self.argv,
             "config": {**cfg.to_dict(), "model_config": self.model.to_dict(), "data_config": self.data.to_dict(),
-                       "model_size": {**self.model.size, "ddp_buckets": self.buckets}},
+                       "model_size": {**self.model.size, "ddp_buckets": self.buckets},
+                       **({"engine_config": self.engine_config} if self.engine_config is not None else {})},
             "env": self.environment,
             "restarts": len(self.recovered),
             "recovered": self.recovered,
@@ -326,13 +303,24 @@ class RunRecord:
         return sorted(rows, key=lambda row: (row["ready_ms"], row["index"]))
 
     def verify_summary(self) -> dict:
+        """--verify: the gradient error of every captured bucket against the exact mean; for a
+        strategy run by an engine of its own, what the engine's own logger says it sent (trainer
+        0's collectives, each charged per rank as ``costs.collective_bytes`` charges it)."""
         errors = sorted(self.grad_errors)
-        return {
+        out = {
             "grad_rel_error_p50": float(np.percentile(errors, 50)) if errors else None,
             "grad_rel_error_max": errors[-1] if errors else None,
             "iterations": self.verified_iterations,
             "buckets_checked": len(errors),
         }
+        if self.engine_counts and self.iterations:
+            world, per = self.topology.num_trainers, self.iterations
+            out["engine"] = {name: {"calls_per_iter": calls / per, "bytes_per_iter": nbytes / per}
+                             for name, (calls, nbytes) in sorted(self.engine_counts.items())}
+            out["engine_sent_per_iter"] = sum(
+                collective_bytes(COLLECTIVE_KINDS.get(name, name), nbytes / calls, world, self.config.backend) * calls
+                for name, (calls, nbytes) in self.engine_counts.items() if calls) / per
+        return out
 
     def limits(self) -> dict | None:
         """The floors' statistics over every round's samples, pooled over trainers, and memcpy;

@@ -38,9 +38,9 @@ import torch.multiprocessing as mp
 
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.job import Job
-from ps_bench.results.files import environment, write_results
-from ps_bench.results.record import failed_results, read_snapshot
+from ps_bench.results.files import environment, failed_results, read_snapshot, write_results
 from ps_bench.runtime import failures, network, preload, rendezvous
+from ps_bench.runtime.addresses import interface_env, loopback
 from ps_bench.runtime.master import Master
 from ps_bench.runtime.supervision import JobFailed, listen_for_stack_requests, supervise, terminate
 from ps_bench.runtime.topology import MASTER, TRAINER, Topology
@@ -73,9 +73,7 @@ class LaunchSpec:
         return self.job.config
 
     def topology(self) -> Topology:
-        cfg = self.config
-        return Topology(cfg.ntrainer, cfg.ncudatrainer, cfg.nserver, cfg.ncudaserver, cfg.mapping,
-                        cuda_collectives=cfg.backend != "gloo")
+        return self.job.topology()
 
     def device_of(self, rank: int) -> int | None:
         return self.topology().device_index(rank, self.local_world_size, self.gpus_per_node)
@@ -88,7 +86,7 @@ class LaunchSpec:
             return self.config.iface
         if self.namespaces:
             return network.HOST_IFACE
-        return rendezvous.loopback() if self.local_world_size == self.config.world_size else None
+        return loopback() if self.local_world_size == self.config.world_size else None
 
 
 def new_run_dir() -> str:
@@ -156,7 +154,7 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
     master = None
     iface = spec.interface()
     if iface:  # read by TensorPipe and gloo when they open their sockets
-        os.environ.update(rendezvous.interface_env(iface))
+        os.environ.update(interface_env(iface))
     try:
         store_timeout = max(cfg.rpc_timeout, 60.0)
         store, view = rendezvous.join(rank, int(os.environ.get("LOCAL_RANK", rank)), store_timeout)

@@ -14,9 +14,9 @@ from ps_bench.metrics import limits
 from ps_bench.metrics.startup import render_startup, startup_phases
 from ps_bench.models import build_data, build_held_out
 from ps_bench.models.entries import Entry
-from ps_bench.results.files import environment, write_results
+from ps_bench.results.files import environment, write_results, write_snapshot
 from ps_bench.results.printed import format_bytes, print_report
-from ps_bench.results.record import RunRecord, mean_loss, replica_summary, servers_model_summary, write_snapshot
+from ps_bench.results.record import RunRecord, mean_loss, replica_summary, servers_model_summary
 from ps_bench.runtime.faults import Fault, maybe_inject
 from ps_bench.runtime.rendezvous import one_machine_warning, rpc_paths
 from ps_bench.runtime.topology import RankInfo, Topology
@@ -126,8 +126,8 @@ class Master:
             group_server = topo.group_of(info.index) if topo.mapping == "group" and servers else None
             trainers.append(rpc.remote(info.name, trainer_class, args=(
                 info.index, cfg, self.job.strategy, self.model, shard.inputs, shard.targets, handles, group_server,
-                info.cuda_rpc,
-                device_name(self.device_of(info.rank)), held_out if info.index == 0 else None, rank_hosts)))
+                info.cuda_rpc, device_name(self.device_of(info.rank)), held_out if info.index == 0 else None,
+                rank_hosts, self.job.engine_config)))
         iterations = [trainer.rpc_sync(timeout=0).ready() for trainer in trainers]  # every replica is built
         if self.servers_own_parameters:  # a round is a budget of everyone's updates
             for server in servers:
@@ -199,6 +199,8 @@ class Master:
         else:
             record.replicas = replica_summary([t.rpc_sync().parameters_vector() for t in trainers],
                                               self.job.strategy.identical)
+        for closed in [t.rpc_async(timeout=0).close() for t in trainers]:  # together: a close may be collective
+            closed.wait()
         if cfg.limits:
             record.memcpy = limits.memcpy_floor(limits.message_bytes(record.floor_messages))
         results = record.results("ok")

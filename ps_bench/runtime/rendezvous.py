@@ -12,11 +12,9 @@ view, which the master gathers into the results' ``env.hosts``.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
-import struct
 from datetime import timedelta
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
@@ -24,14 +22,13 @@ from urllib.parse import parse_qs, urlparse
 import torch.distributed as dist
 
 from ps_bench.runtime import failures
+from ps_bench.runtime.addresses import own_address
 from ps_bench.runtime.faults import restart_count
 
 SCHEME = "ps-bench-attempt"
 INIT_METHOD = f"{SCHEME}://"  # what RPC is given: the store of this attempt, see _rendezvous
 FAILURES_PREFIX = "ps_bench/failures"
-LOOPBACK = "lo"  # Linux's loopback interface
 STORE_FILE = "PS_BENCH_STORE_FILE"
-SIOCGIFADDR = 0x8915
 
 _timeout_s: float | None = None  # set by join(): how long store operations may wait
 
@@ -105,50 +102,18 @@ except RuntimeError:  # already registered (module reloaded)
 
 
 # -- hosts ------------------------------------------------------------------------------------
-def interface_env(iface: str) -> dict[str, str]:
-    """The variables that make TensorPipe and gloo open their sockets on ``iface``."""
-    return {"TP_SOCKET_IFNAME": iface, "GLOO_SOCKET_IFNAME": iface}
-
-
-def loopback() -> str | None:
-    """The loopback interface's name, where this machine has one."""
-    return LOOPBACK if LOOPBACK in [name for _, name in socket.if_nameindex()] else None
-
-
-def address_towards(host: str) -> str:
-    """The local address the kernel would use to reach ``host`` (a UDP connect sends nothing)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))
-            return probe.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
-
-
 def gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def interface_address(name: str) -> str | None:
-    """The IPv4 address of interface ``name`` (in this network namespace), if it has one."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            packed = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-        except OSError:
-            return None
-    return socket.inet_ntoa(packed[20:24])
-
-
 def describe_host(rank: int, local_rank: int) -> dict:
     """This rank's host: its name, and its address on the interface the ranks bind to (else the
     one that reaches the store)."""
-    bound = os.environ.get("TP_SOCKET_IFNAME")
     return {
         "hostname": socket.gethostname(),
-        "address": (interface_address(bound) if bound else None)
-        or address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")),
+        "address": own_address(),
         "rank": rank,
         "local_rank": local_rank,
         "cpus": os.cpu_count() or 0,

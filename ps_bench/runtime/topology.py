@@ -58,6 +58,7 @@ class Topology:
         ncudaserver: int,
         mapping: str = "shard",
         cuda_collectives: bool = False,
+        pushing_hosts: int | None = None,
     ) -> None:
         self.ntrainer, self.ncudatrainer = ntrainer, ncudatrainer
         self.nserver, self.ncudaserver = nserver, ncudaserver
@@ -74,7 +75,17 @@ class Topology:
             ranks.append(RankInfo(rank, SERVER, i, i >= nserver, f"server{rank}"))
         ranks.append(RankInfo(self.world_size - 1, MASTER, 0, False, "master"))
         self.ranks = ranks
-        self.groups = split_evenly(self.num_trainers, self.num_servers) if self.num_servers else []
+        # node-aggregated servers (``pushing_hosts`` G): a host's G trainers sum their gradients and
+        # push one copy, each trainer a 1/G slice, so a server hears from every host once per
+        # slice; ``group`` groups hosts, a host's trainers all in its group
+        self.per_host = pushing_hosts
+        if not self.num_servers:
+            self.groups = []
+        elif pushing_hosts:
+            self.groups = [range(hosts.start * pushing_hosts, hosts.stop * pushing_hosts)
+                           for hosts in split_evenly(self.num_trainers // pushing_hosts, self.num_servers)]
+        else:
+            self.groups = split_evenly(self.num_trainers, self.num_servers)
 
     @property
     def trainers(self) -> list[RankInfo]:
@@ -99,10 +110,9 @@ class Topology:
         raise ValueError(f"trainer {trainer_index} is in no group")
 
     def contributors(self, server_index: int) -> int:
-        """How many trainers send each bucket to this server."""
-        if self.mapping == "group":
-            return len(self.groups[server_index])
-        return self.num_trainers
+        """How many trainers send each bucket (or, node-aggregated, each slice) to this server."""
+        pushing = len(self.groups[server_index]) if self.mapping == "group" else self.num_trainers
+        return pushing // self.per_host if self.per_host else pushing
 
     def uses_cuda(self, rank: int) -> bool:
         info = self.info(rank)

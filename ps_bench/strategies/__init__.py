@@ -1,7 +1,8 @@
 """Gradient-synchronisation strategies, one module per family, registered in ``HOOKS`` by the
 names users type (``--hook``). Importing the package registers every family."""
 
-from ps_bench.strategies import allreduce, local, servers, sharded, stale  # noqa: F401  (each registers its strategies)
+from ps_bench.strategies import (allreduce, deepspeed_zero, local, servers, sharded, stale,  # noqa: F401 (each registers)
+                                 torchft_local)
 from ps_bench.strategies.base import (COLLECTIVE, HOOKS, RPC, SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS, Strategy,
                                       check_hook_options, hook_options)
 

@@ -49,9 +49,10 @@ SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS = "allreduce", "gloo", "servers"
 # Families, one module each.
 ALLREDUCE, SERVERS, SHARDED, LOCAL = "allreduce", "servers", "sharded", "local"
 FAMILIES = (ALLREDUCE, SERVERS, SHARDED, LOCAL)
-# How the model is wrapped: DDP (buckets, a hook), FSDP2's fully_shard (no hook), or not at all: the
-# parameter servers own the parameters, and the trainers push gradients and read them (--staleness).
-DDP, FSDP, SERVER_OWNED = "ddp", "fsdp", "server-owned"
+# How the model is wrapped: DDP (buckets, a hook), FSDP2's fully_shard (no hook), an engine of its own
+# (DeepSpeed's), or not at all: the parameter servers own the parameters, and the trainers push
+# gradients and read them (--staleness).
+DDP, FSDP, ENGINE, SERVER_OWNED = "ddp", "fsdp", "engine", "server-owned"
 # When the replicas are the same model: after every iteration, at each synchronisation point (every
 # ``period`` iterations), or as the full parameters gathered from the shards; or there are no replicas
 # to compare, the servers holding the one model.
@@ -60,6 +61,8 @@ SERVERS_MODEL = "the servers' one model"
 # The collectives a strategy issues besides (or instead of) its hook, each over the whole model's
 # parameter bytes, per iteration or once per ``period``.
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+# The training engines ps_bench drives besides torch's own, each an optional extra: the line that installs it.
+ENGINES = {"deepspeed": 'pip install -e ".[deepspeed]"', "torchft": 'pip install -e ".[torchft]"'}
 
 
 @dataclass(frozen=True)
@@ -73,21 +76,26 @@ class Strategy:
     uncompressed: str | None = None  # a lossy strategy: the lossless one whose bytes it reduces
     factors: str | None = None  # low-rank factors of each "tensor", or of the "bucket" as one square matrix
     family: str | None = None  # one of FAMILIES, the module it lives in (default: servers for RPC, else allreduce)
-    wrap: str = DDP  # DDP, FSDP or SERVER_OWNED
+    wrap: str = DDP  # DDP, FSDP, ENGINE or SERVER_OWNED
     identical: str = EVERY_ITERATION  # what "replicas identical" is checked at (SERVERS_MODEL: nothing to compare)
     # (collective, "iteration" | "period"): what it issues over the model's parameters besides its hook
     sends: tuple[tuple[str, str], ...] = ()
     per_host: bool = False  # it synchronises within each host before across hosts: needs --per-host, 2 hosts or more
     for_sparse: str | None = None  # made for sparse gradients: on a model without them it is this strategy
+    engine: str | None = None  # the package that runs it, an optional extra (ENGINES); None: torch's own
+    hook_sends: bool | None = None  # its DDP hook sends the gradient buckets (default: the all-reduce and servers families)
 
     def __post_init__(self) -> None:
         if self.family is None:
             object.__setattr__(self, "family", SERVERS if self.transport == RPC else ALLREDUCE)
+        if self.hook_sends is None:
+            object.__setattr__(self, "hook_sends", self.transport is not None and self.family in (ALLREDUCE, SERVERS))
         if (self.transport not in (COLLECTIVE, RPC, None) or self.payload not in PAYLOADS
                 or self.sparse_buckets not in (SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS, None)
-                or self.family not in FAMILIES or self.wrap not in (DDP, FSDP, SERVER_OWNED)
+                or self.family not in FAMILIES or self.wrap not in (DDP, FSDP, ENGINE, SERVER_OWNED)
                 or self.identical not in (EVERY_ITERATION, AT_SYNCHRONISATION, GATHERED, SERVERS_MODEL)
-                or any(c not in COLLECTIVES or per not in ("iteration", "period") for c, per in self.sends)):
+                or any(c not in COLLECTIVES or per not in ("iteration", "period") for c, per in self.sends)
+                or self.engine not in (None, *ENGINES)):
             raise ValueError(f"bad strategy record {self}")
         if self.transport is not None and self.lossless == (self.uncompressed is not None):
             raise ValueError(f"a lossy strategy names the lossless one it compresses, and only it: {self}")
@@ -157,6 +165,8 @@ class HookContext:
     capturing: bool = False  # --verify: keep this iteration's buckets
     noting: bool = True  # record this iteration's bucket sizes (the trainer asks once per round)
     captures: list[Capture] = field(default_factory=list)
+    engine_config: dict | None = None  # an engine's config, resolved when the job was validated (Job.engine_config)
+    engine_bytes: bool = False  # --verify with an engine: keep the engine's own counts of its collectives
     # the last whole iteration's buckets, index -> (payload bytes, sparse, gradient shapes): the size
     # report, --limits
     buckets: dict[int, tuple[int, bool, list]] = field(default_factory=dict)
@@ -165,8 +175,9 @@ class HookContext:
     _seen: dict[int, int] = field(default_factory=dict)
     _owners: dict[int, int] = field(default_factory=dict)
 
-    def server_for(self, bucket: dist.GradBucket) -> int:
-        """The server that owns this bucket.
+    def server_for(self, bucket: dist.GradBucket, part: int = 0, parts: int = 1) -> int:
+        """The server that owns this bucket (or its ``part``-th of ``parts`` slices, each a key
+        of its own: ``index * parts + part``).
 
         ``group``: this trainer's group server. ``shard``: owners balance bytes across servers;
         they are computed from the bucket layout of the previous iteration (DDP rebuilds its
@@ -177,13 +188,14 @@ class HookContext:
         if self.mapping == "group":
             return self.group_server
         tensor = bucket.buffer()
-        index = bucket.index()
+        index, key = bucket.index(), bucket.index() * parts + part
         self._seen[index] = tensor.numel() * tensor.element_size()
-        owner = self._owners.get(index, index % len(self.servers))
+        owner = self._owners.get(key, key % len(self.servers))
         if bucket.is_last():
             if self._seen != self._layout:
                 self._layout = self._seen
-                self._owners = balance_buckets(self._layout, len(self.servers))
+                self._owners = balance_buckets({i * parts + p: size // parts for i, size in self._layout.items()
+                                                for p in range(parts)}, len(self.servers))
             self._seen = {}
         return owner
 
@@ -254,8 +266,15 @@ class Synchroniser:
         model.register_comm_hook(ctx, instrument(self.hook))
         return model, None if optimizer is None else optimizer.build(model.parameters())
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """The backward pass, inside the clock (an engine of its own runs it its way)."""
+        loss.backward()
+
     def note_synchronised(self, model: nn.Module) -> None:
         """Right after ``after_step`` said True, outside the clock."""
+
+    def close(self) -> None:
+        """Once training is over, on every trainer at once: stops what the strategy started."""
 
     def end_round(self, ctx: HookContext, model: nn.Module) -> None:
         """After a round, outside the clock: whatever ``parameters_vector`` needs."""

@@ -1,5 +1,6 @@
 """The parameter-server family: DDP buckets sent over RPC to the servers that own them, which
-answer with the average (float32 or 16 bits on the wire), and its sparse/dense hybrid."""
+answer with the average (float32 or 16 bits on the wire), its sparse/dense hybrid, and the
+node-aggregated form for hosts of several trainers (``ps_node``)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,21 @@ from torch.futures import Future
 
 from ps_bench.metrics.timers import tensor_bytes
 from ps_bench.servers.base import ParameterServer
-from ps_bench.strategies.allreduce import allreduce
-from ps_bench.strategies.base import RPC, SERVERS, SPARSE_SERVERS, HookContext, Strategy, stateless
+from ps_bench.strategies.allreduce import InOrder, allreduce, gather_into
+from ps_bench.strategies.base import HOOKS, RPC, SERVERS, SPARSE_SERVERS, HookContext, Strategy, stateless
 
 
 def send_to_server(ctx: HookContext, bucket: dist.GradBucket, wire_dtype: torch.dtype | None = None) -> Future:
     """Sends the bucket to its server (cast to ``wire_dtype`` on the wire) and returns the
     global average it answers with, on the bucket's device and in its dtype."""
-    tensor = bucket.buffer()
-    server = ctx.servers[ctx.server_for(bucket)]
+    return send_tensor(ctx, bucket.buffer(), bucket.index(), ctx.server_for(bucket), wire_dtype)
+
+
+def send_tensor(ctx: HookContext, tensor: torch.Tensor, key: int, server_index: int,
+                wire_dtype: torch.dtype | None = None) -> Future:
+    """Sends ``tensor`` as the server's bucket ``key`` and returns what the server answers, on
+    the tensor's device and in its dtype."""
+    server = ctx.servers[server_index]
     # CUDA sparse tensors cannot cross RPC, and device maps exist only CUDA-RPC <-> CUDA servers.
     on_device = ctx.cuda_rpc and server.cuda_rpc and not tensor.is_sparse
     payload = tensor if on_device else tensor.cpu()
@@ -31,7 +38,7 @@ def send_to_server(ctx: HookContext, bucket: dist.GradBucket, wire_dtype: torch.
     reply = rpc.rpc_async(
         server.rref.owner(),
         ParameterServer.average_gradient,
-        args=(server.rref, bucket.index(), payload, ctx.iteration),
+        args=(server.rref, key, payload, ctx.iteration),
         timeout=ctx.rpc_timeout,
     )
 
@@ -75,3 +82,54 @@ def sparse_parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future
     return allreduce(ctx, bucket)
 
 
+@HOOKS.register("ps_node", aliases=("ps_host", "byteps"),
+                record=Strategy(RPC, "float32", lossless=True, sparse_buckets=None, family=SERVERS, per_host=True))
+class NodeAggregated(InOrder):
+    """Parameter servers as deployed on nodes of several GPUs (BytePS's layout; TensorFlow's and
+    MXNet's device-then-server kvstores): each bucket summed within the host (--per-host G),
+    each of the host's trainers pushing its 1/G slice of the sum to the slice's server and pulling
+    the average, then the slices all-gathered within the host; lossless.
+
+    A host's link carries its gradient once each way, not G copies: 1/G of ``ps``'s bytes between
+    hosts. gloo has no reduce-scatter, so the sum within the host is an all-reduce (NCCL's
+    reduce-scatter would move half). Buckets go one at a time, each step issued when the previous one completes, so every
+    trainer issues the host's collectives in the same order. Dense models only: a sparse
+    bucket's rows differ between the trainers of a host."""
+
+    def __init__(self, ctx: HookContext) -> None:
+        size, per_host = ctx.process_group.size(), ctx.per_host
+        hosts = size // per_host
+        self.intra, _ = dist.new_subgroups_by_enumeration(
+            [list(range(host * per_host, (host + 1) * per_host)) for host in range(hosts)])
+        self.local, self.per_host = dist.get_rank() % per_host, per_host
+
+    def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
+        server = ctx.server_for(bucket, self.local, self.per_host)  # every bucket, in order: it closes the layout
+        return self.after_previous(lambda: self.aggregated(ctx, bucket, server))
+
+    def aggregated(self, ctx: HookContext, bucket: dist.GradBucket, server: int) -> Future:
+        tensor = bucket.buffer()
+        numel, done, key = tensor.numel(), Future(), bucket.index() * self.per_host + self.local
+        padded = torch.cat([tensor, tensor.new_zeros(-numel % self.per_host)]) if numel % self.per_host else tensor.clone()
+        rows = padded.view(self.per_host, -1)
+
+        def step(run, then) -> None:
+            def next_step(finished: Future) -> None:
+                try:
+                    then(finished.wait())
+                except Exception as error:  # noqa: BLE001 - the trainer waits on ``done``
+                    done.set_exception(error)
+            run().add_done_callback(next_step)
+
+        def gathered(_) -> None:
+            done.set_result(padded[:numel].view_as(tensor))
+
+        def pulled(average: torch.Tensor) -> None:
+            rows[self.local].copy_(average)
+            step(lambda: gather_into(padded, rows[self.local].clone(), self.intra).get_future(), gathered)
+
+        def summed(_) -> None:
+            step(lambda: send_tensor(ctx, rows[self.local].contiguous(), key, server), pulled)
+
+        step(lambda: dist.all_reduce(padded, group=self.intra, async_op=True).get_future(), summed)
+        return done

@@ -100,7 +100,7 @@ class HybridShard(FullyShard):
 
 @HOOKS.register("zero1", aliases=("zero", "ZeroRedundancyOptimizer"),
                 record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED,
-                                sends=(("broadcast", "iteration"),)))
+                                sends=(("broadcast", "iteration"),), hook_sends=True))
 class ZeroOne(Synchroniser):
     """DDP's all-reduce, then torch's ZeroRedundancyOptimizer: each trainer keeps and steps the
     optimizer state of its shard of the parameters and broadcasts them; lossless."""

@@ -44,7 +44,7 @@ class StaleSynchronousTrainer:
                  inputs: tuple[torch.Tensor, ...],
                  targets: torch.Tensor, servers: list[tuple[rpc.RRef, bool]], group_server: int | None,
                  cuda_rpc: bool, device: str, held_out: Dataset | None = None,
-                 rank_hosts: list[int] | None = None) -> None:
+                 rank_hosts: list[int] | None = None, engine_config: dict | None = None) -> None:
         self.index = trainer_index
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.straggling = Straggling(config.straggler, trainer_index, config.torch_seed)
@@ -183,3 +183,6 @@ class StaleSynchronousTrainer:
 
     def parameters_vector(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.parameters])
+
+    def close(self) -> None:
+        """Training is over: nothing of its own to stop."""

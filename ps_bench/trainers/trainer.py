@@ -62,13 +62,15 @@ class DdpTrainer:
         device: str,
         held_out: Dataset | None = None,
         rank_hosts: list[int] | None = None,
+        engine_config: dict | None = None,
     ) -> None:
         """Trainer ``trainer_index`` of a run configured by ``config``, training with ``strategy``
         (the job's resolved record) the model of entry ``model``: its data shard (``inputs``,
         ``targets``), the servers as (reference, takes CUDA tensors), with the ``group``
         mapping the index of its group's server, and with ``--target-loss`` the held-out
         samples it evaluates the averaged model on (trainer 0); ``rank_hosts``, the host index of
-        every rank of the job, lets it count the bytes that cross between hosts apart."""
+        every rank of the job, lets it count the bytes that cross between hosts apart;
+        ``engine_config``, the job's resolved config of an engine of its own (DeepSpeed's)."""
         self.index = trainer_index
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.straggling = Straggling(config.straggler, trainer_index, config.torch_seed)  # --straggler
@@ -86,6 +88,8 @@ class DdpTrainer:
             rpc_timeout=config.rpc_timeout,
             per_host=config.per_host,
             ready_events=[] if self.device.type == "cuda" else None,
+            engine_config=engine_config,
+            engine_bytes=config.verify,
         )
         self.hook_context.wire.hosts, self.hook_context.wire.rank = rank_hosts, trainer_index  # trainers rank first
         wire.install(self.hook_context.wire)
@@ -149,6 +153,7 @@ class DdpTrainer:
         per_epoch, batch_size, fault, iteration = self.iterations_per_epoch, self.batch_size, self.fault, self.iteration
         convergence, straggling, sleep = self.convergence, self.straggling, time.sleep
         after_step, note_synchronised = self.synchroniser.after_step, self.synchroniser.note_synchronised
+        backward = self.synchroniser.backward
         if convergence is not None and convergence.stopped:
             return self.empty_round()
         for step in range(iterations):
@@ -171,7 +176,7 @@ class DdpTrainer:
             if straggling:  # --straggler: slower by that much in this iteration, inside the clock
                 sleep(straggling.delay_s(iteration))
             t1 = clock()
-            loss.backward()
+            backward(loss)
             t2 = clock()
             optimizer.step()
             synchronised = after_step is not None and after_step(ctx, model)
@@ -218,6 +223,8 @@ class DdpTrainer:
             "losses": torch.stack(losses).float().cpu().tolist(),
             "verified_iterations": len(checked & set(range(iterations))),
             "grad_errors": self.gradient_errors(),
+            **({"engine_counts": self.synchroniser.engine_counts(ctx.process_group.size())}
+               if hasattr(self.synchroniser, "engine_counts") else {}),
             "memory": peak_memory(self.device),
             "timeline": timeline,
             "host_traffic": [[source, destination, nbytes] for (source, destination), nbytes
@@ -284,6 +291,11 @@ class DdpTrainer:
         """All parameters, flattened on the CPU, for the replica check (as the strategy's record
         says: at the end of the run, at the last synchronisation, or gathered from the shards)."""
         return self.synchroniser.parameters_vector(self.model)
+
+    @fatal_on_error
+    def close(self) -> None:
+        """Training is over (every trainer is asked at once): the strategy stops what it started."""
+        self.synchroniser.close()
 
     @fatal_on_error
     def measure_floors(self, messages: dict[int, list], own: dict[int, list] | None, targets: list[list[rpc.RRef]],

@@ -113,12 +113,16 @@ def test_two_hosts_of_two_trainers_hierarchical_and_colocated_servers_cross_the_
     counted per host link: a flat ring all-reduce sends 2(4-1)/4 M = 1.5 M out of each host (the
     ring crosses once each way), hierarchical 2(2-1)/2 M = M (split over the host's two trainers),
     servers co-located one per host 2(H-1)/H x G x M = 2 M, their hosts' gradients once each way,
-    and dedicated servers every trainer's whole gradient, 2 M out of each trainer host."""
+    and dedicated servers every trainer's whole gradient, 2 M out of each trainer host; node-aggregated
+    servers (ps_node) a host's sum once, M, whether dedicated or co-located."""
     runs = {}
     for name, options in {"allreduce": ("--hook", "allreduce", "--nserver", "0"),
                           "hierarchical": ("--hook", "hierarchical", "--nserver", "0"),
                           "colocated": ("--hook", "ps", "--nserver", "2", "--servers-on", "colocated"),
-                          "dedicated": ("--hook", "ps", "--nserver", "2")}.items():
+                          "dedicated": ("--hook", "ps", "--nserver", "2"),
+                          "node colocated": ("--hook", "ps_node", "--nserver", "2", "--servers-on", "colocated",
+                                             "--verify"),
+                          "node dedicated": ("--hook", "ps_node", "--nserver", "2", "--verify")}.items():
         run = emulate("--link", "1gbit", "--", *TWO_BY_TWO, *options, "--out", str(tmp_path / f"{name}.json"))
         assert run.returncode == 0, run.output
         runs[name] = run.results
@@ -126,17 +130,30 @@ def test_two_hosts_of_two_trainers_hierarchical_and_colocated_servers_cross_the_
     assert runs["colocated"]["env"]["emulated"]["placement"] == [[0, 1, 4], [2, 3, 5, 6]]
     assert runs["dedicated"]["env"]["emulated"]["placement"] == [[0, 1], [2, 3], [4], [5, 6]]
     expected_out = {"allreduce": 1.5 * MODEL_BYTES, "hierarchical": MODEL_BYTES, "colocated": 2 * MODEL_BYTES,
-                    "dedicated": 2 * MODEL_BYTES}
+                    "dedicated": 2 * MODEL_BYTES, "node colocated": MODEL_BYTES, "node dedicated": MODEL_BYTES}
     for name, results in runs.items():
         links = host_links(results)
         for host in trainer_hosts:
             assert links[host] == (expected_out[name], expected_out[name]), (name, links)
     assert runs["hierarchical"]["bytes"]["across_hosts_per_iter"] < runs["allreduce"]["bytes"]["across_hosts_per_iter"]
-    assert runs["hierarchical"]["replicas"]["param_norm"] == pytest.approx(
-        runs["allreduce"]["replicas"]["param_norm"], rel=1e-5)
+    for name in ("hierarchical", "dedicated", "node dedicated", "node colocated"):
+        assert runs[name]["replicas"]["param_norm"] == pytest.approx(runs["allreduce"]["replicas"]["param_norm"],
+                                                                     rel=1e-5), name
+    for place in ("dedicated", "colocated"):  # a host's gradients pushed once: 1/G of ps's between hosts
+        assert runs[f"node {place}"]["bytes"]["across_hosts_per_iter"] * 2 == runs[place]["bytes"][
+            "across_hosts_per_iter"]
+        assert runs[f"node {place}"]["verify"]["grad_rel_error_max"] < 1e-6
     # one bucket, owned by server 4: the servers' hosts carry the 4 trainers' copies each way
     assert sum(out for host, (out, _) in host_links(runs["dedicated"]).items() if host not in trainer_hosts) == \
         4 * MODEL_BYTES
+
+
+def at_once(bare_import_s: float) -> float:
+    """What refusing bad input may take: torch imported, the input read, nothing started (no
+    network built, no rank started: that takes several times as long). Held against a bare
+    ``import torch`` timed in this session, so a busy machine moves both alike (3.0 s against
+    2.3 s on the quiet development machine)."""
+    return 2.5 * bare_import_s
 
 
 BAD_INPUTS = [
@@ -154,24 +171,24 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[" ".join(argv) for argv, _ in BAD_INPUTS])
-def test_bad_input_is_one_line_within_5_s_and_creates_nothing(argv, message, nothing_left_behind):
+def test_bad_input_is_one_line_at_once_and_creates_nothing(argv, message, nothing_left_behind, bare_import_s):
     run = emulate(*argv, *([] if "--" in argv else ["--"]), timeout_s=60)
-    assert run.returncode == 2 and run.elapsed_s < 5, run.output
+    assert run.returncode == 2 and run.elapsed_s < at_once(bare_import_s), run.output
     assert run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
 
 
 @pytest.mark.skipif(netem_available(), reason="this kernel has netem: --delay is accepted here")
-def test_delay_without_netem_is_refused(nothing_left_behind):
+def test_delay_without_netem_is_refused(nothing_left_behind, bare_import_s):
     run = emulate("--link", "1gbit", "--delay", "1ms", "--", timeout_s=60)
-    assert run.returncode == 2 and run.elapsed_s < 5, run.output
+    assert run.returncode == 2 and run.elapsed_s < at_once(bare_import_s), run.output
     assert run.stderr.count("\n") == 1 and "needs the kernel's netem qdisc" in run.stderr
 
 
-def test_without_root_it_says_so(nothing_left_behind):
+def test_without_root_it_says_so(nothing_left_behind, bare_import_s):
     """Root's capabilities dropped (the bounding set emptied before exec): what a user without sudo gets."""
     command = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, str(ROOT / "bench.py"),
                "emulate", "--link", "1gbit", "--"]
     started = time.monotonic()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ})
-    assert done.returncode == 2 and time.monotonic() - started < 5, done.stderr
+    assert done.returncode == 2 and time.monotonic() - started < at_once(bare_import_s), done.stderr
     assert done.stderr.count("\n") == 1 and "needs root" in done.stderr and "sudo" in done.stderr

@@ -28,12 +28,18 @@ def checked(*argv: str):
 
 def test_every_family_has_its_module_and_its_strategies():
     by_family = {family: {name for name in HOOKS.names() if HOOKS.record(name).family == family} for family in FAMILIES}
-    assert by_family[SHARDED] == {"fsdp", "hsdp", "zero1"} and by_family[LOCAL] == {"local_sgd", "diloco"}
+    assert by_family[SHARDED] == {"fsdp", "hsdp", "zero1", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3"}
+    assert by_family[LOCAL] == {"local_sgd", "diloco", "torchft_local_sgd", "torchft_diloco"}
     assert {"allreduce", "fp16", "powersgd", "noop"} <= by_family[ALLREDUCE]
     assert {"ps", "sparse_ps", "ps_fp16"} <= by_family[SERVERS]
     for family in FAMILIES:
         module = ROOT / "ps_bench" / "strategies" / f"{family}.py"
         assert module.exists(), module
+    # an engine's strategies live in a module of its own, beside torch's of their family
+    modules = {"deepspeed": "deepspeed_zero", "torchft": "torchft_local"}
+    for name in HOOKS.names():
+        engine = HOOKS.record(name).engine
+        assert engine is None or HOOKS.get(name).__module__ == f"ps_bench.strategies.{modules[engine]}", name
     for name in by_family[SHARDED] | by_family[LOCAL]:
         assert not HOOKS.record(name).takes_servers and not HOOKS.record(name).needs_servers
     assert HOOKS.record("fsdp").wrap == FSDP and HOOKS.record("fsdp").identical == GATHERED

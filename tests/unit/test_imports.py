@@ -70,7 +70,7 @@ LAYERS = [
     # what every piece stands on: options, registries, a job's ranks, a rank's failure, the forkserver
     ("ps_bench", "ps_bench.config", "ps_bench.registry", "ps_bench.runtime", "ps_bench.runtime.topology",
      "ps_bench.runtime.failures", "ps_bench.runtime.faults", "ps_bench.runtime.preload",
-     "ps_bench.runtime.forkserver", "ps_bench.runtime.network"),
+     "ps_bench.runtime.forkserver", "ps_bench.runtime.network", "ps_bench.runtime.addresses"),
     ("ps_bench.metrics", "ps_bench.models"),  # measuring, and the workloads measured
     ("ps_bench.servers",),
     ("ps_bench.strategies",),

@@ -84,6 +84,50 @@ def test_colocated_servers_carry_each_nodes_gradient_once_each_way_on_two_nodes(
         2 * (4 * 0.1 + 0.001))
 
 
+def test_node_aggregated_servers_carry_each_nodes_gradient_once_each_way():
+    # one 1 MB bucket, 2 nodes x 2, 2 dedicated servers (a slice of 0.5 MB each): gloo's sum inside
+    # the node, a ring all-reduce of 1 MB over the local link (2 x 0.05 ms + 2 µs); the node sends
+    # its 2 slices (1 ms), each server hears 2 nodes' 0.5 MB (1 ms): 1 ms + 10 µs each way; the
+    # slices gathered inside the node (0.05 ms + 1 µs)
+    nodes = Nodes(2, 2, NETWORK, LOCAL)
+    inside, across = 2 * (0.05 + 0.001), 2 * (1.0 + 0.01)
+    assert pipelines.node_ps_pipeline([(0.0, MB)], nodes, 2, gloo=True) == pytest.approx(inside + across + 0.051)
+    # against ps's per-trainer pushes: the node's link carries 2 copies each way
+    assert pipelines.node_ps_pipeline([(0.0, MB)] * 4, nodes, 2) < pipelines.ps_pipeline([(0.0, MB)] * 4, 4, 2,
+                                                                                           NETWORK, per_node=2)
+    # never below the BytePS bound over the nodes, with the servers it has
+    assert pipelines.node_ps_pipeline([(0.0, MB)], Nodes(8, 8, NETWORK, LOCAL), 8) >= costs.byteps_bound_ms(
+        8, 8, MB, NETWORK)
+
+
+def test_predict_puts_node_aggregated_servers_beside_ps_on_nodes_and_respects_the_bounds(tmp_path, capsys):
+    """ResNet-50 on nodes of 8 GPUs at 10 Gbit/s: ps_node beside ps, never below the compute, nor
+    below forward plus the BytePS bound."""
+    out = tmp_path / "predict.json"
+    assert main(["predict", "--model", "resnet50", "--batch-size", "64", "--compute-ms",
+                 "forward=30,backward=60,optimizer=5", "--link", "10gbit", "--intra-link", "2400gbit",
+                 "--per-node", "8", "--nodes", "1,2,4,8", "--servers", "8", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = json.loads(out.read_text())["predictions"]
+    node_rows = [row for row in rows if row["strategy"] == "ps_node"]
+    assert len(node_rows) == 4 and "ps_node" in printed and {row["strategy"] for row in rows} >= {"ps", "allreduce"}
+    for row in node_rows:
+        assert row["batch_ms"] >= 30 + 60 + 5
+        if row.get("byteps_bound_ms") is not None:
+            assert row["batch_ms"] >= 30 + row["byteps_bound_ms"]
+        ps = next(other for other in rows if other["strategy"] == "ps" and other["trainers"] == row["trainers"])
+        assert row["batch_ms"] <= ps["batch_ms"]
+
+
+def test_predict_builds_vgg16_on_the_meta_device(tmp_path, capsys):
+    out = tmp_path / "predict.json"
+    assert main(["predict", "--model", "vgg16", "--batch-size", "32", "--compute-ms", "forward=10,backward=20,"
+                 "optimizer=2", "--link", "10gbit", "--out", str(out)]) == 0
+    buckets = json.loads(out.read_text())["calibration"]["buckets"]
+    assert sum(bucket["bytes"] for bucket in buckets) == 4 * 138_357_544
+    capsys.readouterr()
+
+
 class MadeUp(nn.Module):
     """Three layers of known sizes: 2.5 MB, 0.5 MB and 1 MB of float32 weights."""
 

@@ -9,7 +9,8 @@ import torch
 
 from ps_bench.config import RunConfig
 from ps_bench.job import validate
-from ps_bench.results.record import RunRecord, failed_results, read_snapshot, replica_summary, write_snapshot
+from ps_bench.results.files import failed_results, read_snapshot, write_snapshot
+from ps_bench.results.record import RunRecord, replica_summary
 from ps_bench.results.files import write_results
 from ps_bench.results.printed import print_report
 from ps_bench.runtime.topology import Topology

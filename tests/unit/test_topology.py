@@ -38,6 +38,16 @@ def test_shard_mapping_every_server_hears_every_trainer():
     assert [topology.contributors(s) for s in range(2)] == [3, 3]
 
 
+def test_node_aggregated_servers_hear_once_from_each_host():
+    """6 trainers, 2 per host (3 hosts): each slice reaches a server once per host; ``group``
+    groups hosts, never splitting one."""
+    shard = Topology(ntrainer=6, ncudatrainer=0, nserver=2, ncudaserver=0, mapping="shard", pushing_hosts=2)
+    assert [shard.contributors(s) for s in range(2)] == [3, 3]
+    group = Topology(ntrainer=6, ncudatrainer=0, nserver=2, ncudaserver=0, mapping="group", pushing_hosts=2)
+    assert [group.group_of(t) for t in range(6)] == [0, 0, 0, 0, 1, 1]  # hosts 0 and 1, then host 2
+    assert [group.contributors(s) for s in range(2)] == [2, 1]
+
+
 def test_balance_buckets_balances_bytes_and_is_deterministic():
     sizes = {0: 100, 1: 60, 2: 50, 3: 40, 4: 10}
     owners = balance_buckets(sizes, 2)

@@ -1,0 +1,285 @@
+"""DeepSpeed's ZeRO, stages 1, 2 and 3 (``--hook deepspeed_zero1|deepspeed_zero2|deepspeed_zero3``),
+from the run's options or from the user's own ds_config.json (``--ds-config FILE``).
+
+Stage 1 partitions the optimizer state, stage 2 the gradients too, stage 3 the parameters too
+(Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+SC 2020). The trainers' process group is DeepSpeed's data-parallel group (its CPU accelerator
+runs collectives on gloo, no oneCCL needed; on a GPU, NCCL). What DeepSpeed 0.19 issues per
+iteration, measured on ps_bench's models (``--verify`` shows it): stages 1 and 2 all-reduce the
+gradients in buckets (as DDP does) and all-gather the parameters each rank stepped; stage 3
+reduce-scatters the gradients and all-gathers the parameters once (its coalesced fetch holds them
+from forward through backward). Each also all-reduces a gradient norm of a few bytes. The byte
+counter counts all of it from the collectives themselves; with ``--verify`` the run also records
+what DeepSpeed's own comms logger saw, to hold one against the other.
+
+A ds_config gives the run its batch size, optimizer and precision (and ``"auto"`` takes the
+run's, as the Hugging Face Trainer fills it); a value that conflicts with an option given on the
+command line is refused naming both. ps_bench times one optimizer step per micro-batch, steps a
+constant learning rate and does not clip (a config's scheduler is left out, saying so). What
+cannot run here is refused before anything starts: an unknown stage, ZeRO++'s quantized weights
+and gradients and its hierarchical partitions, and offload, without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from ps_bench.config import ConfigError, RunConfig, read_json
+from ps_bench.strategies.base import (COLLECTIVE, ENGINE, EVERY_ITERATION, GATHERED, HOOKS, SHARDED, HookContext,
+                                      OptimizerSpec, Strategy, Synchroniser, flat_parameters)
+
+DEFAULTS = {name: RunConfig.__dataclass_fields__[name].default
+            for name in ("batch_size", "lr", "optimizer", "momentum", "weight_decay")}
+OPTIMIZER_TYPES = {"sgd": "sgd", "adamw": "adamw", "adam": "adamw"}  # DeepSpeed's Adam is AdamW (adam_w_mode)
+ZERO_PLUS_PLUS = ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights")
+OFFLOAD = ("offload_optimizer", "offload_param")
+
+
+def stage_of(hook: str) -> int:
+    return int(hook.removeprefix("deepspeed_zero"))
+
+
+def resolve_config(cfg: RunConfig, stage: int, gpus: int) -> tuple[dict[str, Any], list[str]]:
+    """The DeepSpeed config a run of ``--hook deepspeed_zero{stage}`` trains with: the user's
+    ``--ds-config`` (its ``"auto"`` values filled from the run) or a minimal one; the run's batch
+    size, optimizer and learning rate are set from it (``cfg`` is updated); and what of the
+    user's config the run leaves out, in a line each. ConfigError names the input for anything
+    that cannot run here."""
+    source = f"--ds-config {cfg.ds_config}" if cfg.ds_config else f"--hook deepspeed_zero{stage}"
+    given = read_json(cfg.ds_config, "--ds-config") if cfg.ds_config else {}
+    if not isinstance(given, dict):
+        raise ConfigError(f"{source} must hold a JSON object (a DeepSpeed config)")
+    config = {key: value for key, value in given.items() if key not in ("optimizer", "scheduler", "comms_logger")}
+    zero = dict(config.get("zero_optimization") or {})
+    asked = zero.get("stage", stage)
+    if asked == "auto":
+        asked = stage
+    if asked not in (0, 1, 2, 3) or isinstance(asked, bool):
+        raise ConfigError(f"{source}: zero_optimization.stage must be 0, 1, 2 or 3; got {asked!r}")
+    if asked != stage:
+        raise ConfigError(f"{source} asks for ZeRO stage {asked}, and --hook deepspeed_zero{stage} for stage {stage}: "
+                          f"use --hook deepspeed_zero{asked}" if asked else
+                          f"{source} turns ZeRO off (stage 0): use --hook allreduce")
+    if not gpus:
+        cannot = [key for key in ZERO_PLUS_PLUS if zero.get(key)]
+        cannot += ["zero_hpz_partition_size"] if (zero.get("zero_hpz_partition_size") or 1) > 1 else []
+        cannot += [key for key in OFFLOAD if (zero.get(key) or {}).get("device", "none") not in ("none", None)]
+        if cannot:
+            raise ConfigError(f"{source}: {', '.join(cannot)} {'needs' if len(cannot) == 1 else 'need'} a GPU (ZeRO++ "
+                              f"has no CPU kernels; offload moves state off the GPU), and this run trains on the "
+                              f"CPU: leave {'it' if len(cannot) == 1 else 'them'} out")
+    zero = {key: value for key, value in zero.items() if value != "auto"}  # DeepSpeed's own default, as it drops them
+    zero["stage"] = stage
+    if stage == 3:  # keep no small parameters whole: every parameter partitioned
+        zero.setdefault("stage3_param_persistence_threshold", 0)
+    config["zero_optimization"] = zero
+    take_batch(cfg, config, source)
+    take_optimizer(cfg, given.get("optimizer"), source)
+    for precision in ("fp16", "bf16"):
+        section = config.get(precision)
+        if isinstance(section, dict) and section.get("enabled") == "auto":
+            config[precision] = {**section, "enabled": False}  # ps_bench trains in float32 unless told
+    if config.get("gradient_clipping", "auto") == "auto":
+        config["gradient_clipping"] = 0.0
+    left = auto_keys(config)
+    if left:
+        raise ConfigError(f"{source}: ps_bench cannot fill \"auto\" for {', '.join(left)}: give a value")
+    config["zero_allow_untested_optimizer"] = True  # the run's torch optimizer, which DeepSpeed has not vetted
+    notes = [f"{source}: its scheduler ({given['scheduler'].get('type', '?')}) is left out: ps_bench steps a "
+             f"constant learning rate (--lr {cfg.lr:g})"] if isinstance(given.get("scheduler"), dict) else []
+    return config, notes
+
+
+def take_batch(cfg: RunConfig, config: dict, source: str) -> None:
+    """The micro-batch is the run's ``--batch-size``; one optimizer step per micro-batch."""
+    world = cfg.num_trainers
+    micro = config.get("train_micro_batch_size_per_gpu", "auto")
+    steps = config.get("gradient_accumulation_steps", "auto")
+    steps = 1 if steps == "auto" else steps
+    if steps != 1:
+        raise ConfigError(f"{source}: gradient_accumulation_steps {steps}: ps_bench times one optimizer step per "
+                          f"micro-batch; set it to 1 or \"auto\"")
+    total = config.get("train_batch_size", "auto")
+    if micro == "auto" and total != "auto":
+        micro = total // world if isinstance(total, int) and total % world == 0 else total
+    if micro != "auto":
+        if not isinstance(micro, int) or micro < 1:
+            raise ConfigError(f"{source}: train_micro_batch_size_per_gpu must be a whole number; got {micro!r}")
+        conflict(cfg, "batch_size", micro, source, "train_micro_batch_size_per_gpu")
+        cfg.batch_size = micro
+    if total not in ("auto", cfg.batch_size * world):
+        raise ConfigError(f"{source}: train_batch_size {total} is not train_micro_batch_size_per_gpu "
+                          f"{cfg.batch_size} x {world} trainers")
+    config.update(train_micro_batch_size_per_gpu=cfg.batch_size, gradient_accumulation_steps=1,
+                  train_batch_size=cfg.batch_size * world)
+
+
+def take_optimizer(cfg: RunConfig, optimizer: Any, source: str) -> None:
+    """The config's optimizer becomes the run's (a torch optimizer ps_bench builds: nothing to
+    compile); "auto" parameters keep the run's."""
+    if optimizer is None:
+        return
+    kind = str(optimizer.get("type", "")).lower() if isinstance(optimizer, dict) else ""
+    if kind not in OPTIMIZER_TYPES:
+        raise ConfigError(f"{source}: optimizer type {kind or optimizer!r} is not one ps_bench runs (SGD, Adam, "
+                          f"AdamW)")
+    conflict(cfg, "optimizer", OPTIMIZER_TYPES[kind], source, "optimizer.type")
+    cfg.optimizer = OPTIMIZER_TYPES[kind]
+    for name, value in (optimizer.get("params") or {}).items():
+        if value == "auto" or name not in ("lr", "momentum", "weight_decay"):
+            continue  # betas, eps: torch's defaults, as ps_bench's AdamW has them
+        conflict(cfg, name, value, source, f"optimizer.params.{name}")
+        setattr(cfg, name, float(value))
+
+
+def conflict(cfg: RunConfig, name: str, value: Any, source: str, key: str) -> None:
+    """A ConfigError if the run's option ``name`` was set (is not its default) to something else."""
+    mine = getattr(cfg, name)
+    if name in DEFAULTS and mine != DEFAULTS[name] and mine != value:
+        raise ConfigError(f"--{name.replace('_', '-')} {mine} and {source}'s {key} {value} disagree: give one")
+
+
+def auto_keys(config: Any, prefix: str = "") -> list[str]:
+    if isinstance(config, dict):
+        return [key for name, value in config.items() for key in auto_keys(value, f"{prefix}{name}.")]
+    return [prefix.rstrip(".")] if config == "auto" else []
+
+
+def deepspeed_record(stage: int) -> Strategy:
+    second = "all_reduce" if stage < 3 else "reduce_scatter"  # the gradients; then the parameters gathered once
+    sends = ((second, "iteration"), ("all_gather", "iteration"))
+    return Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED, wrap=ENGINE,
+                    identical=GATHERED if stage == 3 else EVERY_ITERATION, sends=sends, engine="deepspeed")
+
+
+class EngineStep:
+    """The optimizer the trainer's loop steps: DeepSpeed's engine, which zeroes the gradients itself."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The engine's step zeroed them."""
+
+    def step(self) -> None:
+        self.engine.step()
+
+
+class DeepSpeedZero(Synchroniser):
+    """The model trained by a DeepSpeed engine over the trainers' process group."""
+
+    stage = 1
+
+    def __init__(self, ctx: HookContext) -> None:
+        self.engine: Any = None
+        self.gathered: torch.Tensor | None = None
+        self.comms = None
+        self.counted: dict[str, list[int]] = {}
+
+    @classmethod
+    def configure(cls, cfg: RunConfig, gpus: int) -> tuple[dict[str, Any], list[str]]:
+        """The engine's config, resolved when the job is validated, and notes for the user (see
+        ``resolve_config``)."""
+        return resolve_config(cfg, cls.stage, gpus)
+
+    def wrap(self, network: nn.Module, ctx: HookContext, ddp_options: dict[str, Any],
+             optimizer: OptimizerSpec) -> tuple[nn.Module, EngineStep]:
+        device = next(network.parameters()).device
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
+        os.environ.setdefault("LOCAL_RANK", str(device.index or 0))  # read by the engine, not used on the CPU
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*(all_gather_into_tensor|reduce_scatter_tensor)")
+        import deepspeed
+        import deepspeed.comm.comm as comm
+
+        # an inference all-reduce that DeepSpeed compiles with g++ at start: not needed (the
+        # module, not the package's attribute of that name, which is torch)
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+        deepspeed.utils.logger.setLevel(logging.ERROR)
+        config = {**ctx.engine_config, **({"comms_logger": {"prof_all": True}} if ctx.engine_bytes else {})}
+        ctx.wire.paused = True  # the engine's first broadcasts of the parameters are set-up, not training
+        try:
+            self.engine, _, _, _ = deepspeed.initialize(model=network, optimizer=optimizer.build(network.parameters()),
+                                                        config=config)
+        finally:
+            ctx.wire.paused = False
+        self.comms = comm.comms_logger if ctx.engine_bytes else None
+        if self.comms is not None:
+            comm.reset_log()
+        return self.engine, EngineStep(self.engine)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def engine_counts(self, world: int) -> dict[str, list[int]]:
+        """What DeepSpeed's comms logger saw in the round's training (``--verify``): collective ->
+        [calls, bytes of the whole tensor] (it records an all-gather's input shard: times the world)."""
+        counted, self.counted = self.counted, {}
+        return counted
+
+    def take_logged(self, world: int) -> dict[str, list[int]]:
+        if self.comms is None:
+            return {}
+        seen: dict[str, list[int]] = {}
+        for name, sizes in self.comms.comms_dict.items():
+            for size, record in sizes.items():
+                whole = size * world if name.startswith("all_gather") else size
+                calls, nbytes = seen.setdefault(name, [0, 0])
+                seen[name] = [calls + record[0], nbytes + record[0] * whole]
+        self.comms.comms_dict.clear()
+        return seen
+
+    def end_round(self, ctx: HookContext, model: nn.Module) -> None:
+        """The logger's counts of the round's training; stage 3: the full parameters, gathered
+        from every trainer's partitions (counted by neither)."""
+        self.counted = self.take_logged(ctx.process_group.size())
+        if self.stage == 3:
+            ctx.wire.paused = True
+            try:
+                self.gathered = self.full_parameters(model).cpu()
+            finally:
+                ctx.wire.paused = False
+                self.take_logged(ctx.process_group.size())
+
+    def parameters_vector(self, model: nn.Module) -> torch.Tensor:
+        if self.stage == 3:
+            return self.gathered if self.gathered is not None else torch.empty(0)
+        return super().parameters_vector(model)
+
+    def full_parameters(self, model: nn.Module) -> torch.Tensor:
+        parameters = list(self.engine.module.parameters())
+        if self.stage < 3:
+            return flat_parameters(parameters)
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(parameters, modifier_rank=None):
+            return flat_parameters(parameters)  # cat copies, before the partitions are freed again
+
+
+@HOOKS.register("deepspeed_zero1", aliases=("ds_zero1",), record=deepspeed_record(1))
+class DeepSpeedZero1(DeepSpeedZero):
+    """DeepSpeed ZeRO stage 1: the optimizer state partitioned; gradients all-reduced, the
+    stepped parameters all-gathered; lossless."""
+
+    stage = 1
+
+
+@HOOKS.register("deepspeed_zero2", aliases=("ds_zero2",), record=deepspeed_record(2))
+class DeepSpeedZero2(DeepSpeedZero):
+    """DeepSpeed ZeRO stage 2: the optimizer state and the gradients partitioned; lossless."""
+
+    stage = 2
+
+
+@HOOKS.register("deepspeed_zero3", aliases=("ds_zero3",), record=deepspeed_record(3))
+class DeepSpeedZero3(DeepSpeedZero):
+    """DeepSpeed ZeRO stage 3: the parameters partitioned too, all-gathered for forward and
+    backward, gradients reduce-scattered; lossless."""
+
+    stage = 3

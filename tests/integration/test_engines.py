@@ -1,0 +1,112 @@
+"""The engines users train with, for real: DeepSpeed's ZeRO stages 1, 2 and 3 train exactly as
+all-reduce does and send what DeepSpeed's own comms logger says; a seed-style ds_config runs;
+torchft's DiLoCo is ps_bench's DiLoCo, two implementations of one algorithm agreeing, and its
+streaming form sends each fragment once a period; nothing of torchft outlives a run or a
+failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from tests.benchrun import ROOT, communicate, descendants, is_loopback, listening_sockets, rank_pids, read_until, \
+    start_bench
+from tests.contract import check_contract
+
+QUICK = ("--nserver", "0", "--rounds", "2")  # DummyModelSmall, 2 trainers, SGD: 32 iterations a round
+
+
+def run(bench_runs, hook: str, *options: str) -> dict:
+    results = bench_runs.ok("--hook", hook, *QUICK, *options, timeout_s=240)
+    check_contract(results)
+    return results
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_zero_trains_as_allreduce_and_sends_what_its_comms_logger_says(stage, bench_runs):
+    results = run(bench_runs, f"deepspeed_zero{stage}", "--verify")
+    baseline = run(bench_runs, "allreduce")
+    assert results["replicas"]["identical"] is True
+    assert results["replicas"]["checked_at"] == ("gathered full parameters" if stage == 3 else "every iteration")
+    assert results["replicas"]["param_norm"] == pytest.approx(baseline["replicas"]["param_norm"], rel=1e-5)
+    counted, logged = results["bytes"]["trainer_sent_per_iter"], results["verify"]["engine_sent_per_iter"]
+    assert counted == pytest.approx(logged, rel=0.02)
+    engine = results["verify"]["engine"]
+    if stage < 3:  # DDP's all-reduce of the gradients (and a 4-byte norm), then the stepped parameters gathered
+        assert engine["all_reduce"]["bytes_per_iter"] == pytest.approx(3200 + 4)
+        assert engine["all_gather_into_tensor"]["bytes_per_iter"] == 3200
+    else:  # the gradients reduce-scattered (gloo: an all-reduce's bytes), the parameters gathered
+        assert engine["reduce_scatter_tensor"]["bytes_per_iter"] == 3200
+        assert engine["all_gather_into_tensor"]["bytes_per_iter"] == 3200
+    assert results["config"]["engine_config"]["zero_optimization"]["stage"] == stage
+
+
+def test_a_seed_style_ds_config_runs_with_its_autos_filled_from_the_run(bench_runs):
+    """The Hugging Face Trainer's ZeRO-2 config: "auto" batch sizes, AdamW with "auto" parameters,
+    a WarmupLR scheduler, fp16 and bf16 "auto"."""
+    path = ROOT / "configs" / "deepspeed" / "zero2_auto.json"
+    got = bench_runs.get("--hook", "deepspeed_zero2", *QUICK, "--ds-config", str(path), timeout_s=240)
+    assert got.returncode == 0, got.output
+    assert "ps_bench: note: --ds-config" in got.stdout and "its scheduler (WarmupLR) is left out" in got.stdout
+    results = got.results
+    config = results["config"]
+    assert config["optimizer"] == "adamw" and config["weight_decay"] == 0.01 and config["batch_size"] == 16
+    engine = config["engine_config"]
+    assert engine["train_micro_batch_size_per_gpu"] == 16 and engine["train_batch_size"] == 32
+    assert engine["gradient_clipping"] == 0.0 and engine["fp16"]["enabled"] is False
+    assert "scheduler" not in engine and "optimizer" not in engine
+    assert results["replicas"]["identical"] is True and results["loss"]["last"] < results["loss"]["first"]
+
+
+def test_torchft_diloco_is_ps_bench_diloco(bench_runs):
+    options = ("--hook-option", "period=4", "--hook-option", "outer_lr=0.7", "--hook-option", "outer_momentum=0.9")
+    theirs, ours = run(bench_runs, "torchft_diloco", *options), run(bench_runs, "diloco", *options)
+    assert theirs["replicas"]["identical"] is True
+    assert theirs["replicas"]["param_norm"] == pytest.approx(ours["replicas"]["param_norm"], rel=1e-5)
+    assert theirs["loss"]["last"] == pytest.approx(ours["loss"]["last"], rel=1e-5)
+    assert theirs["bytes"]["trainer_sent_per_iter"] == ours["bytes"]["trainer_sent_per_iter"] == 3200 / 4
+
+
+def test_streaming_diloco_sends_each_fragment_once_a_period(bench_runs):
+    """Period 4, 2 fragments: one fragment every 2 iterations, so each of them once in 4."""
+    results = run(bench_runs, "torchft_diloco", "--hook-option", "period=4", "--hook-option", "fragments=2")
+    sent = next(s for s in results["samples"] if s["role"] == "trainer")["metrics"]["bytes_sent"]
+    assert sent[:4] == [0, sent[1], 0, sent[3]] and sent[1] and sent[3] and sent[1] + sent[3] == 3200
+    assert sent == sent[:4] * (len(sent) // 4)  # the same fragment, the same bytes, every period
+    assert results["replicas"]["identical"] is True  # each fragment at its own last synchronisation
+
+
+def test_torchft_local_sgd_averages_every_period(bench_runs):
+    results = run(bench_runs, "torchft_local_sgd", "--hook-option", "period=4")
+    assert results["bytes"]["trainer_sent_per_iter"] == 3200 / 4 and results["replicas"]["identical"] is True
+
+
+def test_torchft_listens_where_it_can_be_told_to_and_a_killed_trainer_ends_it(results_path):
+    """The lighthouse and every trainer's store bind to loopback; torchft's manager servers take
+    no address (every interface). A trainer killed with SIGKILL ends the job, named, and no
+    process of it survives (``communicate`` checks the whole session)."""
+    process = start_bench("--hook", "torchft_diloco", "--nserver", "0", "--hook-option", "period=4", "--rounds",
+                          "100000", "--rpc-timeout", "600", "--out", str(results_path))
+    read_until(process, "[round 3/")
+    pids = rank_pids(process.pid)
+    sockets = listening_sockets([process.pid, *descendants(process.pid)])
+    os.kill(pids[1], signal.SIGKILL)
+    _, stderr, _ = communicate(process, 120, "the job")
+    assert process.returncode == 1
+    assert stderr.strip().splitlines()[-1].startswith("ps_bench: error: trainer 1 (rank 1, trainer1) was killed by "
+                                                      "SIGKILL"), stderr
+    trainer0 = [address for address in sockets[pids[0]]]
+    assert sum(is_loopback(address) for address in trainer0) >= 3, sockets  # its store, RPC, the lighthouse
+    assert json.loads(results_path.read_text())["status"] == "failed"
+
+
+def test_ctrl_c_stops_a_torchft_job_and_leaves_nothing(results_path):
+    process = start_bench("--hook", "torchft_local_sgd", "--nserver", "0", "--rounds", "100000", "--out",
+                          str(results_path))
+    read_until(process, "[round 2/")
+    process.send_signal(signal.SIGINT)
+    _, stderr, _ = communicate(process, 120, "the job")
+    assert process.returncode == 130 and "interrupted by SIGINT" in stderr, stderr

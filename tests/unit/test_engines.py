@@ -1,0 +1,118 @@
+"""The engines' set-up without processes: a ds_config resolved against the run's options (its
+"auto" values filled, conflicts refused naming both, what cannot run on this machine refused),
+torchft's options checked, and a missing package named with its install line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ps_bench.cli import main
+from ps_bench.config import ConfigError, RunConfig, build_config
+from ps_bench.job import validate
+from ps_bench.options import parse_run_options
+from ps_bench.strategies.deepspeed_zero import resolve_config
+
+ROOT = Path(__file__).resolve().parents[2]
+SEED = ROOT / "configs" / "deepspeed" / "zero2_auto.json"
+
+
+def job(*argv: str, gpus: int = 0):
+    return validate(build_config(*parse_run_options(list(argv))), gpus=gpus)
+
+
+def written(tmp_path: Path, config: dict) -> str:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_a_seed_style_config_takes_the_runs_batch_and_its_own_optimizer():
+    built = job("--hook", "deepspeed_zero2", "--nserver", "0", "--ds-config", str(SEED), "--lr", "0.003")
+    config, cfg = built.engine_config, built.config
+    assert cfg.optimizer == "adamw" and cfg.lr == 0.003 and cfg.weight_decay == 0.01  # AdamW's default decay
+    assert config["train_micro_batch_size_per_gpu"] == cfg.batch_size == 16 and config["train_batch_size"] == 32
+    assert config["gradient_accumulation_steps"] == 1 and config["gradient_clipping"] == 0.0
+    assert config["fp16"]["enabled"] is False and config["bf16"]["enabled"] is False
+    assert "reduce_bucket_size" not in config["zero_optimization"]  # "auto" there: DeepSpeed's own default
+    assert "optimizer" not in config and "scheduler" not in config  # the run's torch optimizer, a constant rate
+    assert built.notes == (f"--ds-config {SEED}: its scheduler (WarmupLR) is left out: ps_bench steps a constant "
+                           f"learning rate (--lr 0.003)",)
+
+
+def test_the_configs_values_become_the_runs_unless_an_option_given_disagrees(tmp_path):
+    path = written(tmp_path, {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3},
+                              "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}})
+    built = job("--hook", "deepspeed_zero3", "--nserver", "0", "--ds-config", path)
+    assert (built.config.batch_size, built.config.lr, built.config.momentum) == (8, 0.05, 0.9)
+    assert built.engine_config["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+    with pytest.raises(ConfigError, match=r"^--batch-size 4 and --ds-config .*'s train_micro_batch_size_per_gpu 8 "
+                                          r"disagree: give one$"):
+        job("--hook", "deepspeed_zero3", "--nserver", "0", "--ds-config", path, "--batch-size", "4")
+    with pytest.raises(ConfigError, match=r"--lr 0.1 and --ds-config .*'s optimizer.params.lr 0.05 disagree"):
+        job("--hook", "deepspeed_zero3", "--nserver", "0", "--ds-config", path, "--lr", "0.1")
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage must be 0, 1, 2 or 3; got 5"),
+    ({"zero_optimization": {"stage": 3}}, "asks for ZeRO stage 3, and --hook deepspeed_zero2 for stage 2: use --hook "
+                                          "deepspeed_zero3"),
+    ({"zero_optimization": {"stage": 0}}, "turns ZeRO off (stage 0): use --hook allreduce"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+     "offload_optimizer needs a GPU"),
+    ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2}},
+     "zero_quantized_gradients, zero_hpz_partition_size need a GPU"),
+    ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps 4: ps_bench times one optimizer step per "
+                                         "micro-batch"),
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 16}, "train_batch_size 64 is not "
+                                                                     "train_micro_batch_size_per_gpu 16 x 2 trainers"),
+    ({"optimizer": {"type": "Lamb"}}, "optimizer type 'lamb' is not one ps_bench runs"),
+    ({"steps_per_print": "auto"}, "ps_bench cannot fill \"auto\" for steps_per_print"),
+    ([1, 2], "must hold a JSON object"),
+])
+def test_what_cannot_run_is_one_line_and_exit_2(config, words, tmp_path, capsys):
+    path = written(tmp_path, config)
+    assert main(["--hook", "deepspeed_zero2", "--nserver", "0", "--ds-config", path, "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and words in captured.err, captured.err
+
+
+def test_offload_and_zero_plus_plus_are_left_to_deepspeed_where_a_gpu_is(tmp_path):
+    zero = {"stage": 3, "offload_param": {"device": "cpu"}, "zero_quantized_weights": True}
+    cfg = RunConfig(hook="deepspeed_zero3", nserver=0, ds_config=written(tmp_path, {"zero_optimization": zero}))
+    config, _ = resolve_config(cfg, 3, gpus=8)
+    assert config["zero_optimization"]["zero_quantized_weights"] is True
+
+
+def test_ds_config_goes_with_a_deepspeed_hook_only(tmp_path):
+    with pytest.raises(ConfigError, match="--ds-config configures DeepSpeed: it goes with --hook deepspeed_zero1, 2 "
+                                          "or 3 \\(got --hook fsdp\\)"):
+        job("--hook", "fsdp", "--nserver", "0", "--ds-config", written(tmp_path, {}))
+
+
+@pytest.mark.parametrize("options, words", [
+    (["period=6", "fragments=4"], "hook option 'fragments' must divide the period (6); got 4"),
+    (["period=8", "fragments=2", "fragment_sync_delay=4"], "'fragment_sync_delay' must be in [0, period/fragments = "
+                                                           "4); got 4"),
+    (["outer_momentum=1.0"], "hook option 'outer_momentum' must be in [0, 1); got 1.0"),
+])
+def test_torchft_diloco_options_are_checked(options, words):
+    flags = [flag for option in options for flag in ("--hook-option", option)]
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        job("--hook", "torchft_diloco", "--nserver", "0", *flags)
+    with pytest.raises(ConfigError, match="--hook torchft_local_sgd cannot be combined with --verify"):
+        job("--hook", "torchft_local_sgd", "--nserver", "0", "--verify")
+
+
+@pytest.mark.parametrize("hook, package", [("deepspeed_zero1", "deepspeed"), ("torchft_diloco", "torchft")])
+def test_without_its_package_an_engine_is_one_line_saying_how_to_install_it(hook, package):
+    probe = (f"import sys; sys.modules[{package!r}] = None\n"  # as if it were not installed
+             f"from ps_bench.cli import main; sys.exit(main(['--hook', {hook!r}, '--nserver', '0', '--dry-run']))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (f"ps_bench: error: --hook {hook} runs on {package}, which is not installed: "
+                           f"pip install -e \".[{package}]\"\n")
