@@ -149,9 +149,7 @@ def check_pieces(cfg: RunConfig) -> Strategy:
     if not record.takes_servers:
         need(cfg.num_servers == 0, f"--hook {cfg.hook} ({record.family} family) trains without parameter servers: "
                                    f"set --nserver 0 (got --nserver {cfg.nserver}, --ncudaserver {cfg.ncudaserver})")
-        unsupported = ["--limits"] if cfg.limits else []
-        unsupported += ["--verify"] if cfg.verify and record.wrap == FSDP else []
-        unsupported += ["--gradient-as-bucket-view"] if cfg.gradient_as_bucket_view and record.wrap in (FSDP, ENGINE) \
+        unsupported = ["--gradient-as-bucket-view"] if cfg.gradient_as_bucket_view and record.wrap in (FSDP, ENGINE) \
             else []
         need(not unsupported, f"--hook {cfg.hook} cannot be combined with {', '.join(unsupported)} yet "
                               f"(its floors and gradient captures are those of a DDP hook)")

@@ -249,6 +249,48 @@ def collective_floor_ms(messages: dict[int, list[tuple[int, str]]], device: torc
     return _timed(repeat, once, sync)
 
 
+def run_collective(kind: str, whole: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """One raw collective over ``whole`` (an all-reduce's buffer, an all-gather's output, a
+    reduce-scatter's input, a broadcast's buffer from the group's first rank), waited for."""
+    size = group.size()
+    if kind == "all_reduce":
+        dist.all_reduce(whole, group=group)
+    elif kind == "broadcast":
+        dist.broadcast(whole, src=dist.get_global_rank(group, 0), group=group)
+    elif kind == "all_gather":
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+            whole, whole[:whole.numel() // size].clone(), group=group)
+    else:  # reduce_scatter
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+            whole[:whole.numel() // size].clone(), whole, group=group)
+
+
+def steps_floor_ms(steps: list[tuple[str, dist.ProcessGroup, int]], device: torch.device, group: dist.ProcessGroup,
+                   repeat: int = FLOOR_ITERATIONS) -> dict[str, list[float]]:
+    """A strategy's own collectives with nothing of it around them: ``steps``, ``(collective,
+    group, elements)`` of float32, one after the other as the strategy issues them, each waited
+    for; per repetition, the ms of each collective (summed over the steps of that kind) and
+    their ``total``. Buffers of each step's size, padded to a multiple of its group's size."""
+    buffers = [(kind, on, torch.ones(-(-elements // on.size()) * on.size(), device=device))
+               for kind, on, elements in steps]
+    samples: dict[str, list[float]] = {"total": []}
+    for index in range(FLOOR_WARMUP + repeat):
+        dist.barrier(group=group)
+        spent: dict[str, float] = {}
+        began = now_ms()
+        for kind, on, buffer in buffers:
+            start = now_ms()
+            run_collective(kind, buffer, on)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            spent[kind] = spent.get(kind, 0.0) + now_ms() - start
+        if index >= FLOOR_WARMUP:
+            samples["total"].append(now_ms() - began)
+            for kind, ms in spent.items():
+                samples.setdefault(kind, []).append(ms)
+    return samples
+
+
 def compute_floor_ms(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor,
                      batch_size: int, group: dist.ProcessGroup, lr: float,
                      repeat: int = FLOOR_ITERATIONS) -> list[float]:

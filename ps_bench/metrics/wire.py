@@ -11,6 +11,10 @@ torch has are wrapped: torch 2.14 calls the single-tensor forms ``all_gather_sin
 ``reduce_scatter_single``, torch 2.11 ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
 (in 2.14 those call the new ones inside torch, past the wrapper, so nothing counts twice).
 
+Each counted call's interval, from the call to the completion of its work, is kept too
+(``ByteCounter.timings``, tagged by collective and iteration): the time a strategy without DDP's
+buckets (FSDP2, ZeRO's broadcasts, DeepSpeed) spends in its collectives.
+
 Bytes between hosts are counted apart (``ByteCounter.crossing``, host to host), as a ring in
 the group's rank order moves them: what a rank sends in a ring collective goes to its
 successor, so it crosses a host link where the successor is on another host; a broadcast's
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -44,6 +50,24 @@ class ByteCounter:
         self.rank = 0  # this trainer's rank in the job (= in the trainers' group)
         self.crossing: dict[tuple[int, int], int] = {}  # (from host, to host) -> bytes, hosts apart only
         self._successors: dict[object, int | None] = {}  # process group -> its ring successor's rank
+        self.iteration = 0  # the trainer's current iteration, which its collectives' intervals belong to
+        # (iteration, start, end, collective): every counted collective, from its call to its completion
+        self.timings: deque[tuple[int, float, float, str]] = deque()
+
+    def time(self, collective: str, started: float, work) -> None:
+        """Keeps a collective's interval: until ``work`` completes (an asynchronous call), else now."""
+        if self.paused:
+            return
+        iteration, keep = self.iteration, self.timings.append
+        if work is None:
+            keep((iteration, started, time.perf_counter(), collective))
+        else:
+            work.get_future().then(lambda _: keep((iteration, started, time.perf_counter(), collective)))
+
+    def take_timings(self) -> list[tuple[int, float, float, str]]:
+        """The intervals kept since the last call, sorted."""
+        pop = self.timings.popleft
+        return sorted(pop() for _ in range(len(self.timings)))
 
     def add(self, sent: int = 0, recv: int = 0, peer: int | None = None) -> None:
         """``sent`` to and ``recv`` from ``peer`` (a rank of the job; None: no single peer)."""
@@ -109,16 +133,18 @@ def install(counter: ByteCounter) -> None:
     @functools.wraps(all_reduce)
     def counted_all_reduce(tensor: torch.Tensor, *args, **kwargs):
         group = kwargs.get("group", args[1] if len(args) > 1 else None)
+        started = time.perf_counter()
         if _counter is not None:
             _counter.add_ring(allreduce_bytes(tensor_bytes(tensor), _world(group), tensor.is_sparse), group)
-        return all_reduce(tensor, *args, **kwargs)
+        return timed("all_reduce", started, all_reduce(tensor, *args, **kwargs))
 
     @functools.wraps(all_gather)
     def counted_all_gather(tensor_list, tensor: torch.Tensor, *args, **kwargs):
         group = kwargs.get("group", args[0] if args else None)
+        started = time.perf_counter()
         if _counter is not None:
             _counter.add_ring(allgather_bytes(tensor_bytes(tensor), _world(group)), group)
-        return all_gather(tensor_list, tensor, *args, **kwargs)
+        return timed("all_gather", started, all_gather(tensor_list, tensor, *args, **kwargs))
 
     dist.all_reduce, dist.all_gather = counted_all_reduce, counted_all_gather
     for name in ("all_gather_single", "all_gather_into_tensor"):
@@ -139,13 +165,14 @@ def counted_single(collective, kind: str):
 
     @functools.wraps(collective)
     def counted(*args, **kwargs):
+        started = time.perf_counter()
         if _counter is not None:
             given = dict(zip(names, args)) | kwargs
             group = given.get("group")
             whole = given[names[0]] if kind == "all_gather" else given[names[1]]
             backend = dist.get_backend(group) if group is not None else dist.get_backend()
             _counter.add_ring(collective_bytes(kind, tensor_bytes(whole), _world(group), backend), group)
-        return collective(*args, **kwargs)
+        return timed(kind, started, collective(*args, **kwargs))
 
     return counted
 
@@ -155,6 +182,7 @@ def counted_broadcast(broadcast):
 
     @functools.wraps(broadcast)
     def counted(tensor: torch.Tensor, *args, **kwargs):
+        started = time.perf_counter()
         if _counter is not None:
             group = kwargs.get("group", args[1] if len(args) > 1 else None)
             world = _world(group)
@@ -169,9 +197,16 @@ def counted_broadcast(broadcast):
                         _counter.add(sent=nbytes, peer=peer)
             elif world > 1:
                 _counter.add(recv=nbytes)
-        return broadcast(tensor, *args, **kwargs)
+        return timed("broadcast", started, broadcast(tensor, *args, **kwargs))
 
     return counted
+
+
+def timed(collective: str, started: float, work):
+    """Keeps the interval of a collective call (``ByteCounter.time``) and returns what it returned."""
+    if _counter is not None:
+        _counter.time(collective, started, work)
+    return work
 
 
 def host_links(traffic: dict[tuple[int, int], int], hosts: list[dict], iterations: int) -> dict:

@@ -282,15 +282,26 @@ def measured(calibration: Calibration, compared: list[Run], hook: str, n: int, k
             "runs": [run.path for run in matches], "calibration": any(run in calibration.runs for run in matches)}
 
 
+TIE = 0.01  # strategies predicted within 1 % of the fastest tie with it
+
+
 def winners(rows: list[dict]) -> list[dict]:
-    """The fastest strategy (and server count) at each trainer count."""
+    """The fastest strategy (and server count) at each trainer count, and the others that tie
+    with it (``tied_with``: within ``TIE`` of its batch time, labelled as ``label`` does)."""
     best: dict[int, dict] = {}
     for row in rows:
         if row["trainers"] not in best or row["batch_ms"] < best[row["trainers"]]["batch_ms"]:
             best[row["trainers"]] = row
     return [{"trainers": n, "strategy": row["strategy"], "servers": row["servers"], "batch_ms": row["batch_ms"],
-             **({"servers_on": row["servers_on"]} if row.get("servers_on") else {})}
+             **({"servers_on": row["servers_on"]} if row.get("servers_on") else {}),
+             "tied_with": [label(other) for other in rows if other["trainers"] == n and other is not row
+                           and other["batch_ms"] <= row["batch_ms"] * (1 + TIE)]}
             for n, row in sorted(best.items())]
+
+
+def label(row: dict) -> str:
+    """A strategy with its servers, as the winner lines name it."""
+    return row["strategy"] + ("" if row["servers"] is None else f" ({servers_label(row)} servers)")
 
 
 def servers_label(row: dict) -> str:
@@ -334,13 +345,21 @@ def render(rows: list[dict]) -> str:
 
 
 def render_winners(best: list[dict]) -> str:
-    lines = ["", "winner per trainer count: " + ", ".join(
-        f"{w['trainers']}: {w['strategy']}{'' if w['servers'] is None else ' (' + servers_label(w) + ' servers)'}"
-        for w in best)]
+    """The winner at each trainer count ("tie: a, b" within 1 %), and where the winners change:
+    a crossover between two counts whose winners (and those tied with them) have none in common."""
+    def named(w: dict) -> str:
+        return f"tie: {', '.join([label(w), *w['tied_with']])}" if w["tied_with"] else label(w)
+
+    def strategies(w: dict) -> set[str]:
+        return {w["strategy"], *(tied.split(" (")[0] for tied in w["tied_with"])}
+
+    lines = ["", "winner per trainer count: " + ", ".join(f"{w['trainers']}: {named(w)}" for w in best)]
     for before, after in zip(best, best[1:]):
-        if before["strategy"] != after["strategy"]:
-            lines.append(f"crossover: {before['strategy']} wins at {before['trainers']} trainers, {after['strategy']} "
-                         f"at {after['trainers']}")
+        if not strategies(before) & strategies(after):
+            lines.append(f"crossover: {' and '.join(sorted(strategies(before)))} "
+                         f"{'tie' if len(strategies(before)) > 1 else 'wins'} at {before['trainers']} trainers, "
+                         f"{' and '.join(sorted(strategies(after)))} {'tie' if len(strategies(after)) > 1 else 'win'} "
+                         f"at {after['trainers']}".replace(" win at", " at"))
     return "\n".join(lines)
 
 

@@ -108,6 +108,10 @@ def render_limits(limits: dict, efficiency: dict | None) -> str:
     if own:
         rows.append([f"the strategy's own messages ({own['transport']}, {own['bytes_per_iter']} B)", own["p50_ms"],
                      own["p90_ms"], own["algbw_gbps"], own.get("busbw_gbps")])
+    steps = limits.get("steps")
+    for kind, step in (steps or {}).get("collectives", {}).items():
+        every = f", once every {step['iterations']} iterations" if step["iterations"] > 1 else ""
+        rows.append([f"its own {kind.replace('_', '-')}s{every}", step["p50_ms"], None, None, None])
     memcpy = limits["memcpy"]
     rows.append(["memcpy, one process", memcpy["p50_ms"], None, memcpy["gbps"], None])
     if limits.get("compute"):
@@ -131,6 +135,10 @@ def render_limits(limits: dict, efficiency: dict | None) -> str:
         if efficiency.get("exposed_value") is not None:
             lines.append(f"exposed: {efficiency['exposed_value']:.3f} ({efficiency['floor']} floor p50 / "
                          f"{efficiency['exposed_ms']:.3f} ms = trainer batch p50 - compute-only p50)")
+        for kind, entry in (efficiency.get("collectives") or {}).items():
+            if entry["value"] is not None:
+                lines.append(f"  {kind.replace('_', '-')}: {entry['value']:.3f} (floor {entry['floor_ms']:.3f} ms / open "
+                             f"{entry['measured_ms']:.3f} ms an iteration)")
         if efficiency.get("floor_of") == "its own messages" and efficiency.get("gain_over_float32") is not None:
             lines.append(f"gain over sending float32: {efficiency['gain_over_float32']:.3f} ({efficiency['floor']} "
                          f"floor of the float32 buckets, p50 {efficiency['float32_floor_ms']:.3f} ms / "

@@ -21,6 +21,7 @@ from ps_bench.metrics.costs import collective_bytes
 from ps_bench.metrics.memory import combine_peaks, peak_memory
 from ps_bench.metrics.stats import SMOOTHING, SummaryRow, smoothed_loss, summary_rows
 from ps_bench.metrics.wire import host_links
+from ps_bench.results import floors
 from ps_bench.results.files import SCHEMA, iso_now
 from ps_bench.runtime.topology import Topology
 from ps_bench.strategies.base import EVERY_ITERATION
@@ -82,6 +83,8 @@ class RunRecord:
         self.losses: list[float] = []  # mean training loss of each timed round
         self.grad_errors: list[float] = []
         self.engine_counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # --verify, an engine's own: calls, bytes
+        self.collective_ms: dict[str, float] = defaultdict(float)  # ms each collective's calls were open, all trainers
+        self.collective_iterations = 0  # the timed iterations those ms were taken over, all trainers
         self.verified_iterations = 0
         self.memory: dict[str, dict[int, dict]] = {"trainer": {}, "server": {}}
         self.buckets: list[dict] | None = None  # DDP's buckets as it built them, from trainer 0
@@ -117,6 +120,9 @@ class RunRecord:
             self.trainer_bytes[info.rank][0] += result["bytes_sent"]
             self.trainer_bytes[info.rank][1] += result["bytes_recv"]
             self.grad_errors.extend(result["grad_errors"])
+            for kind, ms in result.get("collectives", {}).items():
+                self.collective_ms[kind] += ms
+            self.collective_iterations += len(result["samples"].get("batch", []))
             for name, (calls, nbytes) in (result.get("engine_counts", {}) if info.index == 0 else {}).items():
                 self.engine_counts[name][0] += calls
                 self.engine_counts[name][1] += nbytes
@@ -230,7 +236,7 @@ class RunRecord:
     def results(self, status: str, error: str | None = None) -> dict:
         """The ``ps_bench.result/1`` object of the run so far."""
         cfg, topo = self.config, self.topology
-        floors = self.limits()
+        measured_floors = self.limits()
         return {
             "schema": SCHEMA,
             "status": status,
@@ -274,7 +280,7 @@ class RunRecord:
                 "server": combine_peaks(list(self.memory["server"].values())) if topo.num_servers else None,
                 "master": peak_memory(),
             },
-            **({"limits": floors, "efficiency": self.efficiency(floors)} if floors else {}),
+            **({"limits": measured_floors, "efficiency": self.efficiency(measured_floors)} if measured_floors else {}),
             "samples": [
                 {"role": info.role, "rank": info.rank, "name": info.name, "metrics": dict(samples.get(info.rank, {}))}
                 for info, samples in [(i, self.trainer_samples) for i in topo.trainers]
@@ -323,52 +329,12 @@ class RunRecord:
         return out
 
     def limits(self) -> dict | None:
-        """The floors' statistics over every round's samples, pooled over trainers, and memcpy;
-        None until the memcpy floor is in (``--limits``, once the rounds are over)."""
-        samples = self.floor_samples
-        if self.floor_messages is None or self.memcpy is None:
-            return None
-        per_iteration = limits.message_bytes(self.floor_messages)
-        strategy = self.strategy
-        own = None
-        if self.own_messages is not None and samples["own_ms"]:
-            own_bytes = limits.message_bytes(self.own_messages)
-            own = {**limits.floor_summary(samples["own_ms"], own_bytes,
-                                          world=self.topology.num_trainers if strategy.floor == "collective" else None),
-                   "transport": strategy.floor, "bytes_per_iter": own_bytes,
-                   "messages": {str(index): parts for index, parts in self.own_messages.items()}}
-        return {
-            "bytes_per_iter": per_iteration,
-            "buckets": len(self.floor_messages),
-            "rpc": limits.floor_summary(samples["rpc_ms"], per_iteration) if samples["rpc_ms"] else None,
-            "collective": {**limits.floor_summary(samples["collective_ms"], per_iteration,
-                                                  world=self.topology.num_trainers),
-                           "backend": self.config.backend},
-            "own": own,
-            "memcpy": self.memcpy,
-            "link": limits.link_summary(
-                {int(kind[5:]): values for kind, values in samples.items() if kind.startswith("link_")},
-                "allreduce" if self.topology.num_trainers > 1 else "rpc", self.topology.num_trainers),
-            "compute": {"count": len(samples["compute_ms"]), "p50_ms": float(np.median(samples["compute_ms"]))},
-        }
+        """``--limits``: the floors measured and the strategy's efficiency against them
+        (``ps_bench.results.floors``); None until the memcpy floor is in."""
+        return floors.limits(self)
 
-    def efficiency(self, floors: dict) -> dict | None:
-        """The strategy's own floor p50 (its transport's float32 floor when it sends its float32
-        buckets) over its trainer ``comm`` p50, and the float32 floor over the same cost (None
-        for strategies that move nothing)."""
-        kind = self.strategy.floor
-        uncompressed = floors.get(kind) if kind else None
-        p50 = {r.metric: r.p50 for r in self.rows() if r.role == "trainer" and r.unit == "ms"}
-        if uncompressed is None or "comm" not in p50:
-            return None
-        floor = floors["own"] or uncompressed
-        exposed_ms = max(0.0, p50["batch"] - floors["compute"]["p50_ms"])
-        return {"floor": kind, "floor_of": "its own messages" if floors["own"] else "its float32 buckets",
-                "floor_ms": floor["p50_ms"], "cost": "trainer comm p50", "cost_ms": p50["comm"],
-                "value": limits.efficiency(floor["p50_ms"], p50["comm"]),
-                "exposed_ms": exposed_ms, "exposed_value": limits.efficiency(floor["p50_ms"], exposed_ms),
-                "float32_floor_ms": uncompressed["p50_ms"],
-                "gain_over_float32": limits.efficiency(uncompressed["p50_ms"], p50["comm"])}
+    def efficiency(self, measured: dict) -> dict | None:
+        return floors.efficiency(self, measured)
 
 
 def finite_or_none(value: float | None) -> float | None:

@@ -231,7 +231,9 @@ class Master:
         trainer and every round."""
         record, cfg = self.record, self.config
         if record.floor_messages is None:
-            buckets = trainers[0].rpc_sync().bucket_layout()
+            # DDP's buckets; without them (FSDP2, an engine, torchft), the model's gradients as one
+            buckets = trainers[0].rpc_sync().bucket_layout() or [
+                {"index": 0, "bytes": self.model.size["dense_gradient_bytes"], "sparse": False, "shapes": []}]
             record.floor_messages = limits.floor_messages(HOOKS.record("allreduce"), buckets, {})
             own = limits.floor_messages(self.job.strategy, buckets, hook_options(cfg.hook, cfg.hook_options))
             record.own_messages = own if own != record.floor_messages else None

@@ -211,6 +211,12 @@ class Hierarchical(InOrder):
             return self.after_previous(lambda: allreduce(ctx, bucket))
         return self.after_previous(lambda: self.two_level(bucket.buffer()))
 
+    def floor_steps(self, buckets: list[int]) -> list[tuple[str, dist.ProcessGroup, int]]:
+        """``--limits``: each bucket's three steps on the groups it runs them on."""
+        return [step for elements in buckets for step in (
+            ("all_reduce", self.intra, elements), ("all_reduce", self.inter, -(-elements // self.per_host)),
+            ("all_gather", self.intra, elements))]
+
     def two_level(self, tensor: torch.Tensor) -> Future:
         numel, done = tensor.numel(), Future()
         padded = torch.cat([tensor, tensor.new_zeros(-numel % self.per_host)]) if numel % self.per_host else tensor.clone()

@@ -20,9 +20,7 @@ in its family's module, registered with its record.
 
 from __future__ import annotations
 
-import inspect
 import time
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,7 +31,6 @@ from torch import nn
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
-from ps_bench.config import as_type
 from ps_bench.metrics.timers import IntervalTracker, tensor_bytes
 from ps_bench.metrics.wire import ByteCounter, collective_bytes
 from ps_bench.registry import Registry
@@ -163,10 +160,12 @@ class HookContext:
     # on a GPU: (iteration, CUDA event recorded as DDP handed a bucket over), in hand-over order
     ready_events: list | None = None
     capturing: bool = False  # --verify: keep this iteration's buckets
+    batch: tuple | None = None  # --verify, a strategy without a hook: the captured iteration's (inputs, targets)
     noting: bool = True  # record this iteration's bucket sizes (the trainer asks once per round)
     captures: list[Capture] = field(default_factory=list)
     engine_config: dict | None = None  # an engine's config, resolved when the job was validated (Job.engine_config)
     engine_bytes: bool = False  # --verify with an engine: keep the engine's own counts of its collectives
+    verifying: bool = False  # --verify: some iterations will be captured
     # the last whole iteration's buckets, index -> (payload bytes, sparse, gradient shapes): the size
     # report, --limits
     buckets: dict[int, tuple[int, bool, list]] = field(default_factory=dict)
@@ -276,6 +275,14 @@ class Synchroniser:
     def close(self) -> None:
         """Once training is over, on every trainer at once: stops what the strategy started."""
 
+    def floor_steps(self, ctx: HookContext, sends: tuple[tuple[str, str], ...], elements: int,
+                    buckets: list[int]) -> list[tuple[str, dist.ProcessGroup, int]]:
+        """``--limits``: the collectives it issues besides DDP's buckets, ``(collective, group,
+        float32 elements)``, for the floor of its own steps: by default its record's ``sends``,
+        each over the model's ``elements`` on the trainers' group (``buckets``: DDP's, in
+        elements, for a hook that works bucket by bucket)."""
+        return [(collective, ctx.process_group, elements) for collective, _ in sends]
+
     def end_round(self, ctx: HookContext, model: nn.Module) -> None:
         """After a round, outside the clock: whatever ``parameters_vector`` needs."""
 
@@ -294,6 +301,12 @@ class HookOnly(Synchroniser):
     def __init__(self, hook: Hook) -> None:
         self.hook = hook
 
+    def floor_steps(self, ctx: HookContext, sends: tuple[tuple[str, str], ...], elements: int,
+                    buckets: list[int]) -> list[tuple[str, dist.ProcessGroup, int]]:
+        """A hook that steps through groups of its own says which (``floor_steps(buckets)``)."""
+        steps = getattr(self.hook, "floor_steps", None)
+        return steps(buckets) if steps is not None else super().floor_steps(ctx, sends, elements, buckets)
+
 
 def flat_parameters(parameters) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in parameters])
@@ -311,41 +324,6 @@ def timed_collective(ctx: HookContext, run: Callable[[], Any]) -> Any:
         return run()
     finally:
         ctx.comm.add((ctx.iteration, start, time.perf_counter()))
-
-
-def option_types(name: str) -> dict[str, tuple[type, Any]]:
-    """The options a hook takes: name -> (type, default)."""
-    factory = HOOKS.get(name)
-    target = factory.__init__ if inspect.isclass(factory) else factory
-    hints = typing.get_type_hints(target)
-    out = {}
-    for parameter in list(inspect.signature(factory).parameters.values())[1:]:  # after ctx
-        out[parameter.name] = (hints[parameter.name], parameter.default)
-    return out
-
-
-def hook_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The options a hook runs with: its defaults, then ``options``."""
-    return {**{key: default for key, (_, default) in option_types(name).items()}, **options}
-
-
-def check_hook_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Validates options for a hook; raises ValueError with a sentence for people."""
-    known = option_types(name)
-    checked = {}
-    for key, value in options.items():
-        if key not in known:
-            valid = ", ".join(known) if known else "none (this hook takes no options)"
-            raise ValueError(f"hook {name!r} has no option {key!r}; its options: {valid}")
-        kind = known[key][0]
-        try:
-            checked[key] = as_type(value, kind)
-        except TypeError:
-            raise ValueError(f"hook option {key!r} must be {kind.__name__}; got {value!r}") from None
-    factory = HOOKS.get(name)
-    if hasattr(factory, "check"):
-        factory.check(**{k: d for k, (_, d) in known.items()} | checked)
-    return checked
 
 
 def instrument(hook: Hook) -> Hook:

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import copy
+import os
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ps_bench.strategies.allreduce import allreduce
-from ps_bench.strategies.base import (COLLECTIVE, FSDP, GATHERED, HOOKS, SHARDED, HookContext, OptimizerSpec, Strategy,
-                                      Synchroniser, flat_parameters)
+from ps_bench.strategies.base import (COLLECTIVE, FSDP, GATHERED, HOOKS, SHARDED, Capture, HookContext, OptimizerSpec,
+                                      Strategy, Synchroniser, flat_parameters)
 MESH_NAMES = ("replicate", "shard")  # a 2-D mesh replicates across its rows and shards within each
 # torch.distributed.fsdp and torch.distributed.optim import DTensor's operators, over a second of CPU:
 # only the trainers of a run that shards pay for them, where they wrap the model.
@@ -45,9 +49,14 @@ class FullyShard(Synchroniser):
 
     def __init__(self, ctx: HookContext) -> None:
         self.gathered: torch.Tensor | None = None
+        self.ctx, self.model = ctx, None
+        self.local: nn.Module | None = None  # --verify: the model whole, for each trainer's own gradient
+        self.loss_fn = nn.CrossEntropyLoss()
 
     def wrap(self, network: nn.Module, ctx: HookContext, ddp_options: dict[str, Any],
              optimizer: OptimizerSpec) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if ctx.verifying:
+            self.local = copy.deepcopy(network)
         from torch.distributed.device_mesh import init_device_mesh
         try:
             from torch.distributed.fsdp import fully_shard
@@ -55,11 +64,36 @@ class FullyShard(Synchroniser):
             from torch.distributed._composable.fsdp import fully_shard
         device = next(network.parameters()).device
         shape = self.mesh_shape(ctx)
-        mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_NAMES[-len(shape):])
+        mesh = self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_NAMES[-len(shape):])
         for module in shard_units(network):
             fully_shard(module, mesh=mesh)
         fully_shard(network, mesh=mesh)
+        self.model = network
         return network, optimizer.build(network.parameters())
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``--verify``, on a captured iteration: after FSDP2's backward, the gradients it delivered
+        (gathered whole) and this trainer's own, from the whole model at the same parameters on
+        the same batch; the trainer holds the first to the mean of the second (not counted)."""
+        loss.backward()
+        ctx = self.ctx
+        if not (ctx.capturing and ctx.batch is not None and self.local is not None):
+            return
+        corrupt(ctx, self.model)
+        ctx.wire.paused = True
+        try:
+            parameters = list(self.model.parameters())
+            delivered = flat_parameters(whole(p.grad) for p in parameters)
+            with torch.no_grad():
+                for mine, parameter in zip(self.local.parameters(), parameters):
+                    mine.copy_(whole(parameter))
+            self.local.zero_grad(set_to_none=True)
+            inputs, targets = ctx.batch
+            self.loss_fn(self.local(*inputs), targets).backward()
+            own = flat_parameters(p.grad for p in self.local.parameters())
+            ctx.captures.append(Capture(ctx.iteration, 0, own, delivered))
+        finally:
+            ctx.wire.paused = False
 
     @staticmethod
     def mesh_shape(ctx: HookContext) -> tuple[int, ...]:
@@ -79,7 +113,22 @@ class FullyShard(Synchroniser):
 
     def full_parameters(self, model: nn.Module) -> torch.Tensor:
         """Every parameter whole, flattened: an all-gather of each sharded one."""
-        return flat_parameters(p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters())
+        return flat_parameters(whole(p) for p in model.parameters())
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor (a DTensor) gathered whole; any other as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def corrupt(ctx: HookContext, model: nn.Module) -> None:
+    """For the tests only: ``PS_BENCH_CORRUPT_GRADIENT=TRAINER:ITERATION`` doubles that trainer's
+    share of the delivered gradients at that iteration, a wrong gradient ``--verify`` must catch."""
+    trainer, _, iteration = os.environ.get("PS_BENCH_CORRUPT_GRADIENT", "").partition(":")
+    if trainer and int(trainer) == dist.get_rank(ctx.process_group) and int(iteration) == ctx.iteration:
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.grad.mul_(2)
 
 
 # its collectives run over a host's trainers and over each shard's hosts, which ``sends`` (collectives
@@ -96,6 +145,14 @@ class HybridShard(FullyShard):
     def mesh_shape(ctx: HookContext) -> tuple[int, ...]:
         """Hosts x trainers per host: host k is trainers [kG, (k+1)G), a row of the mesh."""
         return (ctx.process_group.size() // ctx.per_host, ctx.per_host)
+
+    def floor_steps(self, ctx: HookContext, sends: tuple[tuple[str, str], ...], elements: int,
+                    buckets: list[int]) -> list[tuple[str, dist.ProcessGroup, int]]:
+        """``--limits``: the parameters gathered twice and the gradients reduce-scattered among a
+        host's trainers, each host's shard all-reduced across the hosts."""
+        within, across = self.mesh.get_group("shard"), self.mesh.get_group("replicate")
+        return [("all_gather", within, elements), ("all_gather", within, elements),
+                ("reduce_scatter", within, elements), ("all_reduce", across, -(-elements // ctx.per_host))]
 
 
 @HOOKS.register("zero1", aliases=("zero", "ZeroRedundancyOptimizer"),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import copy
 import math
 import time
 from pathlib import Path
@@ -90,6 +89,7 @@ class DdpTrainer:
             ready_events=[] if self.device.type == "cuda" else None,
             engine_config=engine_config,
             engine_bytes=config.verify,
+            verifying=config.verify,
         )
         self.hook_context.wire.hosts, self.hook_context.wire.rank = rank_hosts, trainer_index  # trainers rank first
         wire.install(self.hook_context.wire)
@@ -114,6 +114,8 @@ class DdpTrainer:
         self.epochs = config.epochs
         self.iterations_per_epoch = len(targets) // config.batch_size
         self._compute_copy: nn.Module | None = None  # --limits: the model outside DDP, made once
+        self.entry, self.seed = model, config.torch_seed  # --limits builds the compute-only copy from them
+        self.elements = sum(p.numel() for p in network.parameters())  # the whole model's, before any sharding
 
     def ready(self) -> int:
         return self.iterations_per_epoch * self.epochs
@@ -162,10 +164,11 @@ class DdpTrainer:
             if convergence is not None and convergence.check(iteration, x, y):  # outside the clock
                 break
             iteration += 1
-            ctx.iteration = iteration
+            ctx.iteration = wire.iteration = iteration
             marked = step in special
             if marked:
                 ctx.capturing, ctx.noting = step in checked, step == last
+                ctx.batch = (x, y) if ctx.capturing else None
                 if step in traced and profiler is None:
                     profiler = start_profiler(self.device)
             if fault is not None:
@@ -187,6 +190,7 @@ class DdpTrainer:
             append_loss(loss.detach())
             if marked:
                 ctx.capturing = ctx.noting = False
+                ctx.batch = None
                 if profiler is not None and step == max(traced):
                     profiler = finish_profile(profiler, profile_path)
         else:
@@ -203,7 +207,10 @@ class DdpTrainer:
         phases = timer.phases(readings)
         moved = np.diff([(sent_before, recv_before)] + [record[4:] for record in records], axis=0)
         intervals, first_iteration, untimed = ctx.comm.drain(), iteration - iterations + 1, checked | traced
-        samples = self.round_samples(phases, moved, covered_ms(intervals), first_iteration, untimed=untimed)
+        # comm: while a bucket's hook or any collective was open (FSDP2, ZeRO and DeepSpeed have no hook)
+        timings = [timing for timing in wire.take_timings() if timing[0] - first_iteration not in untimed]
+        opened = sorted(intervals + [timing[:3] for timing in timings]) if timings else intervals
+        samples = self.round_samples(phases, moved, covered_ms(opened), first_iteration, untimed=untimed)
         # when each bucket became ready and was done, after backward began, in the round's last
         # timed iterations: on the CPU's clock, or on a GPU the device's (CUDA events)
         timeline = {}
@@ -227,6 +234,8 @@ class DdpTrainer:
                if hasattr(self.synchroniser, "engine_counts") else {}),
             "memory": peak_memory(self.device),
             "timeline": timeline,
+            "collectives": {kind: sum(covered_ms([timing[:3] for timing in timings if timing[3] == kind]).values())
+                            for kind in sorted({timing[3] for timing in timings})},  # ms in the timed iterations
             "host_traffic": [[source, destination, nbytes] for (source, destination), nbytes
                              in sorted(wire.take_crossing().items())],
             **({"convergence": convergence.take(phases.sum(axis=1).tolist())} if convergence is not None else {}),
@@ -303,13 +312,14 @@ class DdpTrainer:
         """``--limits``: ``repeat`` repetitions of the raw RPC floor (to ``targets[0]``, one per
         server, when there are servers) and of the raw collective floor, moving ``messages`` (the
         float32 buckets); of the strategy's ``own`` floor, its own messages over its own transport
-        (to ``targets[1]`` for RPC), when they differ; of the link probe and of the compute-only
-        iteration. Nothing here counts as wire bytes. Every trainer must call it at once (each
-        repetition starts with a barrier)."""
+        (to ``targets[1]`` for RPC), when they differ; of its own steps besides the buckets (its
+        synchroniser's ``floor_steps``: each collective it issues, on its groups, as ``step_*``);
+        of the link probe and of the compute-only iteration. Nothing here counts as wire bytes.
+        Every trainer must call it at once (each repetition starts with a barrier)."""
         ctx = self.hook_context
         out: dict[str, list[float]] = {}
-        if self._compute_copy is None:
-            self._compute_copy = copy.deepcopy(self.model.module)
+        if self._compute_copy is None:  # the model whole, outside DDP, FSDP2 or an engine
+            self._compute_copy = build_model(self.entry.class_name, self.entry.kwargs, self.seed).to(self.device)
         ctx.wire.paused = True
         try:
             if targets:
@@ -327,6 +337,11 @@ class DdpTrainer:
                                                                        ctx.process_group, repeat)
                 elif targets:
                     out[f"link_{nbytes}"] = limits.echo_ms(nbytes, targets[0][0], ctx.process_group, repeat)
+            steps = self.synchroniser.floor_steps(ctx, self.strategy.sends, self.elements,
+                                                  [nbytes // 4 for nbytes, _, _ in ctx.buckets.values()])
+            if steps:
+                out.update({f"step_{kind}_ms": values for kind, values in
+                            limits.steps_floor_ms(steps, self.device, ctx.process_group, repeat).items()})
             out["compute_ms"] = limits.compute_floor_ms(self._compute_copy, self.inputs, self.targets, self.batch_size,
                                                         ctx.process_group, self.lr, repeat)
         finally:

@@ -68,6 +68,19 @@ def test_hierarchical_allreduces_within_then_across_hosts_and_ends_with_allreduc
     assert results["bytes"]["trainer_sent_per_iter"] == within + across
 
 
+@pytest.mark.parametrize("mapping", ["shard", "group"])
+def test_ps_node_sums_each_host_once_and_ends_with_allreduces_parameters(mapping, bench_runs):
+    """4 trainers, 2 per host, 2 servers: each host's gradient summed within the host, pushed and
+    pulled once per host by its lead trainer, broadcast within the host; --verify: the exact mean."""
+    results = bench_runs.ok("--hook", "ps_node", *QUICK, "--nserver", "2", "--mapping", mapping, "--ntrainer", "4",
+                            "--per-host", "2", "--verify", timeout_s=180)
+    check_contract(results)
+    baseline = bench_runs.ok("--hook", "allreduce", *QUICK, "--ntrainer", "4", timeout_s=120)
+    assert_same_parameters(results, baseline)
+    assert results["verify"]["grad_rel_error_max"] < 1e-6, results["verify"]
+    assert results["bytes"]["server_recv_per_iter"] > 0
+
+
 @pytest.mark.parametrize("hook, options", [("local_sgd", ("period=1",)),
                                            ("diloco", ("period=1", "outer_lr=1", "outer_momentum=0"))])
 def test_a_local_strategy_with_a_period_of_one_is_allreduce(hook, options, bench_runs):

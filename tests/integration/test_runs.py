@@ -19,11 +19,13 @@ QUICK = ("--warmup-rounds", "1", "--rounds", "2")
 # Servers and mappings matter only to the lossless strategies that use servers (every server, both
 # mappings); the other strategies that reach the exact mean run once; all on a model with sparse
 # gradients, 3 trainers and 2 servers (so the group mapping has a group of two and one of one).
-SERVER_STRATEGIES = [name for name in HOOKS.names() if HOOKS.record(name).needs_servers and HOOKS.record(name).lossless]
+# Strategies that group trainers by host (ps_node) need hosts of several trainers: tests/integration/test_families.py.
+SERVER_STRATEGIES = [name for name in HOOKS.names() if HOOKS.record(name).needs_servers and HOOKS.record(name).lossless
+                     and not HOOKS.record(name).per_host]
 CASES = [(*case, ()) for case in itertools.product(SERVER_STRATEGIES, AVERAGING, ("shard", "group"))]
 CASES += [(hook, "average", "shard", ()) for hook in HOOKS.names() if hook not in SERVER_STRATEGIES
           and HOOKS.record(hook).takes_servers and (HOOKS.record(hook).lossless or HOOKS.record(hook).transport is None)
-          and not HOOKS.record(hook).per_host]  # hosts of several trainers: tests/integration/test_families.py
+          and not HOOKS.record(hook).per_host]
 CASES += [("ps", "average", "shard", ("--bucket-cap-mb", "0.001"))]  # many buckets, owners balanced over servers
 
 

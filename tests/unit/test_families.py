@@ -13,9 +13,9 @@ from ps_bench.config import ConfigError, build_config
 from ps_bench.job import validate
 from ps_bench.metrics.costs import collective_bytes
 from ps_bench.options import parse_run_options
-from ps_bench.strategies import HOOKS
+from ps_bench.strategies import HOOKS, option_types
 from ps_bench.strategies.base import (ALLREDUCE, AT_SYNCHRONISATION, FAMILIES, FSDP, GATHERED, LOCAL, SERVERS, SHARDED,
-                                      expected_bytes, option_types)
+                                      expected_bytes)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,8 +91,14 @@ def test_the_local_strategies_options_and_their_defaults():
     (("--hook", "local_sgd", "--nserver", "0", "--staleness", "2"), "it needs --hook ps"),
     (("--hook", "fsdp", "--nserver", "0", "--hook-option", "period=4"), "hook 'fsdp' has no option 'period'"),
     (("--hook", "local_sgd", "--nserver", "0", "--hook-option", "outer_lr=1"), "has no option 'outer_lr'"),
-    (("--hook", "fsdp", "--nserver", "0", "--verify"), "cannot be combined with --verify"),
-    (("--hook", "zero1", "--nserver", "0", "--limits"), "cannot be combined with --limits"),
+    (("--hook", "fsdp", "--nserver", "0", "--gradient-as-bucket-view"), "cannot be combined with "
+                                                                        "--gradient-as-bucket-view"),
+    (("--hook", "ps_node", "--ntrainer", "4", "--per-host", "2", "--limits"), "cannot be combined with --limits yet"),
+    (("--hook", "ps_node", "--ntrainer", "4", "--per-host", "2", "--nserver", "3", "--mapping", "group"),
+     "--mapping group gives each server a group of hosts: 3 servers need 3 hosts; got 2"),
+    (("--hook", "ps_node", "--nserver", "2"), "it needs 2 hosts or more"),
+    (("--hook", "ps_node", "--ntrainer", "4", "--per-host", "2", "--model", "DummyModelSmallSparse"),
+     "cannot sum within a host"),
     (("--hook", "fsdp", "--nserver", "0", "--model", "DummyModelSmallSparse"), "sparse gradients"),
     (("--hook", "hsdp", "--nserver", "0"), "it needs 2 hosts or more"),
     (("--hook", "hsdp", "--nserver", "0", "--ntrainer", "4", "--per-host", "4"), "got 4 trainers on 1 host"),

@@ -188,3 +188,20 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
     assert main(["predict", *argv(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_strategies_within_one_percent_tie_and_a_crossover_needs_different_winners():
+    from ps_bench.predict.command import render_winners, winners
+
+    def row(trainers, strategy, ms):
+        return {"trainers": trainers, "strategy": strategy, "servers": None, "batch_ms": ms}
+
+    rows = [row(8, "allreduce", 361.3), row(8, "hierarchical", 361.3), row(8, "ps", 500.0),
+            row(64, "allreduce", 400.0), row(64, "hierarchical", 380.0), row(64, "ps", 383.0),
+            row(512, "fp16", 300.0), row(512, "allreduce", 420.0)]
+    best = winners(rows)
+    assert [w["tied_with"] for w in best] == [["hierarchical"], ["ps"], []]
+    text = render_winners(best)
+    assert "8: tie: allreduce, hierarchical, 64: tie: hierarchical, ps, 512: fp16" in text
+    assert "crossover: allreduce wins" not in text  # hierarchical won at 8 as much as allreduce did
+    assert "crossover: hierarchical and ps tie at 64 trainers, fp16 at 512" in text

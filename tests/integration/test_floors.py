@@ -1,0 +1,47 @@
+"""Every family against the floor of what it sends (``--limits``), and FSDP2's gradients against the
+mean of the trainers' own (``--verify``), for real."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.benchrun import run_bench
+from tests.contract import check_contract
+
+QUICK = ("--nserver", "0", "--rounds", "2")
+FAMILIES = [("fsdp", ("--verify",)), ("zero1", ()), ("local_sgd", ()), ("diloco", ("--hook-option", "period=4")),
+            ("hierarchical", ("--ntrainer", "4", "--per-host", "2")),
+            ("hsdp", ("--ntrainer", "4", "--per-host", "2")), ("deepspeed_zero2", ()),
+            ("torchft_diloco", ("--hook-option", "period=4"))]
+
+
+@pytest.mark.parametrize("hook, options", FAMILIES, ids=[hook for hook, _ in FAMILIES])
+def test_every_family_is_held_to_the_floor_of_its_own_collectives(hook, options, bench_runs):
+    results = bench_runs.ok("--hook", hook, *QUICK, "--limits", *options, timeout_s=300)
+    check_contract(results)
+    efficiency, steps = results["efficiency"], results["limits"]["steps"]
+    assert steps is not None and steps["per_iter_ms"] > 0  # the floor of its own steps, measured
+    assert efficiency["floor_of"] in ("its own steps", "its buckets and its own steps")
+    assert 0 < efficiency["value"] <= 1.05, efficiency  # a floor is a floor
+    for collective, entry in (efficiency.get("collectives") or {}).items():
+        assert entry["value"] is None or entry["value"] <= 1.05, (collective, entry)
+    if hook == "fsdp":  # no hook, yet its collectives' time is measured
+        comm = next(row for row in results["summary"] if row["role"] == "trainer" and row["metric"] == "comm")
+        assert comm["p50"] > 0
+        assert set(efficiency["collectives"]) == {"all_gather", "reduce_scatter"}
+        assert results["verify"]["buckets_checked"] > 0 and results["verify"]["grad_rel_error_max"] < 1e-6
+    if hook == "hsdp":  # its steps within each host and across the hosts
+        assert set(steps["collectives"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+    if hook in ("diloco", "torchft_diloco"):  # once a period: amortised, against the mean
+        assert steps["collectives"]["all_reduce"]["iterations"] == 4 and efficiency["cost"] == "trainer comm mean"
+
+
+def test_fsdp_verify_catches_a_wrong_gradient(tmp_path):
+    """Trainer 1's share of the delivered gradients doubled at iteration 41, a verified one."""
+    run = run_bench("--hook", "fsdp", *QUICK, "--verify", out=tmp_path / "wrong.json", timeout_s=300,
+                    env={"PS_BENCH_CORRUPT_GRADIENT": "1:41"})
+    assert run.returncode == 0, run.output
+    assert run.results["verify"]["grad_rel_error_max"] > 0.1
+    assert "PS_BENCH_CORRUPT_GRADIENT" not in os.environ
