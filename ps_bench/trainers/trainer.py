@@ -104,6 +104,8 @@ class DdpTrainer:
             parameters=lambda: self.synchroniser.full_parameters(self.model))
         ddp_options = {"device_ids": [self.device.index] if self.device.type == "cuda" else None,
                        "bucket_cap_mb": config.bucket_cap_mb, "gradient_as_bucket_view": config.gradient_as_bucket_view}
+        # the whole model's, before wrap shards it (DeepSpeed's stage 3 leaves each parameter a placeholder)
+        self.elements = sum(p.numel() for p in network.parameters())
         self.model, self.optimizer = self.synchroniser.wrap(
             network, self.hook_context, ddp_options,
             optimizer_spec(config.optimizer, config.lr, config.momentum, config.weight_decay))
@@ -115,7 +117,6 @@ class DdpTrainer:
         self.iterations_per_epoch = len(targets) // config.batch_size
         self._compute_copy: nn.Module | None = None  # --limits: the model outside DDP, made once
         self.entry, self.seed = model, config.torch_seed  # --limits builds the compute-only copy from them
-        self.elements = sum(p.numel() for p in network.parameters())  # the whole model's, before any sharding
 
     def ready(self) -> int:
         return self.iterations_per_epoch * self.epochs

@@ -14,7 +14,7 @@ QUICK = ("--nserver", "0", "--rounds", "2")
 FAMILIES = [("fsdp", ("--verify",)), ("zero1", ()), ("local_sgd", ()), ("diloco", ("--hook-option", "period=4")),
             ("hierarchical", ("--ntrainer", "4", "--per-host", "2")),
             ("hsdp", ("--ntrainer", "4", "--per-host", "2")), ("deepspeed_zero2", ()),
-            ("torchft_diloco", ("--hook-option", "period=4"))]
+            ("deepspeed_zero3", ()), ("torchft_diloco", ("--hook-option", "period=4"))]
 
 
 @pytest.mark.parametrize("hook, options", FAMILIES, ids=[hook for hook, _ in FAMILIES])
@@ -34,6 +34,8 @@ def test_every_family_is_held_to_the_floor_of_its_own_collectives(hook, options,
         assert results["verify"]["buckets_checked"] > 0 and results["verify"]["grad_rel_error_max"] < 1e-6
     if hook == "hsdp":  # its steps within each host and across the hosts
         assert set(steps["collectives"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+    if hook.startswith("deepspeed"):  # its steps over the whole model (stage 3 leaves placeholders behind)
+        assert steps["per_iter_ms"] > 0.2 * efficiency["float32_floor_ms"], (steps, efficiency)
     if hook in ("diloco", "torchft_diloco"):  # once a period: amortised, against the mean
         assert steps["collectives"]["all_reduce"]["iterations"] == 4 and efficiency["cost"] == "trainer comm mean"
 

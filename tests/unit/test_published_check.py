@@ -1,0 +1,45 @@
+"""benchmarks/published_check.py: the published cases, read as a reader would check them, and
+one case predicted for real (``bench.py predict`` as a user runs it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from tests.benchrun import ROOT
+
+
+def load_check():
+    spec = importlib.util.spec_from_file_location("published_check", ROOT / "benchmarks" / "published_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_case_names_its_source_setup_and_a_baseline():
+    check = load_check()
+    assert len({case.source for case in check.CASES}) >= 3  # three published tables at least
+    assert any(case.link_gbit <= 25 and max(case.measured) > case.per_node for case in check.CASES)
+    assert any(case.servers_on for case in check.CASES)  # a parameter-server system
+    for case in check.CASES:
+        assert case.source and case.setup and 1 in case.measured and len(case.measured) >= 2
+        assert all(gpus % case.per_node == 0 for gpus in case.measured if gpus > 1)
+
+
+def test_a_communication_bound_case_is_predicted_within_a_fifth():
+    """VGG-16 on 4 nodes of 4 GPUs at 25 Gbit/s scaled to 62.5 %: its prediction is within 20 %
+    of the published throughput, and communication is a large share of the predicted batch."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "published_check.py"), "--case",
+                           "horovod-25g-vgg16"], capture_output=True, text=True, cwd=ROOT, timeout=240)
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| horovod-25g-vgg16"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    measured, predicted, share = float(cells[3]), float(cells[4]), float(cells[7].rstrip("%")) / 100
+    assert measured == 1308.7
+    assert predicted == pytest.approx(measured, rel=0.2)
+    assert share > 0.2
+    assert "median |error|" in done.stdout
