@@ -8,7 +8,7 @@ import pytest
 
 from tests.contract import check_contract
 
-TINY = ("--model", "hf:llama-tiny", "--warmup-rounds", "1", "--rounds", "1")  # 2 layers, hidden 64; 16 iterations a round
+TINY = ("--model", "hf:llama-tiny", "--warmup-rounds", "0", "--rounds", "1")  # 2 layers, hidden 64; 16 iterations a round
 SGD = ("--optimizer", "sgd", "--lr", "0.1")
 SAME_AS_ALLREDUCE = [("fsdp", ("--nserver", "0")), ("zero1", ("--nserver", "0")), ("ps", ("--nserver", "1")),
                      ("local_sgd", ("--nserver", "0", "--hook-option", "period=1"))]
