@@ -81,19 +81,20 @@ HOROVOD_SETUP = ("4 Pascal GPUs per server, NCCL 2 ring all-reduce over TCP, Ten
 TF_SETUP = ("p2.8xlarge (8 K80 GPUs, 10 Gbit/s), distributed_replicated: each worker sums its 8 GPUs' "
             "gradients and pushes the sum to parameter servers run on the worker instances, one per instance")
 
+# Horovod's two tables: (source, line rate, servers' network, GPUs) and each model's (1-GPU, all-GPU) images/s
+HOROVOD_TABLES = [
+    (HOROVOD_A, 25.0, "4 servers, 25 Gbit/s RoCE-capable network", 16,
+     {"vgg16": (130.9, 1308.7), "resnet101": (119.4, 1685.1), "inception_v3": (134.4, 1990.7)}),
+    (HOROVOD_B, 40.0, "16 servers, plain 40 Gbit/s network", 64,
+     {"vgg16": (149.6, 6084.2), "resnet101": (136.0, 7741.6), "inception_v3": (148.8, 7932.1)}),
+]
+SHORT = {"vgg16": "vgg16", "resnet101": "resnet101", "inception_v3": "inception3"}
+
 CASES = [
-    Case("horovod-25g-vgg16", HOROVOD_A, "vgg16", 64, 4, 25.0, "allreduce", {1: 130.9, 16: 1308.7},
-         bucket_cap_mb=64.0, setup=HOROVOD_SETUP + ", 4 servers, 25 Gbit/s RoCE-capable network"),
-    Case("horovod-25g-resnet101", HOROVOD_A, "resnet101", 64, 4, 25.0, "allreduce", {1: 119.4, 16: 1685.1},
-         bucket_cap_mb=64.0, setup=HOROVOD_SETUP + ", 4 servers, 25 Gbit/s RoCE-capable network"),
-    Case("horovod-25g-inception3", HOROVOD_A, "inception_v3", 64, 4, 25.0, "allreduce", {1: 134.4, 16: 1990.7},
-         bucket_cap_mb=64.0, setup=HOROVOD_SETUP + ", 4 servers, 25 Gbit/s RoCE-capable network"),
-    Case("horovod-40g-vgg16", HOROVOD_B, "vgg16", 64, 4, 40.0, "allreduce", {1: 149.6, 64: 6084.2},
-         bucket_cap_mb=64.0, setup=HOROVOD_SETUP + ", 16 servers, plain 40 Gbit/s network"),
-    Case("horovod-40g-resnet101", HOROVOD_B, "resnet101", 64, 4, 40.0, "allreduce", {1: 136.0, 64: 7741.6},
-         bucket_cap_mb=64.0, setup=HOROVOD_SETUP + ", 16 servers, plain 40 Gbit/s network"),
-    Case("horovod-40g-inception3", HOROVOD_B, "inception_v3", 64, 4, 40.0, "allreduce", {1: 148.8, 64: 7932.1},
-         bucket_cap_mb=64.0, setup=HOROVOD_SETUP + ", 16 servers, plain 40 Gbit/s network"),
+    Case(f"horovod-{link:g}g-{SHORT[model]}", source, model, 64, 4, link, "allreduce", {1: one, gpus: many},
+         bucket_cap_mb=64.0, setup=f"{HOROVOD_SETUP}, {network}")
+    for source, link, network, gpus, models in HOROVOD_TABLES for model, (one, many) in models.items()
+] + [
     Case("tf-k80-resnet50", TF_K80, "resnet50", 64, 8, 10.0, "ps_node",
          {1: 52.4, 8: 378, 16: 751, 32: 1388, 64: 2744}, servers_on="colocated", setup=TF_SETUP),
     Case("tf-k80-resnet152", TF_K80, "resnet152", 32, 8, 10.0, "ps_node",
