@@ -46,12 +46,30 @@ class SyntheticImages(SyntheticData):
         return (pooled @ weights).argmax(dim=1)
 
 
+class ImageClassifier(BenchmarkModel):
+    """A torchvision network (``self.network``) on 3-channel images, ``num_classes`` outputs;
+    ``label`` names it in what ``fits`` says."""
+
+    takes = IMAGES
+    label = "the model"
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.network(images)
+
+    def fits(self, data: SyntheticData) -> str | None:
+        if data.channels != 3:
+            return f"has {data.channels} channels but {self.label} takes 3"
+        if data.num_classes > self.num_classes:
+            return f"has {data.num_classes} classes but the model outputs {self.num_classes}"
+        return None
+
+
 @MODELS.register("ResNet")
-class ResNet(BenchmarkModel):
+class ResNet(ImageClassifier):
     """torchvision's ResNet of the given depth; ``layers`` overrides its blocks per stage (the
     small variants use one block per stage)."""
 
-    takes = IMAGES
+    label = "ResNet"
     min_batch_size = 2  # BatchNorm needs more than one value per channel in training
 
     def __init__(self, depth: int = 18, num_classes: int = 1000, layers: list[int] | None = None) -> None:
@@ -75,28 +93,16 @@ class ResNet(BenchmarkModel):
         self.num_classes = num_classes
         self.network = resnet.ResNet(block, blocks, num_classes=num_classes)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.network(images)
-
-    def fits(self, data: SyntheticData) -> str | None:
-        if data.channels != 3:
-            return f"has {data.channels} channels but ResNet takes 3"
-        if data.num_classes > self.num_classes:
-            return f"has {data.num_classes} classes but the model outputs {self.num_classes}"
-        return None
-
 
 CLASSIC = {"vgg16": "vgg16", "alexnet": "alexnet", "inception_v3": "inception_v3"}  # torchvision's builders
 
 
 @MODELS.register("TorchvisionCNN")
-class TorchvisionCNN(BenchmarkModel):
+class TorchvisionCNN(ImageClassifier):
     """A classic benchmark CNN from torchvision (``arch``: vgg16, alexnet, inception_v3), as
     published (no batch norm for VGG-16 and AlexNet); Inception v3 without its auxiliary
     classifier (a training-time second output). VGG-16 is the standard communication-bound
     case: 138 M parameters, 90 % of them in its fully connected layers, for little compute."""
-
-    takes = IMAGES
 
     def __init__(self, arch: str = "vgg16", num_classes: int = 1000) -> None:
         super().__init__()
@@ -109,18 +115,14 @@ class TorchvisionCNN(BenchmarkModel):
             raise ValueError(f"{arch} needs torchvision, which did not import ({error}); install the pinned torch "
                              f"and torchvision as the README's quick start does") from None
         options = {"aux_logits": False, "init_weights": True} if arch == "inception_v3" else {}
-        self.arch, self.num_classes = arch, num_classes
+        self.arch, self.label, self.num_classes = arch, arch, num_classes
         self.min_batch_size = 2 if arch == "inception_v3" else 1  # its BatchNorm
         self.network = getattr(models, CLASSIC[arch])(weights=None, num_classes=num_classes, **options)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.network(images)
-
     def fits(self, data: SyntheticData) -> str | None:
-        if data.channels != 3:
-            return f"has {data.channels} channels but {self.arch} takes 3"
-        if data.num_classes > self.num_classes:
-            return f"has {data.num_classes} classes but the model outputs {self.num_classes}"
+        unfit = super().fits(data)
+        if unfit is not None:
+            return unfit
         smallest = 75 if self.arch == "inception_v3" else 32 if self.arch == "vgg16" else 63
         if data.image_size < smallest:
             return f"has images of {data.image_size} pixels, smaller than {self.arch}'s {smallest}"
