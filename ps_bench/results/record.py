@@ -9,6 +9,7 @@ rounds a running job's master hands its launcher, are written by ``ps_bench.resu
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import numpy as np
@@ -24,7 +25,7 @@ from ps_bench.metrics.wire import host_links
 from ps_bench.results import floors
 from ps_bench.results.files import SCHEMA, iso_now
 from ps_bench.runtime.topology import Topology
-from ps_bench.strategies.base import EVERY_ITERATION
+from ps_bench.strategies.base import EVERY_ITERATION, parameter_norm
 
 # An engine's names for its collectives -> what ``costs.collective_bytes`` charges them as
 COLLECTIVE_KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_base": "all_gather",
@@ -37,7 +38,7 @@ SERVER_METRICS = ("straggler", "aggregate", "round")  # ms, per bucket and itera
 def servers_model_summary(vectors: list[torch.Tensor]) -> dict:
     """--staleness: no replicas to compare (the servers hold the one model): ``identical`` and
     ``max_abs_diff`` are null, ``param_norm`` is the servers' parameters'."""
-    return {"identical": None, "param_norm": torch.cat(vectors).double().norm().item(), "max_abs_diff": None,
+    return {"identical": None, "param_norm": parameter_norm(torch.cat(vectors)), "max_abs_diff": None,
             "checked_at": None}
 
 
@@ -49,10 +50,18 @@ def replica_summary(vectors: list[torch.Tensor], checked_at: str = EVERY_ITERATI
     reference = vectors[0]
     return {
         "identical": all(torch.equal(v, reference) for v in vectors),
-        "param_norm": reference.double().norm().item(),
+        "param_norm": parameter_norm(reference),
         "max_abs_diff": max((v - reference).abs().max().item() for v in vectors),
         "checked_at": checked_at,
     }
+
+
+def replicas_alike(prints: list[dict], checked_at: str = EVERY_ITERATION) -> dict | None:
+    """``replica_summary`` from the trainers' fingerprints (``strategies.base.fingerprint``) when
+    they show bit-identical, finite parameters; None when they cannot say (the vectors decide)."""
+    if not (math.isfinite(prints[0]["norm"]) and all(p["digest"] == prints[0]["digest"] for p in prints)):
+        return None
+    return {"identical": True, "param_norm": prints[0]["norm"], "max_abs_diff": 0.0, "checked_at": checked_at}
 
 
 class RunRecord:

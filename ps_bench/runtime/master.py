@@ -16,7 +16,7 @@ from ps_bench.models import build_data, build_held_out
 from ps_bench.models.entries import Entry
 from ps_bench.results.files import environment, write_results, write_snapshot
 from ps_bench.results.printed import format_bytes, print_report
-from ps_bench.results.record import RunRecord, mean_loss, replica_summary, servers_model_summary
+from ps_bench.results.record import RunRecord, mean_loss, replica_summary, replicas_alike, servers_model_summary
 from ps_bench.runtime.faults import Fault, maybe_inject
 from ps_bench.runtime.rendezvous import one_machine_warning, rpc_paths
 from ps_bench.runtime.topology import RankInfo, Topology
@@ -49,6 +49,16 @@ def describe_workload(model: Entry, data: Entry) -> str:
         if size["sparse_gradient_bytes"] else ""
     return (f"model {model.id}: {size['parameters']:,} parameters, gradients "
             f"{format_bytes(size['dense_gradient_bytes'])} dense{sparse}; data {data.id}")
+
+
+def compare_replicas(trainers: list, checked_at: str) -> dict:
+    """The replica check: every trainer's fingerprint first, all at once; the parameters
+    themselves only when those differ (or are not finite), for how far apart they are."""
+    prints = [f.wait() for f in [t.rpc_async().parameters_fingerprint() for t in trainers]]
+    alike = replicas_alike(prints, checked_at)
+    if alike is not None:
+        return alike
+    return replica_summary([f.wait() for f in [t.rpc_async().parameters_vector() for t in trainers]], checked_at)
 
 
 class Master:
@@ -197,8 +207,7 @@ class Master:
         if self.job.strategy.identical == SERVERS_MODEL:
             record.replicas = servers_model_summary([s.rpc_sync().parameters_vector() for s in servers])
         else:
-            record.replicas = replica_summary([t.rpc_sync().parameters_vector() for t in trainers],
-                                              self.job.strategy.identical)
+            record.replicas = compare_replicas(trainers, self.job.strategy.identical)
         for closed in [t.rpc_async(timeout=0).close() for t in trainers]:  # together: a close may be collective
             closed.wait()
         if cfg.limits:

@@ -23,7 +23,7 @@ from ps_bench.models.base import Dataset, build_model
 from ps_bench.models.entries import Entry
 from ps_bench.registry import Registry
 from ps_bench.strategies import RPC, Strategy
-from ps_bench.strategies.base import HookContext, ServerHandle, build_synchroniser, optimizer_spec
+from ps_bench.strategies.base import HookContext, ServerHandle, build_synchroniser, fingerprint, optimizer_spec
 from ps_bench.runtime.topology import balance_buckets
 from ps_bench.trainers.convergence import Convergence
 
@@ -301,6 +301,10 @@ class DdpTrainer:
         """All parameters, flattened on the CPU, for the replica check (as the strategy's record
         says: at the end of the run, at the last synchronisation, or gathered from the shards)."""
         return self.synchroniser.parameters_vector(self.model)
+
+    def parameters_fingerprint(self) -> dict:
+        """``parameters_vector``'s digest and norm (``strategies.base.fingerprint``)."""
+        return fingerprint(self.parameters_vector())
 
     @fatal_on_error
     def close(self) -> None:

@@ -10,7 +10,8 @@ import torch
 from ps_bench.config import RunConfig
 from ps_bench.job import validate
 from ps_bench.results.files import failed_results, read_snapshot, write_snapshot
-from ps_bench.results.record import RunRecord, replica_summary
+from ps_bench.results.record import RunRecord, replica_summary, replicas_alike
+from ps_bench.strategies.base import fingerprint, parameter_norm
 from ps_bench.results.files import write_results
 from ps_bench.results.printed import print_report
 from ps_bench.runtime.topology import Topology
@@ -211,3 +212,24 @@ def test_a_diverged_run_is_not_reached_and_stays_plain_json():
     assert not convergence["reached"] and convergence["stopped_by"] == "diverged"
     assert convergence["loss_curve"][1][2] is None and convergence["max_iterations"] == 1000
     json.loads(json.dumps(convergence, allow_nan=False))
+
+
+def test_fingerprints_decide_only_bit_identical_finite_replicas():
+    """The master compares fingerprints first and fetches the parameters only when they cannot
+    decide: any differing bit (here -0.0 against 0.0, equal as numbers) or a non-finite one."""
+    vector = torch.tensor([1.0, 2.0, 0.0, -2.0])
+    same = [fingerprint(vector.clone()) for _ in range(2)]
+    assert replicas_alike(same) == replica_summary([vector, vector.clone()])
+    assert replicas_alike(same)["param_norm"] == pytest.approx(3.0, rel=1e-15)
+    signed_zero = vector.clone()
+    signed_zero[2] = -0.0
+    assert replicas_alike([same[0], fingerprint(signed_zero)]) is None
+    assert replica_summary([vector, signed_zero])["identical"] is True  # the vectors then decide
+    not_finite = vector.clone()
+    not_finite[0] = float("nan")
+    assert replicas_alike([fingerprint(not_finite)] * 2) is None
+
+
+def test_the_norm_in_chunks_is_the_float64_norm():
+    vector = torch.randn(10_001)
+    assert parameter_norm(vector, chunk=1000) == pytest.approx(vector.double().norm().item(), rel=1e-12)
