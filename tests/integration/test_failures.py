@@ -58,11 +58,13 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_a_launcher_killed_by_sigkill_leaves_no_process_behind(results_path):
-    """The ranks are the forkserver's children: they die with the launcher all the same."""
+def test_a_local_job_listens_on_loopback_only_and_dies_with_its_launcher(results_path):
+    """The store, RPC and gloo of a job on one machine: nothing another host can reach. The ranks
+    are the forkserver's children: a launcher killed by SIGKILL takes them with it all the same."""
     process = start_bench("--rounds", "100000", "--out", str(results_path))
     read_until(process, "[round 2/")
     job = descendants(process.pid)  # the forkserver, its resource tracker, the ranks
+    sockets = listening_sockets([process.pid, *job])
     assert len(rank_pids(process.pid)) == 4, job
     os.kill(process.pid, signal.SIGKILL)
     process.communicate(timeout=60)
@@ -70,17 +72,6 @@ def test_a_launcher_killed_by_sigkill_leaves_no_process_behind(results_path):
     while any(alive(pid) for pid in job) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in job if alive(pid)], "processes of the job outlived its launcher"
-
-
-def test_a_local_job_listens_on_loopback_only(results_path):
-    """The store, RPC and gloo of a job on one machine: nothing another host can reach."""
-    process = start_bench("--rounds", "100000", "--out", str(results_path))
-    try:
-        read_until(process, "[round 2/")
-        sockets = listening_sockets([process.pid, *descendants(process.pid)])
-    finally:
-        process.send_signal(signal.SIGINT)
-        finish(process, 60)
     addresses = [address for found in sockets.values() for address in found]
     assert len(addresses) >= 5, sockets  # the store, and every rank's RPC listener at least
     assert all(is_loopback(address) for address in addresses), sockets
@@ -162,7 +153,7 @@ def stack_reports(stderr: str) -> dict[str, str]:
 def test_hang_with_timeout_dumps_stacks_and_ends(results_path, startup_s):
     # long enough that every rank is up and trainer 1 is hanging when the watchdog fires,
     # however busy the machine is while this runs
-    timeout = max(20, round(4 * startup_s) + 10)
+    timeout = max(10, round(3 * startup_s) + 5)
     # the peers of the hung trainer wait in RPC calls: those must not time out before the watchdog
     run = run_bench("--inject-fault", "trainer:1:3:hang", "--timeout", str(timeout), "--rpc-timeout",
                     str(3 * timeout), out=results_path, timeout_s=timeout + 120)
