@@ -14,15 +14,9 @@ import pytest
 
 from tests.benchrun import ROOT, communicate, descendants, is_loopback, listening_sockets, rank_pids, read_until, \
     start_bench
-from tests.contract import check_contract
+from tests.integration.shared_runs import DILOCO, QUICK, quick_run
 
-QUICK = ("--nserver", "0", "--rounds", "2")  # DummyModelSmall, 2 trainers, SGD: 32 iterations a round
-
-
-def run(bench_runs, hook: str, *options: str) -> dict:
-    results = bench_runs.ok("--hook", hook, *QUICK, *options, timeout_s=240)
-    check_contract(results)
-    return results
+run = quick_run  # DummyModelSmall, 2 trainers, SGD: 32 iterations a round
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -62,8 +56,7 @@ def test_a_seed_style_ds_config_runs_with_its_autos_filled_from_the_run(bench_ru
 
 
 def test_torchft_diloco_is_ps_bench_diloco(bench_runs):
-    options = ("--hook-option", "period=4", "--hook-option", "outer_lr=0.7", "--hook-option", "outer_momentum=0.9")
-    theirs, ours = run(bench_runs, "torchft_diloco", *options), run(bench_runs, "diloco", *options)
+    theirs, ours = run(bench_runs, "torchft_diloco", *DILOCO), run(bench_runs, "diloco", *DILOCO)
     assert theirs["replicas"]["identical"] is True
     assert theirs["replicas"]["param_norm"] == pytest.approx(ours["replicas"]["param_norm"], rel=1e-5)
     assert theirs["loss"]["last"] == pytest.approx(ours["loss"]["last"], rel=1e-5)

@@ -9,21 +9,18 @@ import pytest
 from ps_bench.strategies import HOOKS
 from ps_bench.strategies.base import LOCAL, SHARDED, expected_bytes
 from tests.contract import check_contract
+from tests.integration.shared_runs import MODEL_BYTES, PER_HOST, QUICK, quick_run
 
-QUICK = ("--nserver", "0", "--rounds", "2")
-MODEL_BYTES = 800 * 4  # DummyModelSmall: 800 float32 parameters
 TRAINERS = 2
 FAMILIES = [name for name in HOOKS.names() if HOOKS.record(name).family in (SHARDED, LOCAL)]
 
 
-def family_run(bench_runs, hook: str, *options: str) -> dict:
-    results = bench_runs.ok("--hook", hook, *QUICK, *options, timeout_s=180)
-    check_contract(results)
-    return results
+family_run = quick_run
 
 
-def reference(bench_runs) -> dict:
-    return bench_runs.ok("--hook", "allreduce", *QUICK, timeout_s=120)
+def reference(bench_runs, *options: str) -> dict:
+    """All-reduce on the same seed (``options``: ``--ntrainer 4``)."""
+    return quick_run(bench_runs, "allreduce", *options)
 
 
 def assert_same_parameters(results: dict, baseline: dict) -> None:
@@ -37,16 +34,17 @@ def assert_same_parameters(results: dict, baseline: dict) -> None:
 @pytest.mark.parametrize("hook", [name for name in FAMILIES if HOOKS.record(name).family == SHARDED
                                   and not HOOKS.record(name).per_host and HOOKS.record(name).engine is None])
 def test_a_sharded_strategy_ends_with_allreduces_parameters(hook, bench_runs):
-    results = family_run(bench_runs, hook)
+    results = family_run(bench_runs, hook, "--verify")
     assert_same_parameters(results, reference(bench_runs))
     assert results["replicas"]["checked_at"] == HOOKS.record(hook).identical
+    assert results["verify"]["buckets_checked"] > 0 and results["verify"]["grad_rel_error_max"] < 1e-6
 
 
 def test_hsdp_shards_within_each_host_and_ends_with_allreduces_parameters(bench_runs):
     """4 trainers, 2 per host: parameters gathered and reduce-scattered among the 2 of a host
     (gloo: an all-reduce of the whole gradient), each host's half all-reduced with the other's."""
-    results = family_run(bench_runs, "hsdp", "--ntrainer", "4", "--per-host", "2")
-    baseline = bench_runs.ok("--hook", "allreduce", *QUICK, "--ntrainer", "4", timeout_s=120)
+    results = family_run(bench_runs, "hsdp", *PER_HOST)
+    baseline = reference(bench_runs, "--ntrainer", "4")
     assert_same_parameters(results, baseline)
     within = 2 * (MODEL_BYTES // 2) + MODEL_BYTES  # two all-gathers (n-1)/n, a gloo reduce-scatter 2(n-1)/n
     across = MODEL_BYTES // 2  # a ring all-reduce of the host's shard between two hosts
@@ -57,10 +55,8 @@ def test_hsdp_shards_within_each_host_and_ends_with_allreduces_parameters(bench_
 def test_hierarchical_allreduces_within_then_across_hosts_and_ends_with_allreduces_parameters(bench_runs):
     """4 trainers, 2 per host: the bucket all-reduced within the host, each half across hosts by
     one trainer of each, the halves all-gathered within the host; --verify: the exact mean."""
-    results = bench_runs.ok("--hook", "hierarchical", *QUICK, "--ntrainer", "4", "--per-host", "2", "--verify",
-                            timeout_s=120)
-    check_contract(results)
-    baseline = bench_runs.ok("--hook", "allreduce", *QUICK, "--ntrainer", "4", timeout_s=120)
+    results = family_run(bench_runs, "hierarchical", *PER_HOST, "--verify")
+    baseline = reference(bench_runs, "--ntrainer", "4")
     assert_same_parameters(results, baseline)
     assert results["verify"]["grad_rel_error_max"] < 1e-6, results["verify"]
     within = MODEL_BYTES + MODEL_BYTES // 2  # an all-reduce between two, then an all-gather of halves
@@ -72,10 +68,10 @@ def test_hierarchical_allreduces_within_then_across_hosts_and_ends_with_allreduc
 def test_ps_node_sums_each_host_once_and_ends_with_allreduces_parameters(mapping, bench_runs):
     """4 trainers, 2 per host, 2 servers: each host's gradient summed within the host, pushed and
     pulled once per host by its lead trainer, broadcast within the host; --verify: the exact mean."""
-    results = bench_runs.ok("--hook", "ps_node", *QUICK, "--nserver", "2", "--mapping", mapping, "--ntrainer", "4",
-                            "--per-host", "2", "--verify", timeout_s=180)
+    results = bench_runs.ok("--hook", "ps_node", *QUICK, "--nserver", "2", "--mapping", mapping, *PER_HOST,
+                            "--verify", timeout_s=180)  # no --limits: refused for ps_node
     check_contract(results)
-    baseline = bench_runs.ok("--hook", "allreduce", *QUICK, "--ntrainer", "4", timeout_s=120)
+    baseline = reference(bench_runs, "--ntrainer", "4")
     assert_same_parameters(results, baseline)
     assert results["verify"]["grad_rel_error_max"] < 1e-6, results["verify"]
     assert results["bytes"]["server_recv_per_iter"] > 0
@@ -106,7 +102,7 @@ def test_local_sgd_averages_every_period_and_sends_a_period_th_of_the_bytes(peri
 ADAMW = ("--optimizer", "adamw", "--lr", "0.01")  # diloco's default period, 16, with AdamW inside
 
 
-@pytest.mark.parametrize("hook, options, period", [("fsdp", (), 1), ("zero1", (), 1),
+@pytest.mark.parametrize("hook, options, period", [("fsdp", ("--verify",), 1), ("zero1", ("--verify",), 1),
                                                    ("local_sgd", ("--hook-option", "period=4"), 4),
                                                    ("local_sgd", ("--hook-option", "period=16"), 16),
                                                    ("diloco", ADAMW, 16)])
