@@ -2,7 +2,7 @@
 
 Measured in the same job, by the same processes, over the same RPC agent and trainer process
 group, a share of the repetitions after each timed round (so that a machine whose speed drifts
-moves floors and strategy alike):
+moves floors and strategy alike), fewer of them where each is slow (``affordable``):
 
 - the raw RPC floor: every trainer sends each of its buckets to the bucket's server at once;
   the server adds it into a preallocated buffer and answers with that buffer (the round trip
@@ -46,6 +46,12 @@ from ps_bench.metrics.timers import now_ms
 FLOOR_WARMUP = 3  # untimed repetitions before each floor: connections, allocations, caches
 FLOOR_ITERATIONS = 20  # per floor and trainer, spread over the timed rounds
 FLOOR_MIN_PER_ROUND = 4
+# A floor whose repetitions are slow (a large model, a slow link) takes fewer of them: about this
+# long per floor and round, never fewer than FLOOR_MIN_TIMED timed ones; no more warm-up after a
+# first repetition this slow (what warm-up is for is paid by then)
+FLOOR_BUDGET_MS = 2000.0
+FLOOR_MIN_TIMED = 3
+SLOW_REPETITION_MS = 100.0
 MEMCPY_ITERATIONS = 20
 LINK_SIZES = (4 * 1024, 1024 * 1024, 16 * 1024 * 1024)  # bytes of the link probe's messages
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -175,6 +181,16 @@ def repeats_per_round(rounds: int) -> int:
     return max(FLOOR_MIN_PER_ROUND, -(-FLOOR_ITERATIONS // max(1, rounds)))
 
 
+def affordable(repeat: int, first_ms: float) -> tuple[int, int]:
+    """(untimed, timed) repetitions still to run of a floor whose first, untimed repetition took
+    ``first_ms`` (the slowest trainer's, so that every trainer runs as many): ``repeat`` timed
+    ones within ``FLOOR_BUDGET_MS`` where they fit, else as many as fit, at least
+    ``FLOOR_MIN_TIMED``; the rest of the warm-up unless that first one was slow already."""
+    warmups = 0 if first_ms >= SLOW_REPETITION_MS else FLOOR_WARMUP - 1
+    fit = int(FLOOR_BUDGET_MS // first_ms) if first_ms > 0 else repeat
+    return warmups, min(repeat, max(FLOOR_MIN_TIMED, fit))
+
+
 # -- the server side of the RPC floor ----------------------------------------------------------
 class RpcFloorTarget:
     """Lives on a parameter server: one preallocated buffer per bucket (``messages``: bucket index
@@ -192,19 +208,37 @@ class RpcFloorTarget:
 
 
 # -- the trainer side --------------------------------------------------------------------------
-def _timed(repeat: int, once, sync) -> list[float]:
+def slowest(group: dist.ProcessGroup | None, device: torch.device | str = "cpu"):
+    """``ms -> ms``: the largest of every trainer's value (an all-reduce over ``group``, on
+    ``device`` for NCCL), so that every trainer picks the same repetitions; None: this process's."""
+    def agree(ms: float) -> float:
+        if group is None:
+            return ms
+        value = torch.tensor([ms], dtype=torch.float64, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return value.item()
+    return agree
+
+
+def _timed(repeat: int, once, sync, agree=slowest(None)) -> list[float]:
+    """ms of each timed repetition of ``once``, each after ``sync``: ``affordable``'s share of
+    ``repeat``, after a first untimed one (agreed among the trainers by ``agree``)."""
+    sync()
+    start = now_ms()
+    once()
+    warmups, repeat = affordable(repeat, agree(now_ms() - start))
     samples = []
-    for index in range(FLOOR_WARMUP + repeat):
+    for index in range(warmups + repeat):
         sync()
         start = now_ms()
         once()
-        if index >= FLOOR_WARMUP:
+        if index >= warmups:
             samples.append(now_ms() - start)
     return samples
 
 
 def rpc_floor_ms(messages: dict[int, list[tuple[int, str]]], owners: dict[int, rpc.RRef], group: dist.ProcessGroup,
-                 repeat: int = FLOOR_ITERATIONS) -> list[float]:
+                 device: torch.device, repeat: int = FLOOR_ITERATIONS) -> list[float]:
     """Round trips of every bucket's message to its owner's floor target, all sent at once, per iteration."""
     tensors = {index: torch.ones(parts[0][0], dtype=DTYPES[parts[0][1]]) for index, parts in messages.items() if parts}
 
@@ -213,7 +247,7 @@ def rpc_floor_ms(messages: dict[int, list[tuple[int, str]]], owners: dict[int, r
                    for i, t in tensors.items()]
         torch.futures.wait_all(futures)
 
-    return _timed(repeat, once, lambda: dist.barrier(group=group))
+    return _timed(repeat, once, lambda: dist.barrier(group=group), slowest(group, device))
 
 
 def echo(tensor: torch.Tensor) -> torch.Tensor:
@@ -221,10 +255,12 @@ def echo(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def echo_ms(nbytes: int, target: rpc.RRef, group: dist.ProcessGroup, repeat: int = FLOOR_ITERATIONS) -> list[float]:
+def echo_ms(nbytes: int, target: rpc.RRef, group: dist.ProcessGroup, device: torch.device,
+            repeat: int = FLOOR_ITERATIONS) -> list[float]:
     """Round trips of one ``nbytes`` message to ``target``'s process and back, per iteration."""
     tensor = torch.ones(nbytes // 4)
-    return _timed(repeat, lambda: rpc.rpc_sync(target.owner(), echo, args=(tensor,)), lambda: dist.barrier(group=group))
+    return _timed(repeat, lambda: rpc.rpc_sync(target.owner(), echo, args=(tensor,)), lambda: dist.barrier(group=group),
+                  slowest(group, device))
 
 
 def collective_floor_ms(messages: dict[int, list[tuple[int, str]]], device: torch.device, group: dist.ProcessGroup,
@@ -246,7 +282,7 @@ def collective_floor_ms(messages: dict[int, list[tuple[int, str]]], device: torc
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    return _timed(repeat, once, sync)
+    return _timed(repeat, once, sync, slowest(group, device))
 
 
 def run_collective(kind: str, whole: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -273,21 +309,22 @@ def steps_floor_ms(steps: list[tuple[str, dist.ProcessGroup, int]], device: torc
     their ``total``. Buffers of each step's size, padded to a multiple of its group's size."""
     buffers = [(kind, on, torch.ones(-(-elements // on.size()) * on.size(), device=device))
                for kind, on, elements in steps]
-    samples: dict[str, list[float]] = {"total": []}
-    for index in range(FLOOR_WARMUP + repeat):
-        dist.barrier(group=group)
-        spent: dict[str, float] = {}
-        began = now_ms()
+    spent: list[dict[str, float]] = []  # per repetition, untimed ones too
+
+    def once() -> None:
+        spent.append({})
         for kind, on, buffer in buffers:
             start = now_ms()
             run_collective(kind, buffer, on)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            spent[kind] = spent.get(kind, 0.0) + now_ms() - start
-        if index >= FLOOR_WARMUP:
-            samples["total"].append(now_ms() - began)
-            for kind, ms in spent.items():
-                samples.setdefault(kind, []).append(ms)
+            spent[-1][kind] = spent[-1].get(kind, 0.0) + now_ms() - start
+
+    totals = _timed(repeat, once, lambda: dist.barrier(group=group), slowest(group, device))
+    samples: dict[str, list[float]] = {"total": totals}
+    for repetition in spent[len(spent) - len(totals):]:
+        for kind, ms in repetition.items():
+            samples.setdefault(kind, []).append(ms)
     return samples
 
 
@@ -311,7 +348,7 @@ def compute_floor_ms(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], t
         if y.is_cuda:
             torch.cuda.synchronize(y.device)
 
-    return _timed(repeat, once, sync)
+    return _timed(repeat, once, sync, slowest(group, y.device))
 
 
 def memcpy_floor(nbytes: int, repeat: int = MEMCPY_ITERATIONS) -> dict:
@@ -320,5 +357,5 @@ def memcpy_floor(nbytes: int, repeat: int = MEMCPY_ITERATIONS) -> dict:
     target = torch.empty_like(source)
     samples = _timed(repeat, lambda: target.copy_(source), lambda: None)
     p50 = statistics.median(samples)
-    return {"bytes": source.numel() * 4, "count": repeat, "p50_ms": p50,
+    return {"bytes": source.numel() * 4, "count": len(samples), "p50_ms": p50,
             "gbps": algbw_gbps(source.numel() * 4, p50)}

@@ -329,11 +329,11 @@ class DdpTrainer:
         try:
             if targets:
                 out["rpc_ms"] = limits.rpc_floor_ms(messages, self.floor_owners(messages, targets[0]), ctx.process_group,
-                                                    repeat)
+                                                    self.device, repeat)
             out["collective_ms"] = limits.collective_floor_ms(messages, self.device, ctx.process_group, repeat)
             if own is not None and self.strategy.transport == RPC:
                 out["own_ms"] = limits.rpc_floor_ms(own, self.floor_owners(messages, targets[-1]), ctx.process_group,
-                                                    repeat)
+                                                    self.device, repeat)
             elif own is not None:
                 out["own_ms"] = limits.collective_floor_ms(own, self.device, ctx.process_group, repeat)
             for nbytes in limits.LINK_SIZES:  # the link itself, one message at a time
@@ -341,7 +341,8 @@ class DdpTrainer:
                     out[f"link_{nbytes}"] = limits.collective_floor_ms({0: [(nbytes // 4, "float32")]}, self.device,
                                                                        ctx.process_group, repeat)
                 elif targets:
-                    out[f"link_{nbytes}"] = limits.echo_ms(nbytes, targets[0][0], ctx.process_group, repeat)
+                    out[f"link_{nbytes}"] = limits.echo_ms(nbytes, targets[0][0], ctx.process_group, self.device,
+                                                             repeat)
             steps = self.synchroniser.floor_steps(ctx, self.strategy.sends, self.elements,
                                                   [nbytes // 4 for nbytes, _, _ in ctx.buckets.values()])
             if steps:

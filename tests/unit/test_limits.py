@@ -137,3 +137,17 @@ def test_scaling_view_puts_each_point_next_to_its_bound():
     assert by_point[(2, 1)]["BytePS optimum ms"] == "50.000"  # 2·2·1·M / (4 + 2 - 2) / B = M / B
     _, linked = scaling_table([point(2, 1, 150.0)], link_gbps=1.0)
     assert linked[0][7] == "200.000"
+
+
+def test_a_slow_floor_takes_fewer_repetitions_and_no_more_warm_up():
+    assert limits.affordable(20, 1.0) == (limits.FLOOR_WARMUP - 1, 20)  # quick: all of them
+    assert limits.affordable(20, 0.0) == (limits.FLOOR_WARMUP - 1, 20)
+    assert limits.affordable(20, 150.0) == (0, int(limits.FLOOR_BUDGET_MS // 150))  # about the budget
+    assert limits.affordable(20, 1340.0) == (0, limits.FLOOR_MIN_TIMED)  # 16 MiB over 200 Mbit/s: never fewer
+    assert limits.affordable(2, 1340.0) == (0, 2)  # never more than asked
+
+
+def test_timed_runs_what_the_agreed_first_repetition_affords():
+    calls = []
+    samples = limits._timed(20, lambda: calls.append("once"), lambda: calls.append("sync"), lambda ms: 500.0)
+    assert len(samples) == 4 and calls.count("once") == 5 and calls.count("sync") == 5  # 1 untimed, 4 timed
