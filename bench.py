@@ -11,6 +11,6 @@ if __name__ == "__main__":
     if preload.starts_ranks(sys.argv[1:]):
         # it imports torch (and what the named model needs) while this process does too
         preload.start(debug="--debug" in sys.argv, models=preload.named_models(sys.argv[1:]))
-    from ps_bench.cli import main
+    from ps_bench.cli import finish, main
 
-    sys.exit(main(launched_at=launched_at))
+    finish(main(launched_at=launched_at))

@@ -7,6 +7,7 @@ role and rank; Ctrl-C and SIGTERM with 130 and 143, once every process is stoppe
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import os
 import shutil
@@ -251,9 +252,22 @@ def main(argv: list[str] | None = None, launched_at: float | None = None) -> int
     return run(argv, imported if launched_at is None else launched_at, imported)
 
 
+def finish(code: int | None) -> NoReturn:
+    """Ends the command with ``code`` as ``sys.exit`` would (exit handlers run, the standard
+    streams flushed), without then tearing down every module: with torch loaded that alone takes
+    about 0.35 s of every command. Every file a command writes is closed by the time it returns."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach it
+            pass
+    os._exit(code or 0)
+
+
 def entry_point() -> NoReturn:
     """The ``ps-bench`` command."""
     launched_at = time.time()
     if preload.starts_ranks(sys.argv[1:]):
         preload.start(debug="--debug" in sys.argv, models=preload.named_models(sys.argv[1:]))
-    sys.exit(main(launched_at=launched_at))
+    finish(main(launched_at=launched_at))
