@@ -12,7 +12,7 @@ same cost; above 1, compression paid). ``--set compressing`` (fp16, bf16, ps_fp1
 torchft strategies) or ``all``.
 
     sudo $(which python) benchmarks/strategy_floors.py [--set families] [--runs 5] [--link 1gbit] [--no-emulate]
-        [--keep DIR]
+        [--keep DIR] [--only allreduce]
 """
 
 from __future__ import annotations
@@ -65,12 +65,18 @@ def main() -> int:
     parser.add_argument("--link", default="1gbit", help="the shaped link (default 1gbit)")
     parser.add_argument("--no-emulate", action="store_true", help="loopback only (no root needed)")
     parser.add_argument("--keep", metavar="DIR", help="keep the results files here (reused when run again)")
+    parser.add_argument("--only", metavar="HOOK[,HOOK]", help="only these strategies of the set, e.g. allreduce")
     args = parser.parse_args()
     folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="ps_bench-strategy-floors-"))
     folder.mkdir(parents=True, exist_ok=True)
     networks = [None] + ([] if args.no_emulate else [args.link])
     rows, held = [], True
     hooks = {hook: options for name, chosen in SETS.items() if args.set in (name, "all") for hook, options in chosen.items()}
+    if args.only:
+        unknown = set(args.only.split(",")) - set(hooks)
+        if unknown:
+            parser.error(f"--only: not in --set {args.set}: {', '.join(sorted(unknown))}")
+        hooks = {hook: options for hook, options in hooks.items() if hook in args.only.split(",")}
     for link in networks:
         for hook, options in hooks.items():
             measured = [run(folder, link, hook, options, seed) for seed in range(1, args.runs + 1)]
