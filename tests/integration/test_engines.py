@@ -1,8 +1,8 @@
 """The engines users train with, for real: DeepSpeed's ZeRO stages 1, 2 and 3 train exactly as
 all-reduce does and send what DeepSpeed's own comms logger says; a seed-style ds_config runs;
 torchft's DiLoCo is ps_bench's DiLoCo, two implementations of one algorithm agreeing, and its
-streaming form sends each fragment once a period; nothing of torchft outlives a run or a
-failure."""
+streaming form sends each fragment once a period; nothing of torchft or DeepSpeed outlives a run
+or a failure."""
 
 from __future__ import annotations
 
@@ -94,6 +94,21 @@ def test_torchft_listens_where_it_can_be_told_to_and_a_killed_trainer_ends_it(re
     trainer0 = [address for address in sockets[pids[0]]]
     assert sum(is_loopback(address) for address in trainer0) >= 3, sockets  # its store, RPC, the lighthouse
     assert json.loads(results_path.read_text())["status"] == "failed"
+
+
+def test_a_killed_deepspeed_trainer_ends_the_job_named_and_leaves_nothing(results_path):
+    """kill -9 of one rank of a ZeRO-3 job: the job ends, naming it, with every process of the
+    session gone (``communicate``) and the finished rounds kept."""
+    process = start_bench("--hook", "deepspeed_zero3", "--nserver", "0", "--rounds", "100000", "--rpc-timeout",
+                          "600", "--out", str(results_path))
+    read_until(process, "[round 3/")
+    os.kill(rank_pids(process.pid)[0], signal.SIGKILL)
+    _, stderr, _ = communicate(process, 120, "the job")
+    assert process.returncode == 1
+    assert stderr.strip().splitlines()[-1].startswith("ps_bench: error: trainer 0 (rank 0, trainer0) was killed by "
+                                                      "SIGKILL"), stderr
+    results = json.loads(results_path.read_text())
+    assert results["status"] == "failed" and results["rounds_completed"] >= 1
 
 
 def test_ctrl_c_stops_a_torchft_job_and_leaves_nothing(results_path):
