@@ -21,11 +21,15 @@ FLOORED = [("fsdp", ("--verify",)), ("zero1", ("--verify",)), ("local_sgd", ("--
            ("deepspeed_zero2", ("--verify",)), ("torchft_diloco", DILOCO)]
 
 
-def quick_run(bench_runs, hook: str, *options: str, timeout_s: float = 300) -> dict:
-    """The results of ``--hook HOOK`` QUICK OPTIONS (``--limits`` too where ``FLOORED`` holds
-    them; one run per distinct command line), which must have succeeded and kept the
-    results-file contract."""
+def quick_args(hook: str, *options: str) -> tuple[str, ...]:
+    """``--hook HOOK`` QUICK OPTIONS, with ``--limits`` where ``FLOORED`` holds them."""
     limits = ("--limits",) if (hook, tuple(options)) in FLOORED else ()
-    results = bench_runs.ok("--hook", hook, *QUICK, *limits, *options, timeout_s=timeout_s)
+    return ("--hook", hook, *QUICK, *limits, *options)
+
+
+def quick_run(bench_runs, hook: str, *options: str, timeout_s: float = 300) -> dict:
+    """The results of ``quick_args`` (one run per distinct command line), which must have
+    succeeded and kept the results-file contract."""
+    results = bench_runs.ok(*quick_args(hook, *options), timeout_s=timeout_s)
     check_contract(results)
     return results

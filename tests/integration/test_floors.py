@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tests.benchrun import run_bench
-from tests.integration.shared_runs import FLOORED, QUICK, quick_run
+from tests.integration.shared_runs import FLOORED, QUICK, quick_args, quick_run
 
 
 def above_the_floor(efficiency: dict) -> list[str]:
@@ -34,7 +34,7 @@ def test_every_family_is_held_to_the_floor_of_its_own_collectives(hook, options,
     results = quick_run(bench_runs, hook, *options)
     first = above_the_floor(results["efficiency"])
     if first:
-        again = run_bench("--hook", hook, *QUICK, "--limits", *options, out=tmp_path / "again.json", timeout_s=300)
+        again = run_bench(*quick_args(hook, *options), out=tmp_path / "again.json", timeout_s=300)
         assert again.returncode == 0, again.output
         assert not above_the_floor(again.results["efficiency"]), (first, again.results["efficiency"])
         results = again.results
