@@ -55,6 +55,17 @@ class Job:
                         cuda_collectives=cfg.backend != "gloo",
                         pushing_hosts=cfg.per_host if strategy.per_host and strategy.needs_servers else None)
 
+    @property
+    def rpc_transport(self) -> str:
+        """``--rpc-transport`` as the run uses it: ``auto`` is TensorPipe's own choice where RPC
+        carries the strategy's gradients (the parameter servers), and TCP where it carries only
+        the master's control messages: TensorPipe's shared-memory transport polls, half a core
+        per process even when idle (``benchmarks/rpc_idle.py``), which on a machine of few cores
+        keeps the cores awake for the floors and from the trainers in training."""
+        if self.config.rpc_transport == "auto" and not self.strategy.needs_servers:
+            return "tcp"
+        return self.config.rpc_transport
+
 
 def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
