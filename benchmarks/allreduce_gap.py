@@ -15,6 +15,10 @@ tensor) in three settings:
   future's callback; split into the hook's division by the world size and the all-reduce with
   its callback.
 
+With ``--loop`` each process instead trains: forward, backward (DDP, the hook as above) and an
+SGD step back to back, 200 timed iterations without a barrier, as ps_bench's trainers do; then
+the floor. Its ``comm`` splits as ``--split`` splits a ps_bench run's.
+
 With ``--rpc`` the two processes also join a TensorPipe RPC world with two more idle processes,
 as ps_bench's trainers do beside its master and a server: the threads and processes ps_bench
 adds, without its trainer loop. Prints the p50 of each and the backward's own p50, with the
@@ -64,7 +68,7 @@ def idle(rank: int, rpc_port: int) -> None:
     rpc.shutdown()
 
 
-def worker(rank: int, port: int, repeat: int, out: dict, rpc_port: int | None) -> None:
+def worker(rank: int, port: int, repeat: int, out: dict, rpc_port: int | None, loop: bool = False) -> None:
     if rank >= 2:
         return idle(rank, rpc_port)
     torch.set_num_threads(1)
@@ -79,10 +83,17 @@ def worker(rank: int, port: int, repeat: int, out: dict, rpc_port: int | None) -
     inputs = torch.randint(0, MODEL[1]["num_embeddings"], (BATCH, SAMPLE_LENGTH))  # DummyData's bags
     targets = torch.randint(0, MODEL[1]["dense_output_size"], (BATCH,))
     flat = torch.ones(sum(p.numel() for p in model.parameters()))
+    if loop:
+        out[rank] = training_loop(model, repeat, flat)
+        dist.destroy_process_group()
+        if rpc_port is not None:
+            rpc.shutdown()
+        return
     loss_fn = torch.nn.CrossEntropyLoss()
     samples = {"floor": [], "after backward": [], "after backward and a barrier": [], "DDP's hook": [],
                "  its division": [], "  its all-reduce and callback": [], "backward": [], "ended": []}
-    ddp = torch.nn.parallel.DistributedDataParallel(build_model(MODEL[0], MODEL[1], 0))
+    # bucket_cap_mb given, as ps_bench gives it: one bucket (left to DDP, the first would be 1 MB)
+    ddp = torch.nn.parallel.DistributedDataParallel(build_model(MODEL[0], MODEL[1], 0), bucket_cap_mb=25)
     marks: list[float] = []
 
     def hook(state, bucket):  # torch's allreduce_hook, with ps_bench's clock reads around it
@@ -124,6 +135,7 @@ def worker(rank: int, port: int, repeat: int, out: dict, rpc_port: int | None) -
         marks.clear()
         ddp.zero_grad(set_to_none=True)
         loss_fn(ddp(inputs), targets).backward()
+        assert len(marks) == 3, "one bucket per iteration"
         if index >= 5:
             samples["DDP's hook"].append(marks[2] - marks[0])
             samples["  its division"].append(marks[1] - marks[0])
@@ -137,6 +149,52 @@ def worker(rank: int, port: int, repeat: int, out: dict, rpc_port: int | None) -
     dist.destroy_process_group()
     if rpc_port is not None:
         rpc.shutdown()
+
+
+def training_loop(model: torch.nn.Module, repeat: int, flat: torch.Tensor) -> dict:
+    """``--loop``: DDP's hook timed over back-to-back training iterations, then the floor."""
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    comm: list[float] = []
+
+    def hook(state, bucket):
+        start = ms()
+        tensor = bucket.buffer()
+        tensor.div_(dist.get_world_size())
+
+        def finished(fut):
+            comm.append(ms() - start)
+            return fut.value()[0]
+        return dist.all_reduce(tensor, async_op=True).get_future().then(finished)
+
+    ddp.register_comm_hook(None, hook)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    inputs = torch.randint(0, MODEL[1]["num_embeddings"], (BATCH * 8, SAMPLE_LENGTH))
+    targets = torch.randint(0, MODEL[1]["dense_output_size"], (BATCH * 8,))
+    for index in range(repeat + 10):
+        first = (index % 8) * BATCH
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(ddp(inputs[first:first + BATCH]), targets[first:first + BATCH]).backward()
+        optimizer.step()
+    floor = []
+    for _ in range(100):
+        dist.barrier()
+        start = ms()
+        dist.all_reduce(flat)
+        floor.append(ms() - start)
+    assert len(comm) == repeat + 10, "one bucket per iteration"
+    return {"comm": comm[10:], "floor": floor}
+
+
+def loop_split(results: dict) -> None:
+    comm = [results[0]["comm"], results[1]["comm"]]
+    floor = statistics.median(results[0]["floor"] + results[1]["floor"])
+    cost = statistics.median(comm[0] + comm[1])
+    later = statistics.median(min(pair) for pair in zip(*comm))
+    wait = statistics.median(abs(a - b) for a, b in zip(*comm))
+    print(f"DDP in a training loop of {len(comm[0])} iterations, p50 ms: floor {floor:.2f}, comm {cost:.2f} "
+          f"(efficiency {floor / cost:.3f}), the later process's comm {later:.2f} (floor / that {floor / later:.3f}), "
+          f"the earlier's wait {wait:.2f}")
 
 
 def split(paths: list[str]) -> None:
@@ -170,6 +228,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=200, help="timed repetitions (default 200)")
     parser.add_argument("--rpc", action="store_true", help="join an RPC world of 4 (2 more idle processes), "
                         "as ps_bench's trainers do")
+    parser.add_argument("--loop", action="store_true", help="time DDP's hook over a training loop instead")
     parser.add_argument("--split", nargs="+", metavar="RESULTS.json", help="split ps_bench runs' comm instead")
     args = parser.parse_args()
     if args.split:
@@ -183,8 +242,12 @@ def main() -> int:
             ports.append(probe.getsockname()[1])
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(worker, args=(ports[0], args.repeat, out, ports[1] if args.rpc else None), nprocs=4 if args.rpc else 2)
+        mp.spawn(worker, args=(ports[0], args.repeat, out, ports[1] if args.rpc else None, args.loop),
+                 nprocs=4 if args.rpc else 2)
         results = dict(out)
+    if args.loop:
+        loop_split(results)
+        return 0
     mb = sum(p.numel() for p in build_model(MODEL[0], MODEL[1], 0).parameters()) * 4 / 1e6
     print(f"gloo all-reduce of {mb:.2f} MB between 2 processes{' in an RPC world of 4' if args.rpc else ''}, "
           f"{args.repeat} repetitions, p50 ms per process:")
