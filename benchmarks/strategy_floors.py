@@ -36,6 +36,10 @@ SETS = {
                  "diloco": (*NONE, "--hook-option", "period=4"), "hierarchical": HOSTS, "deepspeed_zero2": NONE,
                  "deepspeed_zero3": NONE, "torchft_diloco": (*NONE, "--hook-option", "period=4")},
 }
+# RPC over TCP where it carries only the master's messages: TensorPipe's shared-memory transport
+# polls, half a core per process (benchmarks/rpc_idle.py); docs/floors.md
+SETS["families"] = {hook: options if hook == "ps" else (*options, "--rpc-transport", "tcp")
+                    for hook, options in SETS["families"].items()}
 SIXTEEN_BIT = {"fp16", "bf16", "ps_fp16"}
 MODEL = {"Floors9MB": {"model_class": "DummyModel", "configurations": {
     "num_embeddings": 1024, "embedding_dim": 512, "dense_input_size": 512, "dense_output_size": 512,

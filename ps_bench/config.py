@@ -146,11 +146,10 @@ class RunConfig:
     master_addr: str = option("127.0.0.1", "address of the rendezvous store (a private interface: RPC trusts its peers)")
     master_port: int | None = option(None, "port of the rendezvous store (default: a free one)")
     rpc_transport: str = option(
-        "auto", "how TensorPipe moves RPC payloads: auto = its own choice where RPC carries gradients (parameter "
-        "servers: shared memory between processes of one machine, even across network namespaces) and TCP where it "
-        "carries only the master's control messages (the shared-memory transport polls, half a core per process); "
-        "tcp = TCP sockets only (the uv transport and basic channel), so RPC crosses the network as gloo's "
-        "collectives do; an emulated network always uses tcp",
+        "auto", "how TensorPipe moves RPC payloads: auto = its own choice (shared memory between processes of one "
+        "machine, even across network namespaces; that transport polls, half a core per process); tcp = TCP sockets "
+        "only (the uv transport and basic channel), so RPC crosses the network as gloo's collectives do; an emulated "
+        "network always uses tcp",
         choices=("auto", "tcp"))
     emulate_link: str | None = option(
         None, "emulate a cluster network on this machine: every host a network namespace behind a link of this "

@@ -57,13 +57,10 @@ class Job:
 
     @property
     def rpc_transport(self) -> str:
-        """``--rpc-transport`` as the run uses it: ``auto`` is TensorPipe's own choice where RPC
-        carries the strategy's gradients (the parameter servers), and TCP where it carries only
-        the master's control messages: TensorPipe's shared-memory transport polls, half a core
-        per process even when idle (``benchmarks/rpc_idle.py``), which on a machine of few cores
-        keeps the cores awake for the floors and from the trainers in training."""
-        if self.config.rpc_transport == "auto" and not self.strategy.needs_servers:
-            return "tcp"
+        """``--rpc-transport`` as the run uses it: TensorPipe's own choice (``auto``) or TCP.
+        TensorPipe's shared-memory transport polls, half a core per process even when idle
+        (``benchmarks/rpc_idle.py``); TCP for runs whose RPC carries only control messages was
+        tried as the default and crashed sparse runs (docs/floors.md), so it is the user's choice."""
         return self.config.rpc_transport
 
 

@@ -75,10 +75,6 @@ def test_ps_node_sums_each_host_once_and_ends_with_allreduces_parameters(mapping
     assert_same_parameters(results, baseline)
     assert results["verify"]["grad_rel_error_max"] < 1e-6, results["verify"]
     assert results["bytes"]["server_recv_per_iter"] > 0
-    # --rpc-transport auto: TensorPipe's choice where RPC carries gradients, TCP where it carries
-    # only the master's messages (the shared-memory transport polls, half a core per process)
-    assert results["env"]["rpc"]["option"] == "auto" and results["env"]["rpc"]["transport"] == "shm"
-    assert baseline["env"]["rpc"]["option"] == "auto" and baseline["env"]["rpc"]["transport"] == "uv"
 
 
 @pytest.mark.parametrize("hook, options", [("local_sgd", ("period=1",)),

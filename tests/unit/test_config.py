@@ -208,14 +208,3 @@ def test_zoo_model_brings_its_own_data_and_size():
     dlrm = validate(RunConfig(model="dlrm"), gpus=0).model
     assert dlrm.size["sparse_gradient_bytes"] == 4 * 8 * 250_000 * 64  # the tables' gradients are sparse
 
-
-@pytest.mark.parametrize("hook, option, used", [("ps", "auto", "auto"), ("ps_node", "auto", "auto"),
-                                               ("allreduce", "auto", "tcp"), ("fsdp", "auto", "tcp"),
-                                               ("ps", "tcp", "tcp"), ("allreduce", "tcp", "tcp")])
-def test_rpc_carrying_only_control_messages_goes_over_tcp(hook, option, used):
-    """TensorPipe's shared-memory transport polls (half a core per process, idle or not), so
-    ``auto`` keeps it only where RPC carries the gradients."""
-    extra = {"per_host": 2, "ntrainer": 4} if hook == "ps_node" else {}
-    job = validate(RunConfig(hook=hook, rpc_transport=option, nserver=1 if hook.startswith("ps") else 0, **extra),
-                   gpus=0)
-    assert job.rpc_transport == used
