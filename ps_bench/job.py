@@ -55,14 +55,6 @@ class Job:
                         cuda_collectives=cfg.backend != "gloo",
                         pushing_hosts=cfg.per_host if strategy.per_host and strategy.needs_servers else None)
 
-    @property
-    def rpc_transport(self) -> str:
-        """``--rpc-transport`` as the run uses it: TensorPipe's own choice (``auto``) or TCP.
-        TensorPipe's shared-memory transport polls, half a core per process even when idle
-        (``benchmarks/rpc_idle.py``); TCP for runs whose RPC carries only control messages was
-        tried as the default and crashed sparse runs (docs/floors.md), so it is the user's choice."""
-        return self.config.rpc_transport
-
 
 def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

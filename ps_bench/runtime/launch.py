@@ -97,7 +97,7 @@ def rpc_options(spec: LaunchSpec, rank: int) -> rpc.TensorPipeRpcBackendOptions:
     topology, cfg = spec.topology(), spec.config
     maps = topology.device_maps(rank, spec.local_world_size, spec.gpus_per_node)
     tcp = {}
-    if spec.job.rpc_transport == "tcp":  # TCP sockets only; CUDA tensors staged through the host, over the same
+    if cfg.rpc_transport == "tcp":  # TCP sockets only; CUDA tensors staged through the host, over the same
         tcp = {"_transports": ["uv"], "_channels": ["basic", "cuda_basic"] if maps else ["basic"]}
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=cfg.rpc_threads or topology.rpc_worker_threads(rank),

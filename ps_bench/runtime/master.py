@@ -84,8 +84,7 @@ class Master:
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.launched_at = time.time() if launched_at is None else launched_at
         self.record = RunRecord(job, topology, argv, {**environment(config.backend), "hosts": hosts or [],
-                                                      "rpc": rpc_paths(hosts or [], config.rpc_transport,
-                                                                       job.rpc_transport),
+                                                      "rpc": rpc_paths(hosts or [], config.rpc_transport),
                                                       **({"emulated": emulated} if emulated else {})},
                                 recovered)
         # --limits: one RpcFloorTarget per server, for the float32 buckets (and the strategy's own messages)
@@ -152,7 +151,7 @@ class Master:
         # what was asked, should the job end before its first round; not a measure of what a
         # snapshot of finished rounds costs
         write_snapshot(record.results("failed", error="the job ended before it finished"), self.run_dir)
-        warning = one_machine_warning(record.environment["hosts"], self.job.rpc_transport) if self.topology.servers else None
+        warning = one_machine_warning(record.environment["hosts"], cfg.rpc_transport) if self.topology.servers else None
         if warning:
             print(warning, file=sys.stderr, flush=True)
         servers = self.create_servers()

@@ -132,16 +132,14 @@ def machine_id() -> str:
         return socket.gethostname()
 
 
-def rpc_paths(hosts: list[dict], option: str, transport: str) -> dict:
-    """How RPC payloads travel between the job's hosts (``option``: ``--rpc-transport``;
-    ``transport``: what the job made of it, ``Job.rpc_transport``): with ``tcp``, TensorPipe's
-    uv transport and basic channel, over the network; with ``auto``, TensorPipe's own choice,
-    which is shared memory (shm transport, CMA channel) between processes it finds on one
-    machine, even hosts made of network namespaces, and TCP (uv, basic) between machines."""
+def rpc_paths(hosts: list[dict], rpc_transport: str) -> dict:
+    """How RPC payloads travel between the job's hosts: with ``tcp``, TensorPipe's uv transport
+    and basic channel, over the network; with ``auto``, TensorPipe's own choice, which is shared
+    memory (shm transport, CMA channel) between processes it finds on one machine, even hosts
+    made of network namespaces, and TCP (uv, basic) between machines."""
     machines = {host.get("machine") for host in hosts}
-    if transport == "tcp":
-        return {"option": option, "transport": "uv", "channel": "basic",
-                "over": "TCP sockets" + (" (RPC carries only the master's control messages)" if option == "auto" else "")}
+    if rpc_transport == "tcp":
+        return {"option": "tcp", "transport": "uv", "channel": "basic", "over": "TCP sockets"}
     if len(machines) <= 1:
         return {"option": "auto", "transport": "shm", "channel": "cma", "over": "shared memory (one machine)"}
     return {"option": "auto", "transport": "uv", "channel": "basic", "over": "TCP sockets between machines, "
