@@ -5,8 +5,12 @@ Each case is one published table: its source (title, table, year), its setup (mo
 GPU, GPUs per node, links) and the throughput it measured at each GPU count. ps_bench is given
 only what a user would have: the 1-GPU throughput from the same table (the batch time
 ``t1 = batch / throughput``, split as ``DEFAULTS`` says), the model (DDP's buckets built on the
-meta device), the GPUs per node and the links' line rates. ``bench.py predict --compute-ms`` is
-run as a user runs it, and its predicted throughput is compared with the measured one.
+meta device), the GPUs per node and the links' line rates. Where the source also publishes the same instance
+trained on all its GPUs with no network (a single-node table), the batch time is taken from that
+one instead, per GPU (``Case.node``): a node's own losses when all its GPUs run (clocks shared
+by a board's GPUs, its PCIe switches, the framework's copies) are measured there, and none of
+them is communication between nodes. ``bench.py predict --compute-ms`` is run as a user runs
+it, and its predicted throughput is compared with the measured one.
 
 No number is set per case: every case reads ``DEFAULTS`` (the links' achievable fraction of
 their line rate, the latency per message, the compute split, the local link of a node whose
@@ -64,9 +68,16 @@ class Case:
     servers_on: str | None = None  # parameter servers: "colocated", one on each node
     bucket_cap_mb: float = 25.0  # what the system fused gradients into (DDP: 25 MB)
     setup: str = ""
+    # the same instance's throughput on all per_node GPUs with no network, from the source's
+    # single-node table (img/s; None: the source has none): the compute ps_bench is given
+    node: float | None = None
+    node_source: str = ""
 
     def t1_ms(self) -> float:
-        return self.batch / self.measured[1] * 1000.0
+        """The batch time ps_bench is given: per GPU of a full node where the source measured
+        one, else of the single GPU."""
+        per_gpu = self.node / self.per_node if self.node else self.measured[1]
+        return self.batch / per_gpu * 1000.0
 
 
 HOROVOD_A = ("Horovod README, first benchmark table, 'TCP Horovod (allreduce on GPU with NCCL)' row "
@@ -78,6 +89,8 @@ TF_K80 = ("TensorFlow r1 'Benchmarks' guide, 'Details for Amazon EC2 Distributed
           "tested May 2017)")
 HOROVOD_SETUP = ("4 Pascal GPUs per server, NCCL 2 ring all-reduce over TCP, Tensor Fusion (64 MB buffer), "
                  "fp32, batch 64 per GPU, synthetic data")
+TF_K80_NODE = ("the same guide, 'Details for Amazon EC2 (NVIDIA Tesla K80)', 'Training synthetic data' "
+               "table, row '8' (one p2.8xlarge, no network; tested May 2017)")
 TF_SETUP = ("p2.8xlarge (8 K80 GPUs, 10 Gbit/s), distributed_replicated: each worker sums its 8 GPUs' "
             "gradients and pushes the sum to parameter servers run on the worker instances, one per instance")
 
@@ -96,12 +109,13 @@ CASES = [
     for source, link, network, gpus, models in HOROVOD_TABLES for model, (one, many) in models.items()
 ] + [
     Case("tf-k80-resnet50", TF_K80, "resnet50", 64, 8, 10.0, "ps_node",
-         {1: 52.4, 8: 378, 16: 751, 32: 1388, 64: 2744}, servers_on="colocated", setup=TF_SETUP),
+         {1: 52.4, 8: 378, 16: 751, 32: 1388, 64: 2744}, servers_on="colocated", setup=TF_SETUP,
+         node=384, node_source=TF_K80_NODE),
     Case("tf-k80-resnet152", TF_K80, "resnet152", 32, 8, 10.0, "ps_node",
-         {1: 19.4, 8: 146, 16: 291, 32: 565}, servers_on="colocated",
+         {1: 19.4, 8: 146, 16: 291, 32: 565}, servers_on="colocated", node=149, node_source=TF_K80_NODE,
          setup=TF_SETUP + " (at 64 GPUs it ran 4 servers on 8 instances: not a layout ps_bench predicts)"),
     Case("tf-k80-inception3", TF_K80, "inception_v3", 64, 8, 10.0, "ps_node",
-         {1: 29.7, 8: 229, 16: 459, 32: 902}, servers_on="colocated",
+         {1: 29.7, 8: 229, 16: 459, 32: 902}, servers_on="colocated", node=230, node_source=TF_K80_NODE,
          setup=TF_SETUP + " (at 64 GPUs it ran 6 servers on 8 instances: not a layout ps_bench predicts)"),
 ]
 
@@ -133,7 +147,8 @@ def predict_case(case: Case, scratch: Path) -> list[dict]:
                      "measured": measured, "predicted": predicted,
                      "error_pct": (predicted - measured) / measured * 100.0,
                      "efficiency": measured / (gpus * case.measured[1]),
-                     "communication_share": 1.0 - t1 / row["batch_ms"]})
+                     "communication_share": 1.0 - t1 / row["batch_ms"],
+                     "given": f"{case.per_node}-GPU node" if case.node else "1 GPU", "given_ms": t1})
     return rows
 
 
@@ -149,15 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.sources:
         for case in cases:
             print(f"{case.name}: {case.source}\n    {case.setup}")
+            if case.node:
+                print(f"    compute given: {case.node:g} img/s on {case.per_node} GPUs, from {case.node_source}")
         return 0
     with tempfile.TemporaryDirectory() as scratch:
         rows = [row for case in cases for row in predict_case(case, Path(scratch))]
     print(f"defaults: {DEFAULTS}")
     print(tabulate([[row["case"], row["gpus"], row["nodes"], f"{row['measured']:.1f}", f"{row['predicted']:.1f}",
-                     f"{row['error_pct']:+.1f} %", f"{row['efficiency']:.1%}", f"{row['communication_share']:.0%}"]
+                     f"{row['error_pct']:+.1f} %", f"{row['efficiency']:.1%}", f"{row['communication_share']:.0%}",
+                     f"{row['given']}, {row['given_ms']:.0f} ms"]
                     for row in rows],
                    headers=["case", "GPUs", "nodes", "measured img/s", "predicted img/s", "error", "measured efficiency",
-                            "predicted comm. share"], tablefmt="github"))
+                            "predicted comm. share", "compute given"], tablefmt="github"))
     errors = [abs(row["error_pct"]) for row in rows]
     print(f"\n{len(rows)} points: median |error| {statistics.median(errors):.1f} %, largest {max(errors):.1f} %")
     if args.out:

@@ -43,3 +43,16 @@ def test_a_communication_bound_case_is_predicted_within_a_fifth():
     assert predicted == pytest.approx(measured, rel=0.2)
     assert share > 0.2
     assert "median |error|" in done.stdout
+
+
+def test_a_case_whose_source_measured_a_full_node_is_given_that_nodes_compute_per_gpu():
+    """The K80 cases' compute is the single-node table's 8-GPU row per GPU (ResNet-50: 384 img/s
+    on 8 GPUs at batch 64, 1333.3 ms); a case without such a table keeps its 1-GPU batch time."""
+    check = load_check()
+    cases = {case.name: case for case in check.CASES}
+    assert cases["tf-k80-resnet50"].t1_ms() == pytest.approx(64 / (384 / 8) * 1000.0)
+    vgg = cases["horovod-25g-vgg16"]
+    assert vgg.node is None and vgg.t1_ms() == pytest.approx(64 / 130.9 * 1000.0)
+    for case in check.CASES:
+        if case.node:  # cited, and no faster than its GPUs apart
+            assert case.node_source and case.node <= case.per_node * case.measured[1]
