@@ -146,6 +146,9 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SwitchType=switch/none
 SlurmdParameters=config_overrides
+# sbatch --wait polls every 2 s only while 2 s >= MinJobAge/2; at the default (300) it sleeps
+# 2, 8, then 32 s, a 10 s job returning after 42
+MinJobAge=4
 {nodes}
 PartitionName=psb Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """
