@@ -172,8 +172,6 @@ def check_pieces(cfg: RunConfig) -> Strategy:
         need(not (record.needs_servers and cfg.mapping == "group" and cfg.num_servers > hosts),
              f"--hook {cfg.hook} --mapping group gives each server a group of hosts: {cfg.num_servers} servers need "
              f"{cfg.num_servers} hosts; got {hosts}")
-        need(not (record.needs_servers and cfg.limits), f"--hook {cfg.hook} cannot be combined with --limits yet "
-                                                        f"(its floors are those of whole buckets to the servers)")
     if cfg.mapping == "group" and cfg.num_servers:
         need(
             cfg.num_servers <= cfg.num_trainers,

@@ -103,14 +103,16 @@ def batched_low_rank_factors(elements: int, rank: int, min_compression_rate: flo
     return elements, 0, 0
 
 
-def floor_messages(strategy, buckets: list[dict], options: dict) -> dict[int, list[tuple[int, str]]]:
+def floor_messages(strategy, buckets: list[dict], options: dict, slices: int = 1) -> dict[int, list[tuple[int, str]]]:
     """What ``strategy`` (a ``Strategy`` record) puts on the wire for each of ``buckets`` (rows of
     ``DdpTrainer.bucket_layout``: index, bytes, sparse, shapes), as ``(elements, dtype)``
-    messages in the order it sends them; ``options`` are the hook's options, defaults included.
-    Sparse buckets go as they are (float32 at their size)."""
+    messages in the order it sends them; ``options`` are the hook's options, defaults included;
+    ``slices``: each trainer sends its ``1/slices`` of each bucket (node-aggregated servers: a
+    host's G trainers push a slice each of the host's sum). Sparse buckets go as they are
+    (float32 at their size)."""
     messages: dict[int, list[tuple[int, str]]] = {}
     for bucket in buckets:
-        elements = bucket["bytes"] // 4
+        elements = -(-(bucket["bytes"] // 4) // slices)
         if strategy.transport is None:
             messages[bucket["index"]] = []
         elif bucket["sparse"] or strategy.payload == "float32":

@@ -84,7 +84,8 @@ def efficiency(record: Any, floors: dict) -> dict | None:
     rows = {r.metric: r for r in record.rows() if r.role == "trainer" and r.unit == "ms"}
     if "comm" not in rows or (strategy.floor is None and own_steps is None):
         return None
-    buckets = (floors["own"] or floors.get(strategy.floor)) if strategy.hook_sends and not strategy.per_host else None
+    buckets = ((floors["own"] or floors.get(strategy.floor))
+               if strategy.hook_sends and (not strategy.per_host or strategy.needs_servers) else None)
     periodic = own_steps is not None and any(entry["iterations"] > 1 for entry in own_steps["collectives"].values())
     cost = rows["comm"].mean if periodic else rows["comm"].p50
     floor_ms = (buckets["p50_ms"] if buckets else 0.0) + (own_steps["per_iter_ms"] if own_steps else 0.0)

@@ -244,7 +244,8 @@ class Master:
             buckets = trainers[0].rpc_sync().bucket_layout() or [
                 {"index": 0, "bytes": self.model.size["dense_gradient_bytes"], "sparse": False, "shapes": []}]
             record.floor_messages = limits.floor_messages(HOOKS.record("allreduce"), buckets, {})
-            own = limits.floor_messages(self.job.strategy, buckets, hook_options(cfg.hook, cfg.hook_options))
+            own = limits.floor_messages(self.job.strategy, buckets, hook_options(cfg.hook, cfg.hook_options),
+                                        slices=self.job.strategy.rpc_slices(cfg.per_host))
             record.own_messages = own if own != record.floor_messages else None
             self.floor_targets = [[rpc.remote(info.name, limits.RpcFloorTarget, args=(messages,))
                                    for info in self.topology.servers]

@@ -118,6 +118,11 @@ class Strategy:
         """The ``--limits`` floor it is held against: the raw transfer over its transport."""
         return self.transport
 
+    def rpc_slices(self, per_host: int | None) -> int:
+        """Into how many slices each trainer's host splits a bucket for the servers: node-aggregated
+        servers' G trainers push one slice each of their host's sum; 1 for every other strategy."""
+        return (per_host or 1) if self.per_host and self.transport == RPC else 1
+
 
 def expected_bytes(record: Strategy, nbytes: int, world: int, period: int = 1, backend: str = "gloo") -> float:
     """What a strategy that is not a DDP hook sends per iteration over a model of ``nbytes``

@@ -103,6 +103,12 @@ class NodeAggregated(InOrder):
             [list(range(host * per_host, (host + 1) * per_host)) for host in range(hosts)])
         self.local, self.per_host = dist.get_rank() % per_host, per_host
 
+    def floor_steps(self, buckets: list[int]) -> list[tuple[str, dist.ProcessGroup, int]]:
+        """``--limits``: each bucket's sum and all-gather within the host (its slices' pushes and
+        pulls are the floor of its own messages, ``limits.floor_messages(slices=G)``)."""
+        return [step for elements in buckets for step in (
+            ("all_reduce", self.intra, elements), ("all_gather", self.intra, elements))]
+
     def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
         server = ctx.server_for(bucket, self.local, self.per_host)  # every bucket, in order: it closes the layout
         return self.after_previous(lambda: self.aggregated(ctx, bucket, server))

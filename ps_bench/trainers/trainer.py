@@ -332,8 +332,8 @@ class DdpTrainer:
                                                     self.device, repeat)
             out["collective_ms"] = limits.collective_floor_ms(messages, self.device, ctx.process_group, repeat)
             if own is not None and self.strategy.transport == RPC:
-                out["own_ms"] = limits.rpc_floor_ms(own, self.floor_owners(messages, targets[-1]), ctx.process_group,
-                                                    self.device, repeat)
+                out["own_ms"] = limits.rpc_floor_ms(own, self.floor_owners(
+                    messages, targets[-1], self.strategy.rpc_slices(ctx.per_host)), ctx.process_group, self.device, repeat)
             elif own is not None:
                 out["own_ms"] = limits.collective_floor_ms(own, self.device, ctx.process_group, repeat)
             for nbytes in limits.LINK_SIZES:  # the link itself, one message at a time
@@ -354,12 +354,16 @@ class DdpTrainer:
             ctx.wire.paused = False
         return out
 
-    def floor_owners(self, messages: dict[int, list], targets: list[rpc.RRef]) -> dict[int, rpc.RRef]:
-        """Each bucket's server, as the strategy maps it (its group's, or balanced by float32 bytes)."""
+    def floor_owners(self, messages: dict[int, list], targets: list[rpc.RRef], slices: int = 1) -> dict[int, rpc.RRef]:
+        """Each bucket's server, as the strategy maps it (its group's, or balanced by float32 bytes);
+        ``slices``: the server of this trainer's slice of it (``HookContext.server_for``)."""
         if self.hook_context.mapping == "group":
             return {index: targets[self.hook_context.group_server] for index in messages}
-        sizes = {index: sum(count for count, _ in parts) * 4 for index, parts in messages.items()}
-        return {index: targets[s] for index, s in balance_buckets(sizes, len(targets)).items()}
+        part = dist.get_rank() % slices
+        sizes = {index * slices + p: sum(count for count, _ in parts) * 4 // slices
+                 for index, parts in messages.items() for p in range(slices)}
+        owners = balance_buckets(sizes, len(targets))
+        return {index: targets[owners[index * slices + part]] for index in messages}
 
 
 def finish_profile(profiler: torch.profiler.profile, path: str) -> None:

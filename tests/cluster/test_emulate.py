@@ -114,8 +114,8 @@ def test_two_hosts_of_two_trainers_hierarchical_and_colocated_servers_cross_the_
     ring crosses once each way), hierarchical 2(2-1)/2 M = M (split over the host's two trainers),
     servers co-located one per host 2(H-1)/H x G x M = 2 M, their hosts' gradients once each way,
     and dedicated servers every trainer's whole gradient, 2 M out of each trainer host; node-aggregated
-    servers (ps_node) a host's sum once, M, whether dedicated or co-located. HSDP, with --limits,
-    stays at or under the floor of its own collectives on these links."""
+    servers (ps_node) a host's sum once, M, whether dedicated or co-located. HSDP and ps_node, with
+    --limits, cost no less than the floor of what they move on these links."""
     runs = {}
     for name, options in {"allreduce": ("--hook", "allreduce", "--nserver", "0"),
                           "hierarchical": ("--hook", "hierarchical", "--nserver", "0"),
@@ -123,7 +123,7 @@ def test_two_hosts_of_two_trainers_hierarchical_and_colocated_servers_cross_the_
                           "dedicated": ("--hook", "ps", "--nserver", "2"),
                           "node colocated": ("--hook", "ps_node", "--nserver", "2", "--servers-on", "colocated",
                                              "--verify"),
-                          "node dedicated": ("--hook", "ps_node", "--nserver", "2", "--verify"),
+                          "node dedicated": ("--hook", "ps_node", "--nserver", "2", "--verify", "--limits"),
                           "hsdp": ("--hook", "hsdp", "--nserver", "0", "--limits")}.items():
         run = emulate("--link", "1gbit", "--", *TWO_BY_TWO, *options, "--out", str(tmp_path / f"{name}.json"))
         assert run.returncode == 0, run.output
@@ -135,6 +135,7 @@ def test_two_hosts_of_two_trainers_hierarchical_and_colocated_servers_cross_the_
                     "dedicated": 2 * MODEL_BYTES, "node colocated": MODEL_BYTES, "node dedicated": MODEL_BYTES}
     hsdp = runs.pop("hsdp")  # sharded within each host: held to the floor of its own steps on these links
     assert 0 < hsdp["efficiency"]["value"] <= 1.05, hsdp["efficiency"]  # a floor is a floor
+    assert 0 < runs["node dedicated"]["efficiency"]["value"] <= 1.05, runs["node dedicated"]["efficiency"]
     assert hsdp["replicas"]["param_norm"] == pytest.approx(runs["allreduce"]["replicas"]["param_norm"], rel=1e-5)
     for name, results in runs.items():
         links = host_links(results)

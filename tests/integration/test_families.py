@@ -66,15 +66,23 @@ def test_hierarchical_allreduces_within_then_across_hosts_and_ends_with_allreduc
 
 @pytest.mark.parametrize("mapping", ["shard", "group"])
 def test_ps_node_sums_each_host_once_and_ends_with_allreduces_parameters(mapping, bench_runs):
-    """4 trainers, 2 per host, 2 servers: each host's gradient summed within the host, pushed and
-    pulled once per host by its lead trainer, broadcast within the host; --verify: the exact mean."""
+    """4 trainers, 2 per host, 2 servers: each host's gradient summed within the host, each trainer
+    pushing and pulling its half of the sum, the halves all-gathered within the host; --verify:
+    the exact mean; --limits: its floor is its halves' round trips to their servers and its sums
+    and all-gathers within the host, and it costs no less."""
     results = bench_runs.ok("--hook", "ps_node", *QUICK, "--nserver", "2", "--mapping", mapping, *PER_HOST,
-                            "--verify", timeout_s=180)  # no --limits: refused for ps_node
+                            "--verify", "--limits", timeout_s=180)
     check_contract(results)
     baseline = reference(bench_runs, "--ntrainer", "4")
     assert_same_parameters(results, baseline)
     assert results["verify"]["grad_rel_error_max"] < 1e-6, results["verify"]
     assert results["bytes"]["server_recv_per_iter"] > 0
+    limits, efficiency = results["limits"], results["efficiency"]
+    assert limits["own"]["transport"] == "rpc" and limits["own"]["bytes_per_iter"] * 2 == limits["bytes_per_iter"]
+    assert set(limits["steps"]["collectives"]) == {"all_reduce", "all_gather"}
+    assert efficiency["floor_of"] == "its buckets and its own steps"
+    assert efficiency["floor_ms"] == pytest.approx(limits["own"]["p50_ms"] + limits["steps"]["per_iter_ms"])
+    assert 0 < efficiency["value"] <= 1.05, efficiency  # a floor is a floor
 
 
 @pytest.mark.parametrize("hook, options", [("local_sgd", ("period=1",)),

@@ -93,7 +93,6 @@ def test_the_local_strategies_options_and_their_defaults():
     (("--hook", "local_sgd", "--nserver", "0", "--hook-option", "outer_lr=1"), "has no option 'outer_lr'"),
     (("--hook", "fsdp", "--nserver", "0", "--gradient-as-bucket-view"), "cannot be combined with "
                                                                         "--gradient-as-bucket-view"),
-    (("--hook", "ps_node", "--ntrainer", "4", "--per-host", "2", "--limits"), "cannot be combined with --limits yet"),
     (("--hook", "ps_node", "--ntrainer", "4", "--per-host", "2", "--nserver", "3", "--mapping", "group"),
      "--mapping group gives each server a group of hosts: 3 servers need 3 hosts; got 2"),
     (("--hook", "ps_node", "--nserver", "2"), "it needs 2 hosts or more"),
