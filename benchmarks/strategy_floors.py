@@ -2,8 +2,8 @@
 
 Runs each strategy with ``--limits`` on a ``DummyModel`` of 2.36 M parameters (9.45 MB of dense
 gradients: 1024 embeddings of 512, seven 512-wide layers), 2 trainers (4, 2 per host, for the
-strategies that work within hosts) and 1 server for the parameter servers (2 for ps_node), RUNS times each
-(torch seeds 1..RUNS), on loopback and with every rank behind a 1 Gbit/s link (``bench.py
+strategies that work within hosts) and 1 server for the parameter servers (2 for ps_node), RUNS
+times each (torch seeds 1..RUNS), on loopback and with every rank behind a 1 Gbit/s link (``bench.py
 emulate``, needs root), and prints per strategy and network the range of ``efficiency`` (its
 floor over its cost; it should stay at or below 1.05: a floor is a floor), the floor and the cost
 of run 1, and, for the compressing strategies, ``gain_over_float32`` (the float32 floor over the
@@ -33,8 +33,8 @@ SERVED_HOSTS = ("--nserver", "2", "--ntrainer", "4", "--per-host", "2")  # ps_no
 NONE = ("--nserver", "0")
 SETS = {
     "compressing": {"fp16": SERVER, "bf16": SERVER, "ps_fp16": SERVER, "powersgd": SERVER},
-    "families": {"allreduce": SERVER, "ps": SERVER, "ps_node": SERVED_HOSTS, "fsdp": NONE, "hsdp": HOSTS, "zero1": NONE, "local_sgd": NONE,
-                 "diloco": (*NONE, "--hook-option", "period=4"), "hierarchical": HOSTS, "deepspeed_zero2": NONE,
+    "families": {"allreduce": SERVER, "ps": SERVER, "ps_node": SERVED_HOSTS, "fsdp": NONE, "hsdp": HOSTS,
+                 "zero1": NONE, "local_sgd": NONE, "diloco": (*NONE, "--hook-option", "period=4"), "hierarchical": HOSTS, "deepspeed_zero2": NONE,
                  "deepspeed_zero3": NONE, "torchft_diloco": (*NONE, "--hook-option", "period=4")},
 }
 # RPC over TCP where it carries only the master's messages: TensorPipe's shared-memory transport

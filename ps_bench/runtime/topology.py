@@ -49,6 +49,14 @@ def balance_buckets(bucket_bytes: dict[int, int], num_servers: int) -> dict[int,
     return owner
 
 
+def slice_owners(bucket_bytes: dict[int, int], parts: int, num_servers: int) -> dict[int, int]:
+    """Slice key ``index * parts + part`` -> server index: each bucket cut into ``parts`` slices of
+    equal bytes (node-aggregated servers: a slice per trainer of a host), the slices dealt as
+    ``balance_buckets`` deals buckets; ``parts`` 1: the buckets themselves."""
+    return balance_buckets({index * parts + part: size // parts for index, size in bucket_bytes.items()
+                            for part in range(parts)}, num_servers)
+
+
 class Topology:
     def __init__(
         self,

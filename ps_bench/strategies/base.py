@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ps_bench.metrics.timers import IntervalTracker, tensor_bytes
 from ps_bench.metrics.wire import ByteCounter, collective_bytes
 from ps_bench.registry import Registry
-from ps_bench.runtime.topology import balance_buckets
+from ps_bench.runtime.topology import slice_owners
 
 Hook = Callable[["HookContext", dist.GradBucket], Future]
 COLLECTIVE, RPC = "collective", "rpc"  # transports
@@ -121,7 +121,7 @@ class Strategy:
     def rpc_slices(self, per_host: int | None) -> int:
         """Into how many slices each trainer's host splits a bucket for the servers: node-aggregated
         servers' G trainers push one slice each of their host's sum; 1 for every other strategy."""
-        return (per_host or 1) if self.per_host and self.transport == RPC else 1
+        return (per_host or 1) if self.per_host and self.needs_servers else 1
 
 
 def expected_bytes(record: Strategy, nbytes: int, world: int, period: int = 1, backend: str = "gloo") -> float:
@@ -200,8 +200,7 @@ class HookContext:
         if bucket.is_last():
             if self._seen != self._layout:
                 self._layout = self._seen
-                self._owners = balance_buckets({i * parts + p: size // parts for i, size in self._layout.items()
-                                                for p in range(parts)}, len(self.servers))
+                self._owners = slice_owners(self._layout, parts, len(self.servers))
             self._seen = {}
         return owner
 

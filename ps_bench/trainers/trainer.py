@@ -24,7 +24,7 @@ from ps_bench.models.entries import Entry
 from ps_bench.registry import Registry
 from ps_bench.strategies import RPC, Strategy
 from ps_bench.strategies.base import HookContext, ServerHandle, build_synchroniser, fingerprint, optimizer_spec
-from ps_bench.runtime.topology import balance_buckets
+from ps_bench.runtime.topology import slice_owners
 from ps_bench.trainers.convergence import Convergence
 
 TRAINERS: Registry = Registry("trainer")
@@ -356,13 +356,12 @@ class DdpTrainer:
 
     def floor_owners(self, messages: dict[int, list], targets: list[rpc.RRef], slices: int = 1) -> dict[int, rpc.RRef]:
         """Each bucket's server, as the strategy maps it (its group's, or balanced by float32 bytes);
-        ``slices``: the server of this trainer's slice of it (``HookContext.server_for``)."""
+        ``slices``: the server of this trainer's slice of it, as ``HookContext.server_for`` deals them."""
         if self.hook_context.mapping == "group":
             return {index: targets[self.hook_context.group_server] for index in messages}
         part = dist.get_rank() % slices
-        sizes = {index * slices + p: sum(count for count, _ in parts) * 4 // slices
-                 for index, parts in messages.items() for p in range(slices)}
-        owners = balance_buckets(sizes, len(targets))
+        owners = slice_owners({index: sum(count for count, _ in parts) * 4 for index, parts in messages.items()},
+                              slices, len(targets))
         return {index: targets[owners[index * slices + part]] for index in messages}
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from ps_bench.runtime.topology import MASTER, SERVER, TRAINER, Topology, balance_buckets, split_evenly
+from ps_bench.runtime.topology import MASTER, SERVER, TRAINER, Topology, balance_buckets, slice_owners, split_evenly
 
 
 def test_rank_order_roles_and_names():
@@ -56,6 +56,14 @@ def test_balance_buckets_balances_bytes_and_is_deterministic():
     assert max(load) - min(load) <= 20  # greedy largest-first: 140 vs 120
     assert balance_buckets(dict(reversed(list(sizes.items()))), 2) == owners
     assert set(balance_buckets({0: 5}, 3).values()) == {0}
+
+
+def test_slice_owners_deal_each_buckets_slices_as_buckets():
+    """Bucket 0 of 100 B and bucket 1 of 60 B in halves over 2 servers: 50, 50, 30, 30 B, largest
+    first onto the least loaded server; in one part, the buckets as balance_buckets deals them."""
+    assert slice_owners({0: 100, 1: 60}, 2, 2) == {0: 0, 1: 1, 2: 0, 3: 1}
+    sizes = {0: 100, 1: 60, 2: 50, 3: 40, 4: 10}
+    assert slice_owners(sizes, 1, 2) == balance_buckets(sizes, 2)
 
 
 def test_device_indices_are_node_local():
