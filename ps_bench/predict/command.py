@@ -42,7 +42,7 @@ examples:
 
 --servers auto picks, at each trainer count, the server count (1, 2, 4, ... up to the trainers)
 with the shortest predicted batch. A strategy with no run given takes the own compute of the one it
-compresses (ps_fp16 that of ps), else 0 (JSON: calibration.own_ms lists the ones measured);
+costs like (ps_fp16 and ps_node that of ps), else 0 (JSON: calibration.own_ms lists the ones measured);
 PowerSGD needs a run of it for its bytes.
 
 Nodes of several GPUs (--per-node G, trainers = nodes x G): a node's G trainers share its local

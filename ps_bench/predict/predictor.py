@@ -14,7 +14,8 @@ Calibration (``calibrate``), from one or more results files of the same model an
 - each strategy's own compute (casts, reductions, serialisation, PowerSGD's matrix products:
   whatever of its cost the transfers do not account for): its run's measured batch p50 minus the
   model's with that run's own compute phases and timeline, on the network the run had (the
-  fitted link), a constant at every n, k and target network; for a strategy with no run given, that of the strategy it compresses, else 0
+  fitted link), a constant at every n, k and target network; for a strategy with no run given, that of the
+  strategy it costs like (the one it compresses; ps_node, ps), else 0
   (``own_ms`` lists the measured ones).
 """
 
@@ -320,10 +321,11 @@ def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n
 
 
 def own_compute(calibration: Calibration, hook: str) -> float:
-    """The strategy's own compute from its run; without one, that of the lossless strategy it
-    compresses (the same servers or collectives, fewer bytes); else 0."""
-    uncompressed = HOOKS.record(hook).uncompressed
-    return calibration.own_ms.get(hook, calibration.own_ms.get(uncompressed, 0.0) if uncompressed else 0.0)
+    """The strategy's own compute from its run; without one, that of the strategy its record says
+    it costs like (``costs_like``: the lossless one it compresses, ps_fp16 that of ps; ps_node that
+    of ps, the same servers answering the same round trip per bucket), else 0."""
+    like = HOOKS.record(hook).costs_like
+    return calibration.own_ms.get(hook, calibration.own_ms.get(like, 0.0) if like else 0.0)
 
 
 def sends_ms(calibration: Calibration, strategy: Strategy, hook: str, n: int, per_node: int = 1) -> float:

@@ -83,10 +83,14 @@ class Strategy:
     for_sparse: str | None = None  # made for sparse gradients: on a model without them it is this strategy
     engine: str | None = None  # the package that runs it, an optional extra (ENGINES); None: torch's own
     hook_sends: bool | None = None  # its DDP hook sends the gradient buckets (default: the all-reduce and servers families)
+    # predict, with no run of it: the strategy whose own compute it takes (default: the one it compresses)
+    costs_like: str | None = None
 
     def __post_init__(self) -> None:
         if self.family is None:
             object.__setattr__(self, "family", SERVERS if self.transport == RPC else ALLREDUCE)
+        if self.costs_like is None:
+            object.__setattr__(self, "costs_like", self.uncompressed)
         if self.hook_sends is None:
             object.__setattr__(self, "hook_sends", self.transport is not None and self.family in (ALLREDUCE, SERVERS))
         if (self.transport not in (COLLECTIVE, RPC, None) or self.payload not in PAYLOADS

@@ -83,7 +83,8 @@ def sparse_parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future
 
 
 @HOOKS.register("ps_node", aliases=("ps_host", "byteps"),
-                record=Strategy(RPC, "float32", lossless=True, sparse_buckets=None, family=SERVERS, per_host=True))
+                record=Strategy(RPC, "float32", lossless=True, sparse_buckets=None, family=SERVERS, per_host=True,
+                                costs_like="ps"))
 class NodeAggregated(InOrder):
     """Parameter servers as deployed on nodes of several GPUs (BytePS's layout; TensorFlow's and
     MXNet's device-then-server kvstores): each bucket summed within the host (--per-host G),

@@ -4,6 +4,7 @@ made-up timeline, the calibration from a made-up results file, and bad input."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -132,6 +133,9 @@ def test_calibration_reads_phases_timeline_and_link_and_fits_each_strategys_own_
     assert predict(calibration, "ps", 2, 1)["batch_ms"] == pytest.approx(150.0)
     assert predict(calibration, "fp16", 2, 0)["own_ms"] == pytest.approx(80.0 - 62.02)  # no run: allreduce's
     assert predict(calibration, "ps_fp16", 2, 1)["own_ms"] == calibration.own_ms["ps"]
+    # no run of ps_node: ps's, the same servers answering a round trip per bucket
+    node_ps = predict(replace(calibration, intra_link=LINK), "ps_node", 4, 2, per_node=2)
+    assert node_ps["own_ms"] == calibration.own_ms["ps"] > 0
     assert predict(calibration, "noop", 2, 0)["own_ms"] == 0.0
     assert predict(calibration, "powersgd", 2, 0) is None  # its bytes are known only from a run of it
 
