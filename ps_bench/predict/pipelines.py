@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ps_bench.metrics.costs import Link, Nodes, within_node_ms
-from ps_bench.runtime.topology import balance_buckets
+from ps_bench.runtime.topology import balance_buckets, slice_owners
 
 
 def colocated_ps_pipeline(buckets: list[tuple[float, float]], nodes: Nodes,
@@ -138,8 +138,8 @@ def node_ps_pipeline(buckets: list[tuple[float, float]], nodes: Nodes, k: int, a
     as ps_bench runs it (each bucket once the previous one is done). A bucket of S bytes: summed
     within the node (a ring all-reduce of S on the local link, or NCCL's reduce-scatter, half of
     it), each of the G trainers pushing its S/G slice to the slice's server (slices balanced over
-    the k servers as ``balance_buckets`` deals them), so the node's link sends S and server j
-    receives N·c_j·S/G for its c_j slices; the server adds the last copy (``S/A`` at aggregation
+    the k servers as ``topology.slice_owners`` deals them in the run), so the node's link sends S
+    and server j receives N·c_j·S/G for its c_j slices; the server adds the last copy (``S/A`` at aggregation
     throughput A) and answers the same bytes back; then the slices all-gathered within the node.
     ``colocated``: server j is on node j (k = N): a node's link sends the slices its servers do
     not own, ``(N-1)/N · S``, while it receives the other nodes' slices for its own server,
@@ -147,8 +147,7 @@ def node_ps_pipeline(buckets: list[tuple[float, float]], nodes: Nodes, k: int, a
     node's link carries its gradient once each way where ``ps`` carries G copies: the bound is
     ``costs.byteps_bound_ms`` over the N nodes. N = 1: the local steps and the servers' link."""
     g, n, network = nodes.per_node, nodes.count, nodes.network
-    sizes = {index: nbytes for index, (_, nbytes) in enumerate(buckets)}
-    owners = balance_buckets({index * g + part: size / g for index, size in sizes.items() for part in range(g)}, k)
+    owners = slice_owners({index: nbytes for index, (_, nbytes) in enumerate(buckets)}, g, k)
     done = 0.0
     for index, (ready, nbytes) in enumerate(buckets):
         local = (within_node_ms(nodes, nbytes, 2 if gloo else 1) if g > 1 else 0.0)  # the sum within the node
