@@ -323,8 +323,8 @@ def describe_calibration(calibration: Calibration) -> str:
             f"  link: latency {link['latency_us']:.1f} us, {link['bandwidth_gbit_s']:.3f} Gbit/s ({link['from']})\n"
             + (f"  a node's local link: latency {c['intra_link']['latency_us']:.1f} us, "
                f"{c['intra_link']['bandwidth_gbit_s']:.3f} Gbit/s ({c['intra_link']['from']})\n" if c["intra_link"] else "")
-            + f"  each strategy's own compute, from its run: {own} (a strategy without a run: the one it "
-            f"compresses, else 0)\n")
+            + f"  each strategy's own compute, from its run: {own} (a strategy without a run: that of the one it "
+            f"costs like, ps for ps_fp16 and ps_node; else 0)\n")
 
 
 def render(rows: list[dict]) -> str:
