@@ -42,6 +42,7 @@ import torch.distributed.rpc as rpc
 from ps_bench.metrics import costs
 from ps_bench.metrics.costs import busbw_gbps
 from ps_bench.metrics.timers import now_ms
+from ps_bench.runtime.resident import Resident
 
 FLOOR_WARMUP = 3  # untimed repetitions before each floor: connections, allocations, caches
 FLOOR_ITERATIONS = 20  # per floor and trainer, spread over the timed rounds
@@ -194,7 +195,7 @@ def affordable(repeat: int, first_ms: float) -> tuple[int, int]:
 
 
 # -- the server side of the RPC floor ----------------------------------------------------------
-class RpcFloorTarget:
+class RpcFloorTarget(Resident):
     """Lives on a parameter server: one preallocated buffer per bucket (``messages``: bucket index
     -> its ``(elements, dtype)`` messages, of which an RPC floor sends one per bucket), nothing else."""
 

@@ -23,6 +23,7 @@ from ps_bench.runtime.faults import Fault, maybe_inject
 from ps_bench.metrics.memory import peak_memory
 from ps_bench.metrics.timers import now_ms, tensor_bytes
 from ps_bench.registry import Registry
+from ps_bench.runtime.resident import Resident
 
 SERVERS: Registry = Registry("server")
 
@@ -41,6 +42,8 @@ class BucketState:
     shape: torch.Size | None = None
     buffers: list[torch.Tensor] = field(default_factory=list)
     turn: int = 0
+    # on a CUDA server: recorded after the last contribution was added, on its request's stream
+    added: torch.cuda.Event | None = None
 
     def clear(self) -> None:
         """Forgets this iteration's contributions; the buffers stay."""
@@ -89,7 +92,7 @@ class ServerBooks:
         return out
 
 
-class ParameterServer:
+class ParameterServer(Resident):
     """Base class: subclasses define how contributions are accumulated and summed."""
 
     def __init__(
@@ -179,10 +182,27 @@ class ParameterServer:
         elif local.shape != state.shape:
             raise ValueError(f"bucket shape {tuple(local.shape)} differs from {tuple(state.shape)}")
         start = now_ms()
+        if local.is_cuda:
+            self._after_the_last_contribution(state)
         self.accumulate(state, local)
+        if local.is_cuda:
+            state.added = torch.cuda.Event()
+            state.added.record()
         state.aggregate_ms += now_ms() - start
         state.count += 1
         return state.count == expected, arrived
+
+    @staticmethod
+    def _after_the_last_contribution(state: BucketState) -> None:
+        """Makes this request's stream wait until the bucket's previous contribution was added.
+
+        CUDA RPC runs each request on a stream of its own, on which the tensors it brought are
+        ready; another request's tensor, kept or summed on that request's stream, is not. Chained
+        through ``state.added`` (under the bucket's lock), the stream that adds the last
+        contribution, sums and divides has waited for every earlier one; the answer's future
+        records that stream for the trainers to wait on."""
+        if state.added is not None:
+            torch.cuda.current_stream().wait_event(state.added)
 
     def _divide(self, state: BucketState, summed: torch.Tensor) -> torch.Tensor:
         """The average, in the bucket's sum buffer: one division, no new tensor. A sum that is

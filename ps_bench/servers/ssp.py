@@ -37,6 +37,7 @@ from ps_bench.models.base import build_model
 from ps_bench.models.entries import Entry
 from ps_bench.servers.base import SERVERS, ServerBooks
 from ps_bench.runtime.topology import balance_buckets
+from ps_bench.runtime.resident import Resident
 
 GO, ROUND_OVER, STOPPED = "go", "round", "stop"  # what an answer tells the trainer
 
@@ -49,7 +50,7 @@ def shard_owners(network: torch.nn.Module, num_servers: int) -> dict[int, int]:
 
 
 @SERVERS.register("ssp", aliases=("stale_synchronous",))
-class StaleSynchronousServer:
+class StaleSynchronousServer(Resident):
     """Owns a shard of the parameters and applies SGD to it; answers within the staleness bound."""
 
     def __init__(self, server_index: int, num_servers: int, contributors: int, num_trainers: int, mapping: str,

@@ -33,10 +33,11 @@ from ps_bench.servers.ssp import GO, STOPPED, StaleSynchronousServer, shard_owne
 from ps_bench.strategies import Strategy
 from ps_bench.trainers.convergence import Convergence
 from ps_bench.trainers.trainer import TRAINERS
+from ps_bench.runtime.resident import Resident
 
 
 @TRAINERS.register("ssp", aliases=("stale_synchronous",))
-class StaleSynchronousTrainer:
+class StaleSynchronousTrainer(Resident):
     """A replica that computes gradients and reads parameters from the servers that own them."""
 
     @fatal_on_error

@@ -26,6 +26,7 @@ from ps_bench.strategies import RPC, Strategy
 from ps_bench.strategies.base import HookContext, ServerHandle, build_synchroniser, fingerprint, optimizer_spec
 from ps_bench.runtime.topology import slice_owners
 from ps_bench.trainers.convergence import Convergence
+from ps_bench.runtime.resident import Resident
 
 TRAINERS: Registry = Registry("trainer")
 VERIFIED_PER_ROUND = 4  # --verify checks at most this many evenly spaced iterations per round
@@ -40,7 +41,7 @@ def verified_steps(iterations: int) -> set[int]:
 
 
 @TRAINERS.register("ddp", aliases=("DdpTrainer",))
-class DdpTrainer:
+class DdpTrainer(Resident):
     """Data parallel over the trainers' process group, the model wrapped and stepped as the
     strategy's ``Synchroniser`` says: a DDP replica whose hook combines the gradients (every
     iteration waits for every bucket before its optimizer step), FSDP2's shards, or local steps
