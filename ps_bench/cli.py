@@ -25,7 +25,7 @@ from ps_bench.runtime import preload
 from ps_bench.config import ConfigError, RunConfig, build_config
 from ps_bench.runtime.failures import Terminated, raise_terminated
 from ps_bench.job import cuda_device_count, validate
-from ps_bench.runtime.launch import JobFailed, LaunchSpec, run_torchrun_rank, spawn, under_torchrun
+from ps_bench.processes.launch import JobFailed, LaunchSpec, run_torchrun_rank, spawn, under_torchrun
 from ps_bench.results.files import default_results_path
 from ps_bench.options import (EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, Parser, add_run_options,
                               parse_run_options, plural, usage_error)

@@ -35,7 +35,7 @@ from ps_bench.results.files import RESULTS_NAME, append_line, config_hash, envir
 from ps_bench.results.load import load_file, load_lines
 from ps_bench.runtime import preload
 from ps_bench.runtime.failures import Terminated, raise_terminated
-from ps_bench.runtime.launch import JobFailed, LaunchSpec, spawn
+from ps_bench.processes.launch import JobFailed, LaunchSpec, spawn
 
 DESCRIPTION = (
     "Run every point of a sweep file, each in its own process tree, appending one JSON line per "

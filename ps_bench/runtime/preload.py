@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from multiprocessing import forkserver, resource_tracker
 
 START_METHOD = "forkserver"
-PRELOAD = ["ps_bench.runtime.forkserver", "ps_bench.runtime.launch", "torch._dynamo"]  # torch, RPC, trainers, servers, models, metrics; and what
+PRELOAD = ["ps_bench.runtime.forkserver", "ps_bench.processes.launch", "torch._dynamo"]  # torch, RPC, trainers, servers, models, metrics; and what
 # DistributedDataParallel imports when a trainer first builds one (1 to 2 s of CPU)
 # What building any Hugging Face model imports (4 s of CPU on the development machine), preloaded
 # only when a run names one (--model hf:...): a missing transformers is passed over here and

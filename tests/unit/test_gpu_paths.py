@@ -11,7 +11,7 @@ import pytest
 
 from ps_bench.config import ConfigError, build_config
 from ps_bench.job import validate
-from ps_bench.runtime.launch import LaunchSpec
+from ps_bench.processes.launch import LaunchSpec
 from ps_bench.options import parse_run_options
 
 GPU_PAGE = Path(__file__).resolve().parents[2] / "docs" / "gpus.md"

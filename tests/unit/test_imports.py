@@ -63,22 +63,39 @@ def test_no_import_circle_in_the_package():
     assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()))
 
 
+def folder(module: str) -> str:
+    """The first-level package a module lies in, or the module itself at the package's root."""
+    return ".".join(module.split(".")[:2])
+
+
+def folder_graph() -> dict[str, set[str]]:
+    """The import graph with each first-level package one node and each root module its own."""
+    graph: dict[str, set[str]] = {}
+    for importer, targets in import_graph().items():
+        graph.setdefault(folder(importer), set()).update(
+            folder(target) for target in targets if folder(target) != folder(importer))
+    return graph
+
+
+def test_no_import_circle_between_folders():
+    """Read folder by folder, the imports show the layers: no package needs one that needs it."""
+    cycle = find_cycle(folder_graph())
+    assert cycle is None, " -> ".join(cycle)
+
+
 # The package's layers, bottom first (docs/development.md, "Layers"). A module may import from its own
 # layer and the ones below, never from a layer above. A module belongs to the layer of the longest
 # name here that it is or lies inside.
 LAYERS = [
     # what every piece stands on: options, registries, a job's ranks, a rank's failure, the forkserver
-    ("ps_bench", "ps_bench.config", "ps_bench.registry", "ps_bench.runtime", "ps_bench.runtime.topology",
-     "ps_bench.runtime.failures", "ps_bench.runtime.faults", "ps_bench.runtime.preload",
-     "ps_bench.runtime.forkserver", "ps_bench.runtime.network", "ps_bench.runtime.addresses"),
+    ("ps_bench", "ps_bench.config", "ps_bench.registry", "ps_bench.runtime"),
     ("ps_bench.metrics", "ps_bench.models"),  # measuring, and the workloads measured
     ("ps_bench.servers",),
     ("ps_bench.strategies",),
     ("ps_bench.trainers",),
     ("ps_bench.job", "ps_bench.options"),  # a whole job checked; the run's flags
     ("ps_bench.results",),  # the books of a run, and its files
-    ("ps_bench.runtime.rendezvous", "ps_bench.runtime.supervision", "ps_bench.runtime.master",
-     "ps_bench.runtime.launch"),  # the processes of a job
+    ("ps_bench.processes",),  # the processes of a job
     ("ps_bench.cluster",),  # the engines past one machine
     ("ps_bench.sweep", "ps_bench.report", "ps_bench.compare", "ps_bench.predict"),  # the subcommands
     ("ps_bench.cli", "ps_bench.__main__"),
@@ -103,7 +120,16 @@ def test_no_import_runs_back_up_the_layers():
 
 def test_the_layer_check_finds_an_import_that_runs_up():
     assert layer("ps_bench.metrics.wire") < layer("ps_bench.strategies.base") < layer("ps_bench.results.record")
-    assert layer("ps_bench.runtime.topology") < layer("ps_bench.runtime.launch")  # by module, not by package
+    assert layer("ps_bench.runtime.topology") < layer("ps_bench.processes.launch")
+
+
+def test_the_layers_are_the_folders():
+    """Each layer is made of whole first-level packages and root modules, so the folders show the
+    layers; and every one of them is in a layer."""
+    named = [name for names in LAYERS for name in names]
+    assert [name for name in named if name != folder(name)] == []
+    assert len(named) == len(set(named))
+    assert sorted(set(folder_graph()) - set(named)) == []
 
 
 def test_no_module_of_ours_is_imported_inside_a_function():

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ps_bench.runtime.supervision import supervise
+from ps_bench.processes.supervision import supervise
 from ps_bench.metrics.startup import render_startup, startup_phases
 from ps_bench.runtime.preload import starts_ranks
 

@@ -89,7 +89,7 @@ def _rendezvous(url: str, **kwargs):
     """``torch.distributed.rendezvous`` handler: a store of this attempt, and the rank and world
     size from the query RPC adds."""
     if _timeout_s is None:
-        raise RuntimeError(f"{INIT_METHOD} needs ps_bench.runtime.rendezvous.join() first")
+        raise RuntimeError(f"{INIT_METHOD} needs ps_bench.processes.rendezvous.join() first")
     query = parse_qs(urlparse(url).query)
     yield attempt_view(_timeout_s), int(query["rank"][0]), int(query["world_size"][0])
     raise RuntimeError(f"{INIT_METHOD} cannot rendezvous twice")

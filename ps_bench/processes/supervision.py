@@ -18,7 +18,7 @@ from ps_bench.runtime.topology import Topology
 
 
 class Job(Protocol):
-    """What supervision needs of a job (``ps_bench.runtime.launch.LaunchSpec`` has it)."""
+    """What supervision needs of a job (``ps_bench.processes.launch.LaunchSpec`` has it)."""
 
     run_dir: str
 

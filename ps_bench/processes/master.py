@@ -18,7 +18,7 @@ from ps_bench.results.files import environment, write_results, write_snapshot
 from ps_bench.results.printed import format_bytes, print_report
 from ps_bench.results.record import RunRecord, mean_loss, replica_summary, replicas_alike, servers_model_summary
 from ps_bench.runtime.faults import Fault, maybe_inject
-from ps_bench.runtime.rendezvous import one_machine_warning, rpc_paths
+from ps_bench.processes.rendezvous import one_machine_warning, rpc_paths
 from ps_bench.runtime.topology import RankInfo, Topology
 from ps_bench.servers import SERVERS
 from ps_bench.strategies import HOOKS, hook_options

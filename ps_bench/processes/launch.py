@@ -39,10 +39,11 @@ import torch.multiprocessing as mp
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.job import Job
 from ps_bench.results.files import environment, failed_results, read_snapshot, write_results
-from ps_bench.runtime import failures, network, preload, rendezvous
+from ps_bench.processes import rendezvous
+from ps_bench.runtime import failures, network, preload
 from ps_bench.runtime.addresses import interface_env, loopback
-from ps_bench.runtime.master import Master
-from ps_bench.runtime.supervision import JobFailed, listen_for_stack_requests, supervise, terminate
+from ps_bench.processes.master import Master
+from ps_bench.processes.supervision import JobFailed, listen_for_stack_requests, supervise, terminate
 from ps_bench.runtime.topology import MASTER, TRAINER, Topology
 
 PG_BACKENDS = {"gloo": "gloo", "nccl": "nccl", "multi": "cpu:gloo,cuda:nccl"}
