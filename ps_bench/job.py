@@ -27,7 +27,7 @@ from ps_bench.runtime.faults import Fault, Straggler
 from ps_bench.runtime.topology import Topology
 from ps_bench.servers import SERVERS
 from ps_bench.strategies import HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Strategy, check_hook_options, stale
-from ps_bench.strategies.base import ENGINE, ENGINES, FSDP, SHARDED
+from ps_bench.strategies.record import ENGINE, ENGINES, FSDP, SHARDED
 from ps_bench.trainers.trainer import TRAINERS
 
 

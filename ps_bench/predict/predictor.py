@@ -32,7 +32,8 @@ from ps_bench.predict import pipelines
 from ps_bench.predict.inputs import spread
 from ps_bench.predict.pipelines import Phases
 from ps_bench.results.load import load_file
-from ps_bench.strategies import COLLECTIVE, HOOKS, RPC, SPARSE_SERVERS, Strategy, hook_options
+from ps_bench.strategies import (COLLECTIVE_BUCKETS, HOOKS, HOST_SERVER_BUCKETS, LOW_RANK_BUCKETS, SERVER_BUCKETS,
+                                 SPARSE_SERVERS, Strategy, hook_options)
 
 
 
@@ -214,7 +215,7 @@ def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float |
                               runs, intra_link=intra_link, intra_from=intra_from,
                               gloo=all(run.backend == "gloo" for run in runs))
     for run in runs:  # payloads first: a low-rank strategy's own compute is fitted with its payload known
-        if HOOKS.record(run.hook).payload == "low-rank factors" and run.trainers > 1:
+        if HOOKS.record(run.hook).cost.pipeline == LOW_RANK_BUCKETS and run.trainers > 1:
             ring = 2 * (run.trainers - 1) / run.trainers
             calibration.payload_ratio.setdefault(run.hook, run.trainer_sent_per_iter / ring / calibration.gradient_bytes)
     # each strategy's own compute: its run against the model with the run's own compute phases and
@@ -268,63 +269,94 @@ def own_terms(run: Run, calibration: Calibration) -> dict:
     return {"phases": Phases(run.forward_ms, backward, run.optimizer_ms), "buckets": buckets}
 
 
-# strategies whose cost depends on the nodes, beyond a flat ring: per bucket of M bytes
-NODE_MODELS = {"hierarchical": costs.hierarchical_ms, "hsdp": costs.hsdp_reduce_ms}
-
-
 def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n: int, k: int,
                       mapping: str, per_node: int = 1, servers_on: str = "dedicated") -> float | None:
     """When the last bucket's combined gradient is back, ms after backward began (None: this
-    strategy cannot be predicted from this calibration). ``per_node`` trainers share a node
-    (its local link, ``calibration.intra_link``, between them); at 1, every model is the flat one."""
-    link, buckets = calibration.link, calibration.buckets
-    if strategy.transport is None:
+    strategy cannot be predicted from this calibration): its buckets through the pipeline its
+    record's ``cost`` names, then what it pays once an iteration besides (``cost.iteration_ms``).
+    ``per_node`` trainers share a node (its local link, ``calibration.intra_link``, between
+    them); at 1, every model is the flat one."""
+    cost = strategy.cost
+    if cost.pipeline is None:
         return 0.0
-    nodes = costs.Nodes(n // per_node, per_node, link, calibration.intra_link)
-    if strategy.payload == "low-rank factors":
-        ratio = calibration.payload_ratio.get(hook)
-        if ratio is None:
-            return None  # its bytes depend on the layers' shapes: known from a run of it only
-        return pipelines.pipeline([(ready, nbytes * ratio) for ready, nbytes, _ in buckets],
-                               lambda nbytes: costs.flat_ring_ms(nodes, nbytes, steps_per_message=3))
-    factor = ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"]  # wire bytes per float32 byte
-    if strategy.transport == COLLECTIVE:
-        slowest = nodes.within() if nodes.count == 1 and per_node > 1 else link
+    nodes = costs.Nodes(n // per_node, per_node, calibration.link, calibration.intra_link)
+    end = BUCKET_PIPELINES[cost.pipeline](calibration, strategy, hook, nodes, k, mapping, servers_on)
+    if end is not None and cost.iteration_ms is not None:
+        end += cost.iteration_ms(nodes, calibration.gradient_bytes)
+    return end
 
-        def dense(nbytes: float) -> float:
-            if hook in NODE_MODELS:
-                return NODE_MODELS[hook](nodes, nbytes, gloo=calibration.gloo)
-            return costs.flat_ring_ms(nodes, nbytes)
 
-        def transfer(item):
-            nbytes, sparse = item
-            return costs.allgather_ms(n, nbytes, slowest) if sparse else dense(nbytes * factor)
-        end = pipelines.pipeline([(ready, (nbytes, sparse)) for ready, nbytes, sparse in buckets], transfer)
-        if hook == "hsdp":  # its parameters' all-gathers, before the gradients
-            end += costs.hsdp_gather_ms(nodes, calibration.gradient_bytes)
-        return end
-    if strategy.transport == RPC:
-        sized = [(ready, nbytes if sparse and strategy.sparse_buckets == SPARSE_SERVERS else nbytes * factor)
-                 for ready, nbytes, sparse in buckets]
-        if strategy.per_host:  # node-aggregated: one push per node, each trainer a slice
-            if servers_on != "colocated" and k < 1:
-                return None
-            return pipelines.node_ps_pipeline(sized, nodes, nodes.count if servers_on == "colocated" else k,
-                                              calibration.aggregate_bytes_per_ms, servers_on == "colocated",
-                                              calibration.gloo)
-        if servers_on == "colocated":
-            return pipelines.colocated_ps_pipeline(sized, nodes, calibration.aggregate_bytes_per_ms)
-        if k < 1:
-            return None
-        return pipelines.ps_pipeline(sized, n, k, link, mapping, calibration.aggregate_bytes_per_ms, per_node)
-    return None
+def wire_factor(strategy: Strategy) -> float:
+    """Bytes on the wire per float32 byte of gradient."""
+    return ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"]
+
+
+def collectives_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes, k: int,
+                    mapping: str, servers_on: str) -> float:
+    """Each bucket combined by collectives among the trainers: a dense one as its record's
+    ``cost.bucket_ms`` says (default: a ring over every trainer), a sparse one all-gathered."""
+    bucket_ms = strategy.cost.bucket_ms or (lambda nodes, nbytes, gloo: costs.flat_ring_ms(nodes, nbytes))
+    slowest = nodes.within() if nodes.count == 1 and nodes.per_node > 1 else calibration.link
+    factor = wire_factor(strategy)
+
+    def transfer(item):
+        nbytes, sparse = item
+        if sparse:
+            return costs.allgather_ms(nodes.trainers, nbytes, slowest)
+        return bucket_ms(nodes, nbytes * factor, calibration.gloo)
+    return pipelines.pipeline([(ready, (nbytes, sparse)) for ready, nbytes, sparse in calibration.buckets], transfer)
+
+
+def low_rank_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes, k: int,
+                 mapping: str, servers_on: str) -> float | None:
+    """Low-rank factors all-reduced bucket by bucket (three collectives each): their size
+    depends on the layers' shapes, so it is known from a run of the strategy only."""
+    ratio = calibration.payload_ratio.get(hook)
+    if ratio is None:
+        return None
+    return pipelines.pipeline([(ready, nbytes * ratio) for ready, nbytes, _ in calibration.buckets],
+                              lambda nbytes: costs.flat_ring_ms(nodes, nbytes, steps_per_message=3))
+
+
+def server_bytes(calibration: Calibration, strategy: Strategy) -> list[tuple[float, float]]:
+    """``(ready ms, bytes on the wire)`` of each bucket a trainer pushes to the servers."""
+    factor = wire_factor(strategy)
+    return [(ready, nbytes if sparse and strategy.sparse_buckets == SPARSE_SERVERS else nbytes * factor)
+            for ready, nbytes, sparse in calibration.buckets]
+
+
+def servers_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes, k: int,
+                mapping: str, servers_on: str) -> float | None:
+    """Every trainer pushes each bucket to its server: ``k`` dedicated ones, or one on each node."""
+    sized = server_bytes(calibration, strategy)
+    if servers_on == "colocated":
+        return pipelines.colocated_ps_pipeline(sized, nodes, calibration.aggregate_bytes_per_ms)
+    if k < 1:
+        return None
+    return pipelines.ps_pipeline(sized, nodes.trainers, k, calibration.link, mapping,
+                                 calibration.aggregate_bytes_per_ms, nodes.per_node)
+
+
+def host_servers_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes, k: int,
+                     mapping: str, servers_on: str) -> float | None:
+    """Each bucket summed within the node, one push per node: each trainer a slice."""
+    colocated = servers_on == "colocated"
+    if not colocated and k < 1:
+        return None
+    return pipelines.node_ps_pipeline(server_bytes(calibration, strategy), nodes, nodes.count if colocated else k,
+                                      calibration.aggregate_bytes_per_ms, colocated, calibration.gloo)
+
+
+# the pipeline each Strategy.cost.pipeline names
+BUCKET_PIPELINES = {COLLECTIVE_BUCKETS: collectives_end, LOW_RANK_BUCKETS: low_rank_end,
+                    SERVER_BUCKETS: servers_end, HOST_SERVER_BUCKETS: host_servers_end}
 
 
 def own_compute(calibration: Calibration, hook: str) -> float:
     """The strategy's own compute from its run; without one, that of the strategy its record says
-    it costs like (``costs_like``: the lossless one it compresses, ps_fp16 that of ps; ps_node that
+    it costs like (``cost.like``: the lossless one it compresses, ps_fp16 that of ps; ps_node that
     of ps, the same servers answering the same round trip per bucket), else 0."""
-    like = HOOKS.record(hook).costs_like
+    like = HOOKS.record(hook).cost.like
     return calibration.own_ms.get(hook, calibration.own_ms.get(like, 0.0) if like else 0.0)
 
 
@@ -348,8 +380,7 @@ def predict(calibration: Calibration, hook: str, n: int, k: int, mapping: str = 
     servers (dedicated, or colocated: one on each node) (None: not predictable): its hook's
     buckets overlapped with backward, then the collectives it issues besides (``sends_ms``)."""
     strategy = HOOKS.record(hook)
-    end = communication_end(calibration, strategy, hook, n, k, mapping, per_node, servers_on) \
-        if strategy.hook_sends or hook in NODE_MODELS else 0.0
+    end = communication_end(calibration, strategy, hook, n, k, mapping, per_node, servers_on)
     if end is None:
         return None
     own_ms = own_compute(calibration, hook) if own else 0.0

@@ -22,7 +22,7 @@ from ps_bench.processes.rendezvous import one_machine_warning, rpc_paths
 from ps_bench.runtime.topology import RankInfo, Topology
 from ps_bench.servers import SERVERS
 from ps_bench.strategies import HOOKS, hook_options
-from ps_bench.strategies.base import SERVER_OWNED, SERVERS_MODEL
+from ps_bench.strategies.record import SERVER_OWNED, SERVERS_MODEL
 from ps_bench.strategies.stale import parse_staleness
 from ps_bench.trainers.convergence import HELD_OUT_SAMPLES
 from ps_bench.trainers.trainer import TRAINERS

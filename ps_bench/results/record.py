@@ -25,7 +25,8 @@ from ps_bench.metrics.wire import host_links
 from ps_bench.results import floors
 from ps_bench.results.files import SCHEMA, iso_now
 from ps_bench.runtime.topology import Topology
-from ps_bench.strategies.base import EVERY_ITERATION, parameter_norm
+from ps_bench.strategies.base import parameter_norm
+from ps_bench.strategies.record import EVERY_ITERATION
 
 # An engine's names for its collectives -> what ``costs.collective_bytes`` charges them as
 COLLECTIVE_KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_base": "all_gather",

@@ -3,8 +3,11 @@ names users type (``--hook``). Importing the package registers every family."""
 
 from ps_bench.strategies import (allreduce, deepspeed_zero, local, servers, sharded, stale,  # noqa: F401 (each registers)
                                  torchft_local)
-from ps_bench.strategies.base import COLLECTIVE, HOOKS, RPC, SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS, Strategy
+from ps_bench.strategies.record import (COLLECTIVE, COLLECTIVE_BUCKETS, HOOKS, HOST_SERVER_BUCKETS,
+                                        LOW_RANK_BUCKETS, RPC, SERVER_BUCKETS, SPARSE_ALLREDUCE,
+                                        SPARSE_GLOO, SPARSE_SERVERS, Cost, Strategy)
 from ps_bench.strategies.hook_options import check_hook_options, hook_options, option_types
 
-__all__ = ["COLLECTIVE", "HOOKS", "RPC", "SPARSE_ALLREDUCE", "SPARSE_GLOO", "SPARSE_SERVERS", "Strategy",
+__all__ = ["COLLECTIVE", "COLLECTIVE_BUCKETS", "HOOKS", "HOST_SERVER_BUCKETS", "LOW_RANK_BUCKETS", "RPC",
+           "SERVER_BUCKETS", "SPARSE_ALLREDUCE", "SPARSE_GLOO", "SPARSE_SERVERS", "Cost", "Strategy",
            "check_hook_options", "hook_options", "option_types"]

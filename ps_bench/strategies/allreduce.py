@@ -11,8 +11,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
 from torch.futures import Future
 
-from ps_bench.strategies.base import (COLLECTIVE, HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Hook, HookContext, Strategy,
-                                      stateless)
+from ps_bench.metrics import costs
+from ps_bench.strategies.base import Hook, HookContext, stateless
+from ps_bench.strategies.record import (COLLECTIVE, HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Cost,
+                                        Strategy)
 
 
 @stateless("allreduce", Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=SPARSE_ALLREDUCE),
@@ -184,7 +186,8 @@ if getattr(powerSGD_hook._orthogonalize, "__name__", "") == "_orthogonalize":
 
 
 @HOOKS.register("hierarchical", aliases=("hierarchical_allreduce", "2d_allreduce"),
-                record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=SPARSE_ALLREDUCE, per_host=True))
+                record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=SPARSE_ALLREDUCE, per_host=True,
+                                cost=Cost(bucket_ms=costs.hierarchical_ms)))
 class Hierarchical(InOrder):
     """Two-level all-reduce over hosts of --per-host G trainers (host k is trainers [kG, (k+1)G)):
     each bucket all-reduced within the host, then chunk j of it all-reduced across hosts by each

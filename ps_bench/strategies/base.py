@@ -1,5 +1,5 @@
-"""What every strategy shares: its ``Strategy`` record, the registry users name it by, the
-context a trainer hands it, and how a strategy wraps and steps a trainer's model.
+"""What every strategy shares at run time: the context a trainer hands it, and how a strategy
+wraps and steps a trainer's model (its record and ``HOOKS`` are ``ps_bench.strategies.record``).
 
 A registry entry is a factory: ``factory(ctx, **options)`` returns either a DDP communication
 hook, a callable ``(HookContext, GradBucket) -> Future[Tensor]``, or a ``Synchroniser``, which
@@ -34,108 +34,11 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from ps_bench.metrics.timers import IntervalTracker, tensor_bytes
-from ps_bench.metrics.wire import ByteCounter, collective_bytes
-from ps_bench.registry import Registry
+from ps_bench.metrics.wire import ByteCounter
 from ps_bench.runtime.topology import slice_owners
+from ps_bench.strategies.record import HOOKS, Strategy
 
 Hook = Callable[["HookContext", dist.GradBucket], Future]
-COLLECTIVE, RPC = "collective", "rpc"  # transports
-PAYLOADS = ("float32", "float16", "bfloat16", "low-rank factors", "nothing")
-# What a strategy does with a sparse bucket: all-reduce it as it is on the trainers' group
-# (NCCL cannot), all-reduce it through the CPU over gloo (needs gloo in the group: multi), or
-# send it to a parameter server.
-SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS = "allreduce", "gloo", "servers"
-# Families, one module each.
-ALLREDUCE, SERVERS, SHARDED, LOCAL = "allreduce", "servers", "sharded", "local"
-FAMILIES = (ALLREDUCE, SERVERS, SHARDED, LOCAL)
-# How the model is wrapped: DDP (buckets, a hook), FSDP2's fully_shard (no hook), an engine of its own
-# (DeepSpeed's), or not at all: the parameter servers own the parameters, and the trainers push
-# gradients and read them (--staleness).
-DDP, FSDP, ENGINE, SERVER_OWNED = "ddp", "fsdp", "engine", "server-owned"
-# When the replicas are the same model: after every iteration, at each synchronisation point (every
-# ``period`` iterations), or as the full parameters gathered from the shards; or there are no replicas
-# to compare, the servers holding the one model.
-EVERY_ITERATION, AT_SYNCHRONISATION, GATHERED = "every iteration", "the last synchronisation", "gathered full parameters"
-SERVERS_MODEL = "the servers' one model"
-# The collectives a strategy issues besides (or instead of) its hook, each over the whole model's
-# parameter bytes, per iteration or once per ``period``.
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-# The training engines ps_bench drives besides torch's own, each an optional extra: the line that installs it.
-ENGINES = {"deepspeed": 'pip install -e ".[deepspeed]"', "torchft": 'pip install -e ".[torchft]"'}
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """Everything ps_bench knows about a strategy without running it."""
-
-    transport: str | None  # COLLECTIVE: collectives among trainers; RPC: buckets to parameter servers; None: nothing
-    payload: str  # what crosses the transport, one of PAYLOADS
-    lossless: bool  # every trainer receives the exact mean gradient
-    sparse_buckets: str | None  # SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS; None: it moves nothing (or no DDP)
-    uncompressed: str | None = None  # a lossy strategy: the lossless one whose bytes it reduces
-    factors: str | None = None  # low-rank factors of each "tensor", or of the "bucket" as one square matrix
-    family: str | None = None  # one of FAMILIES, the module it lives in (default: servers for RPC, else allreduce)
-    wrap: str = DDP  # DDP, FSDP, ENGINE or SERVER_OWNED
-    identical: str = EVERY_ITERATION  # what "replicas identical" is checked at (SERVERS_MODEL: nothing to compare)
-    # (collective, "iteration" | "period"): what it issues over the model's parameters besides its hook
-    sends: tuple[tuple[str, str], ...] = ()
-    per_host: bool = False  # it synchronises within each host before across hosts: needs --per-host, 2 hosts or more
-    for_sparse: str | None = None  # made for sparse gradients: on a model without them it is this strategy
-    engine: str | None = None  # the package that runs it, an optional extra (ENGINES); None: torch's own
-    hook_sends: bool | None = None  # its DDP hook sends the gradient buckets (default: the all-reduce and servers families)
-    # predict, with no run of it: the strategy whose own compute it takes (default: the one it compresses)
-    costs_like: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.family is None:
-            object.__setattr__(self, "family", SERVERS if self.transport == RPC else ALLREDUCE)
-        if self.costs_like is None:
-            object.__setattr__(self, "costs_like", self.uncompressed)
-        if self.hook_sends is None:
-            object.__setattr__(self, "hook_sends", self.transport is not None and self.family in (ALLREDUCE, SERVERS))
-        if (self.transport not in (COLLECTIVE, RPC, None) or self.payload not in PAYLOADS
-                or self.sparse_buckets not in (SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS, None)
-                or self.family not in FAMILIES or self.wrap not in (DDP, FSDP, ENGINE, SERVER_OWNED)
-                or self.identical not in (EVERY_ITERATION, AT_SYNCHRONISATION, GATHERED, SERVERS_MODEL)
-                or any(c not in COLLECTIVES or per not in ("iteration", "period") for c, per in self.sends)
-                or self.engine not in (None, *ENGINES)):
-            raise ValueError(f"bad strategy record {self}")
-        if self.transport is not None and self.lossless == (self.uncompressed is not None):
-            raise ValueError(f"a lossy strategy names the lossless one it compresses, and only it: {self}")
-        if (self.payload == "low-rank factors") != (self.factors in ("tensor", "bucket")):
-            raise ValueError(f"a low-rank strategy says what it factors, each tensor or the bucket: {self}")
-        if (self.transport == RPC) != (self.family == SERVERS):
-            raise ValueError(f"the strategies that send to parameter servers, and only they, are of that family: {self}")
-
-    @property
-    def needs_servers(self) -> bool:
-        return self.transport == RPC
-
-    @property
-    def takes_servers(self) -> bool:
-        """Whether a run of it may have parameter servers at all (the sharded and local families
-        have none to send to)."""
-        return self.family in (ALLREDUCE, SERVERS)
-
-    @property
-    def floor(self) -> str | None:
-        """The ``--limits`` floor it is held against: the raw transfer over its transport."""
-        return self.transport
-
-    def rpc_slices(self, per_host: int | None) -> int:
-        """Into how many slices each trainer's host splits a bucket for the servers: node-aggregated
-        servers' G trainers push one slice each of their host's sum; 1 for every other strategy."""
-        return (per_host or 1) if self.per_host and self.needs_servers else 1
-
-
-def expected_bytes(record: Strategy, nbytes: int, world: int, period: int = 1, backend: str = "gloo") -> float:
-    """What a strategy that is not a DDP hook sends per iteration over a model of ``nbytes``
-    parameter bytes, amortised over its period (the hook's own bytes come from its buckets)."""
-    return sum(collective_bytes(collective, nbytes, world, backend) / (period if per == "period" else 1)
-               for collective, per in record.sends)
-
-
-HOOKS: Registry = Registry("hook", record_type=Strategy)
 
 
 @dataclass

@@ -32,18 +32,15 @@ import torch
 from torch import nn
 
 from ps_bench.config import ConfigError, RunConfig, read_json
-from ps_bench.strategies.base import (COLLECTIVE, ENGINE, EVERY_ITERATION, GATHERED, HOOKS, SHARDED, HookContext,
-                                      OptimizerSpec, Strategy, Synchroniser, flat_parameters)
+from ps_bench.strategies.base import HookContext, OptimizerSpec, Synchroniser, flat_parameters
+from ps_bench.strategies.record import (COLLECTIVE, ENGINE, EVERY_ITERATION, GATHERED, HOOKS,
+                                        SHARDED, Strategy)
 
 DEFAULTS = {name: RunConfig.__dataclass_fields__[name].default
             for name in ("batch_size", "lr", "optimizer", "momentum", "weight_decay")}
 OPTIMIZER_TYPES = {"sgd": "sgd", "adamw": "adamw", "adam": "adamw"}  # DeepSpeed's Adam is AdamW (adam_w_mode)
 ZERO_PLUS_PLUS = ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights")
 OFFLOAD = ("offload_optimizer", "offload_param")
-
-
-def stage_of(hook: str) -> int:
-    return int(hook.removeprefix("deepspeed_zero"))
 
 
 def resolve_config(cfg: RunConfig, stage: int, gpus: int) -> tuple[dict[str, Any], list[str]]:

@@ -8,7 +8,7 @@ import typing
 from typing import Any
 
 from ps_bench.config import as_type
-from ps_bench.strategies.base import HOOKS
+from ps_bench.strategies.record import HOOKS
 
 
 def option_types(name: str) -> dict[str, tuple[type, Any]]:

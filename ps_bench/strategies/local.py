@@ -19,8 +19,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
-from ps_bench.strategies.base import (AT_SYNCHRONISATION, COLLECTIVE, HOOKS, LOCAL, HookContext, OptimizerSpec,
-                                      Strategy, Synchroniser, flat_parameters, timed_collective)
+from ps_bench.strategies.base import (HookContext, OptimizerSpec, Synchroniser, flat_parameters,
+                                      timed_collective)
+from ps_bench.strategies.record import AT_SYNCHRONISATION, COLLECTIVE, HOOKS, LOCAL, Strategy
 
 
 def check_period(period: int) -> None:

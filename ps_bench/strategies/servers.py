@@ -12,7 +12,8 @@ from torch.futures import Future
 from ps_bench.metrics.timers import tensor_bytes
 from ps_bench.servers.base import ParameterServer
 from ps_bench.strategies.allreduce import InOrder, allreduce, gather_into
-from ps_bench.strategies.base import HOOKS, RPC, SERVERS, SPARSE_SERVERS, HookContext, Strategy, stateless
+from ps_bench.strategies.base import HookContext, stateless
+from ps_bench.strategies.record import HOOKS, RPC, SERVERS, SPARSE_SERVERS, Cost, Strategy
 
 
 def send_to_server(ctx: HookContext, bucket: dist.GradBucket, wire_dtype: torch.dtype | None = None) -> Future:
@@ -84,7 +85,7 @@ def sparse_parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future
 
 @HOOKS.register("ps_node", aliases=("ps_host", "byteps"),
                 record=Strategy(RPC, "float32", lossless=True, sparse_buckets=None, family=SERVERS, per_host=True,
-                                costs_like="ps"))
+                                cost=Cost(like="ps")))
 class NodeAggregated(InOrder):
     """Parameter servers as deployed on nodes of several GPUs (BytePS's layout; TensorFlow's and
     MXNet's device-then-server kvstores): each bucket summed within the host (--per-host G),

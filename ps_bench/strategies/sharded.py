@@ -20,9 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ps_bench.metrics import costs
 from ps_bench.strategies.allreduce import allreduce
-from ps_bench.strategies.base import (COLLECTIVE, FSDP, GATHERED, HOOKS, SHARDED, Capture, HookContext, OptimizerSpec,
-                                      Strategy, Synchroniser, flat_parameters)
+from ps_bench.strategies.base import (Capture, HookContext, OptimizerSpec, Synchroniser,
+                                      flat_parameters)
+from ps_bench.strategies.record import (COLLECTIVE, COLLECTIVE_BUCKETS, FSDP, GATHERED, HOOKS,
+                                        SHARDED, Cost, Strategy)
+
 MESH_NAMES = ("replicate", "shard")  # a 2-D mesh replicates across its rows and shards within each
 # torch.distributed.fsdp and torch.distributed.optim import DTensor's operators, over a second of CPU:
 # only the trainers of a run that shards pay for them, where they wrap the model.
@@ -135,7 +139,9 @@ def corrupt(ctx: HookContext, model: nn.Module) -> None:
 # over all trainers) does not describe: its test counts them by hand
 @HOOKS.register("hsdp", aliases=("HSDP",),
                 record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED, wrap=FSDP,
-                                identical=GATHERED, per_host=True))
+                                identical=GATHERED, per_host=True,
+                                cost=Cost(COLLECTIVE_BUCKETS, bucket_ms=costs.hsdp_reduce_ms,
+                                          iteration_ms=costs.hsdp_gather_ms)))
 class HybridShard(FullyShard):
     """FSDP2 on a 2-D mesh (HSDP): parameters sharded among the trainers of a host (--per-host)
     and replicated across hosts; gradients reduce-scattered within the host, then each shard

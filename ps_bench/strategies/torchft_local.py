@@ -31,8 +31,9 @@ from ps_bench.config import ConfigError, RunConfig
 from ps_bench.metrics.costs import allreduce_bytes
 from ps_bench.metrics.timers import tensor_bytes
 from ps_bench.runtime.addresses import own_address
-from ps_bench.strategies.base import (AT_SYNCHRONISATION, COLLECTIVE, ENGINE, HOOKS, LOCAL, HookContext, OptimizerSpec,
-                                      Strategy, Synchroniser, flat_parameters)
+from ps_bench.strategies.base import HookContext, OptimizerSpec, Synchroniser, flat_parameters
+from ps_bench.strategies.record import (AT_SYNCHRONISATION, COLLECTIVE, ENGINE, HOOKS, LOCAL,
+                                        Strategy)
 from ps_bench.strategies.local import check_period
 
 LIGHTHOUSE_KEY = "torchft/lighthouse"  # in the trainers' store: trainer 0's lighthouse

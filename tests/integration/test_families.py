@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ps_bench.strategies import HOOKS
-from ps_bench.strategies.base import LOCAL, SHARDED, expected_bytes
+from ps_bench.strategies.record import LOCAL, SHARDED, expected_bytes
 from tests.contract import check_contract
 from tests.integration.shared_runs import MODEL_BYTES, PER_HOST, QUICK, quick_run
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ps_bench.strategies import HOOKS
-from ps_bench.strategies.base import ALLREDUCE, SERVERS
+from ps_bench.strategies.record import ALLREDUCE, SERVERS
 
 # hierarchical needs hosts of several trainers: its own test, tests/integration/test_families.py
 HOOK_STRATEGIES = [name for name in HOOKS.names() if HOOKS.record(name).family in (ALLREDUCE, SERVERS)

@@ -14,8 +14,8 @@ from ps_bench.job import validate
 from ps_bench.metrics.costs import collective_bytes
 from ps_bench.options import parse_run_options
 from ps_bench.strategies import HOOKS, option_types
-from ps_bench.strategies.base import (ALLREDUCE, AT_SYNCHRONISATION, FAMILIES, FSDP, GATHERED, LOCAL, SERVERS, SHARDED,
-                                      expected_bytes)
+from ps_bench.strategies.record import (ALLREDUCE, AT_SYNCHRONISATION, FAMILIES, FSDP, GATHERED,
+                                        LOCAL, SERVERS, SHARDED, expected_bytes)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -3,8 +3,10 @@ made-up timeline, the calibration from a made-up results file, and bad input."""
 
 from __future__ import annotations
 
+import ast
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -12,9 +14,11 @@ from ps_bench.cli import main
 from ps_bench.metrics.limits import fit_link, link_summary
 from ps_bench.metrics import costs
 from ps_bench.predict import pipelines
+from ps_bench.predict import predictor as predictor_module
 from ps_bench.metrics.costs import Link
 from ps_bench.predict.pipelines import Phases
-from ps_bench.predict.predictor import Run, calibrate, predict
+from ps_bench.predict.predictor import Run, calibrate, from_compute_ms, predict
+from ps_bench.strategies import COLLECTIVE, HOOKS, Cost, Strategy
 
 # 1 MB per ms (8 Gbit/s), 10 µs per message: round numbers to compute by hand
 LINK = Link(latency_ms=0.01, bytes_per_ms=1e6)
@@ -209,3 +213,49 @@ def test_strategies_within_one_percent_tie_and_a_crossover_needs_different_winne
     assert "8: tie: allreduce, hierarchical, 64: tie: hierarchical, ps, 512: fp16" in text
     assert "crossover: allreduce wins" not in text  # hierarchical won at 8 as much as allreduce did
     assert "crossover: hierarchical and ps tie at 64 trainers, fp16 at 512" in text
+
+
+def declared_here(monkeypatch, name: str, record) -> None:
+    """Registers a strategy for one test: the registry's tables are copies the test restores."""
+    for table in ("_entries", "_records", "_canonical"):
+        monkeypatch.setattr(HOOKS, table, dict(getattr(HOOKS, table)))
+    HOOKS.register(name, record=record)(lambda ctx: None)
+
+
+def test_a_strategy_declared_in_a_test_predicts_from_its_record_alone(monkeypatch):
+    """What predict knows of a strategy is its record: a new one with a cost of its own (each
+    bucket two rings, a fixed term an iteration, the own compute of allreduce) is predicted with
+    no line of ``predict/`` naming it."""
+    def twice(nodes, nbytes, gloo):
+        return 2 * costs.flat_ring_ms(nodes, nbytes)
+
+    def fixed(nodes, nbytes):
+        return 3.0
+
+    declared_here(monkeypatch, "two_rings", Strategy(
+        COLLECTIVE, "float16", lossless=False, sparse_buckets=None, uncompressed="allreduce",
+        cost=Cost(bucket_ms=twice, iteration_ms=fixed)))
+    calibration = from_compute_ms("m", 8, Phases(1.0, 2.0, 0.5), [(8 * MB, False), (4 * MB, False)], LINK, "test")
+    calibration.own_ms = {"allreduce": 0.25}
+    got = predict(calibration, "two_rings", 4, 0)
+    # buckets ready at 2/3 and 2 ms of backward (spread by bytes), each two rings of its 16-bit half
+    ring = {size: 2 * costs.ring_allreduce_ms(4, size / 2, LINK) for size in (8 * MB, 4 * MB)}
+    end = pipelines.pipeline([(2.0 * 8 / 12, ring[8 * MB]), (2.0, ring[4 * MB])], lambda ms: ms) + 3.0
+    assert got["communication_end_ms"] == pytest.approx(end)
+    assert got["own_ms"] == 0.25  # allreduce's, the one it compresses
+    assert got["batch_ms"] == pytest.approx(1.0 + max(2.0, end) + 0.5 + 0.25)
+
+
+def test_predict_compares_no_strategy_name():
+    """How a strategy costs is in its record: no comparison, membership test or table in
+    ``ps_bench/predict`` is keyed by a strategy's name."""
+    names = {name for name in HOOKS.names()} | {alias for name in HOOKS.names() for alias in HOOKS.aliases(name)}
+    found = []
+    for path in sorted((Path(predictor_module.__file__).parent).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            keyed = (node.comparators + [node.left] if isinstance(node, ast.Compare)
+                     else node.keys if isinstance(node, ast.Dict) else [])
+            constants = [item for key in keyed if key is not None for item in ast.walk(key)
+                         if isinstance(item, ast.Constant) and item.value in names]
+            found += [f"{path.name}:{item.lineno} {item.value!r}" for item in constants]
+    assert found == []
