@@ -48,6 +48,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ps_bench.models.base import build_model  # noqa: E402
+from ps_bench.results.load import load_file  # noqa: E402
 
 MODEL = ("DummyModel", {"num_embeddings": 1024, "embedding_dim": 512, "dense_input_size": 512,
                         "dense_output_size": 512, "dense_layers_count": 7})
@@ -200,10 +201,9 @@ def loop_split(results: dict) -> None:
 def split(paths: list[str]) -> None:
     """Each run's efficiency, its floor, and its comm split into the later trainer's all-reduce and
     the earlier one's wait (comm intervals end together: an all-reduce ends for both at once)."""
-    import json
     rows = []
     for path in paths:
-        results = json.loads(Path(path).read_text())
+        results = load_file(path)
         comm = [sample["metrics"]["comm"] for sample in results["samples"] if sample["role"] == "trainer"]
         if len(comm) != 2:
             sys.exit(f"--split: {path}: needs a run of 2 trainers")

@@ -13,13 +13,14 @@ the machine and what else runs on it.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from tabulate import tabulate
+
+from ps_bench.results.load import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 HOOKS = ("allreduce", "ps", "noop")
@@ -47,7 +48,7 @@ def run(hook: str, extra: list[str], out: Path) -> dict:
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise SystemExit(f"failed ({done.returncode}): {' '.join(command)}\n{done.stdout}{done.stderr}")
-    return json.loads(out.read_text())
+    return load_file(out)
 
 
 def row(workload: str, hook: str, results: dict) -> list:

@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ps_bench.results.load import load_file
+
 ROOT = Path(__file__).resolve().parent.parent
 BATCH, ITERATIONS = 32, 6  # per trainer and round: every trainer count runs the same iterations
 TRAINERS = (2, 3, 4)
@@ -130,7 +132,7 @@ def check(case: str, points: list[Point], out: Path, link: str, plot: str | None
     for point in points:
         if point.key() not in predicted or point.hook == "noop":
             continue  # a calibration point of another shape (one host of two, two of one)
-        results = json.loads(paths[point].read_text())
+        results = load_file(paths[point])
         measured = next(row["p50"] for row in results["summary"] if row["role"] == "trainer" and row["metric"] == "batch")
         error = (predicted[point.key()] - measured) / measured * 100.0
         if not point.calibration:

@@ -12,13 +12,14 @@ recorded (``env.startup_s``, the same as ``bench.py --verbose`` prints).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from ps_bench.results.load import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 BARE = [sys.executable, "-c", "import torch, torch.distributed.rpc"]
@@ -43,7 +44,7 @@ def main() -> int:
         for kind in ("job", "bare") if pair % 2 == 0 else ("bare", "job"):
             if kind == "job":
                 jobs.append(timed(job))
-                phases.append(json.loads(out.read_text())["env"]["startup_s"])
+                phases.append(load_file(out)["env"]["startup_s"])
             else:
                 bare.append(timed(BARE))
         print(f"pair {pair + 1}/{args.pairs}: job {jobs[-1]:.2f} s, bare import {bare[-1]:.2f} s", flush=True)

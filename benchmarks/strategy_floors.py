@@ -26,6 +26,8 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from ps_bench.results.load import load_file
+
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = ("--nserver", "1")
 HOSTS = ("--nserver", "0", "--ntrainer", "4", "--per-host", "2")
@@ -60,7 +62,7 @@ def run(folder: Path, link: str | None, hook: str, options: tuple[str, ...], see
         if done.returncode != 0:
             sys.exit(f"strategy_floors: {hook} on {link or 'loopback'} failed: "
                      f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
-    return json.loads(out.read_text())["efficiency"]
+    return load_file(out)["efficiency"]
 
 
 def main() -> int:
