@@ -27,8 +27,8 @@ from ps_bench.runtime.failures import Terminated, raise_terminated
 from ps_bench.job import cuda_device_count, validate
 from ps_bench.processes.launch import JobFailed, LaunchSpec, run_torchrun_rank, spawn, under_torchrun
 from ps_bench.results.files import default_results_path
-from ps_bench.options import (EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, Parser, add_run_options,
-                              parse_run_options, plural, usage_error)
+from ps_bench.options import (EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, HelpFormatter, Parser,
+                              add_run_options, parse_run_options, plural, usage_error)
 from ps_bench.runtime.topology import Topology
 
 # name -> (module, usage, summary, docs page). Each module has DESCRIPTION and EPILOG (its --help),
@@ -93,7 +93,7 @@ def epilog() -> str:
 def build_parser() -> Parser:
     """The run's parser: every ``RunConfig`` option, and only the given ones set."""
     parser = Parser(prog="bench.py", description=DESCRIPTION, epilog=epilog(),
-                    formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=argparse.SUPPRESS)
+                    formatter_class=HelpFormatter, argument_default=argparse.SUPPRESS)
     add_run_options(parser)
     return parser
 
@@ -105,7 +105,7 @@ def subcommand_parser(name: str) -> tuple[ModuleType, Parser]:
     width = shutil.get_terminal_size().columns - 2  # as argparse wraps; the epilog keeps its own lines
     parser = Parser(prog=f"bench.py {name}", description=textwrap.fill(module.DESCRIPTION, width),
                     epilog=f"{module.EPILOG.rstrip()}\n\nread next: {page}\n",
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+                    formatter_class=HelpFormatter)
     module.add_arguments(parser)
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors in the input")
     return module, parser

@@ -8,6 +8,7 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 import traceback
 from typing import Any, NoReturn
 
@@ -38,6 +39,18 @@ UPSTREAM_REFUSED = {
     "server_config_path": "ps_bench has no server configuration file: choose the server with --server and the layout "
                           "with --nserver, --ncudaserver and --mapping, on the command line or in a --config run file",
 }
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description and epilog as written; an option's help wrapped line by line, so a list
+    after its first line (a registry's entries, one a line) keeps its lines, each entry's
+    continuation indented."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        lines = []
+        for number, line in enumerate(text.splitlines()):
+            lines += textwrap.wrap(line, width, subsequent_indent="  " if number else "") or [""]
+        return lines
 
 
 class Parser(argparse.ArgumentParser):
@@ -116,7 +129,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         group = groups[meta["group"]]
         help_text = meta["help"] if default is None or kind is bool else f"{meta['help']} (default: {default})"
         if name in REGISTRIES:
-            help_text += "; " + REGISTRIES[name].describe()
+            help_text += ":\n" + REGISTRIES[name].describe()
         if name == "model":
             help_text += (f"; zoo: {', '.join(m for m in MODEL_PRESETS if m not in TEST_SIZED)}, and their "
                           f"test-sized {', '.join(TEST_SIZED)}")

@@ -73,12 +73,13 @@ class Registry(Generic[T]):
         return sorted(k for k, v in self._canonical.items() if v == name and k != name)
 
     def describe(self) -> str:
-        """``name: first line of its docstring; ...`` for every entry, for ``--help``."""
+        """``name: the first paragraph of its docstring``, an entry a line, for ``--help``."""
         entries = []
         for name in self.names():
-            doc = (self._entries[name].__doc__ or "").strip().splitlines()
-            entries.append(f"{name}: {doc[0].rstrip('.')}" if doc else name)
-        return "; ".join(entries)
+            paragraph = (self._entries[name].__doc__ or "").strip().split("\n\n")[0]
+            text = " ".join(line.strip() for line in paragraph.splitlines()).replace("``", "")
+            entries.append(f"{name}: {text}" if text else name)
+        return "\n".join(entries)
 
     def __contains__(self, name: object) -> bool:
         return name in self._canonical

@@ -7,6 +7,7 @@ import pytest
 from ps_bench.cli import build_parser, main
 from ps_bench.models import DATA
 from ps_bench.models.dummy import DummyData
+from ps_bench.options import REGISTRIES
 
 
 def parse(*argv):
@@ -158,3 +159,18 @@ def test_new_options_explain_themselves(capsys):
     assert "--limits" in out and "raw RPC round trips" in out
     assert "--profile DIR" in out and "ui.perfetto.dev" in out
     assert "--rpc-threads N" in out and "sized to the role" in out
+
+
+def test_help_describes_every_hook_server_and_trainer_in_whole_sentences():
+    """Each registered piece's description in ``--help`` is a whole paragraph of its docstring,
+    on lines of its own: it ends a sentence, never mid-clause."""
+    help_text = build_parser().format_help()
+    for kind, registry in REGISTRIES.items():
+        entries = registry.describe().splitlines()
+        assert [entry.split(":")[0] for entry in entries] == registry.names(), kind
+        unfinished = [entry for entry in entries if not entry.rstrip(")").endswith(".")]
+        assert unfinished == [], kind
+        for name in registry.names():  # every entry's start is on a line of its own in --help
+            assert any(line.strip().startswith(f"{name}: ") for line in help_text.splitlines()), name
+    words = [line.split()[-1] for line in help_text.splitlines() if line.strip()]
+    assert not [word for word in words if word.rstrip(";") in ("the", "and", "of", "a") and word.endswith(";")]
