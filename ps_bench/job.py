@@ -184,10 +184,14 @@ def check_pieces(cfg: RunConfig) -> Strategy:
 def check_workload(cfg: RunConfig) -> tuple[Entry, Entry, torch.nn.Module]:
     """The model and data entries, built on the meta device: they fit each other and the batch."""
     model = model_entry(cfg.model, cfg.model_options, cfg.model_config_path)
-    if cfg.data is None:
+    defaulted = cfg.data is None
+    if defaulted:
         cfg.data = default_data(model)
     data = load_entry(cfg.data_config_path, cfg.data, "data_class", DATA, "data", DATA_PRESETS)
-    network, dataset = construct(model, MODELS), construct(data, DATA)
+    network = construct(model, MODELS)
+    if defaulted:  # the model's own data: fitted to it (a Hugging Face model's vocabulary)
+        data = dataclasses.replace(data, kwargs=network.fitted_data(data.kwargs))
+    dataset = construct(data, DATA)
     model = dataclasses.replace(model, size=model_size(network))
     need(network.takes == dataset.gives,
          f"--model {cfg.model} takes {network.takes} but --data {cfg.data} gives {dataset.gives}; "

@@ -72,6 +72,11 @@ class BenchmarkModel(nn.Module):
         """Why this model cannot train on ``data`` (sizes), or None."""
         return None
 
+    def fitted_data(self, configurations: dict) -> dict:
+        """The configurations of the data it trains on when ``--data`` is left out, fitted to
+        this model (by default, as they are)."""
+        return configurations
+
 
 def need_positive(**values: int) -> None:
     """Raises ValueError naming the first size that is not a positive integer."""

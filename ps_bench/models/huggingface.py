@@ -140,11 +140,22 @@ class HuggingFaceModel(BenchmarkModel):
         return logits.transpose(1, 2)  # (batch, vocab, positions), as CrossEntropyLoss takes them
 
     def fits(self, data: SyntheticData) -> str | None:
+        default = "leave --data out: the default token data takes the model's vocabulary and context"
         if data.vocab_size > self.vocab_size:
-            return f"draws tokens below vocab_size={data.vocab_size} but the model has {self.vocab_size}"
+            return (f"draws tokens below vocab_size={data.vocab_size} but the model has {self.vocab_size} "
+                    f"({default})")
         if self.context_length and data.sequence_length > self.context_length:
-            return f"has sequences of {data.sequence_length} tokens but the model's context is {self.context_length}"
+            return (f"has sequences of {data.sequence_length} tokens but the model's context is "
+                    f"{self.context_length} ({default})")
         return None
+
+    def fitted_data(self, configurations: dict) -> dict:
+        """The default token data over no more tokens than the model's vocabulary, in sequences
+        no longer than its context."""
+        fitted = {**configurations, "vocab_size": min(configurations["vocab_size"], self.vocab_size)}
+        if self.context_length:
+            fitted["sequence_length"] = min(configurations["sequence_length"], self.context_length)
+        return fitted
 
     def shard_units(self) -> list[nn.Module]:
         """The blocks FSDP2 wraps one by one, as torchtitan and accelerate wrap transformer

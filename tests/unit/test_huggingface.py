@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ps_bench.cli import main
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.job import validate
-from ps_bench.models import MODELS, model_entry
+from ps_bench.models import MODELS, build_data, build_model, model_entry
 from ps_bench.models.entries import construct, model_size
 from ps_bench.models.huggingface import SHIPPED, shipped
 from ps_bench.strategies.sharded import shard_units
@@ -51,6 +52,24 @@ def test_the_run_records_the_config_it_used_in_float32_without_dropout():
     network = construct(entry("llama3-8b", num_hidden_layers=2, hidden_size=256, intermediate_size=512,
                               num_attention_heads=4, num_key_value_heads=2), MODELS)
     assert {p.dtype for p in network.parameters()} == {__import__("torch").float32}
+
+
+def test_the_default_token_data_fits_a_small_vocabulary_and_context(tmp_path):
+    """A config of 256 tokens and a 32-token context trains on the default data as it stands
+    (its tokens and sequences fitted to the model); naming data that does not fit says what to pass."""
+    config = tmp_path / "small_vocab.json"
+    config.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 32,
+                                  "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                  "num_key_value_heads": 1, "max_position_embeddings": 32}))
+    job = validate(RunConfig(model=f"hf:{config}", ntrainer=2, nserver=0, hook="allreduce"))
+    assert job.data.id == "tokens64" and job.data.kwargs["vocab_size"] == 256
+    assert job.data.kwargs["sequence_length"] == 32
+    network = build_model(job.model.class_name, job.model.kwargs, 0)
+    data = build_data(job.data.class_name, job.data.kwargs, 0, job.config.labels)
+    loss = torch.nn.functional.cross_entropy(network(data.inputs[0][:4]), data.targets[:4])
+    assert torch.isfinite(loss)
+    with pytest.raises(ConfigError, match="the model has 256 .leave --data out"):
+        validate(RunConfig(model=f"hf:{config}", data="tokens64", ntrainer=2, nserver=0, hook="allreduce"))
 
 
 def test_fsdp_wraps_each_transformer_block():
