@@ -272,9 +272,12 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
     check_options(cfg)
     record = check_pieces(cfg)
     engine_config, notes = check_engine(cfg, record, gpus)  # may set the batch and optimizer from the engine's
+    record = engine_record(record, cfg, engine_config)
     check_optimizer(cfg)
     check_network(cfg, machine)
     model, data, network = check_workload(cfg)
+    if hasattr(HOOKS.get(cfg.hook), "check_network"):  # an engine's config against the model
+        HOOKS.get(cfg.hook).check_network(cfg, engine_config, network, gpus)
     check_devices(cfg, record, network, gpus, cfg.num_trainers if trainers_on_node is None else trainers_on_node)
     return Job(cfg, record, model, data, engine_config, tuple(notes))
 
@@ -291,3 +294,9 @@ def check_engine(cfg: RunConfig, record: Strategy, gpus: int) -> tuple[dict | No
          f"--hook {cfg.hook} runs on {record.engine}, which is not installed: {ENGINES[record.engine]}")
     factory = HOOKS.get(cfg.hook)
     return factory.configure(cfg, gpus) if hasattr(factory, "configure") else (None, [])
+
+
+def engine_record(record: Strategy, cfg: RunConfig, engine_config: dict | None) -> Strategy:
+    """The strategy's record as its engine's resolved config trains (DeepSpeed's bf16: its bytes)."""
+    factory = HOOKS.get(cfg.hook)
+    return factory.configured_record(record, engine_config) if hasattr(factory, "configured_record") else record

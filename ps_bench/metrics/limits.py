@@ -128,6 +128,11 @@ def floor_messages(strategy, buckets: list[dict], options: dict, slices: int = 1
     return messages
 
 
+def wire_dtype(payload: str) -> str:
+    """The dtype a payload's collectives move: its own where it is one, else float32."""
+    return payload if payload in ELEMENT_BYTES else "float32"
+
+
 def message_bytes(messages: dict[int, list[tuple[int, str]]]) -> int:
     return sum(count * ELEMENT_BYTES[dtype] for parts in messages.values() for count, dtype in parts)
 
@@ -305,12 +310,13 @@ def run_collective(kind: str, whole: torch.Tensor, group: dist.ProcessGroup) -> 
 
 
 def steps_floor_ms(steps: list[tuple[str, dist.ProcessGroup, int]], device: torch.device, group: dist.ProcessGroup,
-                   repeat: int = FLOOR_ITERATIONS) -> dict[str, list[float]]:
+                   repeat: int = FLOOR_ITERATIONS, dtype: str = "float32") -> dict[str, list[float]]:
     """A strategy's own collectives with nothing of it around them: ``steps``, ``(collective,
-    group, elements)`` of float32, one after the other as the strategy issues them, each waited
-    for; per repetition, the ms of each collective (summed over the steps of that kind) and
-    their ``total``. Buffers of each step's size, padded to a multiple of its group's size."""
-    buffers = [(kind, on, torch.ones(-(-elements // on.size()) * on.size(), device=device))
+    group, elements)`` of ``dtype`` (its wire's), one after the other as the strategy issues
+    them, each waited for; per repetition, the ms of each collective (summed over the steps of
+    that kind) and their ``total``. Buffers of each step's size, padded to a multiple of its
+    group's size."""
+    buffers = [(kind, on, torch.ones(-(-elements // on.size()) * on.size(), device=device, dtype=DTYPES[dtype]))
                for kind, on, elements in steps]
     spent: list[dict[str, float]] = []  # per repetition, untimed ones too
 

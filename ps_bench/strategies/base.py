@@ -170,6 +170,7 @@ class Synchroniser:
 
     hook: Hook | None = None
     after_step: Callable[[HookContext, nn.Module], bool] | None = None
+    input_dtype: torch.dtype | None = None  # an engine that casts the model: its float inputs' type
 
     def wrap(self, network: nn.Module, ctx: HookContext, ddp_options: dict[str, Any],
              optimizer: OptimizerSpec | None) -> tuple[nn.Module, torch.optim.Optimizer | None]:

@@ -22,20 +22,31 @@ and gradients and its hierarchical partitions, and offload, without a GPU.
 
 from __future__ import annotations
 
+import inspect
+import json
 import logging
 import os
 import sys
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from ps_bench.config import ConfigError, RunConfig, read_json
-from ps_bench.strategies.base import HookContext, OptimizerSpec, Synchroniser, flat_parameters
+from ps_bench.strategies.base import OPTIMIZERS, HookContext, OptimizerSpec, Synchroniser, flat_parameters
 from ps_bench.strategies.record import (COLLECTIVE, ENGINE, EVERY_ITERATION, GATHERED, HOOKS,
                                         SHARDED, Strategy)
 
+# DeepSpeed's optimizer parameters that ps_bench's torch optimizer already does as given (its
+# Adam is torch's, bias-corrected, with decoupled weight decay); the torch arguments that choose an
+# implementation, not the mathematics, are not the config's to set.
+IMPLEMENTED = {"torch_adam": True, "adam_w_mode": True, "bias_correction": True}
+IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable", "maximize")
+# Where the resolved config keeps what ps_bench's optimizer takes besides the run's options; taken
+# out before DeepSpeed reads the config.
+OPTIMIZER_PARAMS = "ps_bench_optimizer_params"
 DEFAULTS = {name: RunConfig.__dataclass_fields__[name].default
             for name in ("batch_size", "lr", "optimizer", "momentum", "weight_decay")}
 OPTIMIZER_TYPES = {"sgd": "sgd", "adamw": "adamw", "adam": "adamw"}  # DeepSpeed's Adam is AdamW (adam_w_mode)
@@ -78,11 +89,14 @@ def resolve_config(cfg: RunConfig, stage: int, gpus: int) -> tuple[dict[str, Any
         zero.setdefault("stage3_param_persistence_threshold", 0)
     config["zero_optimization"] = zero
     take_batch(cfg, config, source)
-    take_optimizer(cfg, given.get("optimizer"), source)
+    params = take_optimizer(cfg, given.get("optimizer"), source)
+    if params:
+        config[OPTIMIZER_PARAMS] = params
     for precision in ("fp16", "bf16"):
         section = config.get(precision)
         if isinstance(section, dict) and section.get("enabled") == "auto":
             config[precision] = {**section, "enabled": False}  # ps_bench trains in float32 unless told
+    check_precision(config, source, gpus)
     if config.get("gradient_clipping", "auto") == "auto":
         config["gradient_clipping"] = 0.0
     left = auto_keys(config)
@@ -118,22 +132,57 @@ def take_batch(cfg: RunConfig, config: dict, source: str) -> None:
                   train_batch_size=cfg.batch_size * world)
 
 
-def take_optimizer(cfg: RunConfig, optimizer: Any, source: str) -> None:
+def take_optimizer(cfg: RunConfig, optimizer: Any, source: str) -> dict[str, Any]:
     """The config's optimizer becomes the run's (a torch optimizer ps_bench builds: nothing to
-    compile); "auto" parameters keep the run's."""
+    compile): its learning rate, momentum and weight decay the run's options, its other
+    parameters (betas, eps, nesterov, ...) the optimizer's own keyword arguments, returned;
+    "auto" keeps the run's (torch's defaults). A parameter the torch optimizer has no
+    counterpart for is refused, naming it."""
     if optimizer is None:
-        return
+        return {}
     kind = str(optimizer.get("type", "")).lower() if isinstance(optimizer, dict) else ""
     if kind not in OPTIMIZER_TYPES:
         raise ConfigError(f"{source}: optimizer type {kind or optimizer!r} is not one ps_bench runs (SGD, Adam, "
                           f"AdamW)")
     conflict(cfg, "optimizer", OPTIMIZER_TYPES[kind], source, "optimizer.type")
     cfg.optimizer = OPTIMIZER_TYPES[kind]
-    for name, value in (optimizer.get("params") or {}).items():
-        if value == "auto" or name not in ("lr", "momentum", "weight_decay"):
-            continue  # betas, eps: torch's defaults, as ps_bench's AdamW has them
-        conflict(cfg, name, value, source, f"optimizer.params.{name}")
-        setattr(cfg, name, float(value))
+    params = optimizer.get("params") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{source}: optimizer.params must be an object; got {params!r}")
+    torch_class = OPTIMIZERS[cfg.optimizer]
+    accepted = set(inspect.signature(torch_class).parameters) - {"params", *IMPLEMENTATION}
+    extra = {}
+    for name, value in params.items():
+        if value == "auto" or IMPLEMENTED.get(name, object()) == value:
+            continue
+        if name in ("lr", "momentum", "weight_decay"):
+            conflict(cfg, name, value, source, f"optimizer.params.{name}")
+            setattr(cfg, name, float(value))
+        elif name in accepted:
+            extra[name] = list(value) if isinstance(value, (list, tuple)) else value
+        else:
+            raise ConfigError(f"{source}: optimizer.params.{name} {json.dumps(value)}: ps_bench's {kind} is torch's "
+                              f"{torch_class.__name__}, which takes {', '.join(sorted(accepted))}; leave {name} out")
+    return extra
+
+
+def check_precision(config: dict, source: str, gpus: int) -> None:
+    """bf16 or fp16 enabled: DeepSpeed casts the model, and ps_bench the inputs, to that type;
+    fp16 only where DeepSpeed runs it (a GPU), and not both."""
+    enabled = [name for name in ("bf16", "fp16") if (config.get(name) or {}).get("enabled") is True]
+    if len(enabled) > 1:
+        raise ConfigError(f"{source}: bf16 and fp16 are both enabled: DeepSpeed trains in one of them; enable one")
+    if enabled == ["fp16"] and not gpus:
+        raise ConfigError(f"{source}: fp16 enabled: DeepSpeed trains in float16 on a GPU only, and this run trains "
+                          f"on the CPU: enable bf16 instead, or leave fp16 out")
+
+
+def precision_of(config: dict | None) -> str | None:
+    """The dtype a resolved config trains in (``bfloat16``, ``float16``), None for float32."""
+    for name, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+        if ((config or {}).get(name) or {}).get("enabled") is True:
+            return dtype
+    return None
 
 
 def conflict(cfg: RunConfig, name: str, value: Any, source: str, key: str) -> None:
@@ -186,6 +235,28 @@ class DeepSpeedZero(Synchroniser):
         ``resolve_config``)."""
         return resolve_config(cfg, cls.stage, gpus)
 
+    @staticmethod
+    def check_network(cfg: RunConfig, config: dict[str, Any], network: nn.Module, gpus: int) -> None:
+        """What of the model DeepSpeed cannot train here as configured: in bf16 or fp16 it casts
+        the parameters and keeps the buffers in float32 unless ``data_types.buffer_dtype`` says
+        otherwise, and torch's batch norm on the CPU refuses weights and running statistics of
+        two types."""
+        precision = precision_of(config)
+        buffers = (config.get("data_types") or {}).get("buffer_dtype")
+        norms = any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in network.modules())
+        if precision and norms and not gpus and buffers is None:
+            short = "bf16" if precision == "bfloat16" else "fp16"
+            raise ConfigError(f"--ds-config {cfg.ds_config}: --model {cfg.model} has BatchNorm, whose running "
+                              f"statistics DeepSpeed keeps in float32 while it casts the weights to {short}, which "
+                              f"torch's batch norm on the CPU refuses: add \"data_types\": {{\"buffer_dtype\": "
+                              f"\"{short}\"}} to cast them too, or leave {short} out")
+
+    @staticmethod
+    def configured_record(record: Strategy, config: dict[str, Any]) -> Strategy:
+        """The record as the resolved config trains: with bf16 or fp16 enabled, the gradients and
+        parameters it moves are in that type."""
+        return replace(record, payload=precision_of(config) or record.payload)
+
     def wrap(self, network: nn.Module, ctx: HookContext, ddp_options: dict[str, Any],
              optimizer: OptimizerSpec) -> tuple[nn.Module, EngineStep]:
         device = next(network.parameters()).device
@@ -200,6 +271,9 @@ class DeepSpeedZero(Synchroniser):
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
         deepspeed.utils.logger.setLevel(logging.ERROR)
         config = {**ctx.engine_config, **({"comms_logger": {"prof_all": True}} if ctx.engine_bytes else {})}
+        optimizer = OptimizerSpec(optimizer.kind, {**optimizer.options, **config.pop(OPTIMIZER_PARAMS, {})})
+        precision = precision_of(config)
+        self.input_dtype = getattr(torch, precision) if precision else None  # the engine casts the model
         ctx.wire.paused = True  # the engine's first broadcasts of the parameters are set-up, not training
         try:
             self.engine, _, _, _ = deepspeed.initialize(model=network, optimizer=optimizer.build(network.parameters()),

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from ps_bench.metrics.costs import Nodes
+from ps_bench.metrics.limits import ELEMENT_BYTES
 from ps_bench.metrics.wire import collective_bytes
 from ps_bench.registry import Registry
 
@@ -141,8 +142,10 @@ class Strategy:
 
 def expected_bytes(record: Strategy, nbytes: int, world: int, period: int = 1, backend: str = "gloo") -> float:
     """What a strategy that is not a DDP hook sends per iteration over a model of ``nbytes``
-    parameter bytes, amortised over its period (the hook's own bytes come from its buckets)."""
-    return sum(collective_bytes(collective, nbytes, world, backend) / (period if per == "period" else 1)
+    float32 parameter bytes, in its wire dtype, amortised over its period (the hook's own bytes
+    come from its buckets)."""
+    wire = nbytes * ELEMENT_BYTES.get(record.payload, 4) // 4
+    return sum(collective_bytes(collective, wire, world, backend) / (period if per == "period" else 1)
                for collective, per in record.sends)
 
 

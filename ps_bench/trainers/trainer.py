@@ -111,7 +111,9 @@ class DdpTrainer(Resident):
             network, self.hook_context, ddp_options,
             optimizer_spec(config.optimizer, config.lr, config.momentum, config.weight_decay))
         self.lr = config.lr
-        self.inputs = tuple(t.to(self.device) for t in inputs)
+        cast = self.synchroniser.input_dtype  # an engine's model in bf16: float inputs in bf16 too
+        self.inputs = tuple(t.to(self.device, dtype=cast if cast and t.is_floating_point() else t.dtype)
+                            for t in inputs)
         self.targets = targets.to(self.device)
         self.batch_size = config.batch_size
         self.epochs = config.epochs
@@ -325,7 +327,8 @@ class DdpTrainer(Resident):
         ctx = self.hook_context
         out: dict[str, list[float]] = {}
         if self._compute_copy is None:  # the model whole, outside DDP, FSDP2 or an engine
-            self._compute_copy = build_model(self.entry.class_name, self.entry.kwargs, self.seed).to(self.device)
+            self._compute_copy = build_model(self.entry.class_name, self.entry.kwargs, self.seed).to(
+                self.device, dtype=self.synchroniser.input_dtype)
         ctx.wire.paused = True
         try:
             if targets:
@@ -348,7 +351,8 @@ class DdpTrainer(Resident):
                                                   [nbytes // 4 for nbytes, _, _ in ctx.buckets.values()])
             if steps:
                 out.update({f"step_{kind}_ms": values for kind, values in
-                            limits.steps_floor_ms(steps, self.device, ctx.process_group, repeat).items()})
+                            limits.steps_floor_ms(steps, self.device, ctx.process_group, repeat,
+                                                  limits.wire_dtype(self.strategy.payload)).items()})
             out["compute_ms"] = limits.compute_floor_ms(self._compute_copy, self.inputs, self.targets, self.batch_size,
                                                         ctx.process_group, self.lr, repeat)
         finally:

@@ -55,6 +55,32 @@ def test_a_seed_style_ds_config_runs_with_its_autos_filled_from_the_run(bench_ru
     assert results["replicas"]["identical"] is True and results["loss"]["last"] < results["loss"]["first"]
 
 
+def test_the_configs_adamw_betas_reach_the_optimizer(bench_runs, tmp_path):
+    """Same seed, same model, two ds_configs that differ in AdamW's betas alone: the runs end
+    with other parameters."""
+    norms = []
+    for betas in ([0.5, 0.6], [0.9, 0.999]):
+        path = tmp_path / f"betas-{betas[0]}.json"
+        path.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 0.001, "betas": betas}}}))
+        results = run(bench_runs, "deepspeed_zero2", "--ds-config", str(path))
+        assert results["config"]["engine_config"]["ps_bench_optimizer_params"] == {"betas": betas}
+        norms.append(results["replicas"]["param_norm"])
+    assert abs(norms[0] - norms[1]) > 1e-4 * norms[1], norms
+
+
+def test_deepspeed_in_bf16_moves_half_the_bytes_and_verifies(bench_runs, tmp_path):
+    path = tmp_path / "bf16.json"
+    path.write_text(json.dumps({"bf16": {"enabled": True}}))
+    results = run(bench_runs, "deepspeed_zero2", "--verify", "--ds-config", str(path))
+    float32 = run(bench_runs, "deepspeed_zero2", "--verify")
+    assert results["replicas"]["identical"] is True and results["verify"]["iterations"] > 0
+    engine = results["verify"]["engine"]
+    assert engine["all_gather_into_tensor"]["bytes_per_iter"] == 3200 / 2  # the stepped parameters, in bf16
+    assert engine["all_reduce"]["bytes_per_iter"] == pytest.approx(3200 / 2 + 4, abs=2)  # and the gradients
+    assert results["bytes"]["trainer_sent_per_iter"] == pytest.approx(
+        float32["bytes"]["trainer_sent_per_iter"] / 2, abs=4)
+
+
 def test_torchft_diloco_is_ps_bench_diloco(bench_runs):
     theirs, ours = run(bench_runs, "torchft_diloco", *DILOCO), run(bench_runs, "diloco", *DILOCO)
     assert theirs["replicas"]["identical"] is True

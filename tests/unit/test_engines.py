@@ -15,7 +15,8 @@ from ps_bench.cli import main
 from ps_bench.config import ConfigError, RunConfig, build_config
 from ps_bench.job import validate
 from ps_bench.options import parse_run_options
-from ps_bench.strategies.deepspeed_zero import resolve_config
+from ps_bench.strategies.deepspeed_zero import OPTIMIZER_PARAMS, resolve_config
+from ps_bench.strategies.record import expected_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = ROOT / "configs" / "deepspeed" / "zero2_auto.json"
@@ -71,6 +72,13 @@ def test_the_configs_values_become_the_runs_unless_an_option_given_disagrees(tmp
     ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 16}, "train_batch_size 64 is not "
                                                                      "train_micro_batch_size_per_gpu 16 x 2 trainers"),
     ({"optimizer": {"type": "Lamb"}}, "optimizer type 'lamb' is not one ps_bench runs"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.5, 0.6], "freeze_step": 10}}},
+     "optimizer.params.freeze_step 10: ps_bench's adamw is torch's AdamW, which takes amsgrad, betas, eps, lr, "
+     "weight_decay; leave freeze_step out"),
+    ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, "optimizer.params.adam_w_mode false"),
+    ({"fp16": {"enabled": True}}, "fp16 enabled: DeepSpeed trains in float16 on a GPU only, and this run trains on "
+                                  "the CPU: enable bf16 instead, or leave fp16 out"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "bf16 and fp16 are both enabled"),
     ({"steps_per_print": "auto"}, "ps_bench cannot fill \"auto\" for steps_per_print"),
     ([1, 2], "must hold a JSON object"),
 ])
@@ -116,3 +124,31 @@ def test_without_its_package_an_engine_is_one_line_saying_how_to_install_it(hook
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == (f"ps_bench: error: --hook {hook} runs on {package}, which is not installed: "
                            f"pip install -e \".[{package}]\"\n")
+
+
+def test_every_parameter_of_the_configs_optimizer_reaches_the_runs(tmp_path):
+    """Its learning rate, momentum and decay become the run's options; the rest (betas, eps,
+    nesterov) the torch optimizer's own arguments, which the engine's wrap takes; what the torch
+    optimizer already does as given (torch_adam, adam_w_mode true) needs nothing."""
+    path = written(tmp_path, {"optimizer": {"type": "Adam", "params": {
+        "lr": 0.002, "betas": [0.5, 0.6], "eps": 1e-6, "weight_decay": 0.1, "torch_adam": True, "adam_w_mode": True}}})
+    built = job("--hook", "deepspeed_zero2", "--nserver", "0", "--ds-config", path)
+    assert (built.config.optimizer, built.config.lr, built.config.weight_decay) == ("adamw", 0.002, 0.1)
+    assert built.engine_config[OPTIMIZER_PARAMS] == {"betas": [0.5, 0.6], "eps": 1e-6}
+    sgd = written(tmp_path, {"optimizer": {"type": "SGD", "params": {"momentum": 0.9, "nesterov": True}}})
+    assert job("--hook", "deepspeed_zero1", "--nserver", "0", "--ds-config", sgd).engine_config[OPTIMIZER_PARAMS] \
+        == {"nesterov": True}
+
+
+def test_bf16_enabled_moves_bf16_and_batchnorm_needs_its_buffers_cast_on_the_cpu(tmp_path):
+    """DeepSpeed in bf16 moves its gradients and parameters in bf16: the record says so, and with
+    it the bytes expected and the floors. It keeps BatchNorm's statistics in float32 unless told."""
+    path = written(tmp_path, {"bf16": {"enabled": True}})
+    built = job("--hook", "deepspeed_zero2", "--nserver", "0", "--ds-config", path)
+    assert built.strategy.payload == "bfloat16" and built.strategy.lossless is True
+    assert expected_bytes(built.strategy, 3200, 2) == expected_bytes(job("--hook", "deepspeed_zero2", "--nserver",
+                                                                          "0").strategy, 3200, 2) / 2
+    with pytest.raises(ConfigError, match='has BatchNorm.*add "data_types": {"buffer_dtype": "bf16"}'):
+        job("--hook", "deepspeed_zero2", "--nserver", "0", "--ds-config", path, "--model", "resnet18_small")
+    cast = written(tmp_path, {"bf16": {"enabled": True}, "data_types": {"buffer_dtype": "bf16"}})
+    assert job("--hook", "deepspeed_zero2", "--nserver", "0", "--ds-config", cast, "--model", "resnet18_small")
