@@ -17,7 +17,10 @@ from ps_bench.predict import pipelines
 from ps_bench.predict import predictor as predictor_module
 from ps_bench.metrics.costs import Link
 from ps_bench.predict.pipelines import Phases
-from ps_bench.predict.predictor import Run, calibrate, from_compute_ms, predict
+from ps_bench.predict.calibration import from_compute_ms
+from ps_bench.predict.predictor import calibrate, predict
+from ps_bench.predict.runs import Run
+from ps_bench.predict.tables import render_winners, winners
 from ps_bench.strategies import COLLECTIVE, HOOKS, Cost, Strategy
 
 # 1 MB per ms (8 Gbit/s), 10 µs per message: round numbers to compute by hand
@@ -199,7 +202,6 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
 
 
 def test_strategies_within_one_percent_tie_and_a_crossover_needs_different_winners():
-    from ps_bench.predict.command import render_winners, winners
 
     def row(trainers, strategy, ms):
         return {"trainers": trainers, "strategy": strategy, "servers": None, "batch_ms": ms}

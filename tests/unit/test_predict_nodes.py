@@ -16,7 +16,9 @@ from ps_bench.predict import pipelines
 from ps_bench.metrics.costs import Link, Nodes
 from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.inputs import meta_buckets
-from ps_bench.predict.predictor import Run, calibrate, from_compute_ms, predict
+from ps_bench.predict.calibration import from_compute_ms
+from ps_bench.predict.predictor import calibrate, predict
+from ps_bench.predict.runs import Run
 from tests.unit.test_predict import results_file
 
 NETWORK = Link(latency_ms=0.01, bytes_per_ms=1e6)  # 1 MB per ms, 10 µs

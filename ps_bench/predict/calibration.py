@@ -1,0 +1,89 @@
+"""A calibration: the compute phases, the buckets' ready times and sizes, the links, the
+servers' aggregation throughput and each strategy's own compute that ``predictor.predict``
+costs every strategy with; built from runs (``predictor.calibrate``) or from ``--compute-ms``
+alone (``from_compute_ms``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ps_bench.metrics.costs import Link
+from ps_bench.predict.inputs import spread
+from ps_bench.predict.pipelines import Phases
+from ps_bench.predict.runs import Run
+
+
+@dataclass
+class Calibration:
+    model: str
+    batch_size: int
+    phases: Phases
+    buckets: list[tuple[float, float, bool]]  # (ready ms, dense bytes, sparse), in the order they became ready
+    link: Link
+    link_from: str
+    aggregate_bytes_per_ms: float | None
+    overlap_from: str
+    runs: list[Run]
+    intra_link: Link | None = None  # a node's local link, between its trainers
+    gloo: bool = False  # the runs' collectives ran on gloo (no reduce-scatter of its own); False: NCCL's
+    intra_from: str = "none"
+    own_ms: dict[str, float] = field(default_factory=dict)  # strategy -> its own compute, from its run
+    payload_ratio: dict[str, float] = field(default_factory=dict)  # low-rank strategies: bytes sent / dense
+
+    @property
+    def gradient_bytes(self) -> float:
+        return sum(nbytes for _, nbytes, _ in self.buckets)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model, "batch_size": self.batch_size,
+            "phases_ms": {"forward": self.phases.forward, "backward": self.phases.backward,
+                          "optimizer": self.phases.optimizer},
+            "buckets": [{"ready_ms": ready, "bytes": nbytes, "sparse": sparse} for ready, nbytes, sparse in self.buckets],
+            "overlap_from": self.overlap_from,
+            "link": {"latency_us": self.link.latency_ms * 1000.0,
+                     "bandwidth_gbit_s": self.link.bytes_per_ms * 1000.0 * 8 / 1e9, "from": self.link_from},
+            "intra_link": None if self.intra_link is None else {
+                "latency_us": self.intra_link.latency_ms * 1000.0,
+                "bandwidth_gbit_s": self.intra_link.bytes_per_ms * 1000.0 * 8 / 1e9, "from": self.intra_from},
+            "aggregate_gbps": self.aggregate_bytes_per_ms * 1000.0 / 1e9 if self.aggregate_bytes_per_ms else None,
+            "own_ms": self.own_ms, "payload_ratio": self.payload_ratio,
+            "runs": [run.path for run in self.runs],
+        }
+
+
+def bucket_sizes(buckets: list[dict]) -> dict[int, tuple[int, bool]]:
+    """Bucket index -> (dense bytes, sparse), from a results file's DDP buckets."""
+    return {bucket["index"]: (bucket["bytes"], bucket.get("sparse", False)) for bucket in buckets}
+
+
+def ready_buckets(ready: dict[int, float], sizes: dict[int, tuple[int, bool]]) -> list[tuple[float, int, bool]]:
+    """``(ready ms, bytes, sparse)`` per bucket, in the order the buckets became ready."""
+    return [(ready[index], *sizes.get(index, (0, False))) for index in sorted(ready, key=ready.get)]
+
+
+def backward_compute(buckets: list[tuple[float, int, bool]], compute_ms: float | None, forward: float,
+                     optimizer: float) -> float:
+    """Backward's own compute: the compute-only iteration minus forward and optimizer, and at
+    least until the last bucket was ready (without a compute-only iteration, just that)."""
+    last_ready = max((ready for ready, _, _ in buckets), default=0.0)
+    return last_ready if compute_ms is None else max(last_ready, compute_ms - forward - optimizer)
+
+
+def own_terms(run: Run, calibration: Calibration) -> dict:
+    """The compute phases and bucket timeline of one run alone (the calibration's pooled ones
+    where the run lacks them), so that its slower or faster compute is not taken for its
+    strategy's own cost."""
+    ready = {row["index"]: row["ready_ms"] for row in run.timeline or []}
+    buckets = ready_buckets(ready, bucket_sizes(run.buckets)) if ready else calibration.buckets
+    backward = (backward_compute(buckets, run.compute_ms, run.forward_ms, run.optimizer_ms)
+                if run.compute_ms is not None or ready else calibration.phases.backward)
+    return {"phases": Phases(run.forward_ms, backward, run.optimizer_ms), "buckets": buckets}
+
+
+def from_compute_ms(model: str, batch_size: int, phases: Phases, buckets: list[tuple[int, bool]], link: Link,
+                    link_from: str) -> Calibration:
+    """A calibration with no run: compute phases as given, the buckets' ready times spread over
+    backward in proportion to their bytes (``inputs.spread``)."""
+    return Calibration(model, batch_size, phases, spread(phases.backward, buckets), link, link_from, None,
+                       "--compute-ms: bucket-ready times spread over backward in proportion to their bytes", [])

@@ -1,0 +1,78 @@
+"""What a prediction needs from one results file (``Run``): its strategy, trainers and servers,
+its compute phases and bucket timeline, its ``--limits`` link probe, and the network it had."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ps_bench.config import ConfigError
+from ps_bench.results.load import load_file
+from ps_bench.strategies import HOOKS
+
+
+@dataclass
+class Run:
+    """What a prediction needs from one results file."""
+
+    path: str
+    hook: str
+    trainers: int
+    servers: int
+    mapping: str
+    batch_size: int
+    model: str
+    batch_ms: float
+    forward_ms: float
+    optimizer_ms: float
+    backward_ms: float
+    compute_ms: float | None  # --limits compute-only iteration
+    link: dict | None  # --limits link probe and its fit
+    memcpy_gbps: float | None
+    timeline: list[dict] | None
+    buckets: list[dict]  # DDP's, as it built them (bytes, sparse)
+    trainer_sent_per_iter: float
+    link_rate_bps: float | None  # the emulated network's, if any
+    backend: str = "gloo"  # the trainers' collectives'
+    per_host: int = 1  # trainers on each trainer host (an emulated network's; else 1, every trainer apart)
+    servers_on: str = "dedicated"
+
+    @property
+    def communicates_nothing(self) -> bool:
+        """Whether its backward is compute alone (one trainer, or the noop strategy)."""
+        return self.trainers == 1 or HOOKS.record(self.hook).transport is None
+
+    @property
+    def on_one_host(self) -> bool:
+        """Whether its trainers all shared one host: its link probe measured the host's local link."""
+        return self.trainers > 1 and self.per_host == self.trainers
+
+    @classmethod
+    def load(cls, path: str) -> "Run":
+        results = load_file(path)
+        if results.get("status") != "ok":
+            raise ConfigError(f"{path} is a failed run ({results.get('error', 'no error recorded')}): predict from "
+                              "runs that finished")
+        cfg, summary = results["config"], {row["metric"]: row["p50"] for row in results["summary"]
+                                           if row["role"] == "trainer"}
+        limits = results.get("limits") or {}
+        emulated = results.get("env", {}).get("emulated") or {}
+        return cls(
+            path=path, hook=HOOKS.canonical(cfg["hook"]), trainers=cfg["ntrainer"] + cfg.get("ncudatrainer", 0),
+            servers=cfg["nserver"] + cfg.get("ncudaserver", 0), mapping=cfg.get("mapping", "shard"),
+            batch_size=cfg["batch_size"], model=cfg["model"], batch_ms=summary["batch"],
+            forward_ms=summary["forward"], optimizer_ms=summary["optimizer"], backward_ms=summary.get("backward", 0.0),
+            compute_ms=(limits.get("compute") or {}).get("p50_ms"), link=limits.get("link"),
+            memcpy_gbps=(limits.get("memcpy") or {}).get("gbps"), timeline=results.get("timeline"),
+            buckets=(cfg.get("model_size") or {}).get("ddp_buckets") or [],
+            trainer_sent_per_iter=results["bytes"]["trainer_sent_per_iter"],
+            link_rate_bps=emulated.get("link_rate_bps"),
+            per_host=trainers_per_host(emulated.get("placement"), cfg["ntrainer"] + cfg.get("ncudatrainer", 0)),
+            servers_on=cfg.get("servers_on", "dedicated"), backend=cfg.get("backend", "gloo"),
+        )
+
+
+def trainers_per_host(placement: list[list[int]] | None, trainers: int) -> int:
+    """Trainers on each host that has any, from an emulated network's placement (ranks per host,
+    trainers ranking first); 1 without one, or where hosts hold different numbers."""
+    counts = {sum(rank < trainers for rank in ranks) for ranks in placement or []} - {0}
+    return counts.pop() if len(counts) == 1 else 1
