@@ -15,6 +15,7 @@ from tabulate import tabulate
 
 from ps_bench.config import ConfigError
 from ps_bench.metrics.costs import Link, byteps_bound_ms, ps_bound_ms
+from ps_bench.plots import pyplot
 from ps_bench.options import typed
 from ps_bench.results.load import load_source
 
@@ -274,18 +275,6 @@ def plot_convergence(path: str, rows: list[Row], title: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
-
-
-def pyplot(command: str = "report"):
-    """matplotlib's pyplot, drawing to files; a one-line error naming ``command`` where it is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError(f"{command} --plot needs matplotlib: pip install -e '.[plot]'") from None
-    return plt
 
 
 def scaling_table(rows: list[Row], link_gbps: float | None) -> tuple[list[str], list[list]]:

@@ -20,7 +20,7 @@ from ps_bench.compare.intervals import CONFIDENCE, MIN_RUNS, OPTIMISTIC
 from ps_bench.compare.sides import ENTRIES, ignored_fields
 from ps_bench.config import ConfigError
 from ps_bench.options import typed
-from ps_bench.report import pyplot
+from ps_bench.plots import pyplot
 
 DESCRIPTION = (
     "Did it get faster? Compare two sides, each a results file, a sweep folder or a folder of results files: "

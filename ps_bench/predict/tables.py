@@ -8,7 +8,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from ps_bench.predict.calibration import Calibration
-from ps_bench.report import pyplot
+from ps_bench.plots import pyplot
 
 
 TIE = 0.01  # strategies predicted within 1 % of the fastest tie with it

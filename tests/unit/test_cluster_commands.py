@@ -95,7 +95,8 @@ def test_the_worked_slurm_examples_match_what_the_command_writes(tmp_path, capsy
 
 
 def test_hostfile_takes_deepspeed_lines_and_comments(tmp_path):
-    from ps_bench.cluster.hosts import Target, check_targets, read_hostfile
+    from ps_bench.cluster.hosts import check_targets, read_hostfile
+    from ps_bench.cluster.ssh import Target
 
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# the head first\nalice@node1 slots=2\n\nnode2   # second\n")
@@ -109,7 +110,7 @@ def test_hostfile_takes_deepspeed_lines_and_comments(tmp_path):
 
 
 def test_each_host_runs_torchrun_under_ssh_with_a_terminal():
-    from ps_bench.cluster.hosts import HostJob, SshOptions, Target, agent_command, failed_rank
+    from ps_bench.cluster.ssh import HostJob, SshOptions, Target, agent_command, failed_rank
 
     job = HostJob([Target("alice@node1"), Target("node2")], NodeLayout(2, 2), ["--out", "r.json"],
                   SshOptions(key="/k", port=2222, options=["StrictHostKeyChecking=no"]), python="/venv/bin/python",

@@ -108,8 +108,8 @@ def test_model_options_shrink_a_zoo_model_too():
     (["--model", "gpt2_tiny", "--model-option", "depth=2"], "--model-option: --model gpt2_tiny has no configuration"),
     (["--model", "hf:llama-tiny", "--hook", "sparse_ps"], "--hook sparse_ps is made for sparse embedding gradients"),
     (["--model", "hf:llama-tiny", "--data", "tokens1024"], "draws tokens below vocab_size=50257 but the model has 512"),
-    (["--model", "hf:llama-tiny", "--model-option", "max_position_embeddings=32"],
-     "has sequences of 64 tokens but the model's context is 32"),
+    (["--model", "hf:llama-tiny", "--model-option", "max_position_embeddings=32", "--data", "tokens64"],
+     "has sequences of 64 tokens but the model's context is 32 (leave --data out"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_anything_starts(argv, words, tmp_path, capsys):
     (tmp_path / "unknown.json").write_text(json.dumps({"model_type": "no-such-architecture", "hidden_size": 8}))
