@@ -25,10 +25,11 @@ from ps_bench.runtime import preload
 from ps_bench.config import ConfigError, RunConfig, build_config
 from ps_bench.runtime.failures import Terminated, raise_terminated
 from ps_bench.job import cuda_device_count, validate
-from ps_bench.processes.launch import JobFailed, LaunchSpec, run_torchrun_rank, spawn, under_torchrun
+from ps_bench.processes.launch import (JobFailed, LaunchSpec, run_torchrun_rank, spawn,
+                                       under_torchrun)
 from ps_bench.results.files import default_results_path
-from ps_bench.options import (EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, HelpFormatter, Parser,
-                              add_run_options, parse_run_options, plural, usage_error)
+from ps_bench.options import (EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, HelpFormatter,
+                              Parser, add_run_options, parse_run_options, plural, usage_error)
 from ps_bench.runtime.topology import Topology
 
 # name -> (module, usage, summary, docs page). Each module has DESCRIPTION and EPILOG (its --help),
@@ -39,20 +40,24 @@ from ps_bench.runtime.topology import Topology
 # check(args, bench_argv) checks what main would before it starts or writes anything. A new
 # subcommand is its module and one line here.
 SUBCOMMANDS = {
-    "sweep": ("ps_bench.sweep", "FILE --out DIR", "every point of a sweep file, fresh ranks for each", "docs/sweeps.md"),
-    "report": ("ps_bench.report", "DIR|FILE...", "compare runs: table, speedups, CSV, plot", "docs/sweeps.md"),
-    "compare": ("ps_bench.compare", "BASE NEW", "did it get faster? changes, 95 % intervals, verdicts, a CI gate",
+    "sweep": ("ps_bench.sweep", "FILE --out DIR",
+              "every point of a sweep file, fresh ranks for each", "docs/sweeps.md"),
+    "report": ("ps_bench.report", "DIR|FILE...", "compare runs: table, speedups, CSV, plot",
+               "docs/sweeps.md"),
+    "compare": ("ps_bench.compare", "BASE NEW",
+                "did it get faster? changes, 95 % intervals, verdicts, a CI gate",
                 "docs/compare.md"),
     "slurm": ("ps_bench.cluster.slurm", "--nodes N -- [options]",
               "an sbatch script: one torchrun per node (--submit runs it)", "docs/clusters.md"),
-    "launch": ("ps_bench.cluster.hosts", "--hosts H1,H2 -- [options]", "one torchrun per host of your own, over ssh",
-               "docs/clusters.md"),
-    "cloud": ("ps_bench.cluster.cloud", "--nodes N -- [options]", "a SkyPilot task YAML for cloud machines",
-              "docs/clusters.md"),
-    "emulate": ("ps_bench.cluster.emulate", "--link RATE -- [options]", "a cluster's network on this machine: every "
-                "rank behind a shaped link", "docs/clusters.md"),
-    "predict": ("ps_bench.predict.command", "RESULTS.json... --trainers N,...", "batch time at scale, calibrated on "
-                "runs you made", "docs/predict.md"),
+    "launch": ("ps_bench.cluster.hosts", "--hosts H1,H2 -- [options]",
+               "one torchrun per host of your own, over ssh", "docs/clusters.md"),
+    "cloud": ("ps_bench.cluster.cloud", "--nodes N -- [options]",
+              "a SkyPilot task YAML for cloud machines", "docs/clusters.md"),
+    "emulate": ("ps_bench.cluster.emulate", "--link RATE -- [options]",
+                "a cluster's network on this machine: every rank behind a shaped link",
+                "docs/clusters.md"),
+    "predict": ("ps_bench.predict.command", "RESULTS.json... --trainers N,...",
+                "batch time at scale, calibrated on runs you made", "docs/predict.md"),
 }
 DESCRIPTION = """\
 Benchmark gradient synchronisation for data-parallel PyTorch training: DDP all-reduce,
@@ -69,8 +74,8 @@ examples:
   python bench.py --config configs/runs/upstream_ps.json --rounds 5
   python bench.py --dry-run --ntrainer 3 --nserver 2       # ranks, roles, mapping; no run
   torchrun --nproc-per-node 4 bench.py --ntrainer 2 --nserver 1   # one process per rank
-  torchrun --standalone --nproc-per-node 4 --max-restarts 1 bench.py --inject-fault trainer:1:5:exit:first
-                                                           # a worker lost once; torchrun restarts the job
+  torchrun --standalone --nproc-per-node 4 --max-restarts 1 bench.py \\
+      --inject-fault trainer:1:5:exit:first       # a worker lost once; torchrun restarts the job
 
 precedence: command line > --config JSON > defaults. Every option also has an
 underscore spelling (--batch_size), so upstream command lines run unchanged.
@@ -86,7 +91,8 @@ def epilog() -> str:
     usages = {"[run]": ("[options]", "one run (the default)")}
     usages.update({name: (usage, summary) for name, (_, usage, summary, _) in SUBCOMMANDS.items()})
     width = max(len(f"bench.py {name} {usage}") for name, (usage, _) in usages.items())
-    lines = [f"  {f'bench.py {name} {usage}':{width}}  {summary}" for name, (usage, summary) in usages.items()]
+    lines = [f"  {f'bench.py {name} {usage}':{width}}  {summary}"
+             for name, (usage, summary) in usages.items()]
     return "subcommands (each has --help):\n" + "\n".join(lines) + "\n\n" + EXAMPLES
 
 
@@ -102,12 +108,14 @@ def subcommand_parser(name: str) -> tuple[ModuleType, Parser]:
     """A subcommand's module and its parser, whose --help ends with the docs page to read next."""
     module_name, _, _, page = SUBCOMMANDS[name]
     module = importlib.import_module(module_name)
-    width = shutil.get_terminal_size().columns - 2  # as argparse wraps; the epilog keeps its own lines
+    # as argparse wraps; the epilog keeps its own lines
+    width = shutil.get_terminal_size().columns - 2
     parser = Parser(prog=f"bench.py {name}", description=textwrap.fill(module.DESCRIPTION, width),
                     epilog=f"{module.EPILOG.rstrip()}\n\nread next: {page}\n",
                     formatter_class=HelpFormatter)
     module.add_arguments(parser)
-    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors in the input")
+    parser.add_argument("--debug", action="store_true",
+                        help="show tracebacks for errors in the input")
     return module, parser
 
 
@@ -172,18 +180,20 @@ def dry_run_table(cfg: RunConfig, topology: Topology, spec: LaunchSpec) -> str:
             topology.describe_mapping(info),
         ])
     header = (f"{topology.world_size} processes: {plural(topology.num_trainers, 'trainer')}, "
-              f"{plural(topology.num_servers, 'server')}, 1 master; hook {cfg.hook}, server {cfg.server}, "
-              f"mapping {cfg.mapping}, backend {cfg.backend}")
-    return header + "\n" + tabulate(rows, headers=["rank", "role", "rpc name", "rpc tensors", "device", "mapping"])
+              f"{plural(topology.num_servers, 'server')}, 1 master; hook {cfg.hook}, "
+              f"server {cfg.server}, mapping {cfg.mapping}, backend {cfg.backend}")
+    return header + "\n" + tabulate(rows, headers=["rank", "role", "rpc name", "rpc tensors",
+                                                   "device", "mapping"])
 
 
 def launch_spec(cfg: RunConfig, argv: list[str], launched_at: float, imported: float) -> LaunchSpec:
     """Validates ``cfg`` for the node this process runs on (all of the job, or torchrun's share)."""
     torchrun = under_torchrun()
     if torchrun and cfg.emulate_link is not None:
-        raise ConfigError("--emulate-link emulates a network on this machine with ps_bench's own launcher: run "
-                          "python bench.py emulate, not under torchrun")
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)) if torchrun else cfg.world_size
+        raise ConfigError("--emulate-link emulates a network on this machine with ps_bench's own "
+                          "launcher: run python bench.py emulate, not under torchrun")
+    local_world_size = (int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)) if torchrun
+                        else cfg.world_size)
     node = int(os.environ.get("GROUP_RANK", 0)) if torchrun else 0
     node_ranks = range(node * local_world_size, (node + 1) * local_world_size)
     job = validate(cfg, trainers_on_node=sum(r < cfg.num_trainers for r in node_ranks))
@@ -215,10 +225,11 @@ def run_job(argv: list[str], launched_at: float, imported: float) -> int:
         if spec.torchrun:
             return run_torchrun_rank(spec)
         signal.signal(signal.SIGTERM, raise_terminated)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
+        # even if started with SIGINT ignored
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         print(f"ps_bench: {cfg.world_size} processes ({plural(cfg.num_trainers, 'trainer')}, "
-              f"{plural(cfg.num_servers, 'server')}, 1 master), hook {cfg.hook}, server {cfg.server}, "
-              f"mapping {cfg.mapping}, backend {cfg.backend}", flush=True)
+              f"{plural(cfg.num_servers, 'server')}, 1 master), hook {cfg.hook}, "
+              f"server {cfg.server}, mapping {cfg.mapping}, backend {cfg.backend}", flush=True)
         for note in spec.job.notes:
             print(f"ps_bench: note: {note}", flush=True)
         return spawn(spec)

@@ -36,17 +36,20 @@ def flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
 
 
-TOPOLOGY, STRATEGY, RUN = "topology", "strategy and workload", "rounds, rendezvous and output"  # --help groups
+# --help groups
+TOPOLOGY, STRATEGY, RUN = "topology", "strategy and workload", "rounds, rendezvous and output"
 NETWORK = "emulated network (see bench.py emulate --help)"
 CONVERGENCE = "time to a target loss"
 DEFAULT_MAX_ITERATIONS = 1000  # --max-iterations when --target-loss is given without it
 
 
-def option(default: Any, help: str, *, group: str = RUN, aliases: tuple[str, ...] = (), choices: tuple[str, ...] = (),
-           metavar: str | None = None, numbers_as_text: bool = False) -> Any:
-    """A RunConfig field with what its flag needs; ``numbers_as_text``: a JSON number is taken as its text."""
-    metadata = {"help": help, "group": group, "aliases": aliases, "choices": choices, "metavar": metavar,
-                "numbers_as_text": numbers_as_text}
+def option(default: Any, help: str, *, group: str = RUN, aliases: tuple[str, ...] = (),
+           choices: tuple[str, ...] = (), metavar: str | None = None,
+           numbers_as_text: bool = False) -> Any:
+    """A RunConfig field with what its flag needs; ``numbers_as_text``: a JSON number is taken as
+    its text."""
+    metadata = {"help": help, "group": group, "aliases": aliases, "choices": choices,
+                "metavar": metavar, "numbers_as_text": numbers_as_text}
     if isinstance(default, (dict, list)):
         return field(default_factory=type(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -57,136 +60,157 @@ class RunConfig:
     """Everything one benchmark run needs; field names are the option names."""
 
     ntrainer: int = option(2, "trainers whose gradients cross RPC as CPU tensors", group=TOPOLOGY)
-    ncudatrainer: int = option(0, "trainers whose gradients cross RPC as CUDA tensors (device maps)", group=TOPOLOGY)
+    ncudatrainer: int = option(0, "trainers whose gradients cross RPC as CUDA tensors "
+                                  "(device maps)", group=TOPOLOGY)
     nserver: int = option(1, "parameter servers that aggregate on the CPU", group=TOPOLOGY)
     ncudaserver: int = option(0, "parameter servers that aggregate on a GPU", group=TOPOLOGY)
-    backend: str = option("gloo", "trainers' collective backend", group=TOPOLOGY, choices=("gloo", "nccl", "multi"))
+    backend: str = option("gloo", "trainers' collective backend", group=TOPOLOGY,
+                          choices=("gloo", "nccl", "multi"))
     per_host: int | None = option(
-        None, "trainers per host, as GPUs share a node: trainers [kG, (k+1)G) are host k; hsdp shards within a "
-        "host and replicates across hosts (default: unset, every trainer on one host)", group=TOPOLOGY, metavar="G")
+        None, "trainers per host, as GPUs share a node: trainers [kG, (k+1)G) are host k; hsdp "
+        "shards within a host and replicates across hosts (default: unset, every trainer on one "
+        "host)", group=TOPOLOGY, metavar="G")
     servers_on: str = option(
-        "dedicated", "where an emulated network places the parameter servers: dedicated (a host of their own) or "
-        "colocated (server k on trainer host k, one per host, as BytePS places them)", group=TOPOLOGY,
-        choices=("dedicated", "colocated"))
-    hook: str = option("ps", "DDP communication hook (gradient strategy)", group=STRATEGY, aliases=("ddp_hook",))
-    hook_options: dict = option({}, "options of the hook, e.g. PowerSGD's matrix_approximation_rank", group=STRATEGY)
+        "dedicated", "where an emulated network places the parameter servers: dedicated (a host of "
+        "their own) or colocated (server k on trainer host k, one per host, as BytePS places them)",
+        group=TOPOLOGY, choices=("dedicated", "colocated"))
+    hook: str = option("ps", "DDP communication hook (gradient strategy)", group=STRATEGY,
+                       aliases=("ddp_hook",))
+    hook_options: dict = option({}, "options of the hook, e.g. PowerSGD's "
+                                    "matrix_approximation_rank", group=STRATEGY)
     ds_config: str | None = option(
-        None, "a DeepSpeed config (ds_config.json) for --hook deepspeed_zero1|2|3: its batch size, optimizer and "
-        "precision become the run's (\"auto\" takes the run's), and what conflicts with an option given here is "
-        "refused", group=STRATEGY, metavar="FILE")
-    verify: bool = option(False, "compare what the strategy delivered with the exact mean gradient, "
-                                 "on a few iterations per timed round (left out of the timings)")
+        None, "a DeepSpeed config (ds_config.json) for --hook deepspeed_zero1|2|3: its batch size, "
+        "optimizer and precision become the run's (\"auto\" takes the run's), and what conflicts "
+        "with an option given here is refused", group=STRATEGY, metavar="FILE")
+    verify: bool = option(False, "compare what the strategy delivered with the exact mean "
+                                 "gradient, on a few iterations per timed round (left out of the "
+                                 "timings)")
     server: str = option("average", "parameter-server aggregation algorithm", group=STRATEGY)
     trainer: str = option("ddp", "trainer loop", group=STRATEGY)
     mapping: str = option(
         "shard",
         "trainers to servers: shard = each bucket to one owning server (bytes balanced), every "
-        "trainer to every server; group = one server per group of trainers, servers combine partial sums",
+        "trainer to every server; group = one server per group of trainers, servers combine "
+        "partial sums",
         group=TOPOLOGY, choices=("shard", "group"),
     )
     epochs: int = option(1, "passes over each trainer's data shard per round", group=STRATEGY)
     batch_size: int = option(16, "samples per trainer per iteration", group=STRATEGY)
-    lr: float = option(0.01, "learning rate of the trainers' optimizer (diloco: the inner one)", group=STRATEGY)
+    lr: float = option(0.01, "learning rate of the trainers' optimizer (diloco: the inner one)",
+                       group=STRATEGY)
     optimizer: str = option(
-        "sgd", "the trainers' optimizer: sgd = torch.optim.SGD (with --momentum), adamw = torch.optim.AdamW; "
-        "diloco's inner optimizer, zero1's sharded one", group=STRATEGY, choices=("sgd", "adamw"))
+        "sgd", "the trainers' optimizer: sgd = torch.optim.SGD (with --momentum), adamw = "
+        "torch.optim.AdamW; diloco's inner optimizer, zero1's sharded one", group=STRATEGY,
+        choices=("sgd", "adamw"))
     momentum: float = option(0.0, "SGD momentum (--optimizer sgd)", group=STRATEGY)
     weight_decay: float | None = option(
-        None, "the optimizer's weight decay (default: torch's, 0 for sgd and 0.01 for adamw)", group=STRATEGY)
+        None, "the optimizer's weight decay (default: torch's, 0 for sgd and 0.01 for adamw)",
+        group=STRATEGY)
     warmup_rounds: int = option(1, "untimed rounds before the timed ones")
     rounds: int = option(5, "timed rounds")
     labels: str | None = option(
-        None, "labels of the synthetic data: random = drawn uniformly, nothing to learn (the default without "
-        "--target-loss); teacher = a fixed, seeded function of the inputs the model can learn (the default with "
-        "--target-loss)", group=CONVERGENCE, choices=("random", "teacher"))
+        None, "labels of the synthetic data: random = drawn uniformly, nothing to learn (the "
+        "default without --target-loss); teacher = a fixed, seeded function of the inputs the "
+        "model can learn (the default with --target-loss)", group=CONVERGENCE,
+        choices=("random", "teacher"))
     target_loss: float | None = option(
-        None, "train until the averaged model's training loss, smoothed over the last 10 iterations, is at or below "
-        "X (or --max-iterations): rounds go on past --rounds, and the results say whether, after how many "
-        "iterations and after how many seconds of training the target was reached", group=CONVERGENCE,
-        metavar="X")
+        None, "train until the averaged model's training loss, smoothed over the last 10 "
+        "iterations, is at or below X (or --max-iterations): rounds go on past --rounds, and the "
+        "results say whether, after how many iterations and after how many seconds of training "
+        "the target was reached", group=CONVERGENCE, metavar="X")
     max_iterations: int | None = option(
         None, f"the most training iterations a --target-loss run takes, warmup included (default: "
               f"{DEFAULT_MAX_ITERATIONS})",
         group=CONVERGENCE)
     staleness: str | None = option(
-        None, "parameter servers that own the parameters and apply SGD themselves, trainers without DDP that push "
-        "gradients and read parameters, where a trainer may run at most S clocks (iterations) ahead of the slowest: "
-        "0 = bulk-synchronous (trains as --hook ps does), inf = fully asynchronous; needs --hook ps and "
-        "servers (default: none, synchronous DDP)", group=STRATEGY, metavar="S", numbers_as_text=True)
+        None, "parameter servers that own the parameters and apply SGD themselves, trainers "
+        "without DDP that push gradients and read parameters, where a trainer may run at most S "
+        "clocks (iterations) ahead of the slowest: 0 = bulk-synchronous (trains as --hook ps "
+        "does), inf = fully asynchronous; needs --hook ps and servers (default: none, synchronous "
+        "DDP)", group=STRATEGY, metavar="S", numbers_as_text=True)
     straggler: list = option(
-        [], "make trainers slower on purpose, after the forward pass and inside the clock, in every mode: "
-        "trainer:INDEX:DELAY sleeps DELAY (us, ms or s) in each of that trainer's iterations (persistent); "
-        "any:DELAY:P delays each trainer in each iteration with probability P (transient: the draws follow "
-        "--torch-seed, the same on every run); repeatable, e.g. trainer:1:30ms or any:20ms:0.2",
+        [], "make trainers slower on purpose, after the forward pass and inside the clock, in "
+        "every mode: trainer:INDEX:DELAY sleeps DELAY (us, ms or s) in each of that trainer's "
+        "iterations (persistent); any:DELAY:P delays each trainer in each iteration with "
+        "probability P (transient: the draws follow --torch-seed, the same on every run); "
+        "repeatable, e.g. trainer:1:30ms or any:20ms:0.2",
         group=STRATEGY, metavar="trainer:I:DELAY|any:DELAY:P")
     data: str | None = option(
-        None, "entry of the data configuration file, or zoo data (default: the zoo model's own data, "
-        "else DummyDataSmall)", group=STRATEGY)
+        None, "entry of the data configuration file, or zoo data (default: the zoo model's own "
+        "data, else DummyDataSmall)", group=STRATEGY)
     model: str = option(
-        "DummyModelSmall", "entry of the model configuration file, a zoo model, or hf:CONFIG: a Hugging Face "
-        "transformers architecture from its config.json (a path, or one shipped in configs/hf), built with random "
-        "seeded weights, nothing downloaded; needs pip install -e \".[hf]\"", group=STRATEGY)
-    model_options: dict = option({}, "options of the model: keys of an hf: model's config, or of a zoo model's "
-                                     "configurations", group=STRATEGY)
-    data_config_path: str = option("configs/data_configurations.json", "data configuration file", group=STRATEGY,
-                                   metavar="PATH")
-    model_config_path: str = option("configs/model_configurations.json", "model configuration file", group=STRATEGY,
-                                    metavar="PATH")
-    bucket_cap_mb: float = option(25.0, "DDP bucket size cap in MiB (more buckets spread over more servers)",
-                                  group=STRATEGY)
+        "DummyModelSmall", "entry of the model configuration file, a zoo model, or hf:CONFIG: a "
+        "Hugging Face transformers architecture from its config.json (a path, or one shipped in "
+        "configs/hf), built with random seeded weights, nothing downloaded; needs pip install -e "
+        "\".[hf]\"", group=STRATEGY)
+    model_options: dict = option({}, "options of the model: keys of an hf: model's config, or "
+                                     "of a zoo model's configurations", group=STRATEGY)
+    data_config_path: str = option("configs/data_configurations.json", "data configuration file",
+                                   group=STRATEGY, metavar="PATH")
+    model_config_path: str = option("configs/model_configurations.json", "model configuration file",
+                                    group=STRATEGY, metavar="PATH")
+    bucket_cap_mb: float = option(25.0, "DDP bucket size cap in MiB (more buckets spread over "
+                                        "more servers)", group=STRATEGY)
     gradient_as_bucket_view: bool = option(
-        False, "DDP's gradient_as_bucket_view: dense gradients are views into DDP's buckets, which saves "
-               "their size in memory and the copy of every answer back into them", group=STRATEGY)
-    torch_seed: int = option(0, "seed for data, model initialisation and CPU randomness", group=STRATEGY)
+        False, "DDP's gradient_as_bucket_view: dense gradients are views into DDP's buckets, which "
+               "saves their size in memory and the copy of every answer back into them",
+        group=STRATEGY)
+    torch_seed: int = option(0, "seed for data, model initialisation and CPU randomness",
+                             group=STRATEGY)
     cuda_seed: int = option(0, "seed for CUDA randomness", group=STRATEGY)
     rpc_timeout: float = option(60.0, "seconds before an RPC call fails", metavar="SECONDS")
     rpc_threads: int | None = option(
-        None, "TensorPipe worker threads per process (default: sized to the role, 4 or more: a server one "
-        "per trainer and server plus one, a trainer two plus one per server)")
-    master_addr: str = option("127.0.0.1", "address of the rendezvous store (a private interface: RPC trusts its peers)")
+        None, "TensorPipe worker threads per process (default: sized to the role, 4 or more: a "
+        "server one per trainer and server plus one, a trainer two plus one per server)")
+    master_addr: str = option("127.0.0.1", "address of the rendezvous store "
+                                           "(a private interface: RPC trusts its peers)")
     master_port: int | None = option(None, "port of the rendezvous store (default: a free one)")
     rpc_transport: str = option(
-        "auto", "how TensorPipe moves RPC payloads: auto = its own choice (shared memory between processes of one "
-        "machine, even across network namespaces; that transport polls, half a core per process); tcp = TCP sockets "
-        "only (the uv transport and basic channel), so RPC crosses the network as gloo's collectives do; an emulated "
-        "network always uses tcp",
+        "auto", "how TensorPipe moves RPC payloads: auto = its own choice (shared memory between "
+        "processes of one machine, even across network namespaces; that transport polls, half a "
+        "core per process); tcp = TCP sockets only (the uv transport and basic channel), so RPC "
+        "crosses the network as gloo's collectives do; an emulated network always uses tcp",
         choices=("auto", "tcp"))
     emulate_link: str | None = option(
-        None, "emulate a cluster network on this machine: every host a network namespace behind a link of this "
-        "rate to one switch, shaped both ways with tc, e.g. 1gbit, 10gbit, 500mbit (tc's units); needs root "
-        "(default: none, the real network)", group=NETWORK, metavar="RATE")
+        None, "emulate a cluster network on this machine: every host a network namespace behind a "
+        "link of this rate to one switch, shaped both ways with tc, e.g. 1gbit, 10gbit, 500mbit "
+        "(tc's units); needs root (default: none, the real network)", group=NETWORK,
+        metavar="RATE")
     emulate_hosts: int | None = option(
-        None, "emulated hosts: the ranks packed onto N hosts in rank order (default: every trainer and every server "
-        "on a host of its own, the master beside the last server)", group=NETWORK)
+        None, "emulated hosts: the ranks packed onto N hosts in rank order (default: every "
+        "trainer and every server on a host of its own, the master beside the last server)",
+        group=NETWORK)
     emulate_delay: str | None = option(
-        None, "added one-way delay on every emulated link, e.g. 100us or 2ms (needs the kernel's netem)",
-        group=NETWORK, metavar="TIME")
-    emulate_keep: bool = option(False, "keep the emulated network after the run, for a look inside; prints how to "
-                                       "enter and remove it", group=NETWORK)
+        None, "added one-way delay on every emulated link, e.g. 100us or 2ms (needs the kernel's "
+        "netem)", group=NETWORK, metavar="TIME")
+    emulate_keep: bool = option(False, "keep the emulated network after the run, for a look "
+                                       "inside; prints how to enter and remove it", group=NETWORK)
     iface: str | None = option(
         None, "network interface that connects the nodes, e.g. eth1: exported to every rank as "
-        "TP_SOCKET_IFNAME (TensorPipe) and GLOO_SOCKET_IFNAME (gloo); must exist on every node (default: "
-        "let them choose)")
+        "TP_SOCKET_IFNAME (TensorPipe) and GLOO_SOCKET_IFNAME (gloo); must exist on every node "
+        "(default: let them choose)")
     timeout: float | None = option(
-        None, "watchdog for the whole job in seconds: on expiry every rank's Python stacks go to the "
-        "log and the job ends with status 1 (default: none)")
+        None, "watchdog for the whole job in seconds: on expiry every rank's Python stacks go to "
+        "the log and the job ends with status 1 (default: none)")
     inject_fault: str | None = option(
-        None, "make one rank fail on purpose: ROLE:INDEX:ITER:KIND[:first] with ROLE trainer|server|master, "
-        "INDEX among that role from 0, ITER from 1 (a training iteration; the master's round), "
-        "KIND exit|raise|hang; a trailing :first fails only torchrun's first attempt, so "
-        "--max-restarts can recover (default: none)")
-    limits: bool = option(False, "after the timed rounds, measure the floors with this run's bytes and processes: "
-                                 "raw RPC round trips to the servers, raw all-reduce among the trainers, memory-copy "
-                                 "bandwidth, a compute-only iteration; adds 'limits' and 'efficiency' (floor p50 / "
-                                 "trainer comm p50) to the results")
-    profile: str | None = option(None, "write torch.profiler Chrome traces of a few timed iterations of every trainer "
-                                       "into this folder, one file per rank (open in ui.perfetto.dev or chrome://tracing)",
+        None, "make one rank fail on purpose: ROLE:INDEX:ITER:KIND[:first] with ROLE "
+        "trainer|server|master, INDEX among that role from 0, ITER from 1 (a training iteration; "
+        "the master's round), KIND exit|raise|hang; a trailing :first fails only torchrun's first "
+        "attempt, so --max-restarts can recover (default: none)")
+    limits: bool = option(False, "after the timed rounds, measure the floors with this run's bytes "
+                                 "and processes: raw RPC round trips to the servers, raw "
+                                 "all-reduce among the trainers, memory-copy bandwidth, a "
+                                 "compute-only iteration; adds 'limits' and 'efficiency' (floor "
+                                 "p50 / trainer comm p50) to the results")
+    profile: str | None = option(None, "write torch.profiler Chrome traces of a few timed "
+                                       "iterations of every trainer into this folder, one file "
+                                       "per rank (open in ui.perfetto.dev or chrome://tracing)",
                                  metavar="DIR")
-    out: str | None = option(None, "results file (default: a new name under results/; never overwritten)",
-                             metavar="PATH")
+    out: str | None = option(None, "results file (default: a new name under results/; never "
+                                   "overwritten)", metavar="PATH")
     per_rank: bool = option(False, "also print one table row per rank")
-    verbose: bool = option(False, "also print where the start-up time went, phase by phase (always in the results, "
-                                  "env.startup_s)")
+    verbose: bool = option(False, "also print where the start-up time went, phase by phase "
+                                  "(always in the results, env.startup_s)")
     dry_run: bool = option(False, "print the rank/role/name/mapping table and exit")
     debug: bool = option(False, "show tracebacks for errors in the input")
 
@@ -236,7 +260,8 @@ def read_json(path: str | os.PathLike, what: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as error:
         raise ConfigError(
-            f"{what} {str(path)!r} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}"
+            f"{what} {str(path)!r} is not valid JSON: {error.msg} at line {error.lineno} "
+            f"column {error.colno}"
         ) from None
 
 
@@ -245,16 +270,19 @@ def coerce(name: str, value: Any, source: str) -> Any:
     kind = field_type(name)
     if value is None and OPTIONS[name].default is None:
         return None
-    if OPTIONS[name].metadata["numbers_as_text"] and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if (OPTIONS[name].metadata["numbers_as_text"] and isinstance(value, (int, float)) and
+            not isinstance(value, bool)):
         value = str(value)
     if kind is list:
         if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-            raise ConfigError(f"{source}: {name!r} must be a list of strings, got {json.dumps(value)}")
+            raise ConfigError(f"{source}: {name!r} must be a list of strings, "
+                              f"got {json.dumps(value)}")
         return value
     try:
         return as_type(value, kind)
     except TypeError:
-        raise ConfigError(f"{source}: {name!r} must be {kind.__name__}, got {json.dumps(value)}") from None
+        raise ConfigError(f"{source}: {name!r} must be {kind.__name__}, "
+                          f"got {json.dumps(value)}") from None
 
 
 def as_type(value: Any, kind: type) -> Any:
@@ -283,7 +311,8 @@ def load_run_file(path: str) -> dict[str, Any]:
 
 
 def build_config(cli_values: dict[str, Any], config_path: str | None = None) -> RunConfig:
-    """Defaults, then the JSON run file, then the command line (hook and model options key by key)."""
+    """Defaults, then the JSON run file, then the command line (hook and model options key by
+    key)."""
     values: dict[str, Any] = {}
     if config_path is not None:
         values.update(load_run_file(config_path))
@@ -319,7 +348,8 @@ def check_writable_folder(path: str, option_name: str) -> None:
     while not existing.exists():  # the nearest part of the path that exists
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(f"{option_name} {path!r} cannot be created: {str(existing)!r} is not a folder")
+        raise ConfigError(f"{option_name} {path!r} cannot be created: "
+                          f"{str(existing)!r} is not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{option_name} {path!r} is not writable; choose another folder")
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ps_bench.config import ConfigError, RunConfig, check_interface, check_port, check_writable_folder, flag, need
+from ps_bench.config import (ConfigError, RunConfig, check_interface, check_port,
+                             check_writable_folder, flag, need)
 from ps_bench.models import DATA, DATA_PRESETS, MODELS, RANDOM, TEACHER, default_data, model_entry
 from ps_bench.models.base import SyntheticData
 from ps_bench.models.huggingface import is_hf
@@ -26,7 +27,8 @@ from ps_bench.runtime import network
 from ps_bench.runtime.faults import Fault, Straggler
 from ps_bench.runtime.topology import Topology
 from ps_bench.servers import SERVERS
-from ps_bench.strategies import HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Strategy, check_hook_options, stale
+from ps_bench.strategies import (HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Strategy, check_hook_options,
+                                 stale)
 from ps_bench.strategies.record import ENGINE, ENGINES, FSDP, SHARDED
 from ps_bench.trainers.trainer import TRAINERS
 
@@ -53,7 +55,8 @@ class Job:
         cfg, strategy = self.config, self.strategy
         return Topology(cfg.ntrainer, cfg.ncudatrainer, cfg.nserver, cfg.ncudaserver, cfg.mapping,
                         cuda_collectives=cfg.backend != "gloo",
-                        pushing_hosts=cfg.per_host if strategy.per_host and strategy.needs_servers else None)
+                        pushing_hosts=(cfg.per_host if strategy.per_host and strategy.needs_servers
+                                       else None))
 
 
 def cuda_device_count() -> int:
@@ -84,47 +87,55 @@ def check_options(cfg: RunConfig) -> None:
         except ValueError as error:
             raise ConfigError(f"--straggler {text}: {error}") from None
         need(straggler.index is None or straggler.index < cfg.num_trainers,
-             f"--straggler {text}: there is no trainer {straggler.index}; this run has {cfg.num_trainers} trainer(s), "
-             f"numbered from 0")
+             f"--straggler {text}: there is no trainer {straggler.index}; "
+             f"this run has {cfg.num_trainers} trainer(s), numbered from 0")
     if cfg.profile is not None:
         check_writable_folder(cfg.profile, "--profile")
-    need(cfg.num_trainers >= 1, "at least one trainer is needed: set --ntrainer or --ncudatrainer to 1 or more")
+    need(cfg.num_trainers >= 1,
+         "at least one trainer is needed: set --ntrainer or --ncudatrainer to 1 or more")
     if cfg.master_port is not None:
         check_port("--master-port", cfg.master_port)
     if cfg.iface is not None:
         check_interface(cfg.iface)
     for name in ("backend", "mapping", "rpc_transport", "labels", "optimizer"):
-        allowed, value = RunConfig.__dataclass_fields__[name].metadata["choices"], getattr(cfg, name)
-        need(value in allowed or (value is None and name == "labels"),  # None: chosen by check_labels
+        allowed, value = (RunConfig.__dataclass_fields__[name].metadata["choices"],
+                          getattr(cfg, name))
+        # None: chosen by check_labels
+        need(value in allowed or (value is None and name == "labels"),
              f"--{name} must be one of {', '.join(allowed)}; got {value!r}")
     if cfg.target_loss is not None:
         need(math.isfinite(cfg.target_loss) and cfg.target_loss > 0,
              f"--target-loss must be a positive number; got {cfg.target_loss}")
     if cfg.max_iterations is not None:
-        need(cfg.target_loss is not None, "--max-iterations bounds a --target-loss run; without a target, the run "
-                                          "length is --rounds x --epochs passes over each trainer's shard")
-        need(cfg.max_iterations >= 1, f"--max-iterations must be at least 1; got {cfg.max_iterations}")
+        need(cfg.target_loss is not None, "--max-iterations bounds a --target-loss run; without a "
+                                          "target, the run length is --rounds x --epochs passes "
+                                          "over each trainer's shard")
+        need(cfg.max_iterations >= 1,
+             f"--max-iterations must be at least 1; got {cfg.max_iterations}")
 
 
 def check_optimizer(cfg: RunConfig) -> None:
     """--optimizer and its options; the weight decay defaults to torch's for the optimizer."""
     need(cfg.momentum >= 0, f"--momentum must be 0 or more; got {cfg.momentum}")
-    need(cfg.momentum == 0 or cfg.optimizer == "sgd", f"--momentum is SGD's; --optimizer {cfg.optimizer} has its own "
-                                                      f"(leave --momentum out)")
+    need(cfg.momentum == 0 or cfg.optimizer == "sgd",
+         f"--momentum is SGD's; --optimizer {cfg.optimizer} has its own "
+         f"(leave --momentum out)")
     if cfg.weight_decay is None:
         cfg.weight_decay = DEFAULT_WEIGHT_DECAY.get(cfg.optimizer, 0.0)
     need(cfg.weight_decay >= 0, f"--weight-decay must be 0 or more; got {cfg.weight_decay}")
 
 
 def check_labels(cfg: RunConfig, dataset: SyntheticData) -> None:
-    """Teacher labels by default with a target loss, random otherwise; a target needs data that can be learned."""
+    """Teacher labels by default with a target loss, random otherwise; a target needs data that can
+    be learned."""
     if cfg.labels is None:
         cfg.labels = TEACHER if cfg.target_loss is not None else RANDOM
     if cfg.labels == TEACHER and dataset.teacher is None:
         learnable = ", ".join(name for name in DATA if DATA.get(name).teacher is not None)
-        reason = "--target-loss needs learnable data" if cfg.target_loss is not None else "--labels teacher"
-        raise ConfigError(f"{reason}, but --data {cfg.data} ({type(dataset).__name__}) has no teacher to label it; "
-                          f"data classes with one: {learnable}")
+        reason = ("--target-loss needs learnable data" if cfg.target_loss is not None
+                  else "--labels teacher")
+        raise ConfigError(f"{reason}, but --data {cfg.data} ({type(dataset).__name__}) has no "
+                          f"teacher to label it; data classes with one: {learnable}")
     need(cfg.target_loss is None or cfg.labels == TEACHER,
          f"--target-loss {cfg.target_loss} with --labels random: random labels cannot be learned; "
          f"use --labels teacher (the default with a target)")
@@ -145,38 +156,42 @@ def check_pieces(cfg: RunConfig) -> Strategy:
         raise ConfigError(f"--hook-option: {error}") from None
     record = stale.resolve(cfg, HOOKS.record(cfg.hook))
     if record.needs_servers:
-        need(cfg.num_servers >= 1, f"--hook {cfg.hook} sends gradients to parameter servers: set --nserver 1 or more")
+        need(cfg.num_servers >= 1,
+             f"--hook {cfg.hook} sends gradients to parameter servers: set --nserver 1 or more")
     if not record.takes_servers:
-        need(cfg.num_servers == 0, f"--hook {cfg.hook} ({record.family} family) trains without parameter servers: "
-                                   f"set --nserver 0 (got --nserver {cfg.nserver}, --ncudaserver {cfg.ncudaserver})")
-        unsupported = ["--gradient-as-bucket-view"] if cfg.gradient_as_bucket_view and record.wrap in (FSDP, ENGINE) \
-            else []
-        need(not unsupported, f"--hook {cfg.hook} cannot be combined with {', '.join(unsupported)} yet "
-                              f"(its floors and gradient captures are those of a DDP hook)")
+        need(cfg.num_servers == 0, f"--hook {cfg.hook} ({record.family} family) trains without "
+                                   f"parameter servers: set --nserver 0 (got --nserver "
+                                   f"{cfg.nserver}, --ncudaserver {cfg.ncudaserver})")
+        unsupported = (["--gradient-as-bucket-view"]
+                       if cfg.gradient_as_bucket_view and record.wrap in (FSDP, ENGINE) else [])
+        need(not unsupported, f"--hook {cfg.hook} cannot be combined with {', '.join(unsupported)} "
+                              f"yet (its floors and gradient captures are those of a DDP hook)")
     if cfg.per_host is not None:
         need(cfg.per_host >= 1, f"--per-host must be at least 1; got {cfg.per_host}")
         need(cfg.num_trainers % cfg.per_host == 0, f"--per-host {cfg.per_host} does not divide the "
                                                    f"{cfg.num_trainers} trainers into whole hosts")
     if cfg.servers_on == "colocated":
         hosts = cfg.num_trainers // (cfg.per_host or 1)
-        need(cfg.emulate_link is not None, "--servers-on colocated places servers on the trainers' hosts of an "
-                                           "emulated network: set --emulate-link (bench.py emulate); on real hosts "
-                                           "the launcher places every rank")
-        need(cfg.num_servers == hosts, f"--servers-on colocated puts one server on each trainer host: this job has "
-                                       f"{hosts} trainer host(s), so --nserver {hosts}; got {cfg.num_servers}")
+        need(cfg.emulate_link is not None, "--servers-on colocated places servers on the trainers' "
+                                           "hosts of an emulated network: set --emulate-link "
+                                           "(bench.py emulate); on real hosts the launcher places "
+                                           "every rank")
+        need(cfg.num_servers == hosts, f"--servers-on colocated puts one server on each trainer "
+                                       f"host: this job has {hosts} trainer host(s), so --nserver "
+                                       f"{hosts}; got {cfg.num_servers}")
     if record.per_host:
         hosts = cfg.num_trainers // cfg.per_host if cfg.per_host else 1
-        need(hosts >= 2, f"--hook {cfg.hook} synchronises within each host, then across hosts: it needs 2 hosts or "
-                         f"more (--per-host G with G a divisor of the trainers below their number; got "
-                         f"{cfg.num_trainers} trainers on {hosts} host)")
+        need(hosts >= 2, f"--hook {cfg.hook} synchronises within each host, then across hosts: it "
+                         f"needs 2 hosts or more (--per-host G with G a divisor of the trainers "
+                         f"below their number; got {cfg.num_trainers} trainers on {hosts} host)")
         need(not (record.needs_servers and cfg.mapping == "group" and cfg.num_servers > hosts),
-             f"--hook {cfg.hook} --mapping group gives each server a group of hosts: {cfg.num_servers} servers need "
-             f"{cfg.num_servers} hosts; got {hosts}")
+             f"--hook {cfg.hook} --mapping group gives each server a group of hosts: "
+             f"{cfg.num_servers} servers need {cfg.num_servers} hosts; got {hosts}")
     if cfg.mapping == "group" and cfg.num_servers:
         need(
             cfg.num_servers <= cfg.num_trainers,
-            f"--mapping group needs at least as many trainers as servers: {cfg.num_servers} servers "
-            f"need {cfg.num_servers} trainers; got {cfg.num_trainers}",
+            f"--mapping group needs at least as many trainers as servers: {cfg.num_servers} "
+            f"servers need {cfg.num_servers} trainers; got {cfg.num_trainers}",
         )
     return record
 
@@ -202,12 +217,13 @@ def check_workload(cfg: RunConfig) -> tuple[Entry, Entry, torch.nn.Module]:
     samples = dataset.sample_count
     need(
         samples // cfg.num_trainers >= cfg.batch_size,
-        f"--data {cfg.data} has {samples} samples: {cfg.num_trainers} trainers get {samples // cfg.num_trainers} "
-        f"each, fewer than --batch-size {cfg.batch_size}; lower --batch-size or use more samples",
+        f"--data {cfg.data} has {samples} samples: {cfg.num_trainers} trainers get "
+        f"{samples // cfg.num_trainers} each, fewer than --batch-size {cfg.batch_size}; lower "
+        f"--batch-size or use more samples",
     )
     smallest = getattr(network, "min_batch_size", 1)
-    need(cfg.batch_size >= smallest, f"--model {cfg.model} needs --batch-size {smallest} or more (BatchNorm); "
-                                     f"got {cfg.batch_size}")
+    need(cfg.batch_size >= smallest, f"--model {cfg.model} needs --batch-size {smallest} or more "
+                                     f"(BatchNorm); got {cfg.batch_size}")
     return model, data, network
 
 
@@ -221,24 +237,26 @@ def check_devices(cfg: RunConfig, record: Strategy, network: torch.nn.Module, gp
     ]
     wants_cuda = [w for w in wants_cuda if w]
     if wants_cuda and gpus == 0:
-        raise ConfigError(f"CUDA is needed for {' and '.join(wants_cuda)}, but no GPU is available here "
-                          f"(torch.cuda.is_available() is False); use --backend gloo with CPU trainers and servers")
+        raise ConfigError(f"CUDA is needed for {' and '.join(wants_cuda)}, but no GPU is available "
+                          f"here (torch.cuda.is_available() is False); use --backend gloo with CPU "
+                          f"trainers and servers")
     sparse = any(getattr(m, "sparse", False) for m in network.modules())
     need(not (sparse and record.per_host and record.needs_servers),
-         f"--model {cfg.model} has sparse gradients, which --hook {cfg.hook} cannot sum within a host (each trainer's "
-         f"rows differ): use --hook ps")
+         f"--model {cfg.model} has sparse gradients, which --hook {cfg.hook} cannot sum within a "
+         f"host (each trainer's rows differ): use --hook ps")
     need(not (record.for_sparse and is_hf(cfg.model)),
-         f"--hook {cfg.hook} is made for sparse embedding gradients, and --model {cfg.model} has none (a Hugging Face "
-         f"model's embeddings are dense): on it, it is --hook {record.for_sparse}")
+         f"--hook {cfg.hook} is made for sparse embedding gradients, and --model {cfg.model} has "
+         f"none (a Hugging Face model's embeddings are dense): on it, it is "
+         f"--hook {record.for_sparse}")
     need(not (sparse and record.family == SHARDED),
-         f"--model {cfg.model} has sparse gradients, which --hook {cfg.hook} cannot shard; use a dense model, or "
-         f"--hook allreduce, ps or sparse_ps")
+         f"--model {cfg.model} has sparse gradients, which --hook {cfg.hook} cannot shard; use a "
+         f"dense model, or --hook allreduce, ps or sparse_ps")
     if cfg.backend not in ("nccl", "multi"):
         return
     need(
         trainers_on_node <= gpus,
-        f"--backend {cfg.backend} needs one GPU per trainer: {trainers_on_node} trainers on this node, "
-        f"{gpus} GPUs; lower --ntrainer/--ncudatrainer or use --backend gloo",
+        f"--backend {cfg.backend} needs one GPU per trainer: {trainers_on_node} trainers on this "
+        f"node, {gpus} GPUs; lower --ntrainer/--ncudatrainer or use --backend gloo",
     )
     if not any(getattr(m, "sparse", False) for m in network.modules()):
         return
@@ -248,13 +266,16 @@ def check_devices(cfg: RunConfig, record: Strategy, network: torch.nn.Module, gp
                           f"(--hook {cfg.hook}, --backend {cfg.backend}); use --hook hybrid with "
                           f"--backend multi, --hook sparse_ps or ps, or --backend gloo")
     if sparse_buckets == SPARSE_GLOO and cfg.backend == "nccl":
-        raise ConfigError(f"--hook {cfg.hook} all-reduces sparse gradients over gloo: use --backend multi")
+        raise ConfigError(f"--hook {cfg.hook} all-reduces sparse gradients over gloo: "
+                          f"use --backend multi")
 
 
 def check_network(cfg: RunConfig, machine: bool = True) -> None:
-    """An emulated network: its options and (``machine``) this machine; its RPC always goes over TCP."""
+    """An emulated network: its options and (``machine``) this machine; its RPC always goes over
+    TCP."""
     if cfg.emulate_link is None:
-        given = [flag(name) for name in ("emulate_hosts", "emulate_delay") if getattr(cfg, name) is not None]
+        given = [flag(name) for name in ("emulate_hosts", "emulate_delay")
+                 if getattr(cfg, name) is not None]
         given += ["--emulate-keep"] if cfg.emulate_keep else []
         need(not given, f"{', '.join(given)} shape(s) an emulated network: set --emulate-link too")
         return
@@ -271,14 +292,16 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
     gpus = cuda_device_count() if gpus is None else gpus
     check_options(cfg)
     record = check_pieces(cfg)
-    engine_config, notes = check_engine(cfg, record, gpus)  # may set the batch and optimizer from the engine's
+    # may set the batch and optimizer from the engine's
+    engine_config, notes = check_engine(cfg, record, gpus)
     record = engine_record(record, cfg, engine_config)
     check_optimizer(cfg)
     check_network(cfg, machine)
     model, data, network = check_workload(cfg)
     if hasattr(HOOKS.get(cfg.hook), "check_network"):  # an engine's config against the model
         HOOKS.get(cfg.hook).check_network(cfg, engine_config, network, gpus)
-    check_devices(cfg, record, network, gpus, cfg.num_trainers if trainers_on_node is None else trainers_on_node)
+    check_devices(cfg, record, network, gpus,
+                  cfg.num_trainers if trainers_on_node is None else trainers_on_node)
     return Job(cfg, record, model, data, engine_config, tuple(notes))
 
 
@@ -287,16 +310,20 @@ def check_engine(cfg: RunConfig, record: Strategy, gpus: int) -> tuple[dict | No
     (``configure`` of the strategy), with notes for the user; ``--ds-config`` only where
     DeepSpeed runs."""
     need(cfg.ds_config is None or record.engine == "deepspeed",
-         f"--ds-config configures DeepSpeed: it goes with --hook deepspeed_zero1, 2 or 3 (got --hook {cfg.hook})")
+         f"--ds-config configures DeepSpeed: it goes with --hook deepspeed_zero1, 2 or 3 "
+         f"(got --hook {cfg.hook})")
     if record.engine is None:
         return None, []
     need(importlib.util.find_spec(record.engine) is not None,
-         f"--hook {cfg.hook} runs on {record.engine}, which is not installed: {ENGINES[record.engine]}")
+         f"--hook {cfg.hook} runs on {record.engine}, which is not installed: "
+         f"{ENGINES[record.engine]}")
     factory = HOOKS.get(cfg.hook)
     return factory.configure(cfg, gpus) if hasattr(factory, "configure") else (None, [])
 
 
 def engine_record(record: Strategy, cfg: RunConfig, engine_config: dict | None) -> Strategy:
-    """The strategy's record as its engine's resolved config trains (DeepSpeed's bf16: its bytes)."""
+    """The strategy's record as its engine's resolved config trains (DeepSpeed's bf16: its
+    bytes)."""
     factory = HOOKS.get(cfg.hook)
-    return factory.configured_record(record, engine_config) if hasattr(factory, "configured_record") else record
+    return (factory.configured_record(record, engine_config)
+            if hasattr(factory, "configured_record") else record)

@@ -12,7 +12,8 @@ import textwrap
 import traceback
 from typing import Any, NoReturn
 
-from ps_bench.config import CONVERGENCE, NETWORK, OPTIONS, RUN, STRATEGY, TOPOLOGY, ConfigError, field_type
+from ps_bench.config import (CONVERGENCE, NETWORK, OPTIONS, RUN, STRATEGY, TOPOLOGY, ConfigError,
+                             field_type)
 from ps_bench.models import MODEL_PRESETS, TEST_SIZED
 from ps_bench.servers import SERVERS
 from ps_bench.strategies import HOOKS
@@ -32,12 +33,15 @@ UPSTREAM_FIXED = {
     "iteration_step": ("basic_iteration_step",),
     "hook_state": ("BasicHookState",),
 }
-# Upstream launcher flags that named JSON files ps_bench does not read: refused with what to do instead.
+# Upstream launcher flags that named JSON files ps_bench does not read: refused with what to do
+# instead.
 UPSTREAM_REFUSED = {
-    "trainer_config_path": "ps_bench has no trainer configuration file: choose the trainer with --trainer and set "
-                           "its options (--batch-size, --lr, --epochs, --hook) on the command line or in a --config run file",
-    "server_config_path": "ps_bench has no server configuration file: choose the server with --server and the layout "
-                          "with --nserver, --ncudaserver and --mapping, on the command line or in a --config run file",
+    "trainer_config_path": "ps_bench has no trainer configuration file: choose the trainer with "
+                           "--trainer and set its options (--batch-size, --lr, --epochs, --hook) "
+                           "on the command line or in a --config run file",
+    "server_config_path": "ps_bench has no server configuration file: choose the server with "
+                          "--server and the layout with --nserver, --ncudaserver and --mapping, on "
+                          "the command line or in a --config run file",
 }
 
 
@@ -123,38 +127,46 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     sets no defaults, so a --config file fills the rest)."""
     parser.add_argument("--config", "--config-file", metavar="FILE",
                         help="run options as a JSON object whose keys are these option names")
-    groups = {name: parser.add_argument_group(name) for name in (TOPOLOGY, STRATEGY, CONVERGENCE, RUN, NETWORK)}
+    groups = {name: parser.add_argument_group(name)
+              for name in (TOPOLOGY, STRATEGY, CONVERGENCE, RUN, NETWORK)}
     for name, field in OPTIONS.items():
         meta, default, kind = field.metadata, field.default, field_type(name)
         group = groups[meta["group"]]
-        help_text = meta["help"] if default is None or kind is bool else f"{meta['help']} (default: {default})"
+        help_text = (meta["help"] if default is None or kind is bool
+                     else f"{meta['help']} (default: {default})")
         if name in REGISTRIES:
             help_text += ":\n" + REGISTRIES[name].describe()
         if name == "model":
-            help_text += (f"; zoo: {', '.join(m for m in MODEL_PRESETS if m not in TEST_SIZED)}, and their "
-                          f"test-sized {', '.join(TEST_SIZED)}")
+            help_text += (f"; zoo: {', '.join(m for m in MODEL_PRESETS if m not in TEST_SIZED)}, "
+                          f"and their test-sized {', '.join(TEST_SIZED)}")
         if kind is dict:  # hook_options, model_options: --hook-option KEY=VALUE, repeated
             singular = name.removesuffix("s")
-            group.add_argument(f"--{singular.replace('_', '-')}", f"--{singular}", dest=name, action=KeyValue,
-                               metavar="KEY=VALUE",
-                               help=f"{meta['help']} (repeat, or separate pairs with commas); VALUE is JSON "
-                                    f"(4, true, 0.5) or text; in a JSON run file: \"{name}\": {{...}}")
+            group.add_argument(f"--{singular.replace('_', '-')}", f"--{singular}", dest=name,
+                               action=KeyValue, metavar="KEY=VALUE",
+                               help=f"{meta['help']} (repeat, or separate pairs with commas); "
+                                    f"VALUE is JSON (4, true, 0.5) or text; in a JSON run file: "
+                                    f"\"{name}\": {{...}}")
         elif kind is bool:
             group.add_argument(*flags(name), dest=name, action="store_true", help=help_text)
         elif kind is list:  # repeated: each occurrence adds one
-            group.add_argument(*flags(name), dest=name, action="append", metavar=meta["metavar"], help=meta["help"])
+            group.add_argument(*flags(name), dest=name, action="append", metavar=meta["metavar"],
+                               help=meta["help"])
         else:
-            metavar = None if meta["choices"] else meta["metavar"] or {int: "N", float: "X"}.get(kind, "NAME")
-            group.add_argument(*flags(name), dest=name, type=typed(kind, name), choices=meta["choices"] or None,
+            metavar = (None if meta["choices"]
+                       else meta["metavar"] or {int: "N", float: "X"}.get(kind, "NAME"))
+            group.add_argument(*flags(name), dest=name, type=typed(kind, name),
+                               choices=meta["choices"] or None,
                                metavar=metavar, help=help_text)
     compat = parser.add_argument_group(
-        "upstream launcher flags", "accepted so upstream's experiment command lines run unchanged; ps_bench has one "
-        "way to do each, so they choose nothing (the rendezvous uses a TCP store, not --filestore)")
+        "upstream launcher flags", "accepted so upstream's experiment command lines run unchanged; "
+        "ps_bench has one way to do each, so they choose nothing (the rendezvous uses a TCP store, "
+        "not --filestore)")
     for name, allowed in UPSTREAM_FIXED.items():
         spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])
         compat.add_argument(*spellings, dest=f"ignored_{name}", choices=allowed,
                             metavar="PATH" if allowed is None else allowed[0],
-                            help="ignored" if allowed is None else "upstream's only value; anything else is refused")
+                            help=("ignored" if allowed is None
+                                  else "upstream's only value; anything else is refused"))
     for name in UPSTREAM_REFUSED:
         spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])
         compat.add_argument(*spellings, dest=f"refused_{name}", action=Refused, metavar="PATH",
@@ -162,11 +174,13 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_run_options(argv: list[str],
-                      parser: argparse.ArgumentParser | None = None) -> tuple[dict[str, Any], str | None]:
+                      parser: argparse.ArgumentParser | None = None
+                      ) -> tuple[dict[str, Any], str | None]:
     """The run options given in ``argv`` (a bad flag exits 2 with one line), and --config."""
     if parser is None:
         parser = Parser(prog="bench.py", argument_default=argparse.SUPPRESS)
         add_run_options(parser)
     args = vars(parser.parse_args(argv))
     config_path = args.pop("config", None)
-    return {k: v for k, v in args.items() if not k.startswith(("ignored_", "refused_"))}, config_path
+    return ({k: v for k, v in args.items() if not k.startswith(("ignored_", "refused_"))},
+            config_path)

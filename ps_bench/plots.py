@@ -7,7 +7,8 @@ from ps_bench.config import ConfigError
 
 
 def pyplot(command: str = "report"):
-    """matplotlib's pyplot, drawing to files; a one-line error naming ``command`` where it is missing."""
+    """matplotlib's pyplot, drawing to files; a one-line error naming ``command`` where it is
+    missing."""
     try:
         import matplotlib
 

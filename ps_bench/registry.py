@@ -32,9 +32,11 @@ class Registry(Generic[T]):
         self._records: dict[str, Any] = {}
         self._canonical: dict[str, str] = {}
 
-    def register(self, name: str, aliases: tuple[str, ...] = (), record: Any = None) -> Callable[[T], T]:
+    def register(self, name: str, aliases: tuple[str, ...] = (),
+                 record: Any = None) -> Callable[[T], T]:
         if self.record_type is not None and not isinstance(record, self.record_type):
-            raise TypeError(f"{self.kind} {name!r} needs a {self.record_type.__name__} record; got {record!r}")
+            raise TypeError(f"{self.kind} {name!r} needs a {self.record_type.__name__} record; "
+                            f"got {record!r}")
 
         def decorator(factory: T) -> T:
             for key in (name, *aliases):

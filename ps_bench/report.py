@@ -22,16 +22,16 @@ from ps_bench.results.load import load_source
 DESCRIPTION = (
     "Compare runs: one row per point, with the options that vary across points, p50 and p90 of a "
     "metric, samples/s, bytes per iteration, gradient error (runs with --verify) and the speedup "
-    "against a baseline point; for runs with --target-loss also iterations and seconds to the target and "
-    "the speedup to target, and --plot draws loss against seconds of training.")
+    "against a baseline point; for runs with --target-loss also iterations and seconds to the "
+    "target and the speedup to target, and --plot draws loss against seconds of training.")
 EPILOG = """\
 example:
   python bench.py report results/hooks --baseline hook=allreduce --csv hooks.csv --plot hooks.png
 """
 
 # Resolved options never shown as columns: they describe the output, or repeat another column.
-HIDDEN = {"out", "dry_run", "per_rank", "debug", "verbose", "emulate_keep", "model_config", "data_config",
-          "model_size", "master_port", "engine_config"}
+HIDDEN = {"out", "dry_run", "per_rank", "debug", "verbose", "emulate_keep", "model_config",
+          "data_config", "model_size", "master_port", "engine_config"}
 
 
 @dataclass
@@ -54,7 +54,8 @@ class Row:
         return None
 
     def raw(self, metric: str) -> list[float]:
-        return [v for entry in self.results.get("samples", []) for v in entry.get("metrics", {}).get(metric, [])]
+        return [v for entry in self.results.get("samples", [])
+                for v in entry.get("metrics", {}).get(metric, [])]
 
 
 def load_rows(sources: list[str]) -> list[Row]:
@@ -127,10 +128,10 @@ def table(rows: list[Row], metric: str, baseline: Row) -> tuple[list[str], list[
     columns = varying_options(rows)
     converging = any(row.results.get("convergence") for row in rows)
     stale = any(row.results.get("staleness") for row in rows)
-    headers = columns + [f"{metric} p50 ms", f"{metric} p90 ms", "samples/s", "bytes/iter", "grad error",
-                         "speedup"] + (["staleness p50/max"] if stale else []) + (
-                             ["iterations to target", "seconds to target", "speedup to target"] if converging else []) + [
-                             "status"]
+    headers = columns + [f"{metric} p50 ms", f"{metric} p90 ms", "samples/s", "bytes/iter",
+                         "grad error", "speedup"] + (["staleness p50/max"] if stale else []) + (
+                             ["iterations to target", "seconds to target", "speedup to target"]
+                             if converging else []) + ["status"]
     reference = baseline.stat(metric, "p50")
     reference_s = to_target(baseline)[1]
     body = []
@@ -144,7 +145,8 @@ def table(rows: list[Row], metric: str, baseline: Row) -> tuple[list[str], list[
             fixed(row.stat(metric, "p90"), 3),
             fixed((row.results.get("throughput") or {}).get("samples_per_s"), 0),
             fixed((row.results.get("bytes") or {}).get("trainer_sent_per_iter"), 0),
-            None if check.get("grad_rel_error_p50") is None else f"{check['grad_rel_error_p50']:.2e}",
+            (None if check.get("grad_rel_error_p50") is None
+             else f"{check['grad_rel_error_p50']:.2e}"),
             f"{speedup:.2f}x" if speedup else None,
             *([staleness_column(row)] if stale else []),
             *(convergence_columns(row, reference_s) if converging else []),
@@ -184,7 +186,8 @@ def plot(path: str, rows: list[Row], metric: str, title: str) -> None:
         others = [c for c in columns if c != x_name]
         series: dict[str, list[Row]] = {}
         for row in rows:
-            series.setdefault(" ".join(f"{c}={row.option(c)}" for c in others) or metric, []).append(row)
+            series.setdefault(" ".join(f"{c}={row.option(c)}" for c in others) or metric,
+                              []).append(row)
         for label, members in series.items():
             members.sort(key=lambda r: r.option(x_name))
             xs = [r.option(x_name) for r in members]
@@ -206,7 +209,8 @@ def plot(path: str, rows: list[Row], metric: str, title: str) -> None:
 
         if group_by is None:  # one bar per point, labelled on the axis
             low, mid, high = (np.array(v) for v in zip(*(stats[id(r)] for r in rows)))
-            axes.bar(range(len(rows)), mid, yerr=[mid - low, high - mid], capsize=3, color="tab:blue")
+            axes.bar(range(len(rows)), mid, yerr=[mid - low, high - mid], capsize=3,
+                     color="tab:blue")
             axes.set_xticks(range(len(rows)))
             axes.set_xticklabels([series_of(r) for r in rows], rotation=30, ha="right")
             axes.set_xlabel(" / ".join(inner) or "point")
@@ -224,7 +228,8 @@ def plot(path: str, rows: list[Row], metric: str, title: str) -> None:
             axes.set_xticklabels(groups)
             axes.set_xlabel(group_by)
             axes.legend(title=" / ".join(inner), fontsize="small")
-    axes.set_ylabel(f"{metric} (ms): p50, p10-p90 band" if numeric else f"{metric} (ms): p50, p10-p90 whiskers")
+    axes.set_ylabel(f"{metric} (ms): p50, p10-p90 band" if numeric
+                    else f"{metric} (ms): p50, p10-p90 whiskers")
     axes.set_title(title)
     axes.grid(axis="y", alpha=0.3)
     figure.tight_layout()
@@ -241,16 +246,19 @@ def plot_convergence(path: str, rows: list[Row], title: str) -> None:
         raise ConfigError("report --plot: no point has a loss curve (runs with --target-loss)")
     columns = varying_options(rows)
     figure, axes = plt.subplots(figsize=(7.5, 4.8))
-    colours = plt.cm.tab20(np.linspace(0, 1, 20))[:len(rows)] if len(rows) > 10 else [None] * len(rows)
+    colours = (plt.cm.tab20(np.linspace(0, 1, 20))[:len(rows)] if len(rows) > 10
+               else [None] * len(rows))
     lowest = math.inf
     for row, colour in zip(rows, colours):
         convergence = row.results["convergence"]
         curve = [(s, loss) for _, s, loss in convergence["loss_curve"]]
         window = convergence["smoothing"]
         xs = [s for s, _ in curve[window - 1:]]
-        ys = [np.mean([loss if loss is not None else np.nan for _, loss in curve[i - window + 1:i + 1]])
+        ys = [np.mean([loss if loss is not None else np.nan
+                       for _, loss in curve[i - window + 1:i + 1]])
               for i in range(window - 1, len(curve))]
-        shown = [c for c in columns if row.option(c) not in (None, "{}")]  # an option left unset says nothing
+        # an option left unset says nothing
+        shown = [c for c in columns if row.option(c) not in (None, "{}")]
         label = (" ".join(f"{c}={row.option(c)}" for c in shown) if len(columns) > 1
                  else " ".join(str(row.option(c)) for c in shown)) or row.label
         if not convergence["reached"]:
@@ -258,16 +266,20 @@ def plot_convergence(path: str, rows: list[Row], title: str) -> None:
         line, = axes.plot(xs, ys, label=label, color=colour)
         held = [(s, loss) for _, s, loss in convergence["held_out"] if loss is not None]
         if held:
-            axes.plot(*zip(*held), linestyle="none", marker="o", markersize=3, color=line.get_color())
-        lowest = min([lowest, *(y for y in ys if 0 < y < math.inf), *(loss for _, loss in held if loss > 0)])
+            axes.plot(*zip(*held), linestyle="none", marker="o", markersize=3,
+                      color=line.get_color())
+        lowest = min([lowest, *(y for y in ys if 0 < y < math.inf),
+                      *(loss for _, loss in held if loss > 0)])
     target = rows[0].results["convergence"]["target_loss"]
-    start = max(loss for row in rows for _, _, loss in row.results["convergence"]["loss_curve"][:1] if loss is not None)
+    start = max(loss for row in rows for _, _, loss in row.results["convergence"]["loss_curve"][:1]
+                if loss is not None)
     axes.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target}")
     axes.set_yscale("log")
     # fixed limits: a diverging point leaves the plot upwards rather than squashing the rest
     axes.set_ylim(bottom=min(lowest, target) / 1.5, top=2 * start)
     axes.set_xlabel("seconds of training")
-    axes.set_ylabel(f"the model's training loss (last {rows[0].results['convergence']['smoothing']}); "
+    axes.set_ylabel(f"the model's training loss (last "
+                    f"{rows[0].results['convergence']['smoothing']}); "
                     "dots: held-out", fontsize="small")
     axes.set_title(title)
     axes.grid(alpha=0.3)
@@ -286,8 +298,8 @@ def scaling_table(rows: list[Row], link_gbps: float | None) -> tuple[list[str], 
     headers = ["hook", "trainers", "servers", "batch p50 ms", "comm p50 ms", "MB/iter", "B GB/s",
                "PS bound ms", "BytePS optimum ms", "comm / PS bound"]
     body = []
-    for row in sorted((r for r in rows if r.ok), key=lambda r: (str(r.option("hook")), trainers_of(r),
-                                                                  servers_of(r))):
+    for row in sorted((r for r in rows if r.ok),
+                      key=lambda r: (str(r.option("hook")), trainers_of(r), servers_of(r))):
         n, k = trainers_of(row), servers_of(row)
         moved = (row.results.get("bytes") or {}).get("trainer_sent_per_iter") or 0.0
         memcpy = ((row.results.get("limits") or {}).get("memcpy") or {}).get("gbps")
@@ -317,7 +329,8 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
     rows = load_rows(sources)
     if not any(row.stat(metric, "p50") is not None for row in rows):
         known = sorted({r["metric"] for row in rows for r in row.results.get("summary", [])})
-        raise ConfigError(f"--metric {metric!r} is in no results; known: {', '.join(known) or 'none'}")
+        raise ConfigError(f"--metric {metric!r} is in no results; known: "
+                          f"{', '.join(known) or 'none'}")
     if scaling:
         headers, body = scaling_table(rows, link_gbps)
         print(tabulate(body, headers=headers, missingval="-", disable_numparse=True))
@@ -330,20 +343,23 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
     reference = find_baseline(rows, baseline)
     headers, body = table(rows, metric, reference)
     print(tabulate(body, headers=headers, missingval="-", disable_numparse=True))
-    print(f"\nspeedup: {reference.label}'s {metric} p50 divided by each point's (above 1 is faster)")
+    print(f"\nspeedup: {reference.label}'s {metric} p50 divided by each point's "
+          f"(above 1 is faster)")
     converging = any(row.results.get("convergence") for row in rows)
     if converging:
-        print(f"speedup to target: {reference.label}'s seconds of training to the target loss divided by each "
-              f"point's")
+        print(f"speedup to target: {reference.label}'s seconds of training to the target loss "
+              f"divided by each point's")
     if csv_path:
         write_csv(csv_path, headers, body)
         print(f"csv: {csv_path}")
     if plot_path:
         sweep = rows[0].results.get("point", {}).get("sweep", "")
         if converging:
-            plot_convergence(plot_path, rows, f"{sweep + ': ' if sweep else ''}loss against training time")
+            plot_convergence(plot_path, rows,
+                             f"{sweep + ': ' if sweep else ''}loss against training time")
         else:
-            plot(plot_path, rows, metric, f"{sweep + ': ' if sweep else ''}trainer {metric} time per iteration")
+            plot(plot_path, rows, metric,
+                 f"{sweep + ': ' if sweep else ''}trainer {metric} time per iteration")
         print(f"plot: {plot_path}")
     return 0
 
@@ -351,22 +367,26 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("sources", nargs="+", metavar="DIR|FILE",
                         help="sweep folders (their results.jsonl), .jsonl files or results files")
-    parser.add_argument("--baseline", metavar="KEY=VALUE", help="the point speedups are measured against "
-                        "(default: the first point)")
+    parser.add_argument("--baseline", metavar="KEY=VALUE", help="the point speedups are measured "
+                        "against (default: the first point)")
     parser.add_argument("--metric", default="batch", metavar="NAME",
-                        help="summary metric to compare, e.g. batch, comm, backward, round (default: batch)")
+                        help="summary metric to compare, e.g. batch, comm, backward, round "
+                        "(default: batch)")
     parser.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
-    parser.add_argument("--plot", metavar="FILE.png", help="also draw the comparison (needs the 'plot' extra); "
-                        "for --target-loss runs, the loss against seconds of training")
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw the comparison (needs the "
+                        "'plot' extra); for --target-loss runs, the loss against seconds of "
+                        "training")
     parser.add_argument("--scaling", action="store_true",
-                        help="per-iteration time for each trainers x servers point next to the analytic "
-                             "parameter-server bound and BytePS's optimum (bandwidth: --link-gbps, else each "
-                             "point's memcpy floor from --limits)")
+                        help="per-iteration time for each trainers x servers point next to the "
+                             "analytic parameter-server bound and BytePS's optimum (bandwidth: "
+                             "--link-gbps, else each point's memcpy floor from --limits)")
     parser.add_argument("--link-gbps", type=typed(float, "link-gbps"), metavar="X",
-                        help="bandwidth B in GB/s for --scaling (default: each point's memcpy floor)")
+                        help="bandwidth B in GB/s for --scaling "
+                        "(default: each point's memcpy floor)")
 
 
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     if args.link_gbps is not None and args.link_gbps <= 0:
         raise ConfigError(f"--link-gbps must be positive; got {args.link_gbps}")
-    return run_report(args.sources, args.baseline, args.metric, args.csv, args.plot, args.scaling, args.link_gbps)
+    return run_report(args.sources, args.baseline, args.metric, args.csv, args.plot, args.scaling,
+                      args.link_gbps)

@@ -5,8 +5,8 @@ A sweep file is ``{"name": ..., "base": {options}, "grid": {option: [values]}, "
 (times each variant when both are given); a point is ``base`` plus its overrides, run ``repeat``
 times (default 1; the repeats take turns, point after point, so a drifting machine touches every
 point alike). Every point is validated before anything runs. The sweep is every point's
-launcher: it starts the preloaded forkserver once (``ps_bench.runtime.preload``), and each point's ranks
-are new processes forked from it, so no point pays for importing torch and a crash or hang of
+launcher: it starts the preloaded forkserver once (``ps_bench.runtime.preload``), and each point's
+ranks are new processes forked from it, so no point pays for importing torch and a crash or hang of
 one point's ranks ends only that point (its ranks are stopped, what finished is kept, the next
 point starts afresh). One JSON line per run of a point (the full results object plus ``point``:
 name, overrides, configuration hash and which repeat) is appended to ``DIR/results.jsonl``;
@@ -31,7 +31,8 @@ from typing import Any
 from ps_bench.config import JSON_KEYS, ConfigError, build_config, coerce, read_json
 from ps_bench.job import Job, cuda_device_count, validate
 from ps_bench.options import typed
-from ps_bench.results.files import RESULTS_NAME, append_line, config_hash, environment, failed_results, iso_now
+from ps_bench.results.files import (RESULTS_NAME, append_line, config_hash, environment,
+                                    failed_results, iso_now)
 from ps_bench.results.load import load_file, load_lines
 from ps_bench.runtime import preload
 from ps_bench.runtime.failures import Terminated, raise_terminated
@@ -39,14 +40,15 @@ from ps_bench.processes.launch import JobFailed, LaunchSpec, spawn
 
 DESCRIPTION = (
     "Run every point of a sweep file, each in its own process tree, appending one JSON line per "
-    "point to OUT/results.jsonl (logs in OUT/logs/). A sweep file is {\"name\": ..., \"base\": {options}, "
-    "\"grid\": {option: [values]}, \"variants\": [{\"name\": ..., option: value}]}: the points are the "
-    "cartesian product of grid (times each variant), each base plus its overrides; \"repeat\": N runs each point "
-    "N times, every run recorded (bench.py compare reads them all).")
-EPILOG = """\
-example:
-  python bench.py sweep configs/sweeps/hooks.json --out results/hooks && python bench.py report results/hooks
-"""
+    "point to OUT/results.jsonl (logs in OUT/logs/). A sweep file is {\"name\": ..., "
+    "\"base\": {options}, \"grid\": {option: [values]}, "
+    "\"variants\": [{\"name\": ..., option: value}]}: the points are the "
+    "cartesian product of grid (times each variant), each base plus its overrides; "
+    "\"repeat\": N runs each point N times, every run recorded (bench.py compare reads them all).")
+EPILOG = (
+    "example:\n"
+    "  python bench.py sweep configs/sweeps/hooks.json --out results/hooks "
+    "&& python bench.py report results/hooks\n")
 
 SWEEP_KEYS = ("name", "base", "grid", "variants", "repeat")
 
@@ -73,13 +75,15 @@ def run_options(values: dict[str, Any], where: str) -> dict[str, Any]:
             raise ConfigError(f"{where}: unknown option {key!r}")
         name = JSON_KEYS[key]
         if name == "out":
-            raise ConfigError(f"{where}: 'out' is set by the sweep (each point writes into the sweep's folder)")
+            raise ConfigError(f"{where}: 'out' is set by the sweep "
+                              f"(each point writes into the sweep's folder)")
         out[name] = coerce(name, value, where)
     return out
 
 
 def describe(overrides: dict[str, Any]) -> str:
-    return " ".join(f"{k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in overrides.items()) or "base"
+    return " ".join(f"{k}={json.dumps(v) if isinstance(v, dict) else v}"
+                    for k, v in overrides.items()) or "base"
 
 
 def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
@@ -90,7 +94,8 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
         raise ConfigError(f"sweep file {path!r} must hold a JSON object")
     for key in raw:
         if key not in SWEEP_KEYS:
-            raise ConfigError(f"sweep file {path!r}: unknown key {key!r}; valid keys: {', '.join(SWEEP_KEYS)}")
+            raise ConfigError(f"sweep file {path!r}: unknown key {key!r}; "
+                              f"valid keys: {', '.join(SWEEP_KEYS)}")
     name = raw.get("name", Path(path).stem)
     base = run_options(raw.get("base", {}), f"sweep {path!r}: base")
     grid_raw = raw.get("grid", {})
@@ -99,7 +104,8 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
     grid: dict[str, list] = {}
     for key, values in grid_raw.items():
         if not isinstance(values, list) or not values:
-            raise ConfigError(f"sweep {path!r}: grid option {key!r} needs a non-empty list of values")
+            raise ConfigError(f"sweep {path!r}: grid option {key!r} needs a non-empty list "
+                              f"of values")
         checked = [run_options({key: v}, f"sweep {path!r}: grid") for v in values]
         grid[next(iter(checked[0]))] = [next(iter(c.values())) for c in checked]
     variants_raw = raw.get("variants", [])
@@ -110,18 +116,21 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
         if not isinstance(variant, dict):
             raise ConfigError(f"sweep {path!r}: variant {number} must be an object")
         label = variant.get("name", f"variant{number}")
-        options = run_options({k: v for k, v in variant.items() if k != "name"}, f"sweep {path!r}: variant {label!r}")
+        options = run_options({k: v for k, v in variant.items() if k != "name"},
+                              f"sweep {path!r}: variant {label!r}")
         clash = set(options) & set(grid)
         if clash:
-            raise ConfigError(f"sweep {path!r}: variant {label!r} sets {', '.join(sorted(clash))}, which the grid varies")
+            raise ConfigError(f"sweep {path!r}: variant {label!r} sets {', '.join(sorted(clash))}, "
+                              f"which the grid varies")
         variants.append((label, options))
     if not grid and not variants:
         raise ConfigError(f"sweep {path!r} has no points: give a grid, variants, or both")
     repeats = raw.get("repeat", 1)
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-        raise ConfigError(f"sweep {path!r}: repeat must be a whole number of runs per point, at least 1; "
-                          f"got {json.dumps(repeats)}")
-    combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())] if grid else [{}]
+        raise ConfigError(f"sweep {path!r}: repeat must be a whole number of runs per point, "
+                          f"at least 1; got {json.dumps(repeats)}")
+    combos = ([dict(zip(grid, values)) for values in itertools.product(*grid.values())] if grid
+              else [{}])
     points = []
     for variant_label, variant_options in variants or [(None, {})]:
         for combo in combos:
@@ -133,9 +142,10 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
                 job = validate(build_config(options), machine=machine)
             except ConfigError as error:
                 raise ConfigError(f"sweep {path!r}: point {index} ({label}): {error}") from None
-            resolved = {**job.config.to_dict(), "model_config": job.model.to_dict(), "data_config": job.data.to_dict()}
-            points.append(Point(index, label, {**overrides, **variant_options}, options, config_hash(resolved),
-                                resolved, job, repeats))
+            resolved = {**job.config.to_dict(), "model_config": job.model.to_dict(),
+                        "data_config": job.data.to_dict()}
+            points.append(Point(index, label, {**overrides, **variant_options}, options,
+                                config_hash(resolved), resolved, job, repeats))
     return name, points
 
 
@@ -166,8 +176,8 @@ def run_point(point: Point, out_dir: Path, timeout_s: float | None) -> dict:
     argv = ["bench.py", "--config", str(config_file), "--out", str(results_file)]
     cfg = dataclasses.replace(point.job.config, out=str(results_file))
     started = time.time()
-    spec = LaunchSpec(dataclasses.replace(point.job, config=cfg), argv, "", str(results_file), cfg.world_size,
-                      cuda_device_count(),
+    spec = LaunchSpec(dataclasses.replace(point.job, config=cfg), argv, "", str(results_file),
+                      cfg.world_size, cuda_device_count(),
                       launched_at=started, milestones={"imported": started, "validated": started},
                       log_path=str(log_file))
     error = None
@@ -188,17 +198,21 @@ def run_point(point: Point, out_dir: Path, timeout_s: float | None) -> dict:
             raise Interrupted(143) from None
     if results_file.exists():
         return load_file(results_file)
-    return failed_results(None, error or f"the point wrote no results; see {log_file}", config=point.resolved,
-                          argv=argv, env=environment(cfg.backend))
+    return failed_results(None, error or f"the point wrote no results; see {log_file}",
+                          config=point.resolved, argv=argv, env=environment(cfg.backend))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="sweep file (JSON)")
-    parser.add_argument("--out", required=True, metavar="DIR", help="folder for results.jsonl, logs and point files")
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="folder for results.jsonl, logs and point files")
     parser.add_argument("--resume", action="store_true",
-                        help="skip points already recorded ok in OUT (same resolved configuration); re-run the rest")
-    parser.add_argument("--point-timeout", type=typed(float, "point-timeout"), default=900.0, metavar="SECONDS",
-                        help="stop a point that runs longer than this and record it as failed (default: 900)")
+                        help="skip points already recorded ok in OUT "
+                             "(same resolved configuration); re-run the rest")
+    parser.add_argument("--point-timeout", type=typed(float, "point-timeout"), default=900.0,
+                        metavar="SECONDS",
+                        help="stop a point that runs longer than this and record it as failed "
+                             "(default: 900)")
 
 
 def check(args: argparse.Namespace, bench_argv: list[str]) -> None:
@@ -212,23 +226,27 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     return run_sweep(args.file, args.out, args.resume, args.point_timeout, debug=args.debug)
 
 
-def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None, debug: bool = False) -> int:
+def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None,
+              debug: bool = False) -> int:
     name, points = load_sweep(path)
     out_dir = Path(out)
     (out_dir / "points").mkdir(parents=True, exist_ok=True)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     results_path = out_dir / RESULTS_NAME
-    done = {(line["point"]["hash"], line["point"].get("repeat", 1)) for line in load_lines(results_path)
+    done = {(line["point"]["hash"], line["point"].get("repeat", 1))
+            for line in load_lines(results_path)
             if line.get("status") == "ok" and "point" in line} if resume else set()
     if not resume and results_path.exists() and results_path.stat().st_size:
-        raise ConfigError(f"{results_path} already holds results: add --resume to continue that sweep, "
-                          f"or choose another --out")
+        raise ConfigError(f"{results_path} already holds results: add --resume to continue "
+                          f"that sweep, or choose another --out")
     repeats = points[0].repeats
-    # repeat after repeat, each of every point: a machine that drifts during the sweep touches every point alike
+    # repeat after repeat, each of every point: a machine that drifts during the sweep touches every
+    # point alike
     runs = [(point, repeat) for repeat in range(1, repeats + 1) for point in points]
     todo = [(point, repeat) for point, repeat in runs if (point.config_hash, repeat) not in done]
     each = f" x {repeats} runs each" if repeats > 1 else ""
-    print(f"sweep {name}: {len(points)} points{each}, {len(runs) - len(todo)}{' runs' if each else ''} already done, "
+    print(f"sweep {name}: {len(points)} points{each}, "
+          f"{len(runs) - len(todo)}{' runs' if each else ''} already done, "
           f"{len(todo)} to run; results in {results_path}", flush=True)
     if todo:
         preload.start(debug, models=[point.job.config.model for point, _ in todo])
@@ -240,7 +258,8 @@ def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None, debug:
 
 def run_points(name: str, points: list[Point], todo: list[tuple[Point, int]], out_dir: Path,
                timeout_s: float | None) -> int:
-    """Runs the (point, repeat) pairs not done yet, one after the other; returns the sweep's exit status."""
+    """Runs the (point, repeat) pairs not done yet, one after the other; returns the sweep's exit
+    status."""
     results_path = out_dir / RESULTS_NAME
     failed = 0
     started = time.monotonic()
@@ -251,8 +270,8 @@ def run_points(name: str, points: list[Point], todo: list[tuple[Point, int]], ou
         try:
             results = run_point(point, out_dir, timeout_s)
         except Interrupted as stopped:
-            print(f"sweep stopped at point {point.index} ({which}); {number - 1} {unit} of this run "
-                  f"are in {results_path}; --resume continues", file=sys.stderr, flush=True)
+            print(f"sweep stopped at point {point.index} ({which}); {number - 1} {unit} of this "
+                  f"run are in {results_path}; --resume continues", file=sys.stderr, flush=True)
             return stopped.exit_code
         results["point"] = {"index": point.index, "name": point.name, "overrides": point.overrides,
                             "hash": point.config_hash, "sweep": name, "repeat": repeat}
@@ -261,11 +280,14 @@ def run_points(name: str, points: list[Point], todo: list[tuple[Point, int]], ou
         status = results.get("status", "failed")
         failed += status != "ok"
         mean = (time.monotonic() - started) / number
-        detail = "ok" if status == "ok" else f"FAILED: {str(results.get('error', '')).splitlines()[0][:160]}"
+        detail = ("ok" if status == "ok"
+                  else f"FAILED: {str(results.get('error', '')).splitlines()[0][:160]}")
         print(f"[{point.index}/{len(points)}] {which}  {elapsed:.1f} s  {detail}  "
-              f"(elapsed {duration(time.monotonic() - started)}, ~{duration(mean * (len(todo) - number))} left)",
+              f"(elapsed {duration(time.monotonic() - started)}, "
+              f"~{duration(mean * (len(todo) - number))} left)",
               flush=True)
     print(f"sweep {name}: ran {len(todo)} {unit}: {len(todo) - failed} ok, {failed} failed; "
           f"`bench.py report {out_dir}` compares them"
-          f"{f', `bench.py compare` two such folders' if points[0].repeats > 1 else ''}", flush=True)
+          f"{f', `bench.py compare` two such folders' if points[0].repeats > 1 else ''}",
+          flush=True)
     return 1 if failed else 0

@@ -20,19 +20,20 @@ import torch
 import torchvision
 
 import ps_bench
-from ps_bench.cluster.torchrun import (DEFAULT_PORT, NodeLayout, add_engine_arguments, cluster_job, export_line,
-                                       summary, torchrun_command, with_iface)
+from ps_bench.cluster.torchrun import (DEFAULT_PORT, NodeLayout, add_engine_arguments, cluster_job,
+                                       export_line, summary, torchrun_command, with_iface)
 from ps_bench.config import PROJECT_ROOT, ConfigError, RunConfig
 from ps_bench.options import EXIT_OK, EXIT_USAGE, typed
 
 ACCELERATORS = re.compile(r"[A-Za-z0-9_-]+(:\d+)?")
 BENCH_OPTIONS = True
-DESCRIPTION = ("Write a SkyPilot task YAML that runs this benchmark on N cloud machines, and print the sky launch "
-               "command that runs it.")
-EPILOG = """\
+DESCRIPTION = ("Write a SkyPilot task YAML that runs this benchmark on N cloud machines, and print "
+               "the sky launch command that runs it.")
+EPILOG = ("""\
 examples:
   python bench.py cloud --nodes 2 --accelerators H100:8 -- --ntrainer 14 --nserver 1 --backend nccl
-  python bench.py cloud --nodes 2 --cloud aws --use-spot --name ps-cpu -o cpu.yaml -- --ntrainer 6 --nserver 1
+  python bench.py cloud --nodes 2 --cloud aws --use-spot --name ps-cpu -o cpu.yaml """
+          """-- --ntrainer 6 --nserver 1
   sky launch -c ps-bench ps_bench-sky.yaml    # what it prints: run it where SkyPilot is installed
 
 The YAML copies this checkout to every node (workdir), installs torch pinned to this
@@ -40,7 +41,7 @@ machine's version and ps_bench from the checkout (setup), and starts torchrun on
 with the static rendezvous from SKYPILOT_NODE_RANK and the first line of SKYPILOT_NODE_IPS
 (run). The master runs on the last node, which writes the results file under ~/sky_workdir.
 ps_bench does not need SkyPilot installed to write it.
-"""
+""")
 
 
 @dataclass
@@ -61,7 +62,8 @@ def gpus_of(accelerators: str | None) -> int:
     if accelerators is None:
         return 0
     if ACCELERATORS.fullmatch(accelerators) is None:
-        raise ConfigError(f"--accelerators: expected NAME or NAME:COUNT, e.g. H100:8; got {accelerators!r}")
+        raise ConfigError(f"--accelerators: expected NAME or NAME:COUNT, e.g. H100:8; "
+                          f"got {accelerators!r}")
     name, _, count = accelerators.partition(":")
     return int(count) if count else 1
 
@@ -70,7 +72,8 @@ def torch_pins() -> str:
     """torch and torchvision at this machine's releases: torchvision's compiled operators work
     only with the torch they were built for."""
     # the local build tag (+cpu, +cu130) is not on PyPI's index
-    return " ".join(f"{module.__name__}=={module.__version__.split('+')[0]}" for module in (torch, torchvision))
+    return " ".join(f"{module.__name__}=={module.__version__.split('+')[0]}"
+                    for module in (torch, torchvision))
 
 
 def run_script(job: CloudJob) -> str:
@@ -91,7 +94,8 @@ def setup_script() -> str:
         "set -euo pipefail",
         f"pip install {torch_pins()}  # first, pinned: an open range would pull another build",
         "pip install -e .",
-        f"python -c 'import ps_bench; assert ps_bench.__version__ == \"{version}\", ps_bench.__version__'",
+        f"python -c 'import ps_bench; assert ps_bench.__version__ == \"{version}\", "
+        f"ps_bench.__version__'",
     ]) + "\n"
 
 
@@ -110,10 +114,12 @@ def task_yaml(job: CloudJob) -> str:
         resources.append("  use_spot: true")
     layout = job.layout
     lines = [
-        f"# bench.py cloud: {layout.nodes} nodes x {layout.nproc_per_node} processes = {layout.world_size} ranks"
+        f"# bench.py cloud: {layout.nodes} nodes x {layout.nproc_per_node} processes = "
+        f"{layout.world_size} ranks"
         + (f" ({job.summary})" if job.summary else ""),
         "# The master (last rank) runs on the last node: the results file is written there, under",
-        f"# ~/sky_workdir; fetch it with: rsync -Pavz {last_node(job)}:~/sky_workdir/results/ results/",
+        f"# ~/sky_workdir; fetch it with: rsync -Pavz {last_node(job)}:~/sky_workdir/results/ "
+        f"results/",
         f"name: {json.dumps(job.name)}",
         f"num_nodes: {layout.nodes}",
         *(["resources:", *resources] if resources else []),
@@ -136,12 +142,15 @@ def launch_hint(job: CloudJob, path: str) -> str:
 
 # -- the command line --------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", required=True, type=typed(int, "nodes"), metavar="N", help="machines to use")
-    parser.add_argument("--accelerators", metavar="NAME[:COUNT]", help="GPUs per machine, e.g. H100:8 "
-                        "(default: none)")
-    parser.add_argument("--cloud", metavar="C", help="aws, gcp, azure, ... (default: SkyPilot's choice)")
+    parser.add_argument("--nodes", required=True, type=typed(int, "nodes"), metavar="N",
+                        help="machines to use")
+    parser.add_argument("--accelerators", metavar="NAME[:COUNT]",
+                        help="GPUs per machine, e.g. H100:8 (default: none)")
+    parser.add_argument("--cloud", metavar="C",
+                        help="aws, gcp, azure, ... (default: SkyPilot's choice)")
     parser.add_argument("--use-spot", action="store_true", help="spot instances")
-    parser.add_argument("--name", default="ps-bench", metavar="J", help="task and cluster name (default: ps-bench)")
+    parser.add_argument("--name", default="ps-bench", metavar="J",
+                        help="task and cluster name (default: ps-bench)")
     add_engine_arguments(parser, node="machine")
     parser.add_argument("-o", "--output", default="ps_bench-sky.yaml", metavar="FILE",
                         help="where to write the YAML (default: ps_bench-sky.yaml)")
@@ -154,8 +163,9 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> tuple[RunConfig, N
 
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     cfg, layout = check(args, bench_argv)
-    job = CloudJob(layout, with_iface(bench_argv, args.iface), name=args.name, accelerators=args.accelerators,
-                   cloud=args.cloud, use_spot=args.use_spot, iface=args.iface, port=args.port, summary=summary(cfg))
+    job = CloudJob(layout, with_iface(bench_argv, args.iface), name=args.name,
+                   accelerators=args.accelerators, cloud=args.cloud, use_spot=args.use_spot,
+                   iface=args.iface, port=args.port, summary=summary(cfg))
     try:
         Path(args.output).write_text(task_yaml(job))
     except OSError as error:

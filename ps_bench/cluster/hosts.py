@@ -30,19 +30,21 @@ BENCH_OPTIONS = True
 DESCRIPTION = (
     "Run this benchmark on your own hosts: one torchrun agent per host, started over OpenSSH's ssh "
     "(static rendezvous; node ranks in host order), each host's output prefixed with its name.")
-EPILOG = """\
+EPILOG = ("""\
 examples:
   python bench.py launch --hosts node1,node2 -- --ntrainer 6 --nserver 1
   python bench.py launch --hostfile hosts.txt --ssh-key ~/.ssh/bench --iface eth1 \\
-      --python /opt/venv/bin/python --workdir /srv/ps_bench -- --ntrainer 6 --nserver 1 --out results/r.json
-  python bench.py launch --hosts alice@10.0.0.1,alice@10.0.0.2 --ssh-option StrictHostKeyChecking=accept-new -- --rounds 3
+      --python /opt/venv/bin/python --workdir /srv/ps_bench -- --ntrainer 6 --nserver 1 """
+          """--out results/r.json
+  python bench.py launch --hosts alice@10.0.0.1,alice@10.0.0.2 """
+          """--ssh-option StrictHostKeyChecking=accept-new -- --rounds 3
 
 A hostfile lists one [user@]host per line, optionally with slots=N (DeepSpeed's and MPI's
 format; N must be the processes per host). Every host must be reachable with ssh without a
 password, and have ps_bench and torch at this machine's versions (checked first). The first
 host hosts torchrun's store (--port); the last host runs the master and writes the results
 file (--out, relative to --workdir). Ctrl-C or a failed host stops every host's processes.
-"""
+""")
 
 
 # -- reading hosts ------------------------------------------------------------------------------
@@ -68,7 +70,8 @@ def read_hostfile(path: str) -> list[Target]:
         for word in words[1:]:
             match = re.fullmatch(r"slots=(\d+)", word)
             if match is None:
-                raise ConfigError(f"--hostfile {path}:{number}: expected '[user@]host [slots=N]'; got {line.strip()!r}")
+                raise ConfigError(f"--hostfile {path}:{number}: expected '[user@]host [slots=N]'; "
+                                  f"got {line.strip()!r}")
             slots = int(match.group(1))
         targets.append(Target(words[0], slots))
     if not targets:
@@ -83,28 +86,35 @@ def check_targets(targets: Sequence[Target], layout: NodeLayout) -> None:
             raise ConfigError(f"host {target.destination} is listed twice; list each host once")
         seen.add(target.destination)
         if target.slots is not None and target.slots != layout.nproc_per_node:
-            raise ConfigError(f"the hostfile gives {target.destination} slots={target.slots}, but this job runs "
-                              f"{layout.nproc_per_node} processes on each of its {layout.nodes} hosts")
+            raise ConfigError(f"the hostfile gives {target.destination} slots={target.slots}, "
+                              f"but this job runs {layout.nproc_per_node} processes on each of "
+                              f"its {layout.nodes} hosts")
 
 
 # -- the command line --------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     hosts = parser.add_mutually_exclusive_group(required=True)
-    hosts.add_argument("--hosts", metavar="[USER@]H1,H2,...", help="the hosts, the first one is the head")
-    hosts.add_argument("--hostfile", metavar="FILE", help="the hosts, one per line ([user@]host [slots=N])")
-    parser.add_argument("--ssh-key", metavar="FILE", help="private key for ssh -i (default: ssh's own choice)")
-    parser.add_argument("--ssh-port", type=typed(int, "ssh-port"), metavar="P", help="sshd's port on every host")
+    hosts.add_argument("--hosts", metavar="[USER@]H1,H2,...",
+                       help="the hosts, the first one is the head")
+    hosts.add_argument("--hostfile", metavar="FILE",
+                       help="the hosts, one per line ([user@]host [slots=N])")
+    parser.add_argument("--ssh-key", metavar="FILE",
+                        help="private key for ssh -i (default: ssh's own choice)")
+    parser.add_argument("--ssh-port", type=typed(int, "ssh-port"), metavar="P",
+                        help="sshd's port on every host")
     parser.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to ssh as -o KEY=VALUE (repeat for more)")
     add_engine_arguments(parser, node="host")
     parser.add_argument("--python", default="python3", metavar="PATH",
-                        help="interpreter on the hosts; an ssh session has a bare PATH, so prefer an absolute "
-                             "path (default: python3)")
-    parser.add_argument("--workdir", metavar="DIR", help="folder to run in on every host (default: the login folder)")
+                        help="interpreter on the hosts; an ssh session has a bare PATH, so prefer "
+                             "an absolute path (default: python3)")
+    parser.add_argument("--workdir", metavar="DIR",
+                        help="folder to run in on every host (default: the login folder)")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="environment variable for the job on every host (repeat for more)")
-    parser.add_argument("--master-addr", metavar="ADDR", help="address the hosts reach the first host at "
-                        "(default: the first host's name as given)")
+    parser.add_argument("--master-addr", metavar="ADDR",
+                        help="address the hosts reach the first host at "
+                             "(default: the first host's name as given)")
 
 
 def parse_env(items: list[str]) -> dict[str, str]:
@@ -117,7 +127,8 @@ def parse_env(items: list[str]) -> dict[str, str]:
     return env
 
 
-def check(args: argparse.Namespace, bench_argv: list[str]) -> tuple[list[Target], RunConfig, NodeLayout]:
+def check(args: argparse.Namespace,
+          bench_argv: list[str]) -> tuple[list[Target], RunConfig, NodeLayout]:
     """The hosts (the hostfile read), the engine's options and the bench options, before any host
     is reached."""
     targets = parse_hosts(args.hosts) if args.hosts else read_hostfile(args.hostfile)
@@ -130,25 +141,30 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> tuple[list[Target]
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     targets, cfg, layout = check(args, bench_argv)
     env = parse_env(args.env)
-    job = HostJob(targets, layout, with_iface(bench_argv, args.iface), SshOptions(args.ssh_key, args.ssh_port,
-                  args.ssh_option), python=args.python, workdir=args.workdir, env=env, iface=args.iface,
-                  port=args.port, master_addr=args.master_addr)
+    job = HostJob(targets, layout, with_iface(bench_argv, args.iface),
+                  SshOptions(args.ssh_key, args.ssh_port, args.ssh_option), python=args.python,
+                  workdir=args.workdir, env=env, iface=args.iface, port=args.port,
+                  master_addr=args.master_addr)
     preflight(job)
     topology = Topology(cfg.ntrainer, cfg.ncudatrainer, cfg.nserver, cfg.ncudaserver, cfg.mapping,
                         cuda_collectives=cfg.backend != "gloo")
     names = ", ".join(target.host for target in targets)
-    print(f"ps_bench: {layout.world_size} processes on {layout.nodes} hosts ({names}), {layout.nproc_per_node} "
-          f"each; the master and the results file are on {targets[-1].host}", flush=True)
+    print(f"ps_bench: {layout.world_size} processes on {layout.nodes} hosts ({names}), "
+          f"{layout.nproc_per_node} each; the master and the results file are on "
+          f"{targets[-1].host}", flush=True)
     signal.signal(signal.SIGTERM, raise_terminated)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return run(job, lambda rank: topology.info(rank).describe())
     except HostsFailed as error:
-        sys.stderr.write(f"ps_bench: error: {error}; the run was stopped on every host ({names})\n")
+        sys.stderr.write(f"ps_bench: error: {error}; the run was stopped on every host "
+                         f"({names})\n")
         return EXIT_FAILED
     except KeyboardInterrupt:
-        sys.stderr.write(f"ps_bench: interrupted by SIGINT; the run was stopped on every host ({names})\n")
+        sys.stderr.write(f"ps_bench: interrupted by SIGINT; the run was stopped on every host "
+                         f"({names})\n")
         return EXIT_SIGINT
     except Terminated:
-        sys.stderr.write(f"ps_bench: terminated by SIGTERM; the run was stopped on every host ({names})\n")
+        sys.stderr.write(f"ps_bench: terminated by SIGTERM; the run was stopped on every host "
+                         f"({names})\n")
         return EXIT_SIGTERM

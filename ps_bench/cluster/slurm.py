@@ -16,17 +16,17 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ps_bench.cluster.torchrun import (DEFAULT_PORT, NodeLayout, add_engine_arguments, cluster_job, export_line,
-                                       summary, torchrun_command, with_iface)
+from ps_bench.cluster.torchrun import (DEFAULT_PORT, NodeLayout, add_engine_arguments, cluster_job,
+                                       export_line, summary, torchrun_command, with_iface)
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.options import EXIT_OK, typed
 
 OUTPUT = "%x-%j.out"  # job name and id: one log per job, next to where it was submitted
 BENCH_OPTIONS = True
 DESCRIPTION = (
-    "Write an sbatch script that runs this benchmark on N nodes: srun starts one task per node, each "
-    "starts a torchrun agent (static rendezvous, the first node hosts the store, node rank from "
-    "$SLURM_NODEID), and torchrun starts and supervises the ranks.")
+    "Write an sbatch script that runs this benchmark on N nodes: srun starts one task per node, "
+    "each starts a torchrun agent (static rendezvous, the first node hosts the store, node rank "
+    "from $SLURM_NODEID), and torchrun starts and supervises the ranks.")
 EPILOG = """\
 examples:
   python bench.py slurm --nodes 2 -- --ntrainer 6 --nserver 1            # print the script
@@ -78,7 +78,8 @@ def sbatch_script(job: SlurmJob) -> str:
                                     port=job.port, max_restarts=job.max_restarts, python=job.python)
     lines = [
         "#!/bin/bash",
-        f"# bench.py slurm: {layout.nodes} nodes x {layout.nproc_per_node} processes = {layout.world_size} ranks"
+        f"# bench.py slurm: {layout.nodes} nodes x {layout.nproc_per_node} processes = "
+        f"{layout.world_size} ranks"
         + (f" ({job.summary})" if job.summary else ""),
         "# The master (last rank) runs on the last node: the results file is written there.",
         *directives(job),
@@ -92,8 +93,10 @@ def sbatch_script(job: SlurmJob) -> str:
         lines.append(export_line(job.iface))
     lines += [
         "",
-        "# single quotes: $SLURM_NODEID must be expanded by each task (it is 0 in this batch shell)",
-        f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {shlex.quote('exec ' + node_command)}",
+        "# single quotes: $SLURM_NODEID must be expanded by each task (it is 0 in this batch "
+        "shell)",
+        f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "
+        f"{shlex.quote('exec ' + node_command)}",
         "",
     ]
     return "\n".join(lines)
@@ -102,8 +105,8 @@ def sbatch_script(job: SlurmJob) -> str:
 def submit(script: str, path: str | None) -> int:
     """``sbatch --wait``: returns the job's exit status (0 when every node succeeded)."""
     if shutil.which("sbatch") is None:
-        raise ConfigError("--submit: sbatch is not on PATH; run this on a SLURM login node, or write the "
-                          "script with -o FILE and submit it where SLURM is")
+        raise ConfigError("--submit: sbatch is not on PATH; run this on a SLURM login node, or "
+                          "write the script with -o FILE and submit it where SLURM is")
     if path is not None:
         Path(path).write_text(script)
         return subprocess.run(["sbatch", "--wait", path]).returncode
@@ -123,20 +126,25 @@ def write_or_print(script: str, path: str | None) -> None:
 
 # -- the command line --------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", required=True, type=typed(int, "nodes"), metavar="N", help="nodes to use")
+    parser.add_argument("--nodes", required=True, type=typed(int, "nodes"), metavar="N",
+                        help="nodes to use")
     parser.add_argument("--gpus-per-node", type=typed(int, "gpus-per-node"), default=0, metavar="G",
                         help="GPUs to ask for on each node (default: 0)")
     parser.add_argument("--partition", metavar="P", help="SLURM partition (default: the cluster's)")
-    parser.add_argument("--time", metavar="T", help="time limit, e.g. 00:30:00 (default: the partition's)")
-    parser.add_argument("--job-name", default="ps_bench", metavar="J", help="job name (default: ps_bench)")
+    parser.add_argument("--time", metavar="T",
+                        help="time limit, e.g. 00:30:00 (default: the partition's)")
+    parser.add_argument("--job-name", default="ps_bench", metavar="J",
+                        help="job name (default: ps_bench)")
     add_engine_arguments(parser)
     parser.add_argument("--max-restarts", type=typed(int, "max-restarts"), default=0, metavar="K",
-                        help="torchrun restarts the whole job up to K times after a failure (default: 0)")
+                        help="torchrun restarts the whole job up to K times after a failure "
+                             "(default: 0)")
     parser.add_argument("--python", default=sys.executable, metavar="PATH",
                         help=f"interpreter on the nodes (default: this one, {sys.executable})")
-    parser.add_argument("-o", "--output", metavar="FILE", help="write the script here instead of printing it")
-    parser.add_argument("--submit", action="store_true", help="submit with sbatch --wait and exit with the "
-                        "job's status")
+    parser.add_argument("-o", "--output", metavar="FILE",
+                        help="write the script here instead of printing it")
+    parser.add_argument("--submit", action="store_true",
+                        help="submit with sbatch --wait and exit with the job's status")
 
 
 def check(args: argparse.Namespace, bench_argv: list[str]) -> tuple[RunConfig, NodeLayout]:
@@ -149,8 +157,9 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> tuple[RunConfig, N
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     cfg, layout = check(args, bench_argv)
     job = SlurmJob(layout, with_iface(bench_argv, args.iface), job_name=args.job_name,
-                   gpus_per_node=args.gpus_per_node, partition=args.partition, time=args.time, iface=args.iface,
-                   port=args.port, max_restarts=args.max_restarts, python=args.python, summary=summary(cfg))
+                   gpus_per_node=args.gpus_per_node, partition=args.partition, time=args.time,
+                   iface=args.iface, port=args.port, max_restarts=args.max_restarts,
+                   python=args.python, summary=summary(cfg))
     script = sbatch_script(job)
     if args.submit:
         return submit(script, args.output)

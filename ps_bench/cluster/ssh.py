@@ -83,7 +83,8 @@ class HostJob:
 
 # -- commands --------------------------------------------------------------------------------------
 def remote_shell(job: HostJob, command: str) -> str:
-    """The command line the remote shell runs: into the work folder, the job's variables, then ``command``."""
+    """The command line the remote shell runs: into the work folder, the job's variables, then
+    ``command``."""
     exports = {**job.env, **(interface_env(job.iface) if job.iface else {})}
     prefix = f"cd {shlex.quote(job.workdir)} && " if job.workdir else ""
     assignments = " ".join(f"{key}={shlex.quote(value)}" for key, value in exports.items())
@@ -91,9 +92,10 @@ def remote_shell(job: HostJob, command: str) -> str:
 
 
 def agent_command(job: HostJob, node_rank: int) -> list[str]:
-    line = torchrun_command(job.layout, str(node_rank), shlex.quote(job.head), job.bench_args, port=job.port,
-                            python=job.python)
-    return ["ssh", "-tt", *job.ssh.argv(), job.targets[node_rank].destination, remote_shell(job, line)]
+    line = torchrun_command(job.layout, str(node_rank), shlex.quote(job.head), job.bench_args,
+                            port=job.port, python=job.python)
+    return ["ssh", "-tt", *job.ssh.argv(), job.targets[node_rank].destination,
+            remote_shell(job, line)]
 
 
 def preflight_command(job: HostJob, target: Target) -> list[str]:
@@ -118,17 +120,20 @@ def preflight(job: HostJob) -> None:
         except subprocess.TimeoutExpired:
             for other in checks.values():
                 other.kill()
-            raise ConfigError(f"host {target.destination}: no answer over ssh in {PREFLIGHT_TIMEOUT_S:g} s") from None
+            raise ConfigError(f"host {target.destination}: no answer over ssh in "
+                              f"{PREFLIGHT_TIMEOUT_S:g} s") from None
         last = (stderr.strip().splitlines() or [""])[-1]
         if check.returncode == 255:
             raise ConfigError(f"host {target.destination}: cannot connect over ssh: {last}")
         if check.returncode != 0:
-            raise ConfigError(f"host {target.destination}: {job.python} cannot import ps_bench and torch "
-                              f"(in {job.workdir or 'the login folder'}): {last}; install them there "
-                              f"(ps_bench, and torch pinned to this machine's) or set --python/--workdir")
+            raise ConfigError(f"host {target.destination}: {job.python} cannot import ps_bench and "
+                              f"torch (in {job.workdir or 'the login folder'}): {last}; install "
+                              f"them there (ps_bench, and torch pinned to this machine's) or set "
+                              f"--python/--workdir")
         found = stdout.strip().splitlines()[-1] if stdout.strip() else ""
         if found != wanted:
-            raise ConfigError(f"host {target.destination} has ps_bench and torch {found or '(nothing printed)'}, "
+            raise ConfigError(f"host {target.destination} has ps_bench and torch "
+                              f"{found or '(nothing printed)'}, "
                               f"this machine {wanted}; install the same versions on every host")
 
 
@@ -182,7 +187,8 @@ class Agent:
 
 
 def describe_failure(agent: Agent, job: HostJob, role_of: Callable[[int], str]) -> str:
-    """``host H (node N): trainer 1 (rank 3, trainer3) killed by SIGKILL``, from torchrun's report."""
+    """``host H (node N): trainer 1 (rank 3, trainer3) killed by SIGKILL``, from torchrun's
+    report."""
     where = f"host {agent.target.host} (node {agent.node_rank})"
     cause = failed_rank("\n".join(agent.output))
     code = agent.process.returncode
@@ -217,7 +223,8 @@ def summarise_failures(failed: Sequence[Agent], job: HostJob, role_of: Callable[
     return summary
 
 
-def run(job: HostJob, role_of: Callable[[int], str], write: Callable[[str], None] = sys.stdout.write) -> int:
+def run(job: HostJob, role_of: Callable[[int], str],
+        write: Callable[[str], None] = sys.stdout.write) -> int:
     """Starts every host's agent and waits; returns 0, or raises HostsFailed naming the first
     host that failed, after every remote process is stopped."""
     lock = threading.Lock()

@@ -54,20 +54,23 @@ def layout_for(cfg: RunConfig, nodes: int, hosts: bool = False) -> NodeLayout:
         given = f"{nodes} hosts" if hosts else f"--nodes {nodes}"
         counts = ", ".join(str(n) for n in range(1, world + 1) if world % n == 0)
         raise ConfigError(
-            f"{given} do{'' if hosts else 'es'} not divide this job's {world} processes ({cfg.num_trainers} "
-            f"trainer(s) + {cfg.num_servers} server(s) + 1 master), and torchrun starts the same number on every "
-            f"node: add {more} trainer(s) (--ntrainer {cfg.ntrainer + more}) or use "
+            f"{given} do{'' if hosts else 'es'} not divide this job's {world} processes "
+            f"({cfg.num_trainers} trainer(s) + {cfg.num_servers} server(s) + 1 master), and "
+            f"torchrun starts the same number on every node: add {more} trainer(s) "
+            f"(--ntrainer {cfg.ntrainer + more}) or use "
             f"{'a number of hosts' if hosts else '--nodes'} among {counts}")
     return NodeLayout(nodes, world // nodes)
 
 
 def trainers_per_node(cfg: RunConfig, layout: NodeLayout) -> int:
     """The most trainers any node runs (what a GPU count must cover)."""
-    return max(sum(rank < cfg.num_trainers for rank in layout.ranks_of(node)) for node in range(layout.nodes))
+    return max(sum(rank < cfg.num_trainers for rank in layout.ranks_of(node))
+               for node in range(layout.nodes))
 
 
-def torchrun_command(layout: NodeLayout, node_rank: str, master_addr: str, bench_args: Sequence[str], *,
-                     port: int = DEFAULT_PORT, max_restarts: int = 0, python: str = sys.executable) -> str:
+def torchrun_command(layout: NodeLayout, node_rank: str, master_addr: str,
+                     bench_args: Sequence[str], *, port: int = DEFAULT_PORT,
+                     max_restarts: int = 0, python: str = sys.executable) -> str:
     """One shell line that starts this node's torchrun agent. ``node_rank`` and ``master_addr``
     are shell words, left as they are so a variable (``"$SLURM_NODEID"``) is expanded where
     the line runs; everything else is quoted."""
@@ -85,15 +88,18 @@ def torchrun_command(layout: NodeLayout, node_rank: str, master_addr: str, bench
 # -- what every engine shares ------------------------------------------------------------------
 def add_engine_arguments(parser: argparse.ArgumentParser, node: str = "node") -> None:
     """``--iface`` and ``--port``; ``node`` is what the engine calls a machine (node, host)."""
-    parser.add_argument("--iface", metavar="NAME", help=f"network interface between the {node}s: exported as "
-                        f"TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME, checked on each {node}")
+    parser.add_argument("--iface", metavar="NAME",
+                        help=f"network interface between the {node}s: exported as "
+                             f"TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME, checked on each {node}")
     parser.add_argument("--port", type=typed(int, "port"), default=DEFAULT_PORT, metavar="P",
-                        help=f"port of torchrun's store on the first {node} (default: {DEFAULT_PORT})")
+                        help=f"port of torchrun's store on the first {node} "
+                             f"(default: {DEFAULT_PORT})")
 
 
 def export_line(iface: str) -> str:
     """The shell line that exports the interface variables for ``iface``."""
-    return "export " + " ".join(f"{key}={shlex.quote(value)}" for key, value in interface_env(iface).items())
+    return "export " + " ".join(f"{key}={shlex.quote(value)}"
+                                for key, value in interface_env(iface).items())
 
 
 def with_iface(bench_args: Sequence[str], iface: str | None) -> list[str]:
@@ -114,16 +120,16 @@ def cluster_job(args: argparse.Namespace, bench_argv: list[str], nodes: int, gpu
     values, config_path = parse_run_options(bench_argv)
     cfg = build_config(values, config_path)
     if cfg.emulate_link is not None:
-        raise ConfigError("--emulate-link emulates a network of hosts on this one machine: run it with bench.py "
-                          "(bench.py emulate), not across real nodes")
+        raise ConfigError("--emulate-link emulates a network of hosts on this one machine: run it "
+                          "with bench.py (bench.py emulate), not across real nodes")
     cfg.iface = None
     layout = layout_for(cfg, nodes, hosts)
     wants_cuda = cfg.backend != "gloo" or cfg.ncudatrainer or cfg.ncudaserver
     if gpus_per_node == UNKNOWN_GPUS:
         gpus_per_node = trainers_per_node(cfg, layout) + cfg.ncudaserver if wants_cuda else 0
     if wants_cuda and gpus_per_node < 1:
-        raise ConfigError("the bench options use CUDA (--backend nccl/multi, --ncudatrainer or --ncudaserver): "
-                          "set --gpus-per-node")
+        raise ConfigError("the bench options use CUDA (--backend nccl/multi, --ncudatrainer or "
+                          "--ncudaserver): set --gpus-per-node")
     if gpus_per_node < 0:
         raise ConfigError(f"--gpus-per-node must be 0 or more; got {gpus_per_node}")
     validate(cfg, gpus=gpus_per_node, trainers_on_node=trainers_per_node(cfg, layout))

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ps_bench.compare.intervals import CONFIDENCE, MIN_RUNS, Interval, runs_interval, verdict, within_run_interval
-from ps_bench.compare.sides import Pairing, Run, Side, ignored_fields, load_side, pair_points, point_label, varying
+from ps_bench.compare.intervals import (CONFIDENCE, MIN_RUNS, Interval, runs_interval, verdict,
+                                        within_run_interval)
+from ps_bench.compare.sides import (Pairing, Run, Side, ignored_fields, load_side, pair_points,
+                                    point_label, varying)
 from ps_bench.results.files import iso_now
 
 COMPARISON_SCHEMA = "ps_bench.comparison/1"
@@ -67,20 +69,24 @@ class Metric:
 
 
 METRICS = (
-    Metric("batch p50", "ms", 3, False, lambda r: trainer_stat(r, "batch", "p50"), "batch", percentile_of(50)),
-    Metric("batch p90", "ms", 3, False, lambda r: trainer_stat(r, "batch", "p90"), "batch", percentile_of(90)),
-    Metric("comm p50", "ms", 3, False, lambda r: trainer_stat(r, "comm", "p50"), "comm", percentile_of(50)),
+    Metric("batch p50", "ms", 3, False, lambda r: trainer_stat(r, "batch", "p50"), "batch",
+           percentile_of(50)),
+    Metric("batch p90", "ms", 3, False, lambda r: trainer_stat(r, "batch", "p90"), "batch",
+           percentile_of(90)),
+    Metric("comm p50", "ms", 3, False, lambda r: trainer_stat(r, "comm", "p50"), "comm",
+           percentile_of(50)),
     # samples/s has no per-iteration samples: the inverse of the mean batch time changes as it does
-    Metric("samples/s", "1/s", 0, True, lambda r: (r.get("throughput") or {}).get("samples_per_s"), "batch",
-           per_second),
-    Metric("bytes/iter", "B", 0, False, lambda r: (r.get("bytes") or {}).get("trainer_sent_per_iter"), "bytes_sent",
-           mean_of, ("fewer bytes", "more bytes")),
+    Metric("samples/s", "1/s", 0, True, lambda r: (r.get("throughput") or {}).get("samples_per_s"),
+           "batch", per_second),
+    Metric("bytes/iter", "B", 0, False,
+           lambda r: (r.get("bytes") or {}).get("trainer_sent_per_iter"), "bytes_sent", mean_of,
+           ("fewer bytes", "more bytes")),
     Metric("seconds to target", "s", 3, False, lambda r: reached(r, "seconds")),
     Metric("iterations to target", "", 0, False, lambda r: reached(r, "iterations")),
 )
 
 
-# ---------------------------------------------------------------------------- one comparison, two views
+# ------------------------------------------------------------------------ one comparison, two views
 
 
 @dataclass
@@ -100,11 +106,13 @@ class Row:
             return None if value is None or not math.isfinite(value) else round(100 * value, 4)
 
         return {"point": self.point, "metric": self.metric.name, "unit": self.metric.unit,
-                "higher_is_better": self.metric.higher_is_better, "base": self.base, "new": self.new,
-                "change_pct": pct(self.interval.change), "ci_low_pct": pct(self.interval.low),
-                "ci_high_pct": pct(self.interval.high), "verdict": self.verdict, "significant": self.significant,
-                "interval_from": self.interval.method or None, "base_count": self.interval.base_count,
-                "new_count": self.interval.new_count, "note": self.interval.note or None}
+                "higher_is_better": self.metric.higher_is_better, "base": self.base,
+                "new": self.new, "change_pct": pct(self.interval.change),
+                "ci_low_pct": pct(self.interval.low), "ci_high_pct": pct(self.interval.high),
+                "verdict": self.verdict, "significant": self.significant,
+                "interval_from": self.interval.method or None,
+                "base_count": self.interval.base_count, "new_count": self.interval.new_count,
+                "note": self.interval.note or None}
 
     def table_row(self) -> list:
         def value(number: float | None) -> str | None:
@@ -115,12 +123,16 @@ class Row:
 
         interval = self.interval
         spread = None if interval.low is None else f"[{pct(interval.low)}, {pct(interval.high)}]"
-        counts = (f"{interval.base_count} vs {interval.new_count} runs" if interval.method == "runs" else
+        counts = (f"{interval.base_count} vs {interval.new_count} runs"
+                  if interval.method == "runs" else
                   f"{interval.base_count} vs {interval.new_count} iterations (within-run)"
                   if interval.method == "within-run" else None)
-        return [self.point, self.metric.name + (f" {self.metric.unit}" if self.metric.unit in ("ms", "B") else ""),
-                value(self.base), value(self.new), None if interval.change is None else pct(interval.change), spread,
-                self.verdict, counts]
+        return [self.point,
+                self.metric.name + (f" {self.metric.unit}"
+                                    if self.metric.unit in ("ms", "B") else ""),
+                value(self.base), value(self.new),
+                None if interval.change is None else pct(interval.change), spread, self.verdict,
+                counts]
 
 
 HEADERS = ["point", "metric", "base", "new", "change", "95% CI", "verdict", "interval from"]
@@ -134,8 +146,10 @@ def compare_point(pairing: Pairing, threshold: float) -> list[Row]:
     rows = []
     from_runs = min(len(pairing.base), len(pairing.new)) >= MIN_RUNS
     for metric in METRICS:
-        base_values = [v for v in (metric.value(run.results) for run in pairing.base) if v is not None]
-        new_values = [v for v in (metric.value(run.results) for run in pairing.new) if v is not None]
+        base_values = [v for v in (metric.value(run.results) for run in pairing.base)
+                       if v is not None]
+        new_values = [v for v in (metric.value(run.results) for run in pairing.new)
+                      if v is not None]
         if not base_values or not new_values:
             continue  # a metric compares only where both sides have it
         base, new = geometric_mean(base_values), geometric_mean(new_values)
@@ -147,10 +161,13 @@ def compare_point(pairing: Pairing, threshold: float) -> list[Row]:
                                 f"one value a run: an interval needs {MIN_RUNS} runs a side")
         else:
             change = new / base - 1 if base > 0 else (0.0 if new == base else None)
-            base_samples = np.array([v for run in pairing.base for v in trainer_samples(run.results, metric.samples)])
-            new_samples = np.array([v for run in pairing.new for v in trainer_samples(run.results, metric.samples)])
+            base_samples = np.array([v for run in pairing.base
+                                     for v in trainer_samples(run.results, metric.samples)])
+            new_samples = np.array([v for run in pairing.new
+                                    for v in trainer_samples(run.results, metric.samples)])
             interval = (within_run_interval(base_samples, new_samples, metric.statistic, change)
-                        if change is not None else Interval(None, None, None, "", len(base_samples), len(new_samples)))
+                        if change is not None else Interval(None, None, None, "", len(base_samples),
+                                                            len(new_samples)))
         said, significant = verdict(interval, threshold, metric.higher_is_better, metric.words)
         rows.append(Row(pairing.label, metric, base, new, interval, said, significant))
     return rows
@@ -171,7 +188,8 @@ class Comparison:
     @property
     def forced(self) -> bool:
         """One point a side, paired though options other than --match's differ."""
-        return len(self.pairings) == 1 and any(name not in self.ignored for name in self.pairings[0].differs)
+        return len(self.pairings) == 1 and any(name not in self.ignored
+                                               for name in self.pairings[0].differs)
 
     @property
     def over_limit(self) -> list[Row]:
@@ -191,17 +209,22 @@ class Comparison:
 
     def record(self, argv: list[str]) -> dict:
         def side(which: Side) -> dict:
-            return {"path": which.path, "kind": which.kind, "runs": len(which.runs), "failed_runs": len(which.failed),
-                    "skipped_files": which.skipped,
-                    "torch": sorted({str((run.results.get("env") or {}).get("torch")) for run in which.runs})}
+            return {"path": which.path, "kind": which.kind, "runs": len(which.runs),
+                    "failed_runs": len(which.failed), "skipped_files": which.skipped,
+                    "torch": sorted({str((run.results.get("env") or {}).get("torch"))
+                                     for run in which.runs})}
 
         return {
             "schema": COMPARISON_SCHEMA, "created": iso_now(), "argv": argv,
-            "confidence": CONFIDENCE, "threshold_pct": round(100 * self.threshold, 6), "min_runs": MIN_RUNS,
+            "confidence": CONFIDENCE, "threshold_pct": round(100 * self.threshold, 6),
+            "min_runs": MIN_RUNS,
             "match_ignores": self.ignored, "base": side(self.base), "new": side(self.new),
-            "points": [{"label": p.label, "hash": p.key, "base_runs": len(p.base), "new_runs": len(p.new),
-                        "differs": {name: {"base": b, "new": n} for name, (b, n) in p.differs.items()},
-                        "interval_from": "runs" if min(len(p.base), len(p.new)) >= MIN_RUNS else "within-run"}
+            "points": [{"label": p.label, "hash": p.key, "base_runs": len(p.base),
+                        "new_runs": len(p.new),
+                        "differs": {name: {"base": b, "new": n}
+                                    for name, (b, n) in p.differs.items()},
+                        "interval_from": ("runs" if min(len(p.base), len(p.new)) >= MIN_RUNS
+                                          else "within-run")}
                        for p in self.pairings],
             "metrics": [row.record() for row in self.rows],
             "unmatched": {"base": self.unmatched_labels(self.unmatched_base),
@@ -213,16 +236,19 @@ class Comparison:
 
 
 def compare(base_source: str, new_source: str, match: str | None = None,
-            threshold_pct: float = DEFAULT_THRESHOLD_PCT, fail_over: float | None = None) -> Comparison:
+            threshold_pct: float = DEFAULT_THRESHOLD_PCT,
+            fail_over: float | None = None) -> Comparison:
     """Reads both sides, matches their points and compares every metric both have."""
     ignored = ignored_fields(match)
-    return compare_sides(load_side(base_source, "base"), load_side(new_source, "new"), ignored, threshold_pct,
-                         fail_over)
+    return compare_sides(load_side(base_source, "base"), load_side(new_source, "new"), ignored,
+                         threshold_pct, fail_over)
 
 
-def compare_sides(base: Side, new: Side, ignored: Sequence[str] = (), threshold_pct: float = DEFAULT_THRESHOLD_PCT,
+def compare_sides(base: Side, new: Side, ignored: Sequence[str] = (),
+                  threshold_pct: float = DEFAULT_THRESHOLD_PCT,
                   fail_over: float | None = None) -> Comparison:
     pairings, unmatched_base, unmatched_new = pair_points(base, new, ignored)
     threshold = threshold_pct / 100
     rows = [row for pairing in pairings for row in compare_point(pairing, threshold)]
-    return Comparison(base, new, list(ignored), threshold, pairings, rows, unmatched_base, unmatched_new, fail_over)
+    return Comparison(base, new, list(ignored), threshold, pairings, rows, unmatched_base,
+                      unmatched_new, fail_over)

@@ -75,7 +75,8 @@ def few(count_base: int, count_new: int, what: str) -> str:
     return f"only {count_base} and {count_new} {what}: the interval is wide"
 
 
-def runs_interval(base: Sequence[float], new: Sequence[float], confidence: float = CONFIDENCE) -> Interval:
+def runs_interval(base: Sequence[float], new: Sequence[float],
+                  confidence: float = CONFIDENCE) -> Interval:
     """Welch's t-interval of mean(log new) - mean(log base): the change of the geometric mean of
     one value per run, and its interval, from the spread between runs."""
     base_values, new_values = np.asarray(base, dtype=float), np.asarray(new, dtype=float)
@@ -99,8 +100,8 @@ def runs_interval(base: Sequence[float], new: Sequence[float], confidence: float
         return Interval(change, change, change, "runs", nb, nn, note)
     df = spread ** 4 / (share_base ** 2 / (nb - 1) + share_new ** 2 / (nn - 1))
     half = t_quantile(0.5 + confidence / 2, df) * spread
-    return Interval(math.expm1(difference), math.expm1(difference - half), math.expm1(difference + half), "runs",
-                    nb, nn, note)
+    return Interval(math.expm1(difference), math.expm1(difference - half),
+                    math.expm1(difference + half), "runs", nb, nn, note)
 
 
 def within_run_interval(base_samples: np.ndarray, new_samples: np.ndarray,
@@ -112,14 +113,17 @@ def within_run_interval(base_samples: np.ndarray, new_samples: np.ndarray,
     nb, nn = len(base_samples), len(new_samples)
     note = OPTIMISTIC
     if nb < 2 or nn < 2:
-        return Interval(change, -math.inf, math.inf, "within-run", nb, nn, f"fewer than 2 samples a side; {note}")
+        return Interval(change, -math.inf, math.inf, "within-run", nb, nn,
+                        f"fewer than 2 samples a side; {note}")
     if nb < 20 or nn < 20:
         note = f"{few(nb, nn, 'samples')}; {note}"
-    observed_base, observed_new = statistic(base_samples[None, :])[0], statistic(new_samples[None, :])[0]
+    observed_base, observed_new = (statistic(base_samples[None, :])[0],
+                                   statistic(new_samples[None, :])[0])
     if observed_base <= 0 or observed_new <= 0:
         exact = observed_base == observed_new == 0
-        return Interval(0.0 if exact else change, 0.0 if exact else None, 0.0 if exact else None,
-                        "within-run" if exact else "", nb, nn, "" if exact else "statistic at or below 0")
+        return Interval(0.0 if exact else change, 0.0 if exact else None,
+                        0.0 if exact else None, "within-run" if exact else "", nb, nn,
+                        "" if exact else "statistic at or below 0")
     rng = np.random.default_rng(seed)
     resampled_base = statistic(base_samples[rng.integers(0, nb, size=(RESAMPLES, nb))])
     resampled_new = statistic(new_samples[rng.integers(0, nn, size=(RESAMPLES, nn))])
@@ -129,7 +133,8 @@ def within_run_interval(base_samples: np.ndarray, new_samples: np.ndarray,
     tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(spread, [tail, 100 - tail])
     ratio = 1.0 + change
-    return Interval(change, float(ratio * low - 1), float(ratio * high - 1), "within-run", nb, nn, note)
+    return Interval(change, float(ratio * low - 1), float(ratio * high - 1), "within-run", nb, nn,
+                    note)
 
 
 # ---------------------------------------------------------------------------- the verdict

@@ -16,7 +16,8 @@ from ps_bench.results.files import NOT_HASHED, config_hash
 from ps_bench.results.load import load_source
 
 # Resolved options that say where a run wrote or listened, or what it derived, not what it measured.
-NOT_COMPARED = (*NOT_HASHED, "model_size", "master_port", "engine_config")  # engine_config: derived from the options
+# engine_config: derived from the options
+NOT_COMPARED = (*NOT_HASHED, "model_size", "master_port", "engine_config")
 # --match model also ignores the model's entry, and --match data the data's.
 ENTRIES = {"model": "model_config", "data": "data_config"}
 
@@ -55,10 +56,11 @@ class Side:
     def describe(self) -> str:
         torch = sorted({str((run.results.get("env") or {}).get("torch")) for run in self.runs})
         extra = [f"{len(self.failed)} failed run(s) left out"] if self.failed else []
-        extra += [f"{len(self.skipped)} file(s) that are not results skipped"] if self.skipped else []
+        extra += ([f"{len(self.skipped)} file(s) that are not results skipped"]
+                  if self.skipped else [])
         extra += [f"{self.torn} torn line(s) skipped"] if self.torn else []
-        return (f"{self.role}: {self.path} ({self.kind}, {len(self.runs)} run(s), torch {', '.join(torch)}"
-                f"{''.join('; ' + e for e in extra)})")
+        return (f"{self.role}: {self.path} ({self.kind}, {len(self.runs)} run(s), torch "
+                f"{', '.join(torch)}{''.join('; ' + e for e in extra)})")
 
 
 def load_side(source: str, role: str) -> Side:
@@ -74,12 +76,14 @@ def load_side(source: str, role: str) -> Side:
         latest[key] = Run(where, results)
     runs = list(latest.values())
     if not runs:
-        raise ConfigError(f"compare: {role} {source!r} holds no results (give a results file, a sweep folder or a "
-                          f"folder of results files)")
+        raise ConfigError(f"compare: {role} {source!r} holds no results (give a results file, a "
+                          f"sweep folder or a folder of results files)")
     ok = [run for run in runs if run.ok]
     if not ok:
-        raise ConfigError(f"compare: {role} {source!r} holds no successful run ({len(runs)} failed)")
-    return Side(role, source, loaded.kind, ok, [run for run in runs if not run.ok], loaded.skipped, loaded.torn)
+        raise ConfigError(f"compare: {role} {source!r} holds no successful run "
+                          f"({len(runs)} failed)")
+    return Side(role, source, loaded.kind, ok, [run for run in runs if not run.ok], loaded.skipped,
+                loaded.torn)
 
 
 # ---------------------------------------------------------------------------- matching
@@ -121,7 +125,8 @@ def group_points(side: Side, ignored: Sequence[str]) -> dict[str, list[Run]]:
 
 def differing_fields(base: list[Run], new: list[Run]) -> dict[str, tuple[str, str]]:
     """Options whose values differ between two groups of runs: name -> (base's, new's)."""
-    names = list(dict.fromkeys(k for run in base + new for k in run.config if k not in NOT_COMPARED))
+    names = list(dict.fromkeys(k for run in base + new for k in run.config
+                               if k not in NOT_COMPARED))
     out = {}
     for name in names:
         before = sorted({shown(run.config.get(name)) for run in base})
@@ -136,12 +141,13 @@ class Pairing:
     base: list[Run]
     new: list[Run]
     key: str
-    differs: dict[str, tuple[str, str]]  # fields that differ between base and new (ignored, or a forced pair)
+    # fields that differ between base and new (ignored, or a forced pair)
+    differs: dict[str, tuple[str, str]]
     label: str = ""
 
 
-def pair_points(base: Side, new: Side, ignored: Sequence[str]) -> tuple[list[Pairing], list[list[Run]],
-                                                                          list[list[Run]]]:
+def pair_points(base: Side, new: Side,
+                ignored: Sequence[str]) -> tuple[list[Pairing], list[list[Run]], list[list[Run]]]:
     """Matched points, and the points of base and of new that match nothing. Two sides of one
     point each are paired whatever else differs (the fields that do are shown); two models
     are refused unless --match model says to ignore the model."""
@@ -149,22 +155,25 @@ def pair_points(base: Side, new: Side, ignored: Sequence[str]) -> tuple[list[Pai
         models_base = {shown(run.config.get("model")) for run in base.runs}
         models_new = {shown(run.config.get("model")) for run in new.runs}
         if not models_base & models_new:
-            raise ConfigError(f"compare: base runs model {', '.join(sorted(models_base))} and new runs "
-                              f"{', '.join(sorted(models_new))}: compare runs of one model, or add --match model to "
-                              f"compare them all the same")
+            raise ConfigError(f"compare: base runs model {', '.join(sorted(models_base))} and new "
+                              f"runs {', '.join(sorted(models_new))}: compare runs of one model, "
+                              f"or add --match model to compare them all the same")
     points_base, points_new = group_points(base, ignored), group_points(new, ignored)
     common = [key for key in points_base if key in points_new]
     if not common and len(points_base) == 1 and len(points_new) == 1:
-        (key, runs_base), (_, runs_new) = next(iter(points_base.items())), next(iter(points_new.items()))
+        (key, runs_base), (_, runs_new) = (next(iter(points_base.items())),
+                                           next(iter(points_new.items())))
         pairing = Pairing(runs_base, runs_new, key, differing_fields(runs_base, runs_new))
         label_points([runs_base + runs_new], [pairing])
         return [pairing], [], []
     if not common:
         differs = differing_fields(base.runs, new.runs)
-        raise ConfigError(f"compare: no point of {new.path!r} has the configuration of a point of {base.path!r} "
-                          f"({len(points_base)} and {len(points_new)} points); the options that differ: "
-                          f"{', '.join(differs) or 'none'} (--match NAME,... ignores options)")
-    pairings = [Pairing(points_base[key], points_new[key], key, differing_fields(points_base[key], points_new[key]))
+        raise ConfigError(f"compare: no point of {new.path!r} has the configuration of a point of "
+                          f"{base.path!r} ({len(points_base)} and {len(points_new)} points); the "
+                          f"options that differ: {', '.join(differs) or 'none'} (--match NAME,... "
+                          f"ignores options)")
+    pairings = [Pairing(points_base[key], points_new[key], key,
+                        differing_fields(points_base[key], points_new[key]))
                 for key in common]
     label_points([*points_base.values(), *points_new.values()], pairings)
     return (pairings, [runs for key, runs in points_base.items() if key not in common],
@@ -172,9 +181,10 @@ def pair_points(base: Side, new: Side, ignored: Sequence[str]) -> tuple[list[Pai
 
 
 def varying(groups: list[list[Run]]) -> list[str]:
-    names = list(dict.fromkeys(k for runs in groups for run in runs for k in run.config if k not in NOT_COMPARED
-                               and k not in ENTRIES.values()))
-    return [n for n in names if len({shown(run.config.get(n)) for runs in groups for run in runs}) > 1]
+    names = list(dict.fromkeys(k for runs in groups for run in runs for k in run.config
+                               if k not in NOT_COMPARED and k not in ENTRIES.values()))
+    return [n for n in names
+            if len({shown(run.config.get(n)) for runs in groups for run in runs}) > 1]
 
 
 def point_label(runs: list[Run], columns: list[str]) -> str:
@@ -183,13 +193,16 @@ def point_label(runs: list[Run], columns: list[str]) -> str:
     names = {run.point_name for run in runs}
     if len(names) == 1 and None not in names:
         return names.pop()
-    return " ".join(f"{c}={shown(runs[0].config.get(c))}" for c in columns) or shown(runs[0].config.get("model"))
+    return (" ".join(f"{c}={shown(runs[0].config.get(c))}" for c in columns) or
+            shown(runs[0].config.get("model")))
 
 
 def label_points(groups: list[list[Run]], pairings: list[Pairing]) -> None:
     columns = [c for c in varying(groups) if not any(c in p.differs for p in pairings)]
     for pairing in pairings:
         label = point_label(pairing.base + pairing.new, columns)
-        changed = "; ".join(f"{name}: {before} -> {after}" for name, (before, after) in pairing.differs.items()
+        changed = "; ".join(f"{name}: {before} -> {after}"
+                            for name, (before, after) in pairing.differs.items()
                             if name not in ENTRIES.values())
-        pairing.label = f"{label} ({changed})" if changed and len(pairings) > 1 else changed or label
+        pairing.label = (f"{label} ({changed})" if changed and len(pairings) > 1
+                         else changed or label)

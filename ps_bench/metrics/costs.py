@@ -151,10 +151,12 @@ def flat_ring_ms(nodes: Nodes, nbytes: float, steps_per_message: int = 1) -> flo
     (NCCL's ring, Jeaugey, "NCCL 2.0", GTC 2017). G = 1 is ``ring_allreduce_ms`` over N; N = 1 is
     a ring over the local link alone."""
     if nodes.count == 1:
-        return ring_allreduce_ms(nodes.per_node, nbytes, nodes.within(), steps_per_message) if nodes.per_node > 1 else 0.0
+        return (ring_allreduce_ms(nodes.per_node, nbytes, nodes.within(), steps_per_message)
+                if nodes.per_node > 1 else 0.0)
     if nodes.per_node == 1:
         return ring_allreduce_ms(nodes.count, nbytes, nodes.network, steps_per_message)
-    slowest = Link(nodes.network.latency_ms, min(nodes.network.bytes_per_ms, nodes.within().bytes_per_ms))
+    slowest = Link(nodes.network.latency_ms,
+                   min(nodes.network.bytes_per_ms, nodes.within().bytes_per_ms))
     return ring_allreduce_ms(nodes.trainers, nbytes, slowest, steps_per_message)
 
 
@@ -174,7 +176,8 @@ def hierarchical_ms(nodes: Nodes, nbytes: float, gloo: bool = False) -> float:
     all-reduce, Sergeev and Del Balso 2018; NCCL's rings across nodes). G = 1 is a ring over the
     N nodes, N = 1 a ring over the local link. ``gloo`` all-reduces where NCCL reduce-scatters:
     its first step moves twice the bytes, inside the node (three steps' worth in all)."""
-    return within_node_ms(nodes, nbytes, 3 if gloo else 2) + ring_allreduce_ms(nodes.count, nbytes, nodes.network)
+    return (within_node_ms(nodes, nbytes, 3 if gloo else 2) +
+            ring_allreduce_ms(nodes.count, nbytes, nodes.network))
 
 
 def hsdp_reduce_ms(nodes: Nodes, nbytes: float, gloo: bool = False) -> float:
@@ -184,7 +187,8 @@ def hsdp_reduce_ms(nodes: Nodes, nbytes: float, gloo: bool = False) -> float:
     VLDB 2023, hybrid sharding). Its parameters' all-gathers within the node, before forward and
     again before backward, are ``hsdp_gather_ms``. On ``gloo`` the reduce-scatter is an all-reduce
     (twice the bytes inside the node)."""
-    return within_node_ms(nodes, nbytes, 2 if gloo else 1) + ring_allreduce_ms(nodes.count, nbytes, nodes.network)
+    return (within_node_ms(nodes, nbytes, 2 if gloo else 1) +
+            ring_allreduce_ms(nodes.count, nbytes, nodes.network))
 
 
 def collective_ms(collective: str, nodes: Nodes, nbytes: float, gloo: bool = False) -> float:
@@ -193,7 +197,8 @@ def collective_ms(collective: str, nodes: Nodes, nbytes: float, gloo: bool = Fal
     the whole ring, a reduce-scatter, all-gather or (pipelined) broadcast half of it; on gloo a
     reduce-scatter is an all-reduce (``collective_bytes``)."""
     whole = flat_ring_ms(nodes, nbytes)
-    return whole if collective == "all_reduce" or (collective == "reduce_scatter" and gloo) else whole / 2
+    return (whole if collective == "all_reduce" or (collective == "reduce_scatter" and gloo)
+            else whole / 2)
 
 
 def hsdp_gather_ms(nodes: Nodes, nbytes: float) -> float:

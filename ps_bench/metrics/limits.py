@@ -72,7 +72,8 @@ def efficiency(floor_ms: float | None, cost_ms: float | None) -> float | None:
     return floor_ms / cost_ms
 
 
-def low_rank_factors(shapes: list[list[int]], rank: int, min_compression_rate: float) -> tuple[int, int, int]:
+def low_rank_factors(shapes: list[list[int]], rank: int,
+                     min_compression_rate: float) -> tuple[int, int, int]:
     """Elements torch's per-tensor PowerSGD all-reduces for one bucket: the tensors not worth
     compressing (1-D ones, and matrices where ``(n + m) · r · rate >= n · m``, as its
     ``_should_compress`` decides), every P (``n × r``) and every Q (``m × r``), with each gradient
@@ -94,7 +95,8 @@ def low_rank_factors(shapes: list[list[int]], rank: int, min_compression_rate: f
     return uncompressed, p_elements, q_elements
 
 
-def batched_low_rank_factors(elements: int, rank: int, min_compression_rate: float) -> tuple[int, int, int]:
+def batched_low_rank_factors(elements: int, rank: int,
+                             min_compression_rate: float) -> tuple[int, int, int]:
     """Elements torch's batched PowerSGD all-reduces for one bucket of ``elements``: the bucket as
     one square matrix of side ``ceil(sqrt(elements))``, P and Q of ``side × rank`` each; the whole
     bucket, uncompressed, where that does not save ``min_compression_rate`` times."""
@@ -104,7 +106,8 @@ def batched_low_rank_factors(elements: int, rank: int, min_compression_rate: flo
     return elements, 0, 0
 
 
-def floor_messages(strategy, buckets: list[dict], options: dict, slices: int = 1) -> dict[int, list[tuple[int, str]]]:
+def floor_messages(strategy, buckets: list[dict], options: dict,
+                   slices: int = 1) -> dict[int, list[tuple[int, str]]]:
     """What ``strategy`` (a ``Strategy`` record) puts on the wire for each of ``buckets`` (rows of
     ``DdpTrainer.bucket_layout``: index, bytes, sparse, shapes), as ``(elements, dtype)``
     messages in the order it sends them; ``options`` are the hook's options, defaults included;
@@ -134,12 +137,13 @@ def wire_dtype(payload: str) -> str:
 
 
 def message_bytes(messages: dict[int, list[tuple[int, str]]]) -> int:
-    return sum(count * ELEMENT_BYTES[dtype] for parts in messages.values() for count, dtype in parts)
+    return sum(count * ELEMENT_BYTES[dtype]
+               for parts in messages.values() for count, dtype in parts)
 
 
 def link_terms(method: str, peers: int) -> tuple[float, float]:
-    """How many latencies and how many times the message crosses a link in one probe:
-    a ring all-reduce among n ranks (``costs.ring_allreduce_ms``); an RPC round trip, ``2α + 2S/B``."""
+    """How many latencies and how many times the message crosses a link in one probe: a ring
+    all-reduce among n ranks (``costs.ring_allreduce_ms``); an RPC round trip, ``2α + 2S/B``."""
     if method == "allreduce":
         return float(costs.ring_steps(peers)), costs.ring_share(peers)
     return 2.0, 2.0
@@ -161,11 +165,14 @@ def fit_link(points: list[tuple[int, float]], method: str, peers: int) -> dict:
 
 
 def link_summary(samples: dict[int, list[float]], method: str, peers: int) -> dict | None:
-    """The link probe's p50 per message size and the link fitted to them (None without two sizes)."""
-    points = [(size, statistics.median(values)) for size, values in sorted(samples.items()) if values]
+    """The link probe's p50 per message size and the link fitted to them (None without two
+    sizes)."""
+    points = [(size, statistics.median(values))
+              for size, values in sorted(samples.items()) if values]
     if len(points) < 2:
         return None
-    return {"method": method, "peers": peers, "points": [{"bytes": size, "p50_ms": ms} for size, ms in points],
+    return {"method": method, "peers": peers,
+            "points": [{"bytes": size, "p50_ms": ms} for size, ms in points],
             **fit_link(points, method, peers)}
 
 
@@ -202,7 +209,8 @@ def affordable(repeat: int, first_ms: float) -> tuple[int, int]:
 # -- the server side of the RPC floor ----------------------------------------------------------
 class RpcFloorTarget(Resident):
     """Lives on a parameter server: one preallocated buffer per bucket (``messages``: bucket index
-    -> its ``(elements, dtype)`` messages, of which an RPC floor sends one per bucket), nothing else."""
+    -> its ``(elements, dtype)`` messages, of which an RPC floor sends one per bucket), nothing
+    else."""
 
     def __init__(self, messages: dict[int, list[tuple[int, str]]]) -> None:
         self.buffers = {index: torch.zeros(parts[0][0], dtype=DTYPES[parts[0][1]])
@@ -245,13 +253,17 @@ def _timed(repeat: int, once, sync, agree=slowest(None)) -> list[float]:
     return samples
 
 
-def rpc_floor_ms(messages: dict[int, list[tuple[int, str]]], owners: dict[int, rpc.RRef], group: dist.ProcessGroup,
-                 device: torch.device, repeat: int = FLOOR_ITERATIONS) -> list[float]:
-    """Round trips of every bucket's message to its owner's floor target, all sent at once, per iteration."""
-    tensors = {index: torch.ones(parts[0][0], dtype=DTYPES[parts[0][1]]) for index, parts in messages.items() if parts}
+def rpc_floor_ms(messages: dict[int, list[tuple[int, str]]], owners: dict[int, rpc.RRef],
+                 group: dist.ProcessGroup, device: torch.device,
+                 repeat: int = FLOOR_ITERATIONS) -> list[float]:
+    """Round trips of every bucket's message to its owner's floor target, all sent at once, per
+    iteration."""
+    tensors = {index: torch.ones(parts[0][0], dtype=DTYPES[parts[0][1]])
+               for index, parts in messages.items() if parts}
 
     def once() -> None:
-        futures = [rpc.rpc_async(owners[i].owner(), RpcFloorTarget.add_and_answer, args=(owners[i], i, t))
+        futures = [rpc.rpc_async(owners[i].owner(), RpcFloorTarget.add_and_answer,
+                                 args=(owners[i], i, t))
                    for i, t in tensors.items()]
         torch.futures.wait_all(futures)
 
@@ -267,12 +279,12 @@ def echo_ms(nbytes: int, target: rpc.RRef, group: dist.ProcessGroup, device: tor
             repeat: int = FLOOR_ITERATIONS) -> list[float]:
     """Round trips of one ``nbytes`` message to ``target``'s process and back, per iteration."""
     tensor = torch.ones(nbytes // 4)
-    return _timed(repeat, lambda: rpc.rpc_sync(target.owner(), echo, args=(tensor,)), lambda: dist.barrier(group=group),
-                  slowest(group, device))
+    return _timed(repeat, lambda: rpc.rpc_sync(target.owner(), echo, args=(tensor,)),
+                  lambda: dist.barrier(group=group), slowest(group, device))
 
 
-def collective_floor_ms(messages: dict[int, list[tuple[int, str]]], device: torch.device, group: dist.ProcessGroup,
-                        repeat: int = FLOOR_ITERATIONS) -> list[float]:
+def collective_floor_ms(messages: dict[int, list[tuple[int, str]]], device: torch.device,
+                        group: dist.ProcessGroup, repeat: int = FLOOR_ITERATIONS) -> list[float]:
     """All-reduces of every bucket's messages among the trainers, all launched at once (in bucket
     and message order), per iteration."""
     tensors = [torch.ones(count, dtype=DTYPES[dtype], device=device)
@@ -309,14 +321,16 @@ def run_collective(kind: str, whole: torch.Tensor, group: dist.ProcessGroup) -> 
             whole[:whole.numel() // size].clone(), whole, group=group)
 
 
-def steps_floor_ms(steps: list[tuple[str, dist.ProcessGroup, int]], device: torch.device, group: dist.ProcessGroup,
-                   repeat: int = FLOOR_ITERATIONS, dtype: str = "float32") -> dict[str, list[float]]:
+def steps_floor_ms(steps: list[tuple[str, dist.ProcessGroup, int]], device: torch.device,
+                   group: dist.ProcessGroup, repeat: int = FLOOR_ITERATIONS,
+                   dtype: str = "float32") -> dict[str, list[float]]:
     """A strategy's own collectives with nothing of it around them: ``steps``, ``(collective,
     group, elements)`` of ``dtype`` (its wire's), one after the other as the strategy issues
     them, each waited for; per repetition, the ms of each collective (summed over the steps of
     that kind) and their ``total``. Buffers of each step's size, padded to a multiple of its
     group's size."""
-    buffers = [(kind, on, torch.ones(-(-elements // on.size()) * on.size(), device=device, dtype=DTYPES[dtype]))
+    buffers = [(kind, on, torch.ones(-(-elements // on.size()) * on.size(), device=device,
+                                     dtype=DTYPES[dtype]))
                for kind, on, elements in steps]
     spent: list[dict[str, float]] = []  # per repetition, untimed ones too
 
@@ -337,8 +351,8 @@ def steps_floor_ms(steps: list[tuple[str, dist.ProcessGroup, int]], device: torc
     return samples
 
 
-def compute_floor_ms(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor,
-                     batch_size: int, group: dist.ProcessGroup, lr: float,
+def compute_floor_ms(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
+                     targets: torch.Tensor, batch_size: int, group: dist.ProcessGroup, lr: float,
                      repeat: int = FLOOR_ITERATIONS) -> list[float]:
     """Forward, loss, backward and SGD step of ``model`` (a copy, outside DDP) per iteration."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)

@@ -9,15 +9,16 @@ first round (phases of different ranks overlap; these are what the first round w
 
 from __future__ import annotations
 
-RANK_MILESTONES = (("ranks started", "started"), ("rendezvous", "joined"), ("trainers' process group", "grouped"),
-                   ("RPC", "connected"))
+RANK_MILESTONES = (("ranks started", "started"), ("rendezvous", "joined"),
+                   ("trainers' process group", "grouped"), ("RPC", "connected"))
 
 
 def startup_phases(launcher: dict[str, float], ranks: list[dict[str, float]], servers_at: float,
                    ready_at: float) -> dict[str, float]:
     """Seconds per phase, and ``total`` (command to ready). ``launcher`` holds ``launched``
     and, where a launcher of ours ran, ``imported`` and ``validated`` (time.time())."""
-    milestones = [("launcher imports", launcher.get("imported")), ("validation", launcher.get("validated"))]
+    milestones = [("launcher imports", launcher.get("imported")),
+                  ("validation", launcher.get("validated"))]
     milestones += [(phase, max(rank[key] for rank in ranks)) for phase, key in RANK_MILESTONES]
     milestones += [("servers created", servers_at), ("trainers built (DDP)", ready_at)]
     phases, previous = {}, launcher["launched"]
@@ -31,5 +32,6 @@ def startup_phases(launcher: dict[str, float], ranks: list[dict[str, float]], se
 
 
 def render_startup(phases: dict[str, float]) -> str:
-    steps = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in phases.items() if phase != "total")
+    steps = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in phases.items()
+                      if phase != "total")
     return f"start-up (s): {steps}; ready after {phases['total']:.2f}"

@@ -69,7 +69,8 @@ def summary_rows(role: str, per_rank: dict[int, dict[str, list[float]]], metrics
         for rank, samples in sorted(per_rank.items()):
             for metric in metrics:
                 if samples.get(metric):
-                    rows.append(SummaryRow(role, metric, unit, **summarize(samples[metric]), rank=rank))
+                    rows.append(SummaryRow(role, metric, unit, **summarize(samples[metric]),
+                                           rank=rank))
     return rows
 
 

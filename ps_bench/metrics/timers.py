@@ -77,7 +77,8 @@ class IntervalTracker:
 
 def covered_ms(intervals: list[tuple[int, float, float]]) -> dict[int, float]:
     """Per iteration, the ms during which at least one of its (sorted) intervals was open."""
-    if len({interval[0] for interval in intervals}) == len(intervals):  # one bucket: nothing to merge
+    # one bucket: nothing to merge
+    if len({interval[0] for interval in intervals}) == len(intervals):
         return {iteration: 1000.0 * (end - start) for iteration, start, end in intervals}
     return {iteration: 1000.0 * covered_seconds([(start, end) for _, start, end in group])
             for iteration, group in itertools.groupby(intervals, key=operator.itemgetter(0))}
@@ -94,12 +95,14 @@ def bucket_offsets(intervals: list[tuple[int, float, float]],
         began = backward_started.get(iteration)
         if began is not None:
             for bucket, (_, start, end) in enumerate(group):
-                offsets.setdefault(bucket, []).append((1000.0 * (start - began), 1000.0 * (end - began)))
+                offsets.setdefault(bucket, []).append((1000.0 * (start - began),
+                                                       1000.0 * (end - began)))
     return offsets
 
 
 def cuda_bucket_offsets(ready_events: list[tuple[int, "torch.cuda.Event"]],
-                        backward: dict[int, tuple["torch.cuda.Event", "torch.cuda.Event"]]) -> dict[int, list]:
+                        backward: dict[int, tuple["torch.cuda.Event",
+                                                  "torch.cuda.Event"]]) -> dict[int, list]:
     """On a GPU, per bucket, ``(ready, done)`` ms after its iteration's backward began, on the
     device's clock, for the iterations in ``backward`` (iteration -> the CUDA events that began
     and ended its backward): ``ready`` when the device had made the bucket (the event recorded

@@ -48,21 +48,27 @@ class ByteCounter:
         self.paused = False
         self.hosts: list[int] | None = None  # host index of every rank of the job, where known
         self.rank = 0  # this trainer's rank in the job (= in the trainers' group)
-        self.crossing: dict[tuple[int, int], int] = {}  # (from host, to host) -> bytes, hosts apart only
-        self._successors: dict[object, int | None] = {}  # process group -> its ring successor's rank
-        self.iteration = 0  # the trainer's current iteration, which its collectives' intervals belong to
-        # (iteration, start, end, collective): every counted collective, from its call to its completion
+        # (from host, to host) -> bytes, hosts apart only
+        self.crossing: dict[tuple[int, int], int] = {}
+        # process group -> its ring successor's rank
+        self._successors: dict[object, int | None] = {}
+        # the trainer's current iteration, which its collectives' intervals belong to
+        self.iteration = 0
+        # (iteration, start, end, collective): every counted collective, from its call to its
+        # completion
         self.timings: deque[tuple[int, float, float, str]] = deque()
 
     def time(self, collective: str, started: float, work) -> None:
-        """Keeps a collective's interval: until ``work`` completes (an asynchronous call), else now."""
+        """Keeps a collective's interval: until ``work`` completes (an asynchronous call), else
+        now."""
         if self.paused:
             return
         iteration, keep = self.iteration, self.timings.append
         if work is None:
             keep((iteration, started, time.perf_counter(), collective))
         else:
-            work.get_future().then(lambda _: keep((iteration, started, time.perf_counter(), collective)))
+            work.get_future().then(
+                lambda _: keep((iteration, started, time.perf_counter(), collective)))
 
     def take_timings(self) -> list[tuple[int, float, float, str]]:
         """The intervals kept since the last call, sorted."""
@@ -92,7 +98,8 @@ class ByteCounter:
         if group not in self._successors:
             members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
             mine = members.index(dist.get_rank())
-            self._successors[group] = members[(mine + 1) % len(members)] if len(members) > 1 else None
+            self._successors[group] = (members[(mine + 1) % len(members)] if len(members) > 1
+                                       else None)
         return self._successors[group]
 
     def add_ring(self, moved: int, group) -> None:
@@ -135,7 +142,8 @@ def install(counter: ByteCounter) -> None:
         group = kwargs.get("group", args[1] if len(args) > 1 else None)
         started = time.perf_counter()
         if _counter is not None:
-            _counter.add_ring(allreduce_bytes(tensor_bytes(tensor), _world(group), tensor.is_sparse), group)
+            _counter.add_ring(allreduce_bytes(tensor_bytes(tensor), _world(group),
+                                              tensor.is_sparse), group)
         return timed("all_reduce", started, all_reduce(tensor, *args, **kwargs))
 
     @functools.wraps(all_gather)
@@ -161,7 +169,8 @@ def counted_single(collective, kind: str):
     all-gather's output, the reduce-scatter's input. Its arguments come by position or by name
     (``output_tensor``/``input_tensor`` for an all-gather, ``output``/``input`` for a
     reduce-scatter, as torch names them; DeepSpeed passes them by name)."""
-    names = ("output_tensor", "input_tensor", "group") if kind == "all_gather" else ("output", "input", "op", "group")
+    names = (("output_tensor", "input_tensor", "group") if kind == "all_gather"
+             else ("output", "input", "op", "group"))
 
     @functools.wraps(collective)
     def counted(*args, **kwargs):
@@ -171,14 +180,16 @@ def counted_single(collective, kind: str):
             group = given.get("group")
             whole = given[names[0]] if kind == "all_gather" else given[names[1]]
             backend = dist.get_backend(group) if group is not None else dist.get_backend()
-            _counter.add_ring(collective_bytes(kind, tensor_bytes(whole), _world(group), backend), group)
+            _counter.add_ring(collective_bytes(kind, tensor_bytes(whole), _world(group), backend),
+                              group)
         return timed(kind, started, collective(*args, **kwargs))
 
     return counted
 
 
 def counted_broadcast(broadcast):
-    """A broadcast: its source sends the buffer to each of the others, the others receive it once."""
+    """A broadcast: its source sends the buffer to each of the others, the others receive it
+    once."""
 
     @functools.wraps(broadcast)
     def counted(tensor: torch.Tensor, *args, **kwargs):
@@ -192,7 +203,8 @@ def counted_broadcast(broadcast):
                     else source == dist.get_rank())
             nbytes = tensor_bytes(tensor)
             if world > 1 and mine:
-                for peer in dist.get_process_group_ranks(group if group is not None else dist.group.WORLD):
+                for peer in dist.get_process_group_ranks(group if group is not None
+                                                         else dist.group.WORLD):
                     if peer != dist.get_rank():
                         _counter.add(sent=nbytes, peer=peer)
             elif world > 1:
@@ -203,7 +215,8 @@ def counted_broadcast(broadcast):
 
 
 def timed(collective: str, started: float, work):
-    """Keeps the interval of a collective call (``ByteCounter.time``) and returns what it returned."""
+    """Keeps the interval of a collective call (``ByteCounter.time``) and returns what it
+    returned."""
     if _counter is not None:
         _counter.time(collective, started, work)
     return work
@@ -216,7 +229,9 @@ def host_links(traffic: dict[tuple[int, int], int], hosts: list[dict], iteration
     if len(hosts) < 2 or not iterations:
         return {}
     links = [{"host": host["hostname"],
-              "out_per_iter": sum(n for (source, _), n in traffic.items() if source == index) / iterations,
-              "in_per_iter": sum(n for (_, destination), n in traffic.items() if destination == index) / iterations}
+              "out_per_iter": sum(n for (source, _), n in traffic.items()
+                                  if source == index) / iterations,
+              "in_per_iter": sum(n for (_, destination), n in traffic.items()
+                                 if destination == index) / iterations}
              for index, host in enumerate(hosts)]
     return {"across_hosts_per_iter": sum(traffic.values()) / iterations, "host_links": links}

@@ -4,7 +4,8 @@ architecture (``hf:CONFIG``)."""
 
 from typing import Any
 
-from ps_bench.models import dummy, huggingface, recsys, transformer, vision  # noqa: E402,F401  (register the families)
+# register the families
+from ps_bench.models import dummy, huggingface, recsys, transformer, vision  # noqa: E402,F401
 from ps_bench.models.base import (  # noqa: F401
     DATA,
     DATA_PRESETS,
@@ -26,7 +27,8 @@ def model_entry(name: str, options: dict[str, Any], config_path: str) -> Entry:
     """The model entry ``--model name`` (with ``--model-option``s) names; ConfigError if none."""
     if huggingface.is_hf(name):
         return huggingface.entry(name, options)
-    return with_options(load_entry(config_path, name, "model_class", MODELS, "model", MODEL_PRESETS), options, MODELS)
+    return with_options(load_entry(config_path, name, "model_class", MODELS, "model",
+                                   MODEL_PRESETS), options, MODELS)
 
 
 def default_data(model: Entry) -> str:

@@ -6,9 +6,9 @@ A data class is a cheap description of its data: constructing it checks the conf
 the default for speed benchmarks) or, for a data class with a ``teacher``, ``teacher``: a
 fixed, seeded function of the inputs that the family's models can learn, so training loss
 falls and time to a target loss means something; ``held_out(seed, count)`` draws samples the
-training set does not hold, labelled by the same teacher. A model class says which kind of input it ``takes`` and
-each data class which kind it ``gives``; ``fits`` compares sizes once both are known, so a
-mismatch is one line before any process starts rather than an error at the first forward.
+training set does not hold, labelled by the same teacher. A model class says which kind of input it
+``takes`` and each data class which kind it ``gives``; ``fits`` compares sizes once both are known,
+so a mismatch is one line before any process starts rather than an error at the first forward.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ MODELS: Registry = Registry("model class")
 DATA: Registry = Registry("data class")
 RANDOM, TEACHER = "random", "teacher"  # the labels a data class can give
 LABELS = (RANDOM, TEACHER)
-TEACHER_STREAM, HELD_OUT_STREAM = 1, 2  # random streams beside a seed's own: the teacher's, held-out inputs'
+# random streams beside a seed's own: the teacher's, held-out inputs'
+TEACHER_STREAM, HELD_OUT_STREAM = 1, 2
 
 
 def stream(seed: int, which: int) -> torch.Generator:
@@ -52,7 +53,8 @@ class SyntheticData:
     """Base of every data class: seeded, generated in memory, nothing downloaded."""
 
     gives = ""  # the kind of input it makes; a model's ``takes`` must match
-    teacher: str | None = None  # what labels ``teacher`` data, in one line; None: random labels only
+    # what labels ``teacher`` data, in one line; None: random labels only
+    teacher: str | None = None
     sample_count: int
 
     def build(self, seed: int, labels: str = RANDOM) -> Dataset:
@@ -107,18 +109,21 @@ def build_held_out(class_name: str, kwargs: dict, seed: int, count: int) -> Data
 MODEL_PRESETS: dict[str, dict] = {}
 DATA_PRESETS: dict[str, dict] = {}
 PRESET_DATA: dict[str, str] = {}  # zoo model -> the data entry it trains on by default
-TEST_SIZED: dict[str, str] = {}  # zoo model small enough for the tests -> the full-size model it shrinks
+# zoo model small enough for the tests -> the full-size model it shrinks
+TEST_SIZED: dict[str, str] = {}
 
 
-def preset(name: str, model_class: str, model_kwargs: dict, data_name: str, data_class: str | None = None,
-           data_kwargs: dict | None = None, small_of: str | None = None) -> None:
+def preset(name: str, model_class: str, model_kwargs: dict, data_name: str,
+           data_class: str | None = None, data_kwargs: dict | None = None,
+           small_of: str | None = None) -> None:
     """Registers a zoo model with the data it trains on (defined here, or by an earlier preset).
     ``small_of`` marks a test-sized version of an earlier preset (the same model class): the
     tests train every such model."""
     if name in MODEL_PRESETS:
         raise ValueError(f"zoo model {name!r} is registered twice")
     if small_of is not None and MODEL_PRESETS.get(small_of, {}).get("model_class") != model_class:
-        raise ValueError(f"zoo model {name!r} is a small {small_of!r}, which must come first, of class {model_class}")
+        raise ValueError(f"zoo model {name!r} is a small {small_of!r}, which must come first, "
+                         f"of class {model_class}")
     MODEL_PRESETS[name] = {"model_class": model_class, "configurations": model_kwargs}
     if data_class is not None:
         DATA_PRESETS[data_name] = {"data_class": data_class, "configurations": data_kwargs or {}}

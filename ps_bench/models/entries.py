@@ -28,7 +28,8 @@ class Entry:
     size: dict[str, int] | None = None  # models: parameters and gradient bytes (see model_size)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "class": self.class_name, "configurations": self.kwargs, "source": self.source}
+        return {"id": self.id, "class": self.class_name, "configurations": self.kwargs,
+                "source": self.source}
 
 
 ZOO = "the model zoo"
@@ -66,7 +67,8 @@ def load_entry(path: str, entry_id: str, class_key: str, registry: Registry, opt
 
 
 def check_keys(factory: Any, kwargs: dict[str, Any], what: str) -> None:
-    """A ConfigError (``what`` KEY; the valid keys) unless ``factory`` takes every key of ``kwargs``."""
+    """A ConfigError (``what`` KEY; the valid keys) unless ``factory`` takes every key of
+    ``kwargs``."""
     accepted = [name for name in inspect.signature(factory).parameters if name != "self"]
     for key in kwargs:
         if key not in accepted:
@@ -77,7 +79,8 @@ def with_options(entry: Entry, options: dict[str, Any], registry: Registry) -> E
     """``entry`` with ``--model-option``s over its configurations."""
     if not options:
         return entry
-    check_keys(registry.get(entry.class_name), options, f"--model-option: --model {entry.id} has no configuration")
+    check_keys(registry.get(entry.class_name), options,
+               f"--model-option: --model {entry.id} has no configuration")
     return dataclasses.replace(entry, kwargs={**entry.kwargs, **options})
 
 
@@ -86,8 +89,9 @@ class SkipMetaInit(TorchFunctionMode):
     device through Python reference code whose first call imports torch._dynamo (1 to 3 s on
     the development machine, in the launcher, before any rank starts): skipped."""
 
-    RANDOM = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.random_, torch.Tensor.exponential_,
-              torch.Tensor.bernoulli_, torch.Tensor.log_normal_, torch.Tensor.cauchy_, torch.Tensor.geometric_}
+    RANDOM = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.random_,
+              torch.Tensor.exponential_, torch.Tensor.bernoulli_, torch.Tensor.log_normal_,
+              torch.Tensor.cauchy_, torch.Tensor.geometric_}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -53,8 +53,8 @@ def transformers() -> Any:
     try:
         library = importlib.import_module("transformers")
     except ImportError:
-        raise ConfigError(f"--model {PREFIX}...: Hugging Face models need the transformers package: "
-                          f"{INSTALL}") from None
+        raise ConfigError(f"--model {PREFIX}...: Hugging Face models need the transformers "
+                          f"package: {INSTALL}") from None
     # its advice on configs (token ids outside a shrunk vocabulary, generation settings) is for
     # text generation, which a benchmark of the training step never does
     library.logging.set_verbosity_error()
@@ -69,10 +69,11 @@ def config_path(name: str) -> Path:
         return candidate
     if (SHIPPED / f"{given}.json").is_file():
         return SHIPPED / f"{given}.json"
-    if candidate.is_dir() and (candidate / "config.json").is_file():  # a downloaded model's folder
+    # a downloaded model's folder
+    if candidate.is_dir() and (candidate / "config.json").is_file():
         return candidate / "config.json"
-    raise ConfigError(f"--model {name}: no config file {given!r} and no config of that name shipped in configs/hf "
-                      f"(shipped: {', '.join(shipped())})")
+    raise ConfigError(f"--model {name}: no config file {given!r} and no config of that name "
+                      f"shipped in configs/hf (shipped: {', '.join(shipped())})")
 
 
 def resolve(name: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -81,21 +82,24 @@ def resolve(name: str, options: dict[str, Any]) -> dict[str, Any]:
     path = config_path(name)
     raw = read_json(path, f"--model {name}: config")
     if not isinstance(raw, dict):
-        raise ConfigError(f"--model {name}: {str(path)!r} must hold a JSON object (a model's config.json)")
+        raise ConfigError(f"--model {name}: {str(path)!r} must hold a JSON object (a model's "
+                          f"config.json)")
     model_type = raw.get("model_type")
     if not isinstance(model_type, str):
-        raise ConfigError(f"--model {name}: {str(path)!r} has no \"model_type\", which names the architecture "
-                          f"(llama, mistral, gpt2, t5, ...)")
+        raise ConfigError(f"--model {name}: {str(path)!r} has no \"model_type\", which names the "
+                          f"architecture (llama, mistral, gpt2, t5, ...)")
     library = transformers()
-    values = {key: value for key, value in raw.items() if key not in DROPPED and key != "model_type"}
+    values = {key: value for key, value in raw.items()
+              if key not in DROPPED and key != "model_type"}
     try:
         known = library.AutoConfig.for_model(model_type, **values).to_dict()
     except (ValueError, KeyError):
-        raise ConfigError(f"--model {name}: model_type {model_type!r} is not an architecture transformers "
-                          f"{library.__version__} knows") from None
+        raise ConfigError(f"--model {name}: model_type {model_type!r} is not an architecture "
+                          f"transformers {library.__version__} knows") from None
     unknown = sorted(set(options) - set(known))
     if unknown:
-        raise ConfigError(f"--model-option {unknown[0]}: the {model_type} config has no such key; its keys: "
+        raise ConfigError(f"--model-option {unknown[0]}: the {model_type} config has no such key; "
+                          f"its keys: "
                           f"{', '.join(sorted(k for k in known if not k.startswith('_')))}")
     no_dropout = {key: 0.0 for key, value in known.items() if is_dropout(key, value)}
     try:
@@ -117,7 +121,8 @@ def entry(name: str, options: dict[str, Any]) -> Entry:
 @MODELS.register(CLASS_NAME)
 class HuggingFaceModel(BenchmarkModel):
     """A transformers architecture from its config (``config``: a config dict with its
-    ``model_type``), seeded random weights, float32; returns logits as CrossEntropyLoss takes them."""
+    ``model_type``), seeded random weights, float32; returns logits as CrossEntropyLoss takes
+    them."""
 
     takes = TOKENS
 
@@ -130,7 +135,8 @@ class HuggingFaceModel(BenchmarkModel):
         auto = library.AutoModelForSeq2SeqLM if self.seq2seq else library.AutoModelForCausalLM
         self.model = auto.from_config(built)
         self.vocab_size = built.vocab_size
-        self.context_length = getattr(built, "max_position_embeddings", None) or getattr(built, "n_positions", None)
+        self.context_length = (getattr(built, "max_position_embeddings", None) or
+                               getattr(built, "n_positions", None))
 
     def forward(self, tokens):
         if self.seq2seq:
@@ -140,10 +146,11 @@ class HuggingFaceModel(BenchmarkModel):
         return logits.transpose(1, 2)  # (batch, vocab, positions), as CrossEntropyLoss takes them
 
     def fits(self, data: SyntheticData) -> str | None:
-        default = "leave --data out: the default token data takes the model's vocabulary and context"
+        default = ("leave --data out: the default token data takes the model's vocabulary and "
+                   "context")
         if data.vocab_size > self.vocab_size:
-            return (f"draws tokens below vocab_size={data.vocab_size} but the model has {self.vocab_size} "
-                    f"({default})")
+            return (f"draws tokens below vocab_size={data.vocab_size} but the model has "
+                    f"{self.vocab_size} ({default})")
         if self.context_length and data.sequence_length > self.context_length:
             return (f"has sequences of {data.sequence_length} tokens but the model's context is "
                     f"{self.context_length} ({default})")
@@ -152,7 +159,8 @@ class HuggingFaceModel(BenchmarkModel):
     def fitted_data(self, configurations: dict) -> dict:
         """The default token data over no more tokens than the model's vocabulary, in sequences
         no longer than its context."""
-        fitted = {**configurations, "vocab_size": min(configurations["vocab_size"], self.vocab_size)}
+        fitted = {**configurations,
+                  "vocab_size": min(configurations["vocab_size"], self.vocab_size)}
         if self.context_length:
             fitted["sequence_length"] = min(configurations["sequence_length"], self.context_length)
         return fitted

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ps_bench.models.base import (DATA, HELD_OUT_STREAM, MODELS, RANDOM, TEACHER_STREAM, BenchmarkModel, Dataset,
-                                  SyntheticData, need_positive, preset, stream)
+from ps_bench.models.base import (DATA, HELD_OUT_STREAM, MODELS, RANDOM, TEACHER_STREAM,
+                                  BenchmarkModel, Dataset, SyntheticData, need_positive, preset,
+                                  stream)
 
 TOKENS = "token sequences"
 
@@ -22,24 +23,30 @@ class SyntheticTokens(SyntheticData):
     deterministic bigram language; held-out sequences start from other drawn tokens)."""
 
     gives = TOKENS
-    teacher = "every token is followed by its seeded successor (one seeded cycle through the vocabulary)"
+    teacher = ("every token is followed by its seeded successor (one seeded cycle through the "
+               "vocabulary)")
 
-    def __init__(self, sample_count: int, sequence_length: int = 1024, vocab_size: int = 50257) -> None:
-        need_positive(sample_count=sample_count, sequence_length=sequence_length, vocab_size=vocab_size)
-        self.sample_count, self.sequence_length, self.vocab_size = sample_count, sequence_length, vocab_size
+    def __init__(self, sample_count: int, sequence_length: int = 1024,
+                 vocab_size: int = 50257) -> None:
+        need_positive(sample_count=sample_count, sequence_length=sequence_length,
+                      vocab_size=vocab_size)
+        self.sample_count, self.sequence_length, self.vocab_size = (sample_count, sequence_length,
+                                                                    vocab_size)
 
     def build(self, seed: int, labels: str = RANDOM) -> Dataset:
         generator = torch.Generator().manual_seed(seed)
         if labels != RANDOM:
             return self.taught(self.sample_count, generator, seed)
-        tokens = torch.randint(0, self.vocab_size, (self.sample_count, self.sequence_length + 1), generator=generator)
+        tokens = torch.randint(0, self.vocab_size, (self.sample_count, self.sequence_length + 1),
+                               generator=generator)
         return Dataset((tokens[:, :-1].contiguous(),), tokens[:, 1:].contiguous())
 
     def held_out(self, seed: int, count: int) -> Dataset:
         return self.taught(count, stream(seed, HELD_OUT_STREAM), seed)
 
     def taught(self, count: int, generator: torch.Generator, seed: int) -> Dataset:
-        """``count`` sequences that follow the seed's successors from first tokens drawn from ``generator``."""
+        """``count`` sequences that follow the seed's successors from first tokens drawn from
+        ``generator``."""
         order = torch.randperm(self.vocab_size, generator=stream(seed, TEACHER_STREAM))
         successor = torch.empty_like(order)
         successor[order] = order.roll(-1)  # one cycle through the whole vocabulary
@@ -59,18 +66,19 @@ class GPT(BenchmarkModel):
 
     takes = TOKENS
 
-    def __init__(self, vocab_size: int = 50257, context_length: int = 1024, layers: int = 12, heads: int = 12,
-                 width: int = 768) -> None:
+    def __init__(self, vocab_size: int = 50257, context_length: int = 1024, layers: int = 12,
+                 heads: int = 12, width: int = 768) -> None:
         super().__init__()
-        need_positive(vocab_size=vocab_size, context_length=context_length, layers=layers, heads=heads, width=width)
+        need_positive(vocab_size=vocab_size, context_length=context_length, layers=layers,
+                      heads=heads, width=width)
         if width % heads:
             raise ValueError(f"width ({width}) must be a multiple of heads ({heads})")
         self.vocab_size, self.context_length = vocab_size, context_length
         self.token = nn.Embedding(vocab_size, width)
         self.position = nn.Embedding(context_length, width)
         self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True,
-                                       norm_first=True)
+            nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, activation="gelu",
+                                       batch_first=True, norm_first=True)
             for _ in range(layers)
         )
         self.norm = nn.LayerNorm(width)
@@ -83,17 +91,22 @@ class GPT(BenchmarkModel):
         causal = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)
         for block in self.blocks:
             x = block(x, src_mask=causal, is_causal=True)
-        return self.head(self.norm(x)).transpose(1, 2)  # (batch, vocab, positions), as CrossEntropyLoss takes
+        # (batch, vocab, positions), as CrossEntropyLoss takes
+        return self.head(self.norm(x)).transpose(1, 2)
 
     def fits(self, data: SyntheticData) -> str | None:
         if data.vocab_size > self.vocab_size:
-            return f"draws tokens below vocab_size={data.vocab_size} but the model has {self.vocab_size}"
+            return (f"draws tokens below vocab_size={data.vocab_size} but the model has "
+                    f"{self.vocab_size}")
         if data.sequence_length > self.context_length:
-            return f"has sequences of {data.sequence_length} tokens but the model's context is {self.context_length}"
+            return (f"has sequences of {data.sequence_length} tokens but the model's context is "
+                    f"{self.context_length}")
         return None
 
 
-preset("gpt2_small", "GPT", {}, "tokens1024", "SyntheticTokens", {"sample_count": 64, "sequence_length": 1024})
-preset("gpt2_tiny", "GPT", {"vocab_size": 512, "context_length": 64, "layers": 2, "heads": 2, "width": 32},
-       "tokens64", "SyntheticTokens", {"sample_count": 512, "sequence_length": 64, "vocab_size": 512},
-       small_of="gpt2_small")
+preset("gpt2_small", "GPT", {}, "tokens1024", "SyntheticTokens",
+       {"sample_count": 64, "sequence_length": 1024})
+preset("gpt2_tiny", "GPT",
+       {"vocab_size": 512, "context_length": 64, "layers": 2, "heads": 2, "width": 32},
+       "tokens64", "SyntheticTokens",
+       {"sample_count": 512, "sequence_length": 64, "vocab_size": 512}, small_of="gpt2_small")

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ps_bench.models.base import (DATA, HELD_OUT_STREAM, MODELS, RANDOM, TEACHER_STREAM, BenchmarkModel, Dataset,
-                                  SyntheticData, need_positive, preset, stream)
+from ps_bench.models.base import (DATA, HELD_OUT_STREAM, MODELS, RANDOM, TEACHER_STREAM,
+                                  BenchmarkModel, Dataset, SyntheticData, need_positive, preset,
+                                  stream)
 
 IMAGES = "images"
 DEPTHS = (18, 34, 50, 101, 152)
@@ -18,11 +19,14 @@ class SyntheticImages(SyntheticData):
     ``num_classes`` seeded linear scores of the image average-pooled to 4 x 4 per channel."""
 
     gives = IMAGES
-    teacher = "the highest of seeded linear class scores of the image average-pooled to 4 x 4 per channel"
+    teacher = ("the highest of seeded linear class scores of the image average-pooled to 4 x 4 "
+               "per channel")
     POOLED = 4
 
-    def __init__(self, sample_count: int, image_size: int = 224, channels: int = 3, num_classes: int = 1000) -> None:
-        need_positive(sample_count=sample_count, image_size=image_size, channels=channels, num_classes=num_classes)
+    def __init__(self, sample_count: int, image_size: int = 224, channels: int = 3,
+                 num_classes: int = 1000) -> None:
+        need_positive(sample_count=sample_count, image_size=image_size, channels=channels,
+                      num_classes=num_classes)
         self.sample_count, self.image_size, self.channels, self.num_classes = (
             sample_count, image_size, channels, num_classes)
 
@@ -31,18 +35,22 @@ class SyntheticImages(SyntheticData):
         images = self.images(self.sample_count, generator)
         if labels != RANDOM:
             return Dataset((images,), self.teach(images, seed))
-        return Dataset((images,), torch.randint(0, self.num_classes, (self.sample_count,), generator=generator))
+        return Dataset((images,), torch.randint(0, self.num_classes, (self.sample_count,),
+                                                generator=generator))
 
     def held_out(self, seed: int, count: int) -> Dataset:
         images = self.images(count, stream(seed, HELD_OUT_STREAM))
         return Dataset((images,), self.teach(images, seed))
 
     def images(self, count: int, generator: torch.Generator) -> torch.Tensor:
-        return torch.randn(count, self.channels, self.image_size, self.image_size, generator=generator)
+        return torch.randn(count, self.channels, self.image_size, self.image_size,
+                           generator=generator)
 
     def teach(self, images: torch.Tensor, seed: int) -> torch.Tensor:
-        pooled = torch.nn.functional.adaptive_avg_pool2d(images, min(self.POOLED, self.image_size)).flatten(1)
-        weights = torch.randn(pooled.shape[1], self.num_classes, generator=stream(seed, TEACHER_STREAM))
+        pooled = torch.nn.functional.adaptive_avg_pool2d(
+            images, min(self.POOLED, self.image_size)).flatten(1)
+        weights = torch.randn(pooled.shape[1], self.num_classes,
+                              generator=stream(seed, TEACHER_STREAM))
         return (pooled @ weights).argmax(dim=1)
 
 
@@ -72,29 +80,34 @@ class ResNet(ImageClassifier):
     label = "ResNet"
     min_batch_size = 2  # BatchNorm needs more than one value per channel in training
 
-    def __init__(self, depth: int = 18, num_classes: int = 1000, layers: list[int] | None = None) -> None:
+    def __init__(self, depth: int = 18, num_classes: int = 1000,
+                 layers: list[int] | None = None) -> None:
         super().__init__()
         if depth not in DEPTHS:
             raise ValueError(f"depth must be one of {', '.join(map(str, DEPTHS))}; got {depth!r}")
         need_positive(num_classes=num_classes)
         if layers is not None:
             if not isinstance(layers, list) or len(layers) != 4:
-                raise ValueError(f"layers must be a list of 4 block counts, one per stage; got {layers!r}")
+                raise ValueError(f"layers must be a list of 4 block counts, one per stage; "
+                                 f"got {layers!r}")
             need_positive(**{f"layers[{i}]": count for i, count in enumerate(layers)})
         try:
-            from torchvision.models import resnet  # only runs that build a ResNet pay for the import
+            # only runs that build a ResNet pay for the import
+            from torchvision.models import resnet
         except ImportError as error:
-            raise ValueError(f"ResNet needs torchvision, which did not import ({error}); install the pinned "
-                             f"torch and torchvision as the README's quick start does") from None
+            raise ValueError(f"ResNet needs torchvision, which did not import ({error}); "
+                             f"install the pinned torch and torchvision as the README's quick "
+                             f"start does") from None
 
         block = resnet.BasicBlock if depth < 50 else resnet.Bottleneck
-        blocks = layers or {18: [2, 2, 2, 2], 34: [3, 4, 6, 3], 50: [3, 4, 6, 3], 101: [3, 4, 23, 3],
-                            152: [3, 8, 36, 3]}[depth]
+        blocks = layers or {18: [2, 2, 2, 2], 34: [3, 4, 6, 3], 50: [3, 4, 6, 3],
+                            101: [3, 4, 23, 3], 152: [3, 8, 36, 3]}[depth]
         self.num_classes = num_classes
         self.network = resnet.ResNet(block, blocks, num_classes=num_classes)
 
 
-CLASSIC = {"vgg16": "vgg16", "alexnet": "alexnet", "inception_v3": "inception_v3"}  # torchvision's builders
+# torchvision's builders
+CLASSIC = {"vgg16": "vgg16", "alexnet": "alexnet", "inception_v3": "inception_v3"}
 
 
 @MODELS.register("TorchvisionCNN")
@@ -112,12 +125,14 @@ class TorchvisionCNN(ImageClassifier):
         try:
             from torchvision import models  # only runs that build one pay for the import
         except ImportError as error:
-            raise ValueError(f"{arch} needs torchvision, which did not import ({error}); install the pinned torch "
-                             f"and torchvision as the README's quick start does") from None
+            raise ValueError(f"{arch} needs torchvision, which did not import ({error}); "
+                             f"install the pinned torch and torchvision as the README's quick "
+                             f"start does") from None
         options = {"aux_logits": False, "init_weights": True} if arch == "inception_v3" else {}
         self.arch, self.label, self.num_classes = arch, arch, num_classes
         self.min_batch_size = 2 if arch == "inception_v3" else 1  # its BatchNorm
-        self.network = getattr(models, CLASSIC[arch])(weights=None, num_classes=num_classes, **options)
+        self.network = getattr(models, CLASSIC[arch])(weights=None, num_classes=num_classes,
+                                                      **options)
 
     def fits(self, data: SyntheticData) -> str | None:
         unfit = super().fits(data)
@@ -129,7 +144,8 @@ class TorchvisionCNN(ImageClassifier):
         return None
 
 
-preset("resnet18", "ResNet", {"depth": 18}, "images224", "SyntheticImages", {"sample_count": 128, "image_size": 224})
+preset("resnet18", "ResNet", {"depth": 18}, "images224", "SyntheticImages",
+       {"sample_count": 128, "image_size": 224})
 preset("resnet50", "ResNet", {"depth": 50}, "images224")
 preset("resnet101", "ResNet", {"depth": 101}, "images224")
 preset("resnet152", "ResNet", {"depth": 152}, "images224")
@@ -138,6 +154,7 @@ preset("alexnet", "TorchvisionCNN", {"arch": "alexnet"}, "images224")
 preset("inception_v3", "TorchvisionCNN", {"arch": "inception_v3"}, "images299", "SyntheticImages",
        {"sample_count": 128, "image_size": 299})
 preset("resnet18_small", "ResNet", {"depth": 18, "num_classes": 10, "layers": [1, 1, 1, 1]},
-       "images32", "SyntheticImages", {"sample_count": 32, "image_size": 32, "num_classes": 10}, small_of="resnet18")
-preset("resnet50_small", "ResNet", {"depth": 50, "num_classes": 10, "layers": [1, 1, 1, 1]}, "images32",
-       small_of="resnet50")
+       "images32", "SyntheticImages", {"sample_count": 32, "image_size": 32, "num_classes": 10},
+       small_of="resnet18")
+preset("resnet50_small", "ResNet", {"depth": 50, "num_classes": 10, "layers": [1, 1, 1, 1]},
+       "images32", small_of="resnet50")

@@ -8,12 +8,13 @@ from ps_bench.metrics import costs
 from ps_bench.metrics.limits import ELEMENT_BYTES
 from ps_bench.predict import pipelines
 from ps_bench.predict.calibration import Calibration
-from ps_bench.strategies import (COLLECTIVE_BUCKETS, HOST_SERVER_BUCKETS, LOW_RANK_BUCKETS, SERVER_BUCKETS,
-                                 SPARSE_SERVERS, Strategy)
+from ps_bench.strategies import (COLLECTIVE_BUCKETS, HOST_SERVER_BUCKETS, LOW_RANK_BUCKETS,
+                                 SERVER_BUCKETS, SPARSE_SERVERS, Strategy)
 
 
 def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n: int, k: int,
-                      mapping: str, per_node: int = 1, servers_on: str = "dedicated") -> float | None:
+                      mapping: str, per_node: int = 1,
+                      servers_on: str = "dedicated") -> float | None:
     """When the last bucket's combined gradient is back, ms after backward began (None: this
     strategy cannot be predicted from this calibration): its buckets through the pipeline its
     record's ``cost`` names, then what it pays once an iteration besides (``cost.iteration_ms``).
@@ -23,7 +24,8 @@ def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n
     if cost.pipeline is None:
         return 0.0
     nodes = costs.Nodes(n // per_node, per_node, calibration.link, calibration.intra_link)
-    end = BUCKET_PIPELINES[cost.pipeline](calibration, strategy, hook, nodes, k, mapping, servers_on)
+    end = BUCKET_PIPELINES[cost.pipeline](calibration, strategy, hook, nodes, k, mapping,
+                                          servers_on)
     if end is not None and cost.iteration_ms is not None:
         end += cost.iteration_ms(nodes, calibration.gradient_bytes)
     return end
@@ -34,11 +36,12 @@ def wire_factor(strategy: Strategy) -> float:
     return ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"]
 
 
-def collectives_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes, k: int,
-                    mapping: str, servers_on: str) -> float:
+def collectives_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes,
+                    k: int, mapping: str, servers_on: str) -> float:
     """Each bucket combined by collectives among the trainers: a dense one as its record's
     ``cost.bucket_ms`` says (default: a ring over every trainer), a sparse one all-gathered."""
-    bucket_ms = strategy.cost.bucket_ms or (lambda nodes, nbytes, gloo: costs.flat_ring_ms(nodes, nbytes))
+    bucket_ms = (strategy.cost.bucket_ms or
+                 (lambda nodes, nbytes, gloo: costs.flat_ring_ms(nodes, nbytes)))
     slowest = nodes.within() if nodes.count == 1 and nodes.per_node > 1 else calibration.link
     factor = wire_factor(strategy)
 
@@ -47,11 +50,12 @@ def collectives_end(calibration: Calibration, strategy: Strategy, hook: str, nod
         if sparse:
             return costs.allgather_ms(nodes.trainers, nbytes, slowest)
         return bucket_ms(nodes, nbytes * factor, calibration.gloo)
-    return pipelines.pipeline([(ready, (nbytes, sparse)) for ready, nbytes, sparse in calibration.buckets], transfer)
+    return pipelines.pipeline([(ready, (nbytes, sparse))
+                               for ready, nbytes, sparse in calibration.buckets], transfer)
 
 
-def low_rank_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes, k: int,
-                 mapping: str, servers_on: str) -> float | None:
+def low_rank_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes,
+                 k: int, mapping: str, servers_on: str) -> float | None:
     """Low-rank factors all-reduced bucket by bucket (three collectives each): their size
     depends on the layers' shapes, so it is known from a run of the strategy only."""
     ratio = calibration.payload_ratio.get(hook)
@@ -64,12 +68,13 @@ def low_rank_end(calibration: Calibration, strategy: Strategy, hook: str, nodes:
 def server_bytes(calibration: Calibration, strategy: Strategy) -> list[tuple[float, float]]:
     """``(ready ms, bytes on the wire)`` of each bucket a trainer pushes to the servers."""
     factor = wire_factor(strategy)
-    return [(ready, nbytes if sparse and strategy.sparse_buckets == SPARSE_SERVERS else nbytes * factor)
+    return [(ready, nbytes if sparse and strategy.sparse_buckets == SPARSE_SERVERS else
+                    nbytes * factor)
             for ready, nbytes, sparse in calibration.buckets]
 
 
-def servers_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes, k: int,
-                mapping: str, servers_on: str) -> float | None:
+def servers_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes,
+                k: int, mapping: str, servers_on: str) -> float | None:
     """Every trainer pushes each bucket to its server: ``k`` dedicated ones, or one on each node."""
     sized = server_bytes(calibration, strategy)
     if servers_on == "colocated":
@@ -80,14 +85,16 @@ def servers_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: 
                                  calibration.aggregate_bytes_per_ms, nodes.per_node)
 
 
-def host_servers_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes, k: int,
-                     mapping: str, servers_on: str) -> float | None:
+def host_servers_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes,
+                     k: int, mapping: str, servers_on: str) -> float | None:
     """Each bucket summed within the node, one push per node: each trainer a slice."""
     colocated = servers_on == "colocated"
     if not colocated and k < 1:
         return None
-    return pipelines.node_ps_pipeline(server_bytes(calibration, strategy), nodes, nodes.count if colocated else k,
-                                      calibration.aggregate_bytes_per_ms, colocated, calibration.gloo)
+    return pipelines.node_ps_pipeline(server_bytes(calibration, strategy), nodes,
+                                      nodes.count if colocated else k,
+                                      calibration.aggregate_bytes_per_ms, colocated,
+                                      calibration.gloo)
 
 
 # the pipeline each Strategy.cost.pipeline names

@@ -18,17 +18,21 @@ class Calibration:
     model: str
     batch_size: int
     phases: Phases
-    buckets: list[tuple[float, float, bool]]  # (ready ms, dense bytes, sparse), in the order they became ready
+    # (ready ms, dense bytes, sparse), in the order they became ready
+    buckets: list[tuple[float, float, bool]]
     link: Link
     link_from: str
     aggregate_bytes_per_ms: float | None
     overlap_from: str
     runs: list[Run]
     intra_link: Link | None = None  # a node's local link, between its trainers
-    gloo: bool = False  # the runs' collectives ran on gloo (no reduce-scatter of its own); False: NCCL's
+    # the runs' collectives ran on gloo (no reduce-scatter of its own); False: NCCL's
+    gloo: bool = False
     intra_from: str = "none"
-    own_ms: dict[str, float] = field(default_factory=dict)  # strategy -> its own compute, from its run
-    payload_ratio: dict[str, float] = field(default_factory=dict)  # low-rank strategies: bytes sent / dense
+    # strategy -> its own compute, from its run
+    own_ms: dict[str, float] = field(default_factory=dict)
+    # low-rank strategies: bytes sent / dense
+    payload_ratio: dict[str, float] = field(default_factory=dict)
 
     @property
     def gradient_bytes(self) -> float:
@@ -39,14 +43,18 @@ class Calibration:
             "model": self.model, "batch_size": self.batch_size,
             "phases_ms": {"forward": self.phases.forward, "backward": self.phases.backward,
                           "optimizer": self.phases.optimizer},
-            "buckets": [{"ready_ms": ready, "bytes": nbytes, "sparse": sparse} for ready, nbytes, sparse in self.buckets],
+            "buckets": [{"ready_ms": ready, "bytes": nbytes, "sparse": sparse}
+                        for ready, nbytes, sparse in self.buckets],
             "overlap_from": self.overlap_from,
             "link": {"latency_us": self.link.latency_ms * 1000.0,
-                     "bandwidth_gbit_s": self.link.bytes_per_ms * 1000.0 * 8 / 1e9, "from": self.link_from},
+                     "bandwidth_gbit_s": self.link.bytes_per_ms * 1000.0 * 8 / 1e9,
+                     "from": self.link_from},
             "intra_link": None if self.intra_link is None else {
                 "latency_us": self.intra_link.latency_ms * 1000.0,
-                "bandwidth_gbit_s": self.intra_link.bytes_per_ms * 1000.0 * 8 / 1e9, "from": self.intra_from},
-            "aggregate_gbps": self.aggregate_bytes_per_ms * 1000.0 / 1e9 if self.aggregate_bytes_per_ms else None,
+                "bandwidth_gbit_s": self.intra_link.bytes_per_ms * 1000.0 * 8 / 1e9,
+                "from": self.intra_from},
+            "aggregate_gbps": (self.aggregate_bytes_per_ms * 1000.0 / 1e9
+                               if self.aggregate_bytes_per_ms else None),
             "own_ms": self.own_ms, "payload_ratio": self.payload_ratio,
             "runs": [run.path for run in self.runs],
         }
@@ -57,13 +65,14 @@ def bucket_sizes(buckets: list[dict]) -> dict[int, tuple[int, bool]]:
     return {bucket["index"]: (bucket["bytes"], bucket.get("sparse", False)) for bucket in buckets}
 
 
-def ready_buckets(ready: dict[int, float], sizes: dict[int, tuple[int, bool]]) -> list[tuple[float, int, bool]]:
+def ready_buckets(ready: dict[int, float],
+                  sizes: dict[int, tuple[int, bool]]) -> list[tuple[float, int, bool]]:
     """``(ready ms, bytes, sparse)`` per bucket, in the order the buckets became ready."""
     return [(ready[index], *sizes.get(index, (0, False))) for index in sorted(ready, key=ready.get)]
 
 
-def backward_compute(buckets: list[tuple[float, int, bool]], compute_ms: float | None, forward: float,
-                     optimizer: float) -> float:
+def backward_compute(buckets: list[tuple[float, int, bool]], compute_ms: float | None,
+                     forward: float, optimizer: float) -> float:
     """Backward's own compute: the compute-only iteration minus forward and optimizer, and at
     least until the last bucket was ready (without a compute-only iteration, just that)."""
     last_ready = max((ready for ready, _, _ in buckets), default=0.0)
@@ -81,9 +90,10 @@ def own_terms(run: Run, calibration: Calibration) -> dict:
     return {"phases": Phases(run.forward_ms, backward, run.optimizer_ms), "buckets": buckets}
 
 
-def from_compute_ms(model: str, batch_size: int, phases: Phases, buckets: list[tuple[int, bool]], link: Link,
-                    link_from: str) -> Calibration:
+def from_compute_ms(model: str, batch_size: int, phases: Phases, buckets: list[tuple[int, bool]],
+                    link: Link, link_from: str) -> Calibration:
     """A calibration with no run: compute phases as given, the buckets' ready times spread over
     backward in proportion to their bytes (``inputs.spread``)."""
-    return Calibration(model, batch_size, phases, spread(phases.backward, buckets), link, link_from, None,
-                       "--compute-ms: bucket-ready times spread over backward in proportion to their bytes", [])
+    return Calibration(model, batch_size, phases, spread(phases.backward, buckets), link, link_from,
+                       None, "--compute-ms: bucket-ready times spread over backward in proportion "
+                       "to their bytes", [])

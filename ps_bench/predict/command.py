@@ -12,7 +12,8 @@ from ps_bench.config import ConfigError
 from ps_bench.options import KeyValue
 from ps_bench.metrics import costs
 from ps_bench.predict import pipelines
-from ps_bench.predict.inputs import count_list, model_buckets, parse_phases, parse_target_latency, parse_target_rate
+from ps_bench.predict.inputs import (count_list, model_buckets, parse_phases, parse_target_latency,
+                                     parse_target_rate)
 from ps_bench.predict.calibration import Calibration, from_compute_ms
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.runs import Run
@@ -22,82 +23,98 @@ from ps_bench.strategies import HOOKS, RPC
 PREDICTION_SCHEMA = "ps_bench.prediction/1"
 DEFAULT_HOOKS = ("allreduce", "ps", "fp16")
 DESCRIPTION = (
-    "Predict the batch time and throughput of each strategy at trainer and server counts you cannot run, from "
-    "runs you did: compute phases, when each DDP bucket becomes ready, the link (fitted to the runs' --limits "
-    "link probe, or the target network from --link/--latency) and each strategy's own compute (from its run). "
-    "One model per transport (ring all-reduce, all-gather for sparse buckets, sharded or grouped parameter "
-    "servers), with the overlap of transfers and backward computed bucket by bucket. Every given run that "
-    "matches a predicted point is shown beside it, with the error.")
+    "Predict the batch time and throughput of each strategy at trainer and server counts you "
+    "cannot run, from runs you did: compute phases, when each DDP bucket becomes ready, the link "
+    "(fitted to the runs' --limits link probe, or the target network from --link/--latency) and "
+    "each strategy's own compute (from its run). One model per transport (ring all-reduce, "
+    "all-gather for sparse buckets, sharded or grouped parameter servers), with the overlap of "
+    "transfers and backward computed bucket by bucket. Every given run that matches a predicted "
+    "point is shown beside it, with the error.")
 EPILOG = """\
 examples:
-  python bench.py --ntrainer 2 --nserver 1 --hook ps --limits --out ps.json         # calibration runs
+  python bench.py --ntrainer 2 --nserver 1 --hook ps --limits --out ps.json    # calibration runs
   python bench.py --ntrainer 2 --nserver 1 --hook allreduce --limits --out ar.json
   python bench.py predict ps.json ar.json --trainers 8,64,256,1024 --servers 1,8,auto
-  python bench.py predict ps.json ar.json --trainers 8,1024 --link 100gbit --latency 5us --plot scale.png
-  python bench.py predict ar.json --nodes 1,8,64 --per-node 8 --intra-link 900gbit --link 400gbit \
-      --hooks allreduce,hierarchical,ps --servers-on dedicated,colocated      # nodes of 8 GPUs
-  python bench.py predict --model resnet50 --batch-size 256 --compute-ms forward=30,backward=60,optimizer=5 \
-      --link 100gbit --latency 5us --per-node 8 --intra-link 900gbit --nodes 1,16,128   # no run at all
+  python bench.py predict ps.json ar.json --trainers 8,1024 --link 100gbit --latency 5us \\
+      --plot scale.png
+  python bench.py predict ar.json --nodes 1,8,64 --per-node 8 --intra-link 900gbit \\
+      --link 400gbit --hooks allreduce,hierarchical,ps \\
+      --servers-on dedicated,colocated                                 # nodes of 8 GPUs
+  python bench.py predict --model resnet50 --batch-size 256 \\
+      --compute-ms forward=30,backward=60,optimizer=5 --link 100gbit --latency 5us \\
+      --per-node 8 --intra-link 900gbit --nodes 1,16,128               # no run at all
   python benchmarks/predict_check.py    # predictions against emulated runs (needs root)
 
 --servers auto picks, at each trainer count, the server count (1, 2, 4, ... up to the trainers)
-with the shortest predicted batch. A strategy with no run given takes the own compute of the one it
-costs like (ps_fp16 and ps_node that of ps), else 0 (JSON: calibration.own_ms lists the ones measured);
-PowerSGD needs a run of it for its bytes.
+with the shortest predicted batch. A strategy with no run given takes the own compute of the
+one it costs like (ps_fp16 and ps_node that of ps), else 0 (JSON: calibration.own_ms lists the
+ones measured); PowerSGD needs a run of it for its bytes.
 
 Nodes of several GPUs (--per-node G, trainers = nodes x G): a node's G trainers share its local
 link (--intra-link, or fitted from a run whose trainers all shared one emulated host) and one
 network link (--link). Each strategy has its model: a flat ring ordered node by node,
 hierarchical (within, across, within), hsdp, parameter servers on hosts of their own
 (dedicated) or one on each node (colocated); every formula and its reference is in
-ps_bench/metrics/costs.py, the bucket pipelines in ps_bench/predict/pipelines.py. --compute RUN.json takes the compute phases and bucket timeline from a
-run on the device you will train on (e.g. --backend nccl --ntrainer 1 --nserver 0 --hook noop);
---compute-ms needs no run: DDP's buckets for --model, their ready times spread over backward in
-proportion to their bytes.
+ps_bench/metrics/costs.py, the bucket pipelines in ps_bench/predict/pipelines.py.
+--compute RUN.json takes the compute phases and bucket timeline from a run on the device you
+will train on (e.g. --backend nccl --ntrainer 1 --nserver 0 --hook noop); --compute-ms needs no
+run: DDP's buckets for --model, their ready times spread over backward in proportion to their
+bytes.
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("results", nargs="*", metavar="RESULTS.json", help="results files of finished runs of one "
-                        "model and batch size (with --limits, unless --link is given); none with --compute-ms")
-    parser.add_argument("--compare", nargs="+", default=[], metavar="RESULTS.json", help="more results files, "
-                        "shown beside the predictions they match but not used to calibrate (a check)")
-    parser.add_argument("--trainers", default="8,64,256,1024", metavar="N,...", help="trainer counts to predict "
-                        "(default: 8,64,256,1024)")
-    parser.add_argument("--servers", metavar="K,...|auto", help="server counts for parameter-server strategies, "
-                        "auto for the best (default: the runs' server counts)")
-    parser.add_argument("--hooks", metavar="NAME,...", help="strategies to predict (default: the runs' strategies "
+    parser.add_argument("results", nargs="*", metavar="RESULTS.json",
+                        help="results files of finished runs of one model and batch size (with "
+                        "--limits, unless --link is given); none with --compute-ms")
+    parser.add_argument("--compare", nargs="+", default=[], metavar="RESULTS.json",
+                        help="more results files, shown beside the predictions they match but not "
+                        "used to calibrate (a check)")
+    parser.add_argument("--trainers", default="8,64,256,1024", metavar="N,...",
+                        help="trainer counts to predict (default: 8,64,256,1024)")
+    parser.add_argument("--servers", metavar="K,...|auto",
+                        help="server counts for parameter-server strategies, auto for the best "
+                        "(default: the runs' server counts)")
+    parser.add_argument("--hooks", metavar="NAME,...",
+                        help="strategies to predict (default: the runs' strategies "
                         f"and {', '.join(DEFAULT_HOOKS)})")
     parser.add_argument("--mapping", choices=("shard", "group"), default="shard",
                         help="how trainers' buckets map to servers (default: shard)")
-    parser.add_argument("--link", metavar="RATE", help="the target network's link, each way, e.g. 25gbit, 100gbit "
-                        "(default: the link fitted to the runs' --limits)")
-    parser.add_argument("--latency", metavar="TIME", help="the target link's latency per message, e.g. 5us "
-                        "(default: the fitted one)")
-    parser.add_argument("--per-node", type=int, default=1, metavar="G", help="trainers (GPUs) per node, sharing its "
-                        "local link and one network link (default: 1)")
-    parser.add_argument("--nodes", metavar="N,...", help="node counts to predict: trainers = nodes x --per-node "
-                        "(instead of --trainers)")
-    parser.add_argument("--intra-link", metavar="RATE", help="a node's local link between its trainers, each way, "
-                        "e.g. 900gbit for NVLink, 200gbit for PCIe (default: fitted from a run whose trainers shared "
-                        "one host)")
-    parser.add_argument("--servers-on", default="dedicated", metavar="WHERE,...", help="parameter servers on hosts of "
-                        "their own (dedicated), one on each node (colocated), or both: dedicated,colocated "
-                        "(default: dedicated)")
-    parser.add_argument("--compute", metavar="RUN.json", help="the compute phases and bucket timeline from this run "
-                        "of the same model and batch size (on the device you will train on)")
-    parser.add_argument("--compute-ms", metavar="forward=F,backward=B,optimizer=O", help="the compute phases, ms, "
-                        "with no run at all (needs --model, --batch-size and --link)")
-    parser.add_argument("--model", metavar="NAME", help="with --compute-ms: the model whose DDP buckets to build, "
-                        "on the meta device (a zoo model, or hf:CONFIG for a Hugging Face architecture)")
-    parser.add_argument("--model-option", "--model_option", dest="model_options", action=KeyValue, default={},
-                        metavar="KEY=VALUE", help="with --model: an option of the model, as a run takes it")
-    parser.add_argument("--batch-size", type=int, metavar="B", help="with --compute-ms: the batch per trainer")
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="X", help="with --compute-ms: DDP's "
-                        "bucket cap (default: 25)")
-    parser.add_argument("--out", metavar="FILE.json", help="write the calibration and every prediction as JSON")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw batch time against trainers, one line per strategy "
-                        "(needs matplotlib)")
+    parser.add_argument("--link", metavar="RATE", help="the target network's link, each way, e.g. "
+                        "25gbit, 100gbit (default: the link fitted to the runs' --limits)")
+    parser.add_argument("--latency", metavar="TIME", help="the target link's latency per message, "
+                        "e.g. 5us (default: the fitted one)")
+    parser.add_argument("--per-node", type=int, default=1, metavar="G",
+                        help="trainers (GPUs) per node, sharing its local link and one network "
+                        "link (default: 1)")
+    parser.add_argument("--nodes", metavar="N,...", help="node counts to predict: trainers = nodes "
+                        "x --per-node (instead of --trainers)")
+    parser.add_argument("--intra-link", metavar="RATE", help="a node's local link between its "
+                        "trainers, each way, e.g. 900gbit for NVLink, 200gbit for PCIe (default: "
+                        "fitted from a run whose trainers shared one host)")
+    parser.add_argument("--servers-on", default="dedicated", metavar="WHERE,...",
+                        help="parameter servers on hosts of their own (dedicated), one on each "
+                        "node (colocated), or both: dedicated,colocated (default: dedicated)")
+    parser.add_argument("--compute", metavar="RUN.json", help="the compute phases and bucket "
+                        "timeline from this run of the same model and batch size (on the device "
+                        "you will train on)")
+    parser.add_argument("--compute-ms", metavar="forward=F,backward=B,optimizer=O",
+                        help="the compute phases, ms, with no run at all (needs --model, "
+                        "--batch-size and --link)")
+    parser.add_argument("--model", metavar="NAME", help="with --compute-ms: the model whose DDP "
+                        "buckets to build, on the meta device (a zoo model, or hf:CONFIG for a "
+                        "Hugging Face architecture)")
+    parser.add_argument("--model-option", "--model_option", dest="model_options", action=KeyValue,
+                        default={}, metavar="KEY=VALUE",
+                        help="with --model: an option of the model, as a run takes it")
+    parser.add_argument("--batch-size", type=int, metavar="B", help="with --compute-ms: the batch "
+                        "per trainer")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="X",
+                        help="with --compute-ms: DDP's bucket cap (default: 25)")
+    parser.add_argument("--out", metavar="FILE.json", help="write the calibration and every "
+                        "prediction as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw batch time against trainers, one "
+                        "line per strategy (needs matplotlib)")
 
 
 PLACES = ("dedicated", "colocated")
@@ -126,11 +143,12 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
         trainers = sorted(set(count_list(args.trainers, "trainers")))
         uneven = [n for n in trainers if n % args.per_node]
         if uneven:
-            raise ConfigError(f"--per-node {args.per_node} does not divide --trainers {uneven[0]} into whole nodes; "
-                              f"give --nodes N,... instead")
+            raise ConfigError(f"--per-node {args.per_node} does not divide --trainers {uneven[0]} "
+                              f"into whole nodes; give --nodes N,... instead")
     link_bps = parse_target_rate(args.link) if args.link is not None else None
     latency_s = parse_target_latency(args.latency) if args.latency is not None else None
-    intra_bps = parse_target_rate(args.intra_link, "--intra-link") if args.intra_link is not None else None
+    intra_bps = (parse_target_rate(args.intra_link, "--intra-link") if args.intra_link is not None
+                 else None)
     if args.servers is not None:
         count_list(args.servers, "servers", allow_auto=True)
     places = [place.strip() for place in args.servers_on.split(",")]
@@ -140,7 +158,8 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
     compute_ms = None
     if args.compute_ms is not None:
         compute_ms = parse_phases(args.compute_ms)
-        missing = [name for name, value in (("--model", args.model), ("--batch-size", args.batch_size),
+        missing = [name for name, value in (("--model", args.model),
+                                            ("--batch-size", args.batch_size),
                                             ("--link", args.link)) if value is None]
         if missing:
             raise ConfigError(f"--compute-ms predicts with no run: give {', '.join(missing)} too")
@@ -149,18 +168,21 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
         if args.compute is not None:
             raise ConfigError("give --compute RUN.json or --compute-ms, not both")
     elif not args.results:
-        raise ConfigError("predict needs results files to calibrate on, or --compute-ms with --model, --batch-size "
-                          "and --link")
-    return Target(trainers, link_bps, latency_s, args.per_node, intra_bps, list(dict.fromkeys(places)), compute_ms)
+        raise ConfigError("predict needs results files to calibrate on, or --compute-ms with "
+                          "--model, --batch-size and --link")
+    return Target(trainers, link_bps, latency_s, args.per_node, intra_bps,
+                  list(dict.fromkeys(places)), compute_ms)
 
 
 def no_run_calibration(args: argparse.Namespace, target: Target) -> Calibration:
     """``--compute-ms``: the phases given, DDP's buckets for the model built on the meta device."""
     latency_us = target.latency_s * 1e6 if target.latency_s is not None else 0.0
-    calibration = from_compute_ms(args.model, args.batch_size, pipelines.Phases(**target.compute_ms),
+    calibration = from_compute_ms(args.model, args.batch_size,
+                                  pipelines.Phases(**target.compute_ms),
                                   model_buckets(args.model, args.bucket_cap_mb, args.model_options),
                                   costs.Link.of(latency_us, target.link_bps / 1e9),
-                                  f"--link {target.link_bps / 1e9:g} Gbit/s, latency {latency_us:g} us")
+                                  f"--link {target.link_bps / 1e9:g} Gbit/s, "
+                                  f"latency {latency_us:g} us")
     if target.intra_bps is not None:
         calibration.intra_link = costs.Link.of(0.0, target.intra_bps / 1e9)
         calibration.intra_from = f"--intra-link {target.intra_bps / 1e9:g} Gbit/s"
@@ -177,21 +199,24 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
         compute = Run.load(args.compute) if args.compute is not None else None
         calibration = calibrate(runs, link_bps, target.latency_s, target.intra_bps, compute)
     if target.per_node > 1 and calibration.intra_link is None:
-        raise ConfigError(f"--per-node {target.per_node}: no local link between a node's trainers: give --intra-link "
-                          f"RATE, or a run made with --limits whose trainers all shared one emulated host")
+        raise ConfigError(f"--per-node {target.per_node}: no local link between a node's trainers: "
+                          f"give --intra-link RATE, or a run made with --limits whose trainers all "
+                          f"shared one emulated host")
     hooks = choose_hooks(args.hooks, runs, calibration, target.per_node)
     servers = (count_list(args.servers, "servers", allow_auto=True) if args.servers is not None
                else sorted({run.servers for run in runs if run.servers} or {1}))
     compared = [Run.load(path) for path in args.compare]
-    rows = prediction_rows(calibration, hooks, trainers, servers, args.mapping, link_bps, compared, target.per_node,
-                           target.servers_on)
+    rows = prediction_rows(calibration, hooks, trainers, servers, args.mapping, link_bps, compared,
+                           target.per_node, target.servers_on)
     print(describe_calibration(calibration))
     print(render(rows))
     print(render_winners(winners(rows)))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"schema": PREDICTION_SCHEMA, "calibration": calibration.to_dict(),
-                                              "predictions": rows, "winners": winners(rows)}, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps({"schema": PREDICTION_SCHEMA,
+                                              "calibration": calibration.to_dict(),
+                                              "predictions": rows, "winners": winners(rows)},
+                                             indent=2) + "\n")
         print(f"predictions: {args.out}")
     if args.plot:
         plot(args.plot, rows, calibration)
@@ -199,21 +224,24 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     return 0
 
 
-def choose_hooks(text: str | None, runs: list[Run], calibration: Calibration, per_node: int = 1) -> list[str]:
+def choose_hooks(text: str | None, runs: list[Run], calibration: Calibration,
+                 per_node: int = 1) -> list[str]:
     """The strategies to predict: ``--hooks``, else the runs' and the defaults (and, on nodes of
     several trainers, ``ps_node`` beside ``ps``)."""
     if text is None:
-        defaults = [*DEFAULT_HOOKS[:2], "ps_node", *DEFAULT_HOOKS[2:]] if per_node > 1 else list(DEFAULT_HOOKS)
+        defaults = ([*DEFAULT_HOOKS[:2], "ps_node", *DEFAULT_HOOKS[2:]] if per_node > 1
+                    else list(DEFAULT_HOOKS))
         names = list(dict.fromkeys([run.hook for run in runs] + defaults))
         return [name for name in names if predict(calibration, name, 2, 1) is not None]
     hooks = []
     for name in text.split(","):
         if name.strip() not in HOOKS:
-            raise ConfigError(f"--hooks: unknown strategy {name.strip()!r}; one of {', '.join(HOOKS.names())}")
+            raise ConfigError(f"--hooks: unknown strategy {name.strip()!r}; one of "
+                              f"{', '.join(HOOKS.names())}")
         hook = HOOKS.canonical(name.strip())
         if predict(calibration, hook, 2, 1) is None:
-            raise ConfigError(f"--hooks: {hook} sends low-rank factors whose size depends on the layers' shapes: give "
-                              f"a run of {hook} to calibrate it")
+            raise ConfigError(f"--hooks: {hook} sends low-rank factors whose size depends on the "
+                              f"layers' shapes: give a run of {hook} to calibrate it")
         hooks.append(hook)
     return list(dict.fromkeys(hooks))
 
@@ -223,8 +251,9 @@ def server_counts(n: int) -> list[int]:
     return sorted({2 ** i for i in range(n.bit_length())} | {n})
 
 
-def prediction_rows(calibration: Calibration, hooks: list[str], trainers: list[int], servers: list[int | str],
-                    mapping: str, link_bps: float | None, compared: list[Run] = (), per_node: int = 1,
+def prediction_rows(calibration: Calibration, hooks: list[str], trainers: list[int],
+                    servers: list[int | str], mapping: str, link_bps: float | None,
+                    compared: list[Run] = (), per_node: int = 1,
                     servers_on: list[str] = ("dedicated",)) -> list[dict]:
     """One row per strategy, trainer count and (parameter-server strategies) server count; with
     ``auto``, the server count of the shortest predicted batch is added, marked ``auto``; with
@@ -243,7 +272,8 @@ def prediction_rows(calibration: Calibration, hooks: list[str], trainers: list[i
             if "dedicated" in servers_on:
                 predicted = {k: row(hook, n, k) for k in explicit}
                 if "auto" in servers:
-                    best = min((row(hook, n, k) for k in server_counts(n)), key=lambda r: r["batch_ms"])
+                    best = min((row(hook, n, k) for k in server_counts(n)),
+                               key=lambda r: r["batch_ms"])
                     if best["servers"] not in predicted:
                         predicted[best["servers"]] = {**best, "auto": True}
                 rows.extend(r for _, r in sorted(predicted.items()))
@@ -252,33 +282,42 @@ def prediction_rows(calibration: Calibration, hooks: list[str], trainers: list[i
     return rows
 
 
-def row_of(calibration: Calibration, hook: str, n: int, k: int | None, mapping: str, link_bps: float | None,
-           compared: list[Run], per_node: int = 1, servers_on: str = "dedicated") -> dict:
-    predicted = predict(calibration, hook, n, k or 0, mapping, per_node=per_node, servers_on=servers_on)
-    row = {"strategy": hook, "trainers": n, "nodes": n // per_node, "per_node": per_node, "servers": k,
-           **({"servers_on": servers_on} if k else {}), **predicted,
-           **measured(calibration, compared, hook, n, k or 0, mapping, link_bps, predicted["batch_ms"], per_node,
-                      servers_on)}
-    if k:  # the best any parameter-server layout could do with its extra servers (BytePS sums within a node first)
-        row["byteps_bound_ms"] = costs.byteps_bound_ms(n // per_node, 0 if servers_on == "colocated" else k,
-                                                        calibration.gradient_bytes, calibration.link)
+def row_of(calibration: Calibration, hook: str, n: int, k: int | None, mapping: str,
+           link_bps: float | None, compared: list[Run], per_node: int = 1,
+           servers_on: str = "dedicated") -> dict:
+    predicted = predict(calibration, hook, n, k or 0, mapping, per_node=per_node,
+                        servers_on=servers_on)
+    row = {"strategy": hook, "trainers": n, "nodes": n // per_node, "per_node": per_node,
+           "servers": k, **({"servers_on": servers_on} if k else {}), **predicted,
+           **measured(calibration, compared, hook, n, k or 0, mapping, link_bps,
+                      predicted["batch_ms"], per_node, servers_on)}
+    # the best any parameter-server layout could do with its extra servers (BytePS sums within a
+    # node first)
+    if k:
+        row["byteps_bound_ms"] = costs.byteps_bound_ms(n // per_node,
+                                                        0 if servers_on == "colocated" else k,
+                                                        calibration.gradient_bytes,
+                                                        calibration.link)
     return row
 
 
-def measured(calibration: Calibration, compared: list[Run], hook: str, n: int, k: int, mapping: str,
-             link_bps: float | None, predicted_ms: float, per_node: int = 1, servers_on: str = "dedicated") -> dict:
+def measured(calibration: Calibration, compared: list[Run], hook: str, n: int, k: int,
+             mapping: str, link_bps: float | None, predicted_ms: float, per_node: int = 1,
+             servers_on: str = "dedicated") -> dict:
     """The given runs of this point (same strategy, trainers, trainers per host, servers and
     their place, network): their batch p50, the prediction's error against it, and whether one
     of them calibrated the strategy's own compute (then the error is about 0 by construction)."""
     uses_servers = HOOKS.record(hook).transport == RPC
     matches = [run for run in [*calibration.runs, *compared]
                if run.hook == hook and run.trainers == n and run.per_host == per_node
-               and (not uses_servers or (run.servers == k and run.mapping == mapping and run.servers_on == servers_on))
+               and (not uses_servers or (run.servers == k and run.mapping == mapping
+                                         and run.servers_on == servers_on))
                and (link_bps is None or run.link_rate_bps == link_bps)]
     if not matches:
         return {"measured_ms": None, "error_pct": None}
     value = sorted(run.batch_ms for run in matches)[len(matches) // 2]
     return {"measured_ms": value, "error_pct": (predicted_ms - value) / value * 100.0,
-            "runs": [run.path for run in matches], "calibration": any(run in calibration.runs for run in matches)}
+            "runs": [run.path for run in matches],
+            "calibration": any(run in calibration.runs for run in matches)}
 
 

@@ -25,8 +25,8 @@ def count_list(text: str, name: str, allow_auto: bool = False) -> list[int | str
         try:
             value = int(item)
         except ValueError:
-            raise ConfigError(f"--{name}: expected whole numbers separated by commas{' or auto' if allow_auto else ''}; "
-                              f"got {text!r}") from None
+            raise ConfigError(f"--{name}: expected whole numbers separated by commas"
+                              f"{' or auto' if allow_auto else ''}; got {text!r}") from None
         if value < 1:
             raise ConfigError(f"--{name} must be at least 1; got {value}")
         values.append(value)
@@ -37,15 +37,16 @@ def parse_target_rate(text: str, name: str = "--link") -> float:
     try:
         return parse_rate(text)
     except ConfigError:
-        raise ConfigError(f"{name}: expected a rate with its unit, above 0, e.g. 25gbit, 100gbit, 500mbit; got "
-                          f"{text!r}") from None
+        raise ConfigError(f"{name}: expected a rate with its unit, above 0, e.g. 25gbit, 100gbit, "
+                          f"500mbit; got {text!r}") from None
 
 
 def parse_target_latency(text: str) -> float:
     try:
         return parse_delay(text)
     except ConfigError:
-        raise ConfigError(f"--latency: expected a time with its unit, e.g. 5us, 1ms; got {text!r}") from None
+        raise ConfigError(f"--latency: expected a time with its unit, e.g. 5us, 1ms; "
+                          f"got {text!r}") from None
 
 
 def parse_phases(text: str) -> dict[str, float]:
@@ -56,12 +57,15 @@ def parse_phases(text: str) -> dict[str, float]:
         try:
             phases[name.strip()] = float(value)
         except ValueError:
-            raise ConfigError(f"--compute-ms: expected forward=F,backward=B,optimizer=O in ms; got {text!r}") from None
+            raise ConfigError(f"--compute-ms: expected forward=F,backward=B,optimizer=O in ms; "
+                              f"got {text!r}") from None
     missing = [name for name in PHASES if name not in phases]
     extra = [name for name in phases if name not in PHASES]
     if missing or extra:
-        raise ConfigError(f"--compute-ms: {'missing ' + ', '.join(missing) if missing else 'unknown ' + ', '.join(extra)}"
-                          f"; expected forward=F,backward=B,optimizer=O in ms")
+        raise ConfigError(
+            f"--compute-ms: "
+            f"{'missing ' + ', '.join(missing) if missing else 'unknown ' + ', '.join(extra)}"
+            f"; expected forward=F,backward=B,optimizer=O in ms")
     if any(value < 0 for value in phases.values()):
         raise ConfigError(f"--compute-ms: a phase cannot take less than 0 ms; got {text!r}")
     return phases
@@ -81,7 +85,8 @@ def meta_buckets(network: torch.nn.Module, bucket_cap_mb: float) -> list[tuple[i
              any(id(parameters[i]) in sparse for i in bucket)) for bucket in indices]
 
 
-def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None) -> list[tuple[int, bool]]:
+def model_buckets(model: str, bucket_cap_mb: float,
+                  options: dict | None = None) -> list[tuple[int, bool]]:
     """``meta_buckets`` of what ``--model`` names (a zoo model, one of the model configuration
     file, or a Hugging Face config), with ``--model-option``s."""
     entry = model_entry(model, options or {}, RunConfig().model_config_path)

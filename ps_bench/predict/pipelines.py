@@ -3,8 +3,8 @@ of each transfer hides behind backward, on the formulas of ``ps_bench.metrics.co
 
 Everything here is arithmetic on milliseconds and bytes. A link (``costs.Link``) is a latency
 ``α`` (ms) and a bandwidth ``B`` (bytes per ms), the same each way and full duplex; every
-trainer and every server has one. Buckets are ``(ready_ms, bytes)``: when backward hands the bucket to the
-strategy (ms after backward began) and what the strategy puts on the wire for it.
+trainer and every server has one. Buckets are ``(ready_ms, bytes)``: when backward hands the bucket
+to the strategy (ms after backward began) and what the strategy puts on the wire for it.
 
 Overlap is computed, not assumed (``pipeline``): a bucket's transfer starts when it is ready
 and after the previous transfer on the same link has finished, as DDP launches buckets in
@@ -33,7 +33,8 @@ def colocated_ps_pipeline(buckets: list[tuple[float, float]], nodes: Nodes,
     link's previous pushes and answers), and over the local link. One bucket, N = 2:
     ``2·G·S/B + 2α``, each node's gradient (its G trainers' copies) once each way; many buckets
     spread over N servers approach ``2G(N-1)/N · M/B``, a ring's bytes per trainer (BytePS's
-    gain over all-reduce comes from the servers it adds, ``costs.byteps_bound_ms``). N = 1: the local link alone, ``2·G·S/B_l + 2α_l``."""
+    gain over all-reduce comes from the servers it adds, ``costs.byteps_bound_ms``). N = 1: the
+    local link alone, ``2·G·S/B_l + 2α_l``."""
     n, g, network = nodes.count, nodes.per_node, nodes.network
     local = nodes.local
     owners = balance_buckets({index: nbytes for index, (_, nbytes) in enumerate(buckets)}, n)
@@ -53,7 +54,8 @@ def colocated_ps_pipeline(buckets: list[tuple[float, float]], nodes: Nodes,
                     pushed.append((start, uplink[node]))
             first = min(start for start, _ in pushed)
             inbound[owner] = max(first, inbound[owner]) + (n - 1) * g * network.time(nbytes)
-            arrived = max(arrived, max(end for _, end in pushed), inbound[owner]) + network.latency_ms
+            arrived = (max(arrived, max(end for _, end in pushed), inbound[owner]) +
+                       network.latency_ms)
         added = arrived + (nbytes / aggregate_bytes_per_ms if aggregate_bytes_per_ms else 0.0)
         answered = added
         if local is not None:
@@ -75,8 +77,9 @@ def pipeline(buckets: list[tuple[float, Any]], transfer: Callable[[Any], float])
     return free
 
 
-def ps_pipeline(buckets: list[tuple[float, float]], n: int, k: int, link: Link, mapping: str = "shard",
-                aggregate_bytes_per_ms: float | None = None, per_node: int = 1) -> float:
+def ps_pipeline(buckets: list[tuple[float, float]], n: int, k: int, link: Link,
+                mapping: str = "shard", aggregate_bytes_per_ms: float | None = None,
+                per_node: int = 1) -> float:
     """A synchronous parameter server's iteration, bucket by bucket, every machine behind one link.
 
     Each trainer sends every bucket to the bucket's server (``shard``: buckets balanced over the
@@ -105,7 +108,8 @@ def ps_pipeline(buckets: list[tuple[float, float]], n: int, k: int, link: Link, 
         server = owners[index]
         sent_from = max(ready, uplink)
         uplink = sent_from + per_node * link.time(nbytes)
-        arrived = max(uplink, max(sent_from, inbound[server]) + fan_in * link.time(nbytes)) + link.latency_ms
+        arrived = (max(uplink, max(sent_from, inbound[server]) + fan_in * link.time(nbytes)) +
+                   link.latency_ms)
         inbound[server] = arrived
         added = arrived + (nbytes / aggregate_bytes_per_ms if aggregate_bytes_per_ms else 0.0)
         outbound[server] = max(added, outbound[server]) + fan_in * link.time(nbytes)
@@ -132,28 +136,32 @@ def iteration_ms(phases: Phases, communication_end: float, own_ms: float = 0.0) 
     return phases.forward + max(phases.backward, communication_end) + phases.optimizer + own_ms
 
 
-def node_ps_pipeline(buckets: list[tuple[float, float]], nodes: Nodes, k: int, aggregate_bytes_per_ms: float | None = None,
+def node_ps_pipeline(buckets: list[tuple[float, float]], nodes: Nodes, k: int,
+                     aggregate_bytes_per_ms: float | None = None,
                      colocated: bool = False, gloo: bool = False) -> float:
     """Parameter servers fed once per node (``ps_node``; BytePS's layout), bucket after bucket
     as ps_bench runs it (each bucket once the previous one is done). A bucket of S bytes: summed
     within the node (a ring all-reduce of S on the local link, or NCCL's reduce-scatter, half of
     it), each of the G trainers pushing its S/G slice to the slice's server (slices balanced over
     the k servers as ``topology.slice_owners`` deals them in the run), so the node's link sends S
-    and server j receives N·c_j·S/G for its c_j slices; the server adds the last copy (``S/A`` at aggregation
-    throughput A) and answers the same bytes back; then the slices all-gathered within the node.
-    ``colocated``: server j is on node j (k = N): a node's link sends the slices its servers do
-    not own, ``(N-1)/N · S``, while it receives the other nodes' slices for its own server,
-    ``(N-1)·c_j·S/G``, and the answers go the other way. Each phase takes its busiest link. A
-    node's link carries its gradient once each way where ``ps`` carries G copies: the bound is
+    and server j receives N·c_j·S/G for its c_j slices; the server adds the last copy (``S/A`` at
+    aggregation throughput A) and answers the same bytes back; then the slices all-gathered within
+    the node. ``colocated``: server j is on node j (k = N): a node's link sends the slices its
+    servers do not own, ``(N-1)/N · S``, while it receives the other nodes' slices for its own
+    server, ``(N-1)·c_j·S/G``, and the answers go the other way. Each phase takes its busiest link.
+    A node's link carries its gradient once each way where ``ps`` carries G copies: the bound is
     ``costs.byteps_bound_ms`` over the N nodes. N = 1: the local steps and the servers' link."""
     g, n, network = nodes.per_node, nodes.count, nodes.network
     owners = slice_owners({index: nbytes for index, (_, nbytes) in enumerate(buckets)}, g, k)
     done = 0.0
     for index, (ready, nbytes) in enumerate(buckets):
-        local = (within_node_ms(nodes, nbytes, 2 if gloo else 1) if g > 1 else 0.0)  # the sum within the node
+        # the sum within the node
+        local = (within_node_ms(nodes, nbytes, 2 if gloo else 1) if g > 1 else 0.0)
         slices = [owners[index * g + part] for part in range(g)]
-        served = max(slices.count(server) for server in range(k)) * nbytes / g * (n - 1 if colocated else n)
-        pushed = nbytes * (n - 1) / n if colocated else nbytes  # what a node's link sends, and receives back
+        served = (max(slices.count(server) for server in range(k)) * nbytes / g *
+                  (n - 1 if colocated else n))
+        # what a node's link sends, and receives back
+        pushed = nbytes * (n - 1) / n if colocated else nbytes
         link = max(pushed, served)
         transfer = 2 * (network.time(link) + network.latency_ms) if n > 1 or not colocated else 0.0
         added = nbytes / g / aggregate_bytes_per_ms if aggregate_bytes_per_ms else 0.0

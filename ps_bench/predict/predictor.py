@@ -14,9 +14,9 @@ Calibration (``calibrate``), from one or more results files of the same model an
 - each strategy's own compute (casts, reductions, serialisation, PowerSGD's matrix products:
   whatever of its cost the transfers do not account for): its run's measured batch p50 minus the
   model's with that run's own compute phases and timeline, on the network the run had (the
-  fitted link), a constant at every n, k and target network; for a strategy with no run given, that of the
-  strategy it costs like (the one it compresses; ps_node, ps), else 0
-  (``own_ms`` lists the measured ones).
+  fitted link), a constant at every n, k and target network; for a strategy with no run given, that
+  of the strategy it costs like (the one it compresses; ps_node, ps), else 0 (``own_ms`` lists the
+  measured ones).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from ps_bench.metrics.costs import Link
 from ps_bench.metrics.limits import ELEMENT_BYTES
 from ps_bench.predict import pipelines
 from ps_bench.predict.buckets import communication_end
-from ps_bench.predict.calibration import Calibration, backward_compute, bucket_sizes, own_terms, ready_buckets
+from ps_bench.predict.calibration import (Calibration, backward_compute, bucket_sizes, own_terms,
+                                          ready_buckets)
 from ps_bench.predict.inputs import spread
 from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.runs import Run
@@ -46,18 +47,22 @@ def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float |
     first = runs[0]
     for run in runs[1:]:
         if (run.model, run.batch_size) != (first.model, first.batch_size):
-            raise ConfigError(f"{run.path} is of model {run.model} at batch {run.batch_size}, {first.path} of "
-                              f"{first.model} at batch {first.batch_size}: predict one workload at a time")
-    if compute is not None and (compute.model, compute.batch_size) != (first.model, first.batch_size):
-        raise ConfigError(f"--compute {compute.path} is of model {compute.model} at batch {compute.batch_size}, the runs "
-                          f"of {first.model} at batch {first.batch_size}: give a run of the same model and batch size")
+            raise ConfigError(f"{run.path} is of model {run.model} at batch {run.batch_size}, "
+                              f"{first.path} of {first.model} at batch {first.batch_size}: predict "
+                              f"one workload at a time")
+    if compute is not None and ((compute.model, compute.batch_size) !=
+                                (first.model, first.batch_size)):
+        raise ConfigError(f"--compute {compute.path} is of model {compute.model} at batch "
+                          f"{compute.batch_size}, the runs of {first.model} at batch "
+                          f"{first.batch_size}: give a run of the same model and batch size")
     fitted = [run.link for run in runs if run.link and not run.on_one_host]
     fitted_intra = [run.link for run in runs if run.link and run.on_one_host]
     if link_bps is None and not fitted:
-        raise ConfigError("no link to predict with: give runs made with --limits (their link is fitted) or the "
-                          "target network with --link RATE")
+        raise ConfigError("no link to predict with: give runs made with --limits (their link is "
+                          "fitted) or the target network with --link RATE")
     measured_link = (Link.of(statistics.median(f["latency_us"] for f in fitted),
-                             statistics.median(f["bandwidth_gbit_s"] for f in fitted)) if fitted else None)
+                             statistics.median(f["bandwidth_gbit_s"] for f in fitted))
+                     if fitted else None)
     if link_bps is not None:
         latency_us = (latency_s * 1e6 if latency_s is not None
                       else statistics.median(f["latency_us"] for f in fitted) if fitted else 0.0)
@@ -69,10 +74,13 @@ def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float |
         if latency_s is not None:
             link = Link(latency_s * 1000.0, link.bytes_per_ms)
         link_from = f"fitted to the --limits link probe of {len(fitted)} run(s)"
-    intra_link, intra_from = None, "none: give --intra-link RATE, or a run whose trainers shared one host"
+    intra_link, intra_from = None, ("none: give --intra-link RATE, or a run whose trainers "
+                                    "shared one host")
     if intra_bps is not None:
-        intra_latency = statistics.median(f["latency_us"] for f in fitted_intra) if fitted_intra else 0.0
-        intra_link, intra_from = Link.of(intra_latency, intra_bps / 1e9), f"--intra-link {intra_bps / 1e9:g} Gbit/s"
+        intra_latency = (statistics.median(f["latency_us"] for f in fitted_intra) if fitted_intra
+                         else 0.0)
+        intra_link, intra_from = (Link.of(intra_latency, intra_bps / 1e9),
+                                  f"--intra-link {intra_bps / 1e9:g} Gbit/s")
     elif fitted_intra:
         intra_link = Link.of(statistics.median(f["latency_us"] for f in fitted_intra),
                              statistics.median(f["bandwidth_gbit_s"] for f in fitted_intra))
@@ -86,31 +94,38 @@ def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float |
     if compute is not None and not timelines and not computes and compute.communicates_nothing:
         backward = compute.backward_ms  # nothing to wait for: backward's own compute
         buckets = spread(backward, [dense[index] for index in sorted(dense)])
-        overlap_from = (f"--compute {compute.path}: no bucket timeline (a GPU run), bucket-ready times spread over "
-                        "backward in proportion to their bytes")
+        overlap_from = (f"--compute {compute.path}: no bucket timeline (a GPU run), bucket-ready "
+                        "times spread over backward in proportion to their bytes")
     elif timelines:
         ready: dict[int, list[float]] = {}
         for timeline in timelines:
             for row in timeline:
                 ready.setdefault(row["index"], []).append(row["ready_ms"])
-        buckets = ready_buckets({index: statistics.median(times) for index, times in ready.items()}, dense)
-        backward = backward_compute(buckets, statistics.median(computes) if computes else None, forward, optimizer)
+        buckets = ready_buckets({index: statistics.median(times) for index, times in ready.items()},
+                                dense)
+        backward = backward_compute(buckets, statistics.median(computes) if computes else None,
+                                    forward, optimizer)
         overlap_from = f"the bucket timeline of {len(timelines)} run(s)"
     elif computes:
         backward = backward_compute([], statistics.median(computes), forward, optimizer)
         buckets = [(backward, *dense[index]) for index in sorted(dense)]
-        overlap_from = "none: no run has a bucket timeline (GPU runs), every bucket ready when backward's compute ends"
+        overlap_from = ("none: no run has a bucket timeline (GPU runs), every bucket ready when "
+                        "backward's compute ends")
     else:
-        raise ConfigError("no backward compute to predict with: give runs made with --limits or on the CPU")
+        raise ConfigError("no backward compute to predict with: give runs made with --limits or on "
+                          "the CPU")
     memcpy = [run.memcpy_gbps for run in runs if run.memcpy_gbps]
-    calibration = Calibration(first.model, first.batch_size, Phases(forward, backward, optimizer), buckets, link,
-                              link_from, statistics.median(memcpy) * 1e9 / 1000.0 if memcpy else None, overlap_from,
-                              runs, intra_link=intra_link, intra_from=intra_from,
+    calibration = Calibration(first.model, first.batch_size, Phases(forward, backward, optimizer),
+                              buckets, link, link_from,
+                              statistics.median(memcpy) * 1e9 / 1000.0 if memcpy else None,
+                              overlap_from, runs, intra_link=intra_link, intra_from=intra_from,
                               gloo=all(run.backend == "gloo" for run in runs))
-    for run in runs:  # payloads first: a low-rank strategy's own compute is fitted with its payload known
+    # payloads first: a low-rank strategy's own compute is fitted with its payload known
+    for run in runs:
         if HOOKS.record(run.hook).cost.pipeline == LOW_RANK_BUCKETS and run.trainers > 1:
             ring = 2 * (run.trainers - 1) / run.trainers
-            calibration.payload_ratio.setdefault(run.hook, run.trainer_sent_per_iter / ring / calibration.gradient_bytes)
+            calibration.payload_ratio.setdefault(run.hook, run.trainer_sent_per_iter / ring /
+                                                 calibration.gradient_bytes)
     # each strategy's own compute: its run against the model with the run's own compute phases and
     # timeline, on the network the run had (the fitted link; the target one for a run on an
     # emulated link of the target's rate)
@@ -141,7 +156,8 @@ def own_compute(calibration: Calibration, hook: str) -> float:
     return calibration.own_ms.get(hook, calibration.own_ms.get(like, 0.0) if like else 0.0)
 
 
-def sends_ms(calibration: Calibration, strategy: Strategy, hook: str, n: int, per_node: int = 1) -> float:
+def sends_ms(calibration: Calibration, strategy: Strategy, hook: str, n: int,
+             per_node: int = 1) -> float:
     """What a strategy's collectives over the whole model (its record's ``sends``: FSDP2's and
     ZeRO's gathers and scatters, local SGD's and DiLoCo's all-reduce once a period) cost an
     iteration, amortised over the period (its default, ``hook_options``), taken as not hidden
@@ -150,13 +166,15 @@ def sends_ms(calibration: Calibration, strategy: Strategy, hook: str, n: int, pe
         return 0.0
     nodes = costs.Nodes(n // per_node, per_node, calibration.link, calibration.intra_link)
     period = hook_options(hook, {}).get("period", 1)
-    factor = ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"] if strategy.payload in ELEMENT_BYTES else 1.0
-    return sum(costs.collective_ms(collective, nodes, calibration.gradient_bytes * factor, calibration.gloo)
+    factor = (ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"]
+              if strategy.payload in ELEMENT_BYTES else 1.0)
+    return sum(costs.collective_ms(collective, nodes, calibration.gradient_bytes * factor,
+                                   calibration.gloo)
                / (period if per == "period" else 1) for collective, per in strategy.sends)
 
 
-def predict(calibration: Calibration, hook: str, n: int, k: int, mapping: str = "shard", own: bool = True,
-            per_node: int = 1, servers_on: str = "dedicated") -> dict | None:
+def predict(calibration: Calibration, hook: str, n: int, k: int, mapping: str = "shard",
+            own: bool = True, per_node: int = 1, servers_on: str = "dedicated") -> dict | None:
     """Predicted iteration of ``hook`` with ``n`` trainers, ``per_node`` to a node, and ``k``
     servers (dedicated, or colocated: one on each node) (None: not predictable): its hook's
     buckets overlapped with backward, then the collectives it issues besides (``sends_ms``)."""

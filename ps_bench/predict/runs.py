@@ -33,7 +33,8 @@ class Run:
     trainer_sent_per_iter: float
     link_rate_bps: float | None  # the emulated network's, if any
     backend: str = "gloo"  # the trainers' collectives'
-    per_host: int = 1  # trainers on each trainer host (an emulated network's; else 1, every trainer apart)
+    # trainers on each trainer host (an emulated network's; else 1, every trainer apart)
+    per_host: int = 1
     servers_on: str = "dedicated"
 
     @property
@@ -43,30 +44,35 @@ class Run:
 
     @property
     def on_one_host(self) -> bool:
-        """Whether its trainers all shared one host: its link probe measured the host's local link."""
+        """Whether its trainers all shared one host: its link probe measured the host's local
+        link."""
         return self.trainers > 1 and self.per_host == self.trainers
 
     @classmethod
     def load(cls, path: str) -> "Run":
         results = load_file(path)
         if results.get("status") != "ok":
-            raise ConfigError(f"{path} is a failed run ({results.get('error', 'no error recorded')}): predict from "
+            raise ConfigError(f"{path} is a failed run "
+                              f"({results.get('error', 'no error recorded')}): predict from "
                               "runs that finished")
         cfg, summary = results["config"], {row["metric"]: row["p50"] for row in results["summary"]
                                            if row["role"] == "trainer"}
         limits = results.get("limits") or {}
         emulated = results.get("env", {}).get("emulated") or {}
         return cls(
-            path=path, hook=HOOKS.canonical(cfg["hook"]), trainers=cfg["ntrainer"] + cfg.get("ncudatrainer", 0),
+            path=path, hook=HOOKS.canonical(cfg["hook"]),
+            trainers=cfg["ntrainer"] + cfg.get("ncudatrainer", 0),
             servers=cfg["nserver"] + cfg.get("ncudaserver", 0), mapping=cfg.get("mapping", "shard"),
             batch_size=cfg["batch_size"], model=cfg["model"], batch_ms=summary["batch"],
-            forward_ms=summary["forward"], optimizer_ms=summary["optimizer"], backward_ms=summary.get("backward", 0.0),
+            forward_ms=summary["forward"], optimizer_ms=summary["optimizer"],
+            backward_ms=summary.get("backward", 0.0),
             compute_ms=(limits.get("compute") or {}).get("p50_ms"), link=limits.get("link"),
             memcpy_gbps=(limits.get("memcpy") or {}).get("gbps"), timeline=results.get("timeline"),
             buckets=(cfg.get("model_size") or {}).get("ddp_buckets") or [],
             trainer_sent_per_iter=results["bytes"]["trainer_sent_per_iter"],
             link_rate_bps=emulated.get("link_rate_bps"),
-            per_host=trainers_per_host(emulated.get("placement"), cfg["ntrainer"] + cfg.get("ncudatrainer", 0)),
+            per_host=trainers_per_host(emulated.get("placement"),
+                                       cfg["ntrainer"] + cfg.get("ncudatrainer", 0)),
             servers_on=cfg.get("servers_on", "dedicated"), backend=cfg.get("backend", "gloo"),
         )
 

@@ -21,9 +21,11 @@ def winners(rows: list[dict]) -> list[dict]:
     for row in rows:
         if row["trainers"] not in best or row["batch_ms"] < best[row["trainers"]]["batch_ms"]:
             best[row["trainers"]] = row
-    return [{"trainers": n, "strategy": row["strategy"], "servers": row["servers"], "batch_ms": row["batch_ms"],
+    return [{"trainers": n, "strategy": row["strategy"], "servers": row["servers"],
+             "batch_ms": row["batch_ms"],
              **({"servers_on": row["servers_on"]} if row.get("servers_on") else {}),
-             "tied_with": [label(other) for other in rows if other["trainers"] == n and other is not row
+             "tied_with": [label(other) for other in rows
+                           if other["trainers"] == n and other is not row
                            and other["batch_ms"] <= row["batch_ms"] * (1 + TIE)]}
             for n, row in sorted(best.items())]
 
@@ -42,35 +44,44 @@ def servers_label(row: dict) -> str:
 def describe_calibration(calibration: Calibration) -> str:
     c = calibration.to_dict()
     phases, link = c["phases_ms"], c["link"]
-    own = ", ".join(f"{hook} {ms:+.1f} ms" for hook, ms in sorted(c["own_ms"].items())) or "none (no matching run)"
+    own = (", ".join(f"{hook} {ms:+.1f} ms" for hook, ms in sorted(c["own_ms"].items())) or
+           "none (no matching run)")
     times = [f"{bucket['ready_ms']:.1f}" for bucket in c["buckets"]]
     ready = ", ".join(times if len(times) <= 8 else [*times[:4], "...", *times[-2:]])
     return (f"calibration: {c['model']} at batch {c['batch_size']}, from {len(c['runs'])} run(s)\n"
-            f"  compute: forward {phases['forward']:.1f} ms, backward {phases['backward']:.1f} ms, optimizer "
-            f"{phases['optimizer']:.1f} ms; {len(c['buckets'])} bucket(s), {calibration.gradient_bytes / 1e6:.2f} MB, "
+            f"  compute: forward {phases['forward']:.1f} ms, backward {phases['backward']:.1f} ms, "
+            f"optimizer {phases['optimizer']:.1f} ms; {len(c['buckets'])} bucket(s), "
+            f"{calibration.gradient_bytes / 1e6:.2f} MB, "
             f"ready at {ready} ms ({c['overlap_from']})\n"
-            f"  link: latency {link['latency_us']:.1f} us, {link['bandwidth_gbit_s']:.3f} Gbit/s ({link['from']})\n"
+            f"  link: latency {link['latency_us']:.1f} us, {link['bandwidth_gbit_s']:.3f} Gbit/s "
+            f"({link['from']})\n"
             + (f"  a node's local link: latency {c['intra_link']['latency_us']:.1f} us, "
-               f"{c['intra_link']['bandwidth_gbit_s']:.3f} Gbit/s ({c['intra_link']['from']})\n" if c["intra_link"] else "")
-            + f"  each strategy's own compute, from its run: {own} (a strategy without a run: that of the one it "
-            f"costs like, ps for ps_fp16 and ps_node; else 0)\n")
+               f"{c['intra_link']['bandwidth_gbit_s']:.3f} Gbit/s ({c['intra_link']['from']})\n"
+               if c["intra_link"] else "")
+            + f"  each strategy's own compute, from its run: {own} (a strategy without a run: that "
+            f"of the one it costs like, ps for ps_fp16 and ps_node; else 0)\n")
 
 
 def render(rows: list[dict]) -> str:
-    best = {(w["trainers"], w["strategy"], w["servers"], w.get("servers_on")) for w in winners(rows)}
+    best = {(w["trainers"], w["strategy"], w["servers"], w.get("servers_on"))
+            for w in winners(rows)}
     nodes = any(row.get("per_node", 1) > 1 for row in rows)
-    body = [[*([f"{row['nodes']} x {row['per_node']}"] if nodes else []), row["trainers"], row["strategy"],
-             servers_label(row),
-             f"{row['batch_ms']:.1f}", f"{row['samples_per_s']:.0f}" if row["samples_per_s"] else "-",
+    body = [[*([f"{row['nodes']} x {row['per_node']}"] if nodes else []), row["trainers"],
+             row["strategy"], servers_label(row),
+             f"{row['batch_ms']:.1f}",
+             f"{row['samples_per_s']:.0f}" if row["samples_per_s"] else "-",
              "-" if row["measured_ms"] is None else f"{row['measured_ms']:.1f}",
-             "-" if row["error_pct"] is None else f"{row['error_pct']:+.1f}" + (" (cal.)" if row.get("calibration") else ""),
+             ("-" if row["error_pct"] is None else
+              f"{row['error_pct']:+.1f}" + (" (cal.)" if row.get("calibration") else "")),
              "-" if row.get("byteps_bound_ms") is None else f"{row['byteps_bound_ms']:.1f}",
-             "*" if (row["trainers"], row["strategy"], row["servers"], row.get("servers_on")) in best else ""]
+             "*" if (row["trainers"], row["strategy"], row["servers"],
+                     row.get("servers_on")) in best else ""]
             for row in rows]
-    return tabulate(body, headers=[*(["nodes x G"] if nodes else []), "trainers", "strategy", "servers", "batch ms", "samples/s", "measured ms",
+    return tabulate(body, headers=[*(["nodes x G"] if nodes else []), "trainers", "strategy",
+                                   "servers", "batch ms", "samples/s", "measured ms",
                                    "error %", "BytePS bound ms", "best"], disable_numparse=True) + (
-        "\nBytePS bound: the least any parameter-server layout with that many servers needs to move the gradients "
-        "(communication only)")
+        "\nBytePS bound: the least any parameter-server layout with that many servers needs to "
+        "move the gradients (communication only)")
 
 
 def render_winners(best: list[dict]) -> str:
@@ -82,13 +93,16 @@ def render_winners(best: list[dict]) -> str:
     def strategies(w: dict) -> set[str]:
         return {w["strategy"], *(tied.split(" (")[0] for tied in w["tied_with"])}
 
-    lines = ["", "winner per trainer count: " + ", ".join(f"{w['trainers']}: {named(w)}" for w in best)]
+    lines = ["", "winner per trainer count: " +
+             ", ".join(f"{w['trainers']}: {named(w)}" for w in best)]
     for before, after in zip(best, best[1:]):
         if not strategies(before) & strategies(after):
             lines.append(f"crossover: {' and '.join(sorted(strategies(before)))} "
-                         f"{'tie' if len(strategies(before)) > 1 else 'wins'} at {before['trainers']} trainers, "
-                         f"{' and '.join(sorted(strategies(after)))} {'tie' if len(strategies(after)) > 1 else 'win'} "
-                         f"at {after['trainers']}".replace(" win at", " at"))
+                         f"{'tie' if len(strategies(before)) > 1 else 'wins'} at "
+                         f"{before['trainers']} trainers, "
+                         f"{' and '.join(sorted(strategies(after)))} "
+                         f"{'tie' if len(strategies(after)) > 1 else 'win'} at "
+                         f"{after['trainers']}".replace(" win at", " at"))
     return "\n".join(lines)
 
 
@@ -98,12 +112,15 @@ def plot(path: str, rows: list[dict], calibration: Calibration) -> None:
     series: dict[str, list[dict]] = {}
     for row in rows:
         servers = row["servers"]
-        label = row["strategy"] + ("" if servers is None else " (best servers)" if row.get("auto") else
+        label = row["strategy"] + ("" if servers is None else
+                                   " (best servers)" if row.get("auto") else
                                    f" ({servers} server{'s' if servers != 1 else ''})")
         series.setdefault(label, []).append(row)
     for label, members in series.items():
-        axes.plot([r["trainers"] for r in members], [r["batch_ms"] for r in members], marker="o", label=label)
-        measured_points = [(r["trainers"], r["measured_ms"]) for r in members if r["measured_ms"] is not None]
+        axes.plot([r["trainers"] for r in members], [r["batch_ms"] for r in members], marker="o",
+                  label=label)
+        measured_points = [(r["trainers"], r["measured_ms"]) for r in members
+                           if r["measured_ms"] is not None]
         if measured_points:
             axes.scatter(*zip(*measured_points), marker="x", color=axes.lines[-1].get_color())
     axes.set_xscale("log", base=2)
@@ -111,8 +128,8 @@ def plot(path: str, rows: list[dict], calibration: Calibration) -> None:
     axes.set_xlabel("trainers")
     axes.set_ylabel("batch ms (predicted; x measured)")
     link = calibration.to_dict()["link"]
-    axes.set_title(f"{calibration.model}, batch {calibration.batch_size}: {link['bandwidth_gbit_s']:.3g} Gbit/s, "
-                   f"{link['latency_us']:.3g} us")
+    axes.set_title(f"{calibration.model}, batch {calibration.batch_size}: "
+                   f"{link['bandwidth_gbit_s']:.3g} Gbit/s, {link['latency_us']:.3g} us")
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(fontsize="small")
     figure.tight_layout()

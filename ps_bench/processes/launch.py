@@ -1,12 +1,12 @@
 """Process start and supervision.
 
-Locally, ``spawn`` hosts the rendezvous store in the parent (on a socket bound to
-``--master-addr``, loopback by default, before any child starts, so no other run can take its
-port), starts every rank from the preloaded forkserver (``ps_bench.runtime.preload``) and watches them:
-the first rank that fails ends the job, named by role and rank, no process is left running, and
-the results of the rounds that finished are kept. A local job's ranks bind RPC and gloo to the
-loopback interface. Under torchrun, ``run_torchrun_rank`` runs the one rank torchrun started;
-torchrun's agent hosts the store and supervises.
+Locally, ``spawn`` hosts the rendezvous store in the parent (on a socket bound to ``--master-addr``,
+loopback by default, before any child starts, so no other run can take its port), starts every rank
+from the preloaded forkserver (``ps_bench.runtime.preload``) and watches them: the first rank that
+fails ends the job, named by role and rank, no process is left running, and the results of the
+rounds that finished are kept. A local job's ranks bind RPC and gloo to the loopback interface.
+Under torchrun, ``run_torchrun_rank`` runs the one rank torchrun started; torchrun's agent hosts the
+store and supervises.
 
 A rank forked by the forkserver is the forkserver's child, not the launcher's: it dies with the
 forkserver (the kernel's parent-death signal) and with the launcher (a thread waits on the
@@ -43,7 +43,8 @@ from ps_bench.processes import rendezvous
 from ps_bench.runtime import failures, network, preload
 from ps_bench.runtime.addresses import interface_env, loopback
 from ps_bench.processes.master import Master
-from ps_bench.processes.supervision import JobFailed, listen_for_stack_requests, supervise, terminate
+from ps_bench.processes.supervision import (JobFailed, listen_for_stack_requests, supervise,
+                                            terminate)
 from ps_bench.runtime.topology import MASTER, TRAINER, Topology
 
 PG_BACKENDS = {"gloo": "gloo", "nccl": "nccl", "multi": "cpu:gloo,cuda:nccl"}
@@ -61,12 +62,17 @@ class LaunchSpec:
     local_world_size: int
     gpus_per_node: int
     torchrun: bool = False
-    launched_at: float = field(default_factory=time.time)  # when the command started: "ready after N s"
-    milestones: dict[str, float] = field(default_factory=dict)  # the launcher's start-up (time.time())
-    env: dict[str, str] = field(default_factory=dict)  # set by every local rank first: the store, the interface
-    log_path: str | None = None  # where local ranks write their output (a sweep point's log), else inherited
+    # when the command started: "ready after N s"
+    launched_at: float = field(default_factory=time.time)
+    # the launcher's start-up (time.time())
+    milestones: dict[str, float] = field(default_factory=dict)
+    # set by every local rank first: the store, the interface
+    env: dict[str, str] = field(default_factory=dict)
+    # where local ranks write their output (a sweep point's log), else inherited
+    log_path: str | None = None
     launcher_pid: int = field(default_factory=os.getpid)
-    namespaces: dict[int, dict[str, str]] = field(default_factory=dict)  # rank -> its emulated host's namespaces
+    # rank -> its emulated host's namespaces
+    namespaces: dict[int, dict[str, str]] = field(default_factory=dict)
     emulated: dict | None = None  # the emulated network, for the results (env.emulated)
 
     @property
@@ -98,7 +104,8 @@ def rpc_options(spec: LaunchSpec, rank: int) -> rpc.TensorPipeRpcBackendOptions:
     topology, cfg = spec.topology(), spec.config
     maps = topology.device_maps(rank, spec.local_world_size, spec.gpus_per_node)
     tcp = {}
-    if cfg.rpc_transport == "tcp":  # TCP sockets only; CUDA tensors staged through the host, over the same
+    # TCP sockets only; CUDA tensors staged through the host, over the same
+    if cfg.rpc_transport == "tcp":
         tcp = {"_transports": ["uv"], "_channels": ["basic", "cuda_basic"] if maps else ["basic"]}
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=cfg.rpc_threads or topology.rpc_worker_threads(rank),
@@ -146,7 +153,8 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
     started = time.time() if started is None else started
     topology, cfg = spec.topology(), spec.config
     info = topology.info(rank)
-    failures.set_identity(failures.Identity(info.role, info.index, rank, info.name, spec.run_dir, spec.torchrun))
+    failures.set_identity(failures.Identity(info.role, info.index, rank, info.name, spec.run_dir,
+                                            spec.torchrun))
     # init_rpc's internal gloo group trips a deprecation warning in torch itself, once per rank
     warnings.filterwarnings("ignore", message="You are using a Backend")
     listen_for_stack_requests(spec.run_dir, rank)
@@ -167,8 +175,10 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
             torch.cuda.manual_seed_all(cfg.cuda_seed)
         if info.role == TRAINER:  # before RPC, so the group exists when the master builds DDP
             dist.init_process_group(
-                PG_BACKENDS[cfg.backend], store=dist.PrefixStore("trainers/", rendezvous.attempt_view(store_timeout)),
-                rank=info.index, world_size=topology.num_trainers, timeout=timedelta(seconds=store_timeout),
+                PG_BACKENDS[cfg.backend],
+                store=dist.PrefixStore("trainers/", rendezvous.attempt_view(store_timeout)),
+                rank=info.index, world_size=topology.num_trainers,
+                timeout=timedelta(seconds=store_timeout),
             )
         times["grouped"] = time.time()
         rpc.init_rpc(info.name, rank=rank, world_size=topology.world_size,
@@ -178,23 +188,28 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
         if info.role == MASTER:
             recovered = rendezvous.recovered_failures(store, topology.world_size)
             if recovered:
-                print(f"ps_bench: torchrun restart {len(recovered)} of {rendezvous.max_restarts()}: starting the job "
-                      f"over after {recovered[-1]['failure']}", flush=True)
+                print(f"ps_bench: torchrun restart {len(recovered)} of "
+                      f"{rendezvous.max_restarts()}: starting the job over after "
+                      f"{recovered[-1]['failure']}", flush=True)
             master = Master(spec.job, topology, spec.device_of, spec.argv,
                             spec.run_dir, spec.results_path, spec.launched_at,
-                            hosts=rendezvous.gather_hosts(view, topology.world_size), recovered=recovered,
-                            startup=lambda: {"launcher": {"launched": spec.launched_at, **spec.milestones},
-                                             "ranks": rendezvous.gather_startup(view, topology.world_size)},
+                            hosts=rendezvous.gather_hosts(view, topology.world_size),
+                            recovered=recovered,
+                            startup=lambda: {
+                                "launcher": {"launched": spec.launched_at, **spec.milestones},
+                                "ranks": rendezvous.gather_startup(view, topology.world_size)},
                             emulated=spec.emulated)
             master.run()
         rpc.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
     except BaseException as error:  # noqa: BLE001 - every failure must reach the launcher
-        # no launcher of ours to keep the finished rounds; a job torchrun restarts writes its file later
+        # no launcher of ours to keep the finished rounds; a job torchrun restarts writes its file
+        # later
         if master is not None and spec.torchrun and not rendezvous.restarts_left():
-            path = write_results(master.record.results("failed", error=f"{info.describe()} failed: {error}"),
-                                 spec.results_path)
+            path = write_results(
+                master.record.results("failed", error=f"{info.describe()} failed: {error}"),
+                spec.results_path)
             print(f"results (failed run): {path}", flush=True)
         failures.fatal(error)
 
@@ -204,7 +219,8 @@ def _spawned(rank: int, spec: LaunchSpec) -> None:
     die_with(spec.launcher_pid)
     prctl(PR_SET_NAME, f"ps_bench r{rank}".encode())  # what ps -o comm and /proc/PID/comm show
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how the job ends
-    if rank in spec.namespaces:  # one thread yet, no socket: everything from here is on the emulated host
+    # one thread yet, no socket: everything from here is on the emulated host
+    if rank in spec.namespaces:
         network.enter(spec.namespaces[rank])
     os.environ.update(spec.env)  # the forkserver kept the environment it started with
     if spec.log_path is not None:
@@ -230,8 +246,9 @@ def host_store(cfg: RunConfig) -> tuple[dist.TCPStore, int]:
     try:
         listener.bind((cfg.master_addr, cfg.master_port or 0))
         listener.listen(socket.SOMAXCONN)
-        store = dist.TCPStore(cfg.master_addr, listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=60), master_listen_fd=listener.fileno())
+        store = dist.TCPStore(cfg.master_addr, listener.getsockname()[1], is_master=True,
+                              wait_for_workers=False, timeout=timedelta(seconds=60),
+                              master_listen_fd=listener.fileno())
         bound = listener.getsockname()[1]
         listener.detach()  # the store owns the socket now
         return store, bound
@@ -241,15 +258,17 @@ def host_store(cfg: RunConfig) -> tuple[dist.TCPStore, int]:
         if isinstance(error, OSError) and error.strerror:
             reason = error.strerror
         if cfg.master_port and "address already in use" in reason.lower():
-            reason = "it is already in use; pick another --master-port or leave it out for a free one"
-        raise ConfigError(f"cannot listen on --master-addr {cfg.master_addr} {port}: {reason}") from None
+            reason = ("it is already in use; pick another --master-port "
+                      "or leave it out for a free one")
+        raise ConfigError(f"cannot listen on --master-addr {cfg.master_addr} {port}: "
+                          f"{reason}") from None
 
 
 def keep_finished_rounds(spec: LaunchSpec, error: str) -> Path | None:
     """Writes the failed run's results file from the master's last snapshot (or, if the master
     never got going, what was asked)."""
-    results = failed_results(read_snapshot(spec.run_dir), error, config=spec.config.to_dict(), argv=spec.argv,
-                             env=environment(spec.config.backend))
+    results = failed_results(read_snapshot(spec.run_dir), error, config=spec.config.to_dict(),
+                             argv=spec.argv, env=environment(spec.config.backend))
     try:
         return write_results(results, spec.results_path)
     except OSError:
@@ -311,9 +330,9 @@ def emulated_env(spec: LaunchSpec, emulated: network.EmulatedNetwork) -> None:
     shortcuts that would bypass the links."""
     spec.namespaces = {rank: emulated.namespaces_of(rank) for rank in range(spec.config.world_size)}
     spec.emulated = emulated.record()
-    spec.env = {rendezvous.STORE_FILE: str(Path(spec.run_dir) / "store"), "MASTER_ADDR": emulated.address(0),
-                "NCCL_SOCKET_IFNAME": network.HOST_IFACE, "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
-                "NCCL_IB_DISABLE": "1"}
+    spec.env = {rendezvous.STORE_FILE: str(Path(spec.run_dir) / "store"),
+                "MASTER_ADDR": emulated.address(0), "NCCL_SOCKET_IFNAME": network.HOST_IFACE,
+                "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
 
 
 def interruption(error: BaseException) -> str:
@@ -330,7 +349,8 @@ def run_torchrun_rank(spec: LaunchSpec) -> int:
     if world != spec.config.world_size:
         raise ConfigError(
             f"torchrun started {world} processes but this run needs {spec.config.world_size} "
-            f"(trainers + servers + 1 master); set --nproc-per-node x --nnodes to {spec.config.world_size}"
+            f"(trainers + servers + 1 master); "
+            f"set --nproc-per-node x --nnodes to {spec.config.world_size}"
         )
     spec.run_dir = new_run_dir()  # this rank's own: torchrun's agent does the supervising
     worker(int(os.environ["RANK"]), spec)

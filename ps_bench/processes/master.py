@@ -16,7 +16,8 @@ from ps_bench.models import build_data, build_held_out
 from ps_bench.models.entries import Entry
 from ps_bench.results.files import environment, write_results, write_snapshot
 from ps_bench.results.printed import format_bytes, print_report
-from ps_bench.results.record import RunRecord, mean_loss, replica_summary, replicas_alike, servers_model_summary
+from ps_bench.results.record import (RunRecord, mean_loss, replica_summary, replicas_alike,
+                                     servers_model_summary)
 from ps_bench.runtime.faults import Fault, maybe_inject
 from ps_bench.processes.rendezvous import one_machine_warning, rpc_paths
 from ps_bench.runtime.topology import RankInfo, Topology
@@ -37,7 +38,8 @@ def device_name(index: int | None) -> str:
 def describe_buckets(buckets: list[dict], shards: bool = False) -> str:
     if not buckets and not shards:
         return "DDP buckets: none (the strategy does not wrap the model in DDP)"
-    sizes = ", ".join(format_bytes(b["bytes"]) + (" sparse, this iteration's" if b["sparse"] else "") for b in buckets)
+    sizes = ", ".join(format_bytes(b["bytes"]) +
+                      (" sparse, this iteration's" if b["sparse"] else "") for b in buckets)
     if shards:
         return f"parameter shards, one per server: {len(buckets)} ({sizes})"
     return f"DDP buckets, as DDP built them: {len(buckets)} ({sizes})"
@@ -58,7 +60,8 @@ def compare_replicas(trainers: list, checked_at: str) -> dict:
     alike = replicas_alike(prints, checked_at)
     if alike is not None:
         return alike
-    return replica_summary([f.wait() for f in [t.rpc_async().parameters_vector() for t in trainers]], checked_at)
+    return replica_summary(
+        [f.wait() for f in [t.rpc_async().parameters_vector() for t in trainers]], checked_at)
 
 
 class Master:
@@ -70,10 +73,10 @@ class Master:
     Every number goes into a ``RunRecord``; after each timed round a snapshot of it goes to the
     run folder, so that the launcher keeps the finished rounds if the job fails later."""
 
-    def __init__(self, job: Job, topology: Topology, device_of: Callable[[int], int | None], argv: list[str],
-                 run_dir: str, results_path: str, launched_at: float | None = None, hosts: list[dict] | None = None,
-                 recovered: list[dict] | None = None, startup: Callable[[], dict] | None = None,
-                 emulated: dict | None = None) -> None:
+    def __init__(self, job: Job, topology: Topology, device_of: Callable[[int], int | None],
+                 argv: list[str], run_dir: str, results_path: str, launched_at: float | None = None,
+                 hosts: list[dict] | None = None, recovered: list[dict] | None = None,
+                 startup: Callable[[], dict] | None = None, emulated: dict | None = None) -> None:
         config = job.config
         self.job, self.config, self.topology = job, config, topology
         self.model, self.data = job.model, job.data
@@ -83,13 +86,16 @@ class Master:
         self.results_path = results_path
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.launched_at = time.time() if launched_at is None else launched_at
-        self.record = RunRecord(job, topology, argv, {**environment(config.backend), "hosts": hosts or [],
-                                                      "rpc": rpc_paths(hosts or [], config.rpc_transport),
-                                                      **({"emulated": emulated} if emulated else {})},
+        self.record = RunRecord(job, topology, argv,
+                                {**environment(config.backend), "hosts": hosts or [],
+                                 "rpc": rpc_paths(hosts or [], config.rpc_transport),
+                                 **({"emulated": emulated} if emulated else {})},
                                 recovered)
-        # --limits: one RpcFloorTarget per server, for the float32 buckets (and the strategy's own messages)
+        # --limits: one RpcFloorTarget per server, for the float32 buckets (and the strategy's own
+        # messages)
         self.floor_targets: list[list[rpc.RRef]] = []
-        self.startup = startup  # () -> {"launcher": milestones, "ranks": [milestones]}, once every rank is up
+        # () -> {"launcher": milestones, "ranks": [milestones]}, once every rank is up
+        self.startup = startup
         self.snapshot_at = self.snapshot_cost = 0.0
 
     # -- setting up ------------------------------------------------------------------------
@@ -133,16 +139,18 @@ class Master:
         trainers = []
         for info in topo.trainers:
             shard = dataset.shard(info.index, topo.num_trainers)
-            group_server = topo.group_of(info.index) if topo.mapping == "group" and servers else None
+            group_server = (topo.group_of(info.index) if topo.mapping == "group" and servers
+                            else None)
             trainers.append(rpc.remote(info.name, trainer_class, args=(
-                info.index, cfg, self.job.strategy, self.model, shard.inputs, shard.targets, handles, group_server,
-                info.cuda_rpc, device_name(self.device_of(info.rank)), held_out if info.index == 0 else None,
-                rank_hosts, self.job.engine_config)))
-        iterations = [trainer.rpc_sync(timeout=0).ready() for trainer in trainers]  # every replica is built
+                info.index, cfg, self.job.strategy, self.model, shard.inputs, shard.targets,
+                handles, group_server, info.cuda_rpc, device_name(self.device_of(info.rank)),
+                held_out if info.index == 0 else None, rank_hosts, self.job.engine_config)))
+        # every replica is built
+        iterations = [trainer.rpc_sync(timeout=0).ready() for trainer in trainers]
         if self.servers_own_parameters:  # a round is a budget of everyone's updates
             for server in servers:
-                server.rpc_sync().own(self.model, cfg.torch_seed, cfg.lr, parse_staleness(cfg.staleness),
-                                      sum(iterations))
+                server.rpc_sync().own(self.model, cfg.torch_seed, cfg.lr,
+                                      parse_staleness(cfg.staleness), sum(iterations))
         return trainers
 
     # -- the rounds --------------------------------------------------------------------------
@@ -150,8 +158,10 @@ class Master:
         cfg, record = self.config, self.record
         # what was asked, should the job end before its first round; not a measure of what a
         # snapshot of finished rounds costs
-        write_snapshot(record.results("failed", error="the job ended before it finished"), self.run_dir)
-        warning = one_machine_warning(record.environment["hosts"], cfg.rpc_transport) if self.topology.servers else None
+        write_snapshot(record.results("failed", error="the job ended before it finished"),
+                       self.run_dir)
+        warning = (one_machine_warning(record.environment["hosts"], cfg.rpc_transport)
+                   if self.topology.servers else None)
         if warning:
             print(warning, file=sys.stderr, flush=True)
         servers = self.create_servers()
@@ -159,25 +169,28 @@ class Master:
         trainers = self.create_trainers(servers)
         ready_at = time.time()
         total = cfg.warmup_rounds + cfg.rounds
-        follow = (f"training until the averaged model's smoothed loss is at most {cfg.target_loss} or "
-                  f"{record.max_iterations} iterations are done" if cfg.target_loss is not None
+        follow = (f"training until the averaged model's smoothed loss is at most {cfg.target_loss} "
+                  f"or {record.max_iterations} iterations are done" if cfg.target_loss is not None
                   else f"{cfg.warmup_rounds} warmup and {cfg.rounds} timed rounds follow")
-        print(f"ps_bench: ready after {ready_at - self.launched_at:.1f} s (every rank started, servers created, "
-              f"DDP built on every trainer); {follow}", flush=True)
+        print(f"ps_bench: ready after {ready_at - self.launched_at:.1f} s (every rank started, "
+              f"servers created, DDP built on every trainer); {follow}", flush=True)
         if self.startup is not None:
             times = self.startup()
-            record.environment["startup_s"] = startup_phases(times["launcher"], times["ranks"], servers_at, ready_at)
+            record.environment["startup_s"] = startup_phases(times["launcher"], times["ranks"],
+                                                             servers_at, ready_at)
             if cfg.verbose:
                 print(render_startup(record.environment["startup_s"]), flush=True)
         print(describe_workload(self.model, self.data), flush=True)
         run_start = time.perf_counter()
         converging, round_index = cfg.target_loss is not None, 0
-        while converging or round_index < total:  # a --target-loss run goes on until its trainers stop
+        # a --target-loss run goes on until its trainers stop
+        while converging or round_index < total:
             maybe_inject(self.fault, "master", 0, round_index + 1)
             profiled = cfg.profile is not None and round_index == total - 1
             start = time.perf_counter()
-            futures = [t.rpc_async(timeout=0).run_round(verify=round_index >= cfg.warmup_rounds and cfg.verify,
-                                                        profile_path=self.trace_path(info) if profiled else None)
+            futures = [t.rpc_async(timeout=0).run_round(
+                           verify=round_index >= cfg.warmup_rounds and cfg.verify,
+                           profile_path=self.trace_path(info) if profiled else None)
                        for t, info in zip(trainers, self.topology.trainers)]
             rounds = [f.wait() for f in futures]
             elapsed = time.perf_counter() - start
@@ -187,28 +200,32 @@ class Master:
             stopped = converging and record.add_progress(rounds)
             # the round training stopped in is kept even within warmup, so that every run has one
             timed = (round_index >= cfg.warmup_rounds or stopped) and rounds[0]["iterations"] > 0
-            if record.buckets is None and rounds[0]["iterations"]:  # DDP rebuilds its buckets in the first iteration
+            # DDP rebuilds its buckets in the first iteration
+            if record.buckets is None and rounds[0]["iterations"]:
                 record.buckets = trainers[0].rpc_sync().bucket_layout()
-                print(describe_buckets(record.buckets, shards=self.servers_own_parameters), flush=True)
+                print(describe_buckets(record.buckets, shards=self.servers_own_parameters),
+                      flush=True)
             if timed:  # kept before it is announced
                 loss = record.add_round(elapsed, rounds, served)
                 self.snapshot()
             else:
                 loss = mean_loss(rounds)
             of = "" if converging else f"/{total}"
-            print(f"[round {round_index + 1}{of}] {'timed' if timed else 'warmup':6} {elapsed:7.2f} s  "
-                  f"(elapsed {time.perf_counter() - run_start:6.1f} s)  loss {loss:.4f}"
-                  f"{record.progress_line() if converging else ''}", flush=True)
+            print(f"[round {round_index + 1}{of}] {'timed' if timed else 'warmup':6} "
+                  f"{elapsed:7.2f} s  (elapsed {time.perf_counter() - run_start:6.1f} s)  "
+                  f"loss {loss:.4f}{record.progress_line() if converging else ''}", flush=True)
             if timed and cfg.limits:
                 self.measure_floors(trainers)
             if stopped:
                 break
             round_index += 1
         if self.job.strategy.identical == SERVERS_MODEL:
-            record.replicas = servers_model_summary([s.rpc_sync().parameters_vector() for s in servers])
+            record.replicas = servers_model_summary(
+                [s.rpc_sync().parameters_vector() for s in servers])
         else:
             record.replicas = compare_replicas(trainers, self.job.strategy.identical)
-        for closed in [t.rpc_async(timeout=0).close() for t in trainers]:  # together: a close may be collective
+        # together: a close may be collective
+        for closed in [t.rpc_async(timeout=0).close() for t in trainers]:
             closed.wait()
         if cfg.limits:
             record.memcpy = limits.memcpy_floor(limits.message_bytes(record.floor_messages))
@@ -224,9 +241,11 @@ class Master:
         time, between rounds, never inside the timed region); the first timed round is always
         kept."""
         start = time.perf_counter()
-        if self.snapshot_cost > SNAPSHOT_CHEAP_S and start - self.snapshot_at < 10 * self.snapshot_cost:
+        if (self.snapshot_cost > SNAPSHOT_CHEAP_S and
+                start - self.snapshot_at < 10 * self.snapshot_cost):
             return
-        write_snapshot(self.record.results("failed", error="the job ended before it finished"), self.run_dir)
+        write_snapshot(self.record.results("failed", error="the job ended before it finished"),
+                       self.run_dir)
         self.snapshot_at = time.perf_counter()
         self.snapshot_cost = self.snapshot_at - start
 
@@ -235,16 +254,18 @@ class Master:
 
     def measure_floors(self, trainers: list[rpc.RRef]) -> None:
         """``--limits``: a share of every floor's repetitions, after each timed round, so floors and
-        strategy are sampled under the same conditions of the machine (see ``ps_bench.metrics.limits``).
-        The buckets are trainer 0's of the first timed round's last iteration, the same for every
-        trainer and every round."""
+        strategy are sampled under the same conditions of the machine (see
+        ``ps_bench.metrics.limits``). The buckets are trainer 0's of the first timed round's last
+        iteration, the same for every trainer and every round."""
         record, cfg = self.record, self.config
         if record.floor_messages is None:
             # DDP's buckets; without them (FSDP2, an engine, torchft), the model's gradients as one
             buckets = trainers[0].rpc_sync().bucket_layout() or [
-                {"index": 0, "bytes": self.model.size["dense_gradient_bytes"], "sparse": False, "shapes": []}]
+                {"index": 0, "bytes": self.model.size["dense_gradient_bytes"], "sparse": False,
+                 "shapes": []}]
             record.floor_messages = limits.floor_messages(HOOKS.record("allreduce"), buckets, {})
-            own = limits.floor_messages(self.job.strategy, buckets, hook_options(cfg.hook, cfg.hook_options),
+            own = limits.floor_messages(self.job.strategy, buckets,
+                                        hook_options(cfg.hook, cfg.hook_options),
                                         slices=self.job.strategy.rpc_slices(cfg.per_host))
             record.own_messages = own if own != record.floor_messages else None
             self.floor_targets = [[rpc.remote(info.name, limits.RpcFloorTarget, args=(messages,))

@@ -141,9 +141,11 @@ def rpc_paths(hosts: list[dict], rpc_transport: str) -> dict:
     if rpc_transport == "tcp":
         return {"option": "tcp", "transport": "uv", "channel": "basic", "over": "TCP sockets"}
     if len(machines) <= 1:
-        return {"option": "auto", "transport": "shm", "channel": "cma", "over": "shared memory (one machine)"}
-    return {"option": "auto", "transport": "uv", "channel": "basic", "over": "TCP sockets between machines, "
-            "shared memory between processes of one machine"}
+        return {"option": "auto", "transport": "shm", "channel": "cma",
+                "over": "shared memory (one machine)"}
+    return {"option": "auto", "transport": "uv", "channel": "basic",
+            "over": "TCP sockets between machines, "
+                    "shared memory between processes of one machine"}
 
 
 def one_machine_warning(hosts: list[dict], rpc_transport: str) -> str | None:
@@ -151,11 +153,12 @@ def one_machine_warning(hosts: list[dict], rpc_transport: str) -> str | None:
     through shared memory: it would compare an RPC through memory with collectives through the
     network."""
     names = [host["hostname"] for host in hosts]
-    if rpc_transport != "auto" or len(set(names)) < 2 or len({host.get("machine") for host in hosts}) != 1:
+    if (rpc_transport != "auto" or len(set(names)) < 2 or
+            len({host.get("machine") for host in hosts}) != 1):
         return None
-    return (f"ps_bench: warning: hosts {', '.join(dict.fromkeys(names))} are one machine (one boot id and PID "
-            "namespace): RPC between them goes through shared memory, not the network; --rpc-transport tcp makes "
-            "it cross the network")
+    return (f"ps_bench: warning: hosts {', '.join(dict.fromkeys(names))} are one machine (one boot "
+            "id and PID namespace): RPC between them goes through shared memory, not the network; "
+            "--rpc-transport tcp makes it cross the network")
 
 
 def gather_hosts(view: dist.Store, world_size: int) -> list[dict]:
@@ -190,11 +193,14 @@ def recovered_failures(store: dist.Store, world_size: int) -> list[dict]:
         keys = [failure_key(attempt, rank) for rank in range(world_size)]
         records = [json.loads(store.get(key)) for key in keys if store.check([key])]
         if not records:
-            recovered.append({"attempt": attempt, "failure": "no rank recorded a cause (killed by a signal, "
-                                                             "or stopped by torchrun)"})
+            recovered.append({"attempt": attempt,
+                              "failure": "no rank recorded a cause (killed by a signal, "
+                                         "or stopped by torchrun)"})
             continue
         first = min(records, key=lambda record: record["time"])
-        who = f"{first['role']} {first['index']} (rank {first['rank']}, {first['name']}) on {first['host']}"
-        recovered.append({"attempt": attempt, "role": first["role"], "rank": first["rank"], "host": first["host"],
+        who = (f"{first['role']} {first['index']} (rank {first['rank']}, {first['name']}) "
+               f"on {first['host']}")
+        recovered.append({"attempt": attempt, "role": first["role"], "rank": first["rank"],
+                          "host": first["host"],
                           "failure": f"{who} failed: {first['error'].splitlines()[0]}"})
     return recovered

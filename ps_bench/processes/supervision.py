@@ -70,7 +70,8 @@ def describe_failures(spec: Job, exit_codes: dict[int, int]) -> JobFailed:
             error = record["error"].strip().splitlines()[0]
             causes.append((record["time"], rank, f"{who} failed: {error}", record["traceback"]))
         else:
-            causes.append((0.0, rank, f"{who} exited with status {exitcode} without an error of its own", ""))
+            causes.append((0.0, rank, f"{who} exited with status {exitcode} "
+                                      f"without an error of its own", ""))
     causes.sort(key=lambda cause: (cause[0], cause[1]))
     _, first_rank, summary, detail = causes[0]
     others = [topology.info(rank).name for _, rank, _, _ in causes[1:]]
@@ -80,7 +81,8 @@ def describe_failures(spec: Job, exit_codes: dict[int, int]) -> JobFailed:
 
 
 def ended_how(exitcode: int) -> str:
-    return f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit status {exitcode}"
+    return (f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0
+            else f"exit status {exitcode}")
 
 
 @dataclass
@@ -96,8 +98,8 @@ class Stacks:
             return "every rank's Python stacks are above"
         if self.given == 0:
             return "no rank could give its Python stacks; a line above says why for each"
-        return (f"the Python stacks of {self.given} of {self.total} ranks are above; a line says why "
-                f"each of the others has none")
+        return (f"the Python stacks of {self.given} of {self.total} ranks are above; a line says "
+                f"why each of the others has none")
 
 
 def dump_stacks(spec: Job, processes: list) -> Stacks:
@@ -110,7 +112,8 @@ def dump_stacks(spec: Job, processes: list) -> Stacks:
         if process.exitcode is not None:
             reasons[rank] = f"it had already ended ({ended_how(process.exitcode)})"
         elif not stacks_file(spec.run_dir, rank).exists():
-            reasons[rank] = "it was still starting (importing torch and ps_bench), before it can give stacks"
+            reasons[rank] = ("it was still starting (importing torch and ps_bench), "
+                             "before it can give stacks")
         else:
             try:
                 os.kill(process.pid, signal.SIGUSR1)
@@ -174,9 +177,9 @@ def supervise(spec: Job, processes: list, watchdog: tuple[float, str] | None = N
         if deadline is not None and time.monotonic() > deadline:
             stacks = dump_stacks(spec, processes)
             terminate(processes)
-            raise JobFailed(f"the job did not finish within {watchdog[1]} {watchdog[0]:g} s; {stacks.summary()}",
-                            stacks.text)
-        # from the same reading as ``codes``: a rank that ends after it has a ready sentinel (a second
-        # reading could find every rank ended, and wait on nothing until the deadline)
+            raise JobFailed(f"the job did not finish within {watchdog[1]} {watchdog[0]:g} s; "
+                            f"{stacks.summary()}", stacks.text)
+        # from the same reading as ``codes``: a rank that ends after it has a ready sentinel (a
+        # second reading could find every rank ended, and wait on nothing until the deadline)
         running = [processes[rank].sentinel for rank, code in codes.items() if code is None]
         wait(running, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))

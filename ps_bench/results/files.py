@@ -34,7 +34,8 @@ def environment(backend: str) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "hostname": socket.gethostname(),
-        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "cuda_devices": ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                         if cuda else []),
         "backend": backend,
         "intra_op_threads": torch.get_num_threads(),
     }
@@ -62,7 +63,8 @@ def write_results(results: dict, path: str | os.PathLike) -> Path:
             stream.flush()
             os.fsync(stream.fileno())
         for attempt in range(10_000):
-            candidate = target if attempt == 0 else target.with_name(f"{target.stem}-{attempt}{target.suffix}")
+            candidate = (target if attempt == 0
+                         else target.with_name(f"{target.stem}-{attempt}{target.suffix}"))
             try:
                 os.link(temporary, candidate)
                 return candidate
@@ -92,20 +94,21 @@ def config_hash(resolved: dict[str, Any]) -> str:
     """A hash of what a run measures: every resolved option (canonical names) and the model and
     data entries they name, less ``NOT_HASHED``."""
     payload = {k: v for k, v in resolved.items() if k not in NOT_HASHED}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return hashlib.sha256(
+        json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 SNAPSHOT_NAME = "partial.json"  # in the run folder: the finished rounds of a running job
 
 
-def failed_results(results: dict | None, error: str, *, config: dict, argv: list[str] | None = None,
-                   env: dict | None = None) -> dict:
+def failed_results(results: dict | None, error: str, *, config: dict,
+                   argv: list[str] | None = None, env: dict | None = None) -> dict:
     """``results`` (what finished, or None when nothing did) marked failed with ``error``. With
     nothing finished, the contract's identifying keys are kept and nothing is measured:
     ``rounds_completed`` 0, an empty ``summary``."""
     if results is None:
-        results = {"schema": SCHEMA, "started": iso_now(), "argv": argv or [], "config": config, "env": env or {},
-                   "rounds_completed": 0, "summary": []}
+        results = {"schema": SCHEMA, "started": iso_now(), "argv": argv or [], "config": config,
+                   "env": env or {}, "rounds_completed": 0, "summary": []}
     return {**results, "status": "failed", "error": error, "finished": iso_now()}
 
 

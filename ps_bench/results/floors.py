@@ -43,8 +43,10 @@ def limits(record: Any) -> dict | None:
     return {
         "bytes_per_iter": per_iteration,
         "buckets": len(record.floor_messages),
-        "rpc": measure.floor_summary(samples["rpc_ms"], per_iteration) if samples["rpc_ms"] else None,
-        "collective": {**measure.floor_summary(samples["collective_ms"], per_iteration, world=trainers),
+        "rpc": (measure.floor_summary(samples["rpc_ms"], per_iteration) if samples["rpc_ms"]
+                else None),
+        "collective": {**measure.floor_summary(samples["collective_ms"], per_iteration,
+                                               world=trainers),
                        "backend": record.config.backend},
         "own": own,
         "steps": steps(record),
@@ -52,28 +54,33 @@ def limits(record: Any) -> dict | None:
         "link": measure.link_summary(
             {int(kind[5:]): values for kind, values in samples.items() if kind.startswith("link_")},
             "allreduce" if trainers > 1 else "rpc", trainers),
-        "compute": {"count": len(samples["compute_ms"]), "p50_ms": float(np.median(samples["compute_ms"]))},
+        "compute": {"count": len(samples["compute_ms"]),
+                    "p50_ms": float(np.median(samples["compute_ms"]))},
     }
 
 
 def periods(record: Any) -> dict[str, int]:
     """Each collective of the record's ``sends`` -> how many iterations one of its calls serves."""
     period = hook_options(record.config.hook, record.config.hook_options).get("period", 1)
-    return {collective: period if per == "period" else 1 for collective, per in record.strategy.sends}
+    return {collective: period if per == "period" else 1
+            for collective, per in record.strategy.sends}
 
 
 def steps(record: Any) -> dict | None:
     """The floor of the strategy's own steps: per collective (p50 ms, and how many iterations one
     serves) and per iteration (each collective's p50 over its period, summed); None without any."""
     samples = record.floor_samples
-    kinds = sorted(key[len(STEP):-3] for key in samples if key.startswith(STEP) and key != f"{STEP}total_ms")
+    kinds = sorted(key[len(STEP):-3] for key in samples
+                   if key.startswith(STEP) and key != f"{STEP}total_ms")
     if not kinds:
         return None
     serves = periods(record)
-    collectives = {kind: {"p50_ms": float(np.median(samples[f"{STEP}{kind}_ms"])), "iterations": serves.get(kind, 1)}
+    collectives = {kind: {"p50_ms": float(np.median(samples[f"{STEP}{kind}_ms"])),
+                          "iterations": serves.get(kind, 1)}
                    for kind in kinds}
     return {"collectives": collectives, "p50_ms": float(np.median(samples[f"{STEP}total_ms"])),
-            "per_iter_ms": sum(entry["p50_ms"] / entry["iterations"] for entry in collectives.values())}
+            "per_iter_ms": sum(entry["p50_ms"] / entry["iterations"]
+                               for entry in collectives.values())}
 
 
 def efficiency(record: Any, floors: dict) -> dict | None:
@@ -85,25 +92,33 @@ def efficiency(record: Any, floors: dict) -> dict | None:
     if "comm" not in rows or (strategy.floor is None and own_steps is None):
         return None
     buckets = ((floors["own"] or floors.get(strategy.floor))
-               if strategy.hook_sends and (not strategy.per_host or strategy.needs_servers) else None)
-    periodic = own_steps is not None and any(entry["iterations"] > 1 for entry in own_steps["collectives"].values())
+               if strategy.hook_sends and (not strategy.per_host or strategy.needs_servers)
+               else None)
+    periodic = own_steps is not None and any(entry["iterations"] > 1
+                                             for entry in own_steps["collectives"].values())
     cost = rows["comm"].mean if periodic else rows["comm"].p50
-    floor_ms = (buckets["p50_ms"] if buckets else 0.0) + (own_steps["per_iter_ms"] if own_steps else 0.0)
+    floor_ms = ((buckets["p50_ms"] if buckets else 0.0) +
+                (own_steps["per_iter_ms"] if own_steps else 0.0))
     uncompressed = floors.get(strategy.floor) if strategy.floor else None
     exposed_ms = max(0.0, rows["batch"].p50 - floors["compute"]["p50_ms"])
     out = {"floor": strategy.floor or "collective",
-           "floor_of": ("its own steps" if not buckets else "its buckets and its own steps" if own_steps
+           "floor_of": ("its own steps" if not buckets
+                        else "its buckets and its own steps" if own_steps
                         else "its own messages" if floors["own"] else "its float32 buckets"),
-           "floor_ms": floor_ms, "cost": f"trainer comm {'mean' if periodic else 'p50'}", "cost_ms": cost,
+           "floor_ms": floor_ms, "cost": f"trainer comm {'mean' if periodic else 'p50'}",
+           "cost_ms": cost,
            "value": measure.efficiency(floor_ms, cost),
            "exposed_ms": exposed_ms, "exposed_value": measure.efficiency(floor_ms, exposed_ms),
            "float32_floor_ms": uncompressed["p50_ms"] if uncompressed else None,
-           "gain_over_float32": measure.efficiency(uncompressed["p50_ms"], cost) if uncompressed and buckets else None}
+           "gain_over_float32": (measure.efficiency(uncompressed["p50_ms"], cost)
+                                 if uncompressed and buckets else None)}
     if own_steps:
-        spent = {kind: ms / record.collective_iterations for kind, ms in record.collective_ms.items()} \
-            if record.collective_iterations else {}
+        spent = ({kind: ms / record.collective_iterations
+                  for kind, ms in record.collective_ms.items()}
+                 if record.collective_iterations else {})
         out["collectives"] = {kind: {"floor_ms": entry["p50_ms"] / entry["iterations"],
                                      "measured_ms": spent.get(kind),
-                                     "value": measure.efficiency(entry["p50_ms"] / entry["iterations"], spent.get(kind))}
+                                     "value": measure.efficiency(
+                                         entry["p50_ms"] / entry["iterations"], spent.get(kind))}
                               for kind, entry in own_steps["collectives"].items()}
     return out

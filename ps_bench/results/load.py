@@ -21,34 +21,41 @@ from ps_bench.config import ConfigError
 from ps_bench.results.files import RESULTS_NAME, SCHEMA
 
 READS = (SCHEMA,)  # the schema versions this ps_bench reads
-REQUIRED = {"status": str, "config": dict, "summary": list}  # besides "schema", in every results object
+# besides "schema", in every results object
+REQUIRED = {"status": str, "config": dict, "summary": list}
 
 
 def check(results: Any, where: str) -> dict:
-    """``results`` if it is a results object this ps_bench reads, else a ConfigError naming ``where``."""
+    """``results`` if it is a results object this ps_bench reads, else a ConfigError naming
+    ``where``."""
     if not isinstance(results, dict) or not isinstance(results.get("schema"), str):
-        raise ConfigError(f"{where} is not a ps_bench results file (it has no \"schema\": \"{SCHEMA}\")")
+        raise ConfigError(f"{where} is not a ps_bench results file "
+                          f"(it has no \"schema\": \"{SCHEMA}\")")
     if results["schema"] not in READS:
-        raise ConfigError(f"{where} has schema {results['schema']!r}, and this ps_bench reads {', '.join(READS)}: "
-                          f"read it with the ps_bench that wrote it")
+        raise ConfigError(f"{where} has schema {results['schema']!r}, and this ps_bench reads "
+                          f"{', '.join(READS)}: read it with the ps_bench that wrote it")
     wrong = [key for key, kind in REQUIRED.items() if not isinstance(results.get(key), kind)]
     if wrong:
-        raise ConfigError(f"{where} is not a whole results file: {', '.join(repr(k) for k in wrong)} missing or "
-                          f"of the wrong type")
+        raise ConfigError(f"{where} is not a whole results file: "
+                          f"{', '.join(repr(k) for k in wrong)} missing or of the wrong type")
     return results
 
 
 def parse(text: str, where: str) -> Any:
-    """The JSON in ``text``; a ConfigError naming ``where`` says whether it stops short or is no JSON."""
+    """The JSON in ``text``; a ConfigError naming ``where`` says whether it stops short or is no
+    JSON."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
-        cut_in_a_string = error.msg.startswith("Unterminated string") and '"' not in text[error.pos + 1:]
+        cut_in_a_string = (error.msg.startswith("Unterminated string") and
+                           '"' not in text[error.pos + 1:])
         if text.strip() and (error.pos >= len(text.rstrip()) or cut_in_a_string):
             end = text.rstrip()
-            raise ConfigError(f"{where} is truncated: its JSON is cut off at line {end.count(chr(10)) + 1} column "
+            raise ConfigError(f"{where} is truncated: its JSON is cut off at line "
+                              f"{end.count(chr(10)) + 1} column "
                               f"{len(end) - end.rfind(chr(10))} ({error.msg})") from None
-        raise ConfigError(f"{where} is not JSON: {error.msg} at line {error.lineno} column {error.colno}") from None
+        raise ConfigError(f"{where} is not JSON: {error.msg} at line {error.lineno} "
+                          f"column {error.colno}") from None
 
 
 def read_text(path: Path, where: str) -> str:
@@ -80,7 +87,8 @@ def numbered_lines(path: Path) -> tuple[list[tuple[int, dict]], int]:
     if not path.exists():
         return [], 0
     lines, torn = [], 0
-    for number, text in enumerate(read_text(path, f"results file {str(path)!r}").splitlines(), start=1):
+    for number, text in enumerate(read_text(path, f"results file {str(path)!r}").splitlines(),
+                                  start=1):
         if not text.strip():
             continue
         try:
@@ -94,21 +102,24 @@ def numbered_lines(path: Path) -> tuple[list[tuple[int, dict]], int]:
 
 @dataclass
 class Source:
-    """What one source named on a command line holds: each results object with where it came from."""
+    """What one source named on a command line holds: each results object with where it came
+    from."""
 
     path: str
     kind: str  # "results file", "sweep folder", "sweep results", "folder of results files"
     runs: list[tuple[str, dict]]  # (where, results), in file or line order
-    skipped: list[str] = field(default_factory=list)  # files of a folder that are not results files
+    # files of a folder that are not results files
+    skipped: list[str] = field(default_factory=list)
     torn: int = 0  # lines of a results.jsonl that do not parse
 
 
 def load_source(source: str) -> Source:
-    """A results file, a sweep folder, a ``.jsonl`` of a sweep's lines, or a folder of results files."""
+    """A results file, a sweep folder, a ``.jsonl`` of a sweep's lines, or a folder of results
+    files."""
     path = Path(source)
     if not path.exists():
-        raise ConfigError(f"{source!r} does not exist (give a results file, a sweep folder or a folder of results "
-                          f"files)")
+        raise ConfigError(f"{source!r} does not exist (give a results file, a sweep folder or a "
+                          f"folder of results files)")
     if path.is_dir() and (path / RESULTS_NAME).exists():
         return lines_source(source, path / RESULTS_NAME, "sweep folder")
     if path.is_dir():

@@ -31,33 +31,38 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
             print(render_table(role_rows))
     throughput, moved, replicas = results["throughput"], results["bytes"], results["replicas"]
     print(
-        f"\nthroughput: {throughput['samples_per_s']:.1f} samples/s over {throughput['iterations']} "
-        f"iterations per trainer"
+        f"\nthroughput: {throughput['samples_per_s']:.1f} samples/s over "
+        f"{throughput['iterations']} iterations per trainer"
     )
     print(
-        "bytes per iteration: trainer sent {trainer_sent_per_iter:.0f}, recv {trainer_recv_per_iter:.0f}; "
+        "bytes per iteration: trainer sent {trainer_sent_per_iter:.0f}, "
+        "recv {trainer_recv_per_iter:.0f}; "
         "server recv {server_recv_per_iter:.0f}, sent {server_sent_per_iter:.0f}".format(**moved)
     )
     if replicas["identical"] is None:
-        print(f"replicas: do not apply (--staleness: the servers hold the one model) param_norm={replicas['param_norm']:.6f}")
+        print(f"replicas: do not apply (--staleness: the servers hold the one model) "
+              f"param_norm={replicas['param_norm']:.6f}")
     else:
         print(
-            f"replicas: identical={str(replicas['identical']).lower()} param_norm={replicas['param_norm']:.6f} "
-            f"max_abs_diff={replicas['max_abs_diff']:.3g}"
+            f"replicas: identical={str(replicas['identical']).lower()} "
+            f"param_norm={replicas['param_norm']:.6f} max_abs_diff={replicas['max_abs_diff']:.3g}"
         )
     per_trainer = throughput.get("per_trainer", [])
     if len({entry["iterations"] for entry in per_trainer}) > 1 or results.get("staleness"):
-        print("per trainer: " + ", ".join(f"trainer {entry['index']} {entry['iterations']} iterations "
-                                          f"{entry['samples_per_s']:.1f} samples/s" for entry in per_trainer))
+        print("per trainer: " + ", ".join(f"trainer {entry['index']} {entry['iterations']} "
+                                          f"iterations {entry['samples_per_s']:.1f} samples/s"
+                                          for entry in per_trainer))
     if results.get("staleness"):
         stale = results["staleness"]
         rates = ", ".join(f"{entry['updates_per_s']:.1f}" for entry in stale["servers"])
-        print(f"staleness (bound {stale['bound']}): p50 {stale['p50']} p99 {stale['p99']} max {stale['max']} over "
-              f"{stale['updates']} updates; updates/s per server: {rates}")
+        print(f"staleness (bound {stale['bound']}): p50 {stale['p50']} p99 {stale['p99']} "
+              f"max {stale['max']} over {stale['updates']} updates; updates/s per server: {rates}")
     if results.get("loss"):
-        print(f"loss: first timed round {results['loss']['first']:.4f}, last {results['loss']['last']:.4f}")
+        print(f"loss: first timed round {results['loss']['first']:.4f}, "
+              f"last {results['loss']['last']:.4f}")
     if results.get("convergence"):
-        print("\nConvergence (the averaged model; seconds: forward + backward + optimizer, every iteration)")
+        print("\nConvergence (the averaged model; seconds: forward + backward + optimizer, "
+              "every iteration)")
         print(render_convergence(results["convergence"]))
     if "verify" in results:
         check = results["verify"]
@@ -67,9 +72,10 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
                   f"({check['buckets_checked']} buckets, every trainer)")
         if "engine_sent_per_iter" in check:
             ours, theirs = results["bytes"]["trainer_sent_per_iter"], check["engine_sent_per_iter"]
-            print(f"bytes per iteration against the engine's own comms logger: counted {ours:.0f}, logged "
-                  f"{theirs:.0f} ({100 * (ours - theirs) / theirs:+.2f} %): "
-                  + ", ".join(f"{name} {entry['calls_per_iter']:.2f} calls" for name, entry in check["engine"].items()))
+            print(f"bytes per iteration against the engine's own comms logger: counted {ours:.0f}, "
+                  f"logged {theirs:.0f} ({100 * (ours - theirs) / theirs:+.2f} %): "
+                  + ", ".join(f"{name} {entry['calls_per_iter']:.2f} calls"
+                              for name, entry in check["engine"].items()))
     if results.get("memory"):
         print("\nMemory (peak per process, largest of the role)")
         print(render_memory(results["memory"]))
@@ -79,10 +85,11 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
 
 def render_convergence(convergence: dict) -> str:
     held_out = convergence["held_out"][-1][2] if convergence["held_out"] else None
-    row = [convergence["target_loss"], "yes" if convergence["reached"] else "no", convergence["iterations"],
-           convergence["seconds"], convergence["final_loss"], held_out, convergence["stopped_by"]]
-    headers = ["target loss", "reached", "iterations", "seconds", f"loss (last {convergence['smoothing']})",
-               "held-out loss", "stopped by"]
+    row = [convergence["target_loss"], "yes" if convergence["reached"] else "no",
+           convergence["iterations"], convergence["seconds"], convergence["final_loss"], held_out,
+           convergence["stopped_by"]]
+    headers = ["target loss", "reached", "iterations", "seconds",
+               f"loss (last {convergence['smoothing']})", "held-out loss", "stopped by"]
     return tabulate([row], headers=headers, floatfmt=".4g", missingval="-")
 
 
@@ -92,7 +99,8 @@ def render_memory(memory: dict) -> str:
         if peaks:
             cuda = peaks.get("peak_cuda_bytes")
             rows.append([role, peaks["peak_rss_bytes"] / MIB, None if cuda is None else cuda / MIB])
-    return tabulate(rows, headers=["role", "peak RSS MiB", "peak CUDA MiB"], floatfmt=".1f", missingval="-")
+    return tabulate(rows, headers=["role", "peak RSS MiB", "peak CUDA MiB"], floatfmt=".1f",
+                    missingval="-")
 
 
 def render_limits(limits: dict, efficiency: dict | None) -> str:
@@ -100,14 +108,15 @@ def render_limits(limits: dict, efficiency: dict | None) -> str:
     rows = []
     if limits.get("rpc"):
         floor = limits["rpc"]
-        rows.append(["raw RPC round trip", floor["p50_ms"], floor["p90_ms"], floor["algbw_gbps"], None])
+        rows.append(["raw RPC round trip", floor["p50_ms"], floor["p90_ms"], floor["algbw_gbps"],
+                     None])
     collective = limits["collective"]
-    rows.append([f"raw all-reduce ({collective['backend']})", collective["p50_ms"], collective["p90_ms"],
-                 collective["algbw_gbps"], collective["busbw_gbps"]])
+    rows.append([f"raw all-reduce ({collective['backend']})", collective["p50_ms"],
+                 collective["p90_ms"], collective["algbw_gbps"], collective["busbw_gbps"]])
     own = limits.get("own")
     if own:
-        rows.append([f"the strategy's own messages ({own['transport']}, {own['bytes_per_iter']} B)", own["p50_ms"],
-                     own["p90_ms"], own["algbw_gbps"], own.get("busbw_gbps")])
+        rows.append([f"the strategy's own messages ({own['transport']}, {own['bytes_per_iter']} B)",
+                     own["p50_ms"], own["p90_ms"], own["algbw_gbps"], own.get("busbw_gbps")])
     steps = limits.get("steps")
     for kind, step in (steps or {}).get("collectives", {}).items():
         every = f", once every {step['iterations']} iterations" if step["iterations"] > 1 else ""
@@ -115,33 +124,43 @@ def render_limits(limits: dict, efficiency: dict | None) -> str:
     memcpy = limits["memcpy"]
     rows.append(["memcpy, one process", memcpy["p50_ms"], None, memcpy["gbps"], None])
     if limits.get("compute"):
-        rows.append(["compute only (no DDP, no hook)", limits["compute"]["p50_ms"], None, None, None])
+        rows.append(["compute only (no DDP, no hook)", limits["compute"]["p50_ms"], None, None,
+                     None])
     lines = [
-        f"\nFloors (--limits: {limits['bytes_per_iter']} B per trainer per iteration in {limits['buckets']} "
-        f"bucket(s), {collective['count']} samples taken after each timed round, pooled over trainers)",
-        tabulate(rows, headers=["floor", "p50 ms", "p90 ms", "algbw GB/s", "busbw GB/s"], floatfmt=".3f",
-                 missingval="-"),
+        f"\nFloors (--limits: {limits['bytes_per_iter']} B per trainer per iteration in "
+        f"{limits['buckets']} bucket(s), {collective['count']} samples taken after each timed "
+        f"round, pooled over trainers)",
+        tabulate(rows, headers=["floor", "p50 ms", "p90 ms", "algbw GB/s", "busbw GB/s"],
+                 floatfmt=".3f", missingval="-"),
     ]
     link = limits.get("link")
     if link:
-        sizes = ", ".join(f"{point['bytes']} B {point['p50_ms']:.3f} ms" for point in link["points"])
-        lines.append(f"link: latency {link['latency_us']:.1f} us, {link['bandwidth_gbit_s']:.3f} Gbit/s, fitted to "
-                     f"{'all-reduces among ' + str(link['peers']) + ' trainers' if link['method'] == 'allreduce' else 'RPC round trips'}"
-                     f" of one message ({sizes})")
+        sizes = ", ".join(f"{point['bytes']} B {point['p50_ms']:.3f} ms"
+                          for point in link["points"])
+        probe = (f"all-reduces among {link['peers']} trainers" if link["method"] == "allreduce"
+                 else "RPC round trips")
+        lines.append(f"link: latency {link['latency_us']:.1f} us, "
+                     f"{link['bandwidth_gbit_s']:.3f} Gbit/s, fitted to {probe} of one message "
+                     f"({sizes})")
     if efficiency:
         lines.append(f"efficiency: {efficiency['value']:.3f} ({efficiency['floor']} floor of "
-                     f"{efficiency.get('floor_of', 'its float32 buckets')}, p50 {efficiency['floor_ms']:.3f} ms / "
+                     f"{efficiency.get('floor_of', 'its float32 buckets')}, "
+                     f"p50 {efficiency['floor_ms']:.3f} ms / "
                      f"{efficiency['cost']} {efficiency['cost_ms']:.3f} ms)")
         if efficiency.get("exposed_value") is not None:
-            lines.append(f"exposed: {efficiency['exposed_value']:.3f} ({efficiency['floor']} floor p50 / "
-                         f"{efficiency['exposed_ms']:.3f} ms = trainer batch p50 - compute-only p50)")
+            lines.append(f"exposed: {efficiency['exposed_value']:.3f} ({efficiency['floor']} "
+                         f"floor p50 / {efficiency['exposed_ms']:.3f} ms = trainer batch p50 - "
+                         f"compute-only p50)")
         for kind, entry in (efficiency.get("collectives") or {}).items():
             if entry["value"] is not None:
-                lines.append(f"  {kind.replace('_', '-')}: {entry['value']:.3f} (floor {entry['floor_ms']:.3f} ms / open "
+                lines.append(f"  {kind.replace('_', '-')}: {entry['value']:.3f} "
+                             f"(floor {entry['floor_ms']:.3f} ms / open "
                              f"{entry['measured_ms']:.3f} ms an iteration)")
-        if efficiency.get("floor_of") == "its own messages" and efficiency.get("gain_over_float32") is not None:
-            lines.append(f"gain over sending float32: {efficiency['gain_over_float32']:.3f} ({efficiency['floor']} "
-                         f"floor of the float32 buckets, p50 {efficiency['float32_floor_ms']:.3f} ms / "
+        if (efficiency.get("floor_of") == "its own messages" and
+                efficiency.get("gain_over_float32") is not None):
+            lines.append(f"gain over sending float32: {efficiency['gain_over_float32']:.3f} "
+                         f"({efficiency['floor']} floor of the float32 buckets, "
+                         f"p50 {efficiency['float32_floor_ms']:.3f} ms / "
                          f"{efficiency['cost']}; above 1, compression paid)")
     else:
         lines.append("efficiency: - (this strategy moves nothing)")

@@ -30,7 +30,8 @@ from ps_bench.strategies.record import EVERY_ITERATION
 
 # An engine's names for its collectives -> what ``costs.collective_bytes`` charges them as
 COLLECTIVE_KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_base": "all_gather",
-                    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_base": "reduce_scatter"}
+                    "reduce_scatter_tensor": "reduce_scatter",
+                    "reduce_scatter_base": "reduce_scatter"}
 TRAINER_METRICS = ("batch", "forward", "backward", "optimizer", "comm")  # ms, per iteration
 BYTE_METRICS = ("bytes_sent", "bytes_recv")  # B, per iteration
 SERVER_METRICS = ("straggler", "aggregate", "round")  # ms, per bucket and iteration
@@ -39,8 +40,8 @@ SERVER_METRICS = ("straggler", "aggregate", "round")  # ms, per bucket and itera
 def servers_model_summary(vectors: list[torch.Tensor]) -> dict:
     """--staleness: no replicas to compare (the servers hold the one model): ``identical`` and
     ``max_abs_diff`` are null, ``param_norm`` is the servers' parameters'."""
-    return {"identical": None, "param_norm": parameter_norm(torch.cat(vectors)), "max_abs_diff": None,
-            "checked_at": None}
+    return {"identical": None, "param_norm": parameter_norm(torch.cat(vectors)),
+            "max_abs_diff": None, "checked_at": None}
 
 
 def replica_summary(vectors: list[torch.Tensor], checked_at: str = EVERY_ITERATION) -> dict:
@@ -60,9 +61,11 @@ def replica_summary(vectors: list[torch.Tensor], checked_at: str = EVERY_ITERATI
 def replicas_alike(prints: list[dict], checked_at: str = EVERY_ITERATION) -> dict | None:
     """``replica_summary`` from the trainers' fingerprints (``strategies.base.fingerprint``) when
     they show bit-identical, finite parameters; None when they cannot say (the vectors decide)."""
-    if not (math.isfinite(prints[0]["norm"]) and all(p["digest"] == prints[0]["digest"] for p in prints)):
+    if not (math.isfinite(prints[0]["norm"]) and
+            all(p["digest"] == prints[0]["digest"] for p in prints)):
         return None
-    return {"identical": True, "param_norm": prints[0]["norm"], "max_abs_diff": 0.0, "checked_at": checked_at}
+    return {"identical": True, "param_norm": prints[0]["norm"], "max_abs_diff": 0.0,
+            "checked_at": checked_at}
 
 
 class RunRecord:
@@ -75,41 +78,56 @@ class RunRecord:
 
     def __init__(self, job: Job, topology: Topology, argv: list[str], environment: dict,
                  recovered: list[dict] | None = None) -> None:
-        self.config, self.strategy, self.topology, self.engine_config = job.config, job.strategy, topology, job.engine_config
+        self.config, self.strategy, self.topology, self.engine_config = (
+            job.config, job.strategy, topology, job.engine_config)
         self.model, self.data = job.model, job.data
         self.argv, self.environment = argv, environment
         self.recovered = recovered or []  # earlier attempts torchrun restarted the job after
         self.started = iso_now()
-        self.trainer_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-        self.server_samples: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self.trainer_samples: dict[int, dict[str, list[float]]] = defaultdict(
+            lambda: defaultdict(list))
+        self.server_samples: dict[int, dict[str, list[float]]] = defaultdict(
+            lambda: defaultdict(list))
         self.trainer_bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # sent, received
         self.server_bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # received, sent
-        self.host_traffic: dict[tuple[int, int], int] = defaultdict(int)  # (from host, to host) -> bytes
+        # (from host, to host) -> bytes
+        self.host_traffic: dict[tuple[int, int], int] = defaultdict(int)
         self.iterations = self.rounds_done = 0
-        self.trainer_work: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # rank -> iterations, samples
-        self.staleness: list[int] = []  # --staleness: each applied update's observed staleness, every server
-        self.server_updates: dict[int, int] = defaultdict(int)  # --staleness: server rank -> updates applied
+        # rank -> iterations, samples
+        self.trainer_work: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+        # --staleness: each applied update's observed staleness, every server
+        self.staleness: list[int] = []
+        # --staleness: server rank -> updates applied
+        self.server_updates: dict[int, int] = defaultdict(int)
         self.timed_s = 0.0
         self.losses: list[float] = []  # mean training loss of each timed round
         self.grad_errors: list[float] = []
-        self.engine_counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # --verify, an engine's own: calls, bytes
-        self.collective_ms: dict[str, float] = defaultdict(float)  # ms each collective's calls were open, all trainers
-        self.collective_iterations = 0  # the timed iterations those ms were taken over, all trainers
+        # --verify, an engine's own: calls, bytes
+        self.engine_counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        # ms each collective's calls were open, all trainers
+        self.collective_ms: dict[str, float] = defaultdict(float)
+        # the timed iterations those ms were taken over, all trainers
+        self.collective_iterations = 0
         self.verified_iterations = 0
         self.memory: dict[str, dict[int, dict]] = {"trainer": {}, "server": {}}
         self.buckets: list[dict] | None = None  # DDP's buckets as it built them, from trainer 0
-        self.bucket_offsets: dict[int, list[tuple[float, float]]] = defaultdict(list)  # bucket -> (ready, done) ms
+        # bucket -> (ready, done) ms
+        self.bucket_offsets: dict[int, list[tuple[float, float]]] = defaultdict(list)
         self.replicas: dict | None = None
         # --limits: bucket index -> (elements, dtype) messages: the float32 buckets every transport
         # floor moves, and the strategy's own where they differ (16-bit, low-rank)
         self.floor_messages: dict[int, list[tuple[int, str]]] | None = None
         self.own_messages: dict[int, list[tuple[int, str]]] | None = None
         self.floor_samples: dict[str, list[float]] = defaultdict(list)
-        self.memcpy: dict | None = None  # --limits: the memory-copy floor, measured once the rounds are over
-        # --target-loss, from every round (warmup too): the averaged model's losses, every iteration's ms
+        # --limits: the memory-copy floor, measured once the rounds are over
+        self.memcpy: dict | None = None
+        # --target-loss, from every round (warmup too): the averaged model's losses, every
+        # iteration's ms
         self.curve: list[tuple[int, float]] = []  # (iterations done, training loss), from trainer 0
-        self.held_out: list[tuple[int, float]] = []  # (iterations done, held-out loss), from trainer 0
-        self.iteration_ms: dict[int, list[float]] = defaultdict(list)  # trainer rank -> each iteration's ms
+        # (iterations done, held-out loss), from trainer 0
+        self.held_out: list[tuple[int, float]] = []
+        # trainer rank -> each iteration's ms
+        self.iteration_ms: dict[int, list[float]] = defaultdict(list)
         self.training: dict = {"reached_at": None, "diverged": False, "stopped": False}
 
     # -- what the master hands in ------------------------------------------------------------
@@ -119,7 +137,8 @@ class RunRecord:
         topo = self.topology
         self.rounds_done += 1
         self.timed_s += elapsed_s
-        # per trainer (with --staleness each runs as many iterations as it can in the round: their mean)
+        # per trainer (with --staleness each runs as many iterations as it can in the round: their
+        # mean)
         self.iterations += round(sum(result["iterations"] for result in rounds) / len(rounds))
         self.verified_iterations += rounds[0]["verified_iterations"]
         for info, result in zip(topo.trainers, rounds):
@@ -133,7 +152,8 @@ class RunRecord:
             for kind, ms in result.get("collectives", {}).items():
                 self.collective_ms[kind] += ms
             self.collective_iterations += len(result["samples"].get("batch", []))
-            for name, (calls, nbytes) in (result.get("engine_counts", {}) if info.index == 0 else {}).items():
+            for name, (calls, nbytes) in (result.get("engine_counts", {})
+                                          if info.index == 0 else {}).items():
                 self.engine_counts[name][0] += calls
                 self.engine_counts[name][1] += nbytes
             for source, destination, nbytes in result.get("host_traffic", []):
@@ -187,11 +207,14 @@ class RunRecord:
             return None
         clocks = [np.cumsum([0.0] + values) / 1000.0 for values in self.iteration_ms.values()]
 
-        def at(iterations: int) -> float:  # seconds of training after that many iterations, slowest trainer
+        # seconds of training after that many iterations, slowest trainer
+        def at(iterations: int) -> float:
             return float(max(c[min(iterations, len(c) - 1)] for c in clocks)) if clocks else 0.0
 
-        def points(curve: list[tuple]) -> list[list]:  # a point may carry its own seconds (--staleness)
-            return [[point[0], point[2] if len(point) > 2 else at(point[0]), finite_or_none(point[1])]
+        # a point may carry its own seconds (--staleness)
+        def points(curve: list[tuple]) -> list[list]:
+            return [[point[0], point[2] if len(point) > 2 else at(point[0]),
+                     finite_or_none(point[1])]
                     for point in curve]
 
         reached_at, diverged = self.training["reached_at"], self.training["diverged"]
@@ -204,7 +227,8 @@ class RunRecord:
             "target_loss": cfg.target_loss,
             "reached": reached_at is not None,
             "iterations": iterations,
-            "seconds": next((s for i, s, _ in reversed(loss_curve) if i == iterations), at(iterations)),
+            "seconds": next((s for i, s, _ in reversed(loss_curve) if i == iterations),
+                            at(iterations)),
             "stopped_by": why,
             "diverged": diverged,
             "final_loss": finite_or_none(smoothed_loss(self.curve)),
@@ -226,7 +250,8 @@ class RunRecord:
             "p99": float(np.percentile(observed, 99)) if len(observed) else None,
             "max": int(observed.max()) if len(observed) else None,
             "servers": [{"rank": info.rank, "updates": self.server_updates[info.rank],
-                         "updates_per_s": self.server_updates[info.rank] / self.timed_s if self.timed_s else 0.0}
+                         "updates_per_s": (self.server_updates[info.rank] / self.timed_s
+                                           if self.timed_s else 0.0)}
                         for info in self.topology.servers],
         }
 
@@ -239,9 +264,12 @@ class RunRecord:
     # -- what it gives ---------------------------------------------------------------------------
     def rows(self, split_ranks: bool = False) -> list[SummaryRow]:
         """Timing rows (ms), then per-iteration bytes rows (B) for the printed tables."""
-        rows = summary_rows("trainer", self.trainer_samples, TRAINER_METRICS, split_ranks=split_ranks)
-        rows += summary_rows("trainer", self.trainer_samples, BYTE_METRICS, unit="B", split_ranks=split_ranks)
-        return rows + summary_rows("server", self.server_samples, SERVER_METRICS, split_ranks=split_ranks)
+        rows = summary_rows("trainer", self.trainer_samples, TRAINER_METRICS,
+                            split_ranks=split_ranks)
+        rows += summary_rows("trainer", self.trainer_samples, BYTE_METRICS, unit="B",
+                             split_ranks=split_ranks)
+        return rows + summary_rows("server", self.server_samples, SERVER_METRICS,
+                                   split_ranks=split_ranks)
 
     def results(self, status: str, error: str | None = None) -> dict:
         """The ``ps_bench.result/1`` object of the run so far."""
@@ -254,9 +282,11 @@ class RunRecord:
             "started": self.started,
             "finished": iso_now(),
             "argv": self.argv,
-            "config": {**cfg.to_dict(), "model_config": self.model.to_dict(), "data_config": self.data.to_dict(),
+            "config": {**cfg.to_dict(), "model_config": self.model.to_dict(),
+                       "data_config": self.data.to_dict(),
                        "model_size": {**self.model.size, "ddp_buckets": self.buckets},
-                       **({"engine_config": self.engine_config} if self.engine_config is not None else {})},
+                       **({"engine_config": self.engine_config}
+                          if self.engine_config is not None else {})},
             "env": self.environment,
             "restarts": len(self.recovered),
             "recovered": self.recovered,
@@ -269,15 +299,19 @@ class RunRecord:
                 "timed_s": self.timed_s,
                 "per_trainer": [{"index": info.index, "rank": info.rank,
                                  "iterations": self.trainer_work[info.rank][0],
-                                 "samples_per_s": self.trainer_work[info.rank][1] / self.timed_s if self.timed_s else 0.0}
+                                 "samples_per_s": (self.trainer_work[info.rank][1] / self.timed_s
+                                                   if self.timed_s else 0.0)}
                                 for info in topo.trainers],
             },
             "bytes": {
-                "trainer_sent_per_iter": self.per_iteration(self.trainer_bytes, 0, topo.num_trainers),
-                "trainer_recv_per_iter": self.per_iteration(self.trainer_bytes, 1, topo.num_trainers),
+                "trainer_sent_per_iter": self.per_iteration(self.trainer_bytes, 0,
+                                                            topo.num_trainers),
+                "trainer_recv_per_iter": self.per_iteration(self.trainer_bytes, 1,
+                                                            topo.num_trainers),
                 "server_recv_per_iter": self.per_iteration(self.server_bytes, 0, topo.num_servers),
                 "server_sent_per_iter": self.per_iteration(self.server_bytes, 1, topo.num_servers),
-                **host_links(self.host_traffic, self.environment.get("hosts") or [], self.iterations),
+                **host_links(self.host_traffic, self.environment.get("hosts") or [],
+                             self.iterations),
             },
             "timeline": self.timeline(),
             "replicas": self.replicas,
@@ -287,12 +321,15 @@ class RunRecord:
             **({"verify": self.verify_summary()} if cfg.verify else {}),
             "memory": {
                 "trainer": combine_peaks(list(self.memory["trainer"].values())),
-                "server": combine_peaks(list(self.memory["server"].values())) if topo.num_servers else None,
+                "server": (combine_peaks(list(self.memory["server"].values()))
+                           if topo.num_servers else None),
                 "master": peak_memory(),
             },
-            **({"limits": measured_floors, "efficiency": self.efficiency(measured_floors)} if measured_floors else {}),
+            **({"limits": measured_floors, "efficiency": self.efficiency(measured_floors)}
+               if measured_floors else {}),
             "samples": [
-                {"role": info.role, "rank": info.rank, "name": info.name, "metrics": dict(samples.get(info.rank, {}))}
+                {"role": info.role, "rank": info.rank, "name": info.name,
+                 "metrics": dict(samples.get(info.rank, {}))}
                 for info, samples in [(i, self.trainer_samples) for i in topo.trainers]
                 + [(i, self.server_samples) for i in topo.servers]
             ],
@@ -334,7 +371,8 @@ class RunRecord:
             out["engine"] = {name: {"calls_per_iter": calls / per, "bytes_per_iter": nbytes / per}
                              for name, (calls, nbytes) in sorted(self.engine_counts.items())}
             out["engine_sent_per_iter"] = sum(
-                collective_bytes(COLLECTIVE_KINDS.get(name, name), nbytes / calls, world, self.config.backend) * calls
+                collective_bytes(COLLECTIVE_KINDS.get(name, name), nbytes / calls, world,
+                                 self.config.backend) * calls
                 for name, (calls, nbytes) in self.engine_counts.items() if calls) / per
         return out
 

@@ -36,7 +36,8 @@ def interface_address(name: str) -> str | None:
     """The IPv4 address of interface ``name`` (in this network namespace), if it has one."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
-            packed = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            packed = fcntl.ioctl(probe.fileno(), SIOCGIFADDR,
+                                 struct.pack("256s", name.encode()[:15]))
         except OSError:
             return None
     return socket.inet_ntoa(packed[20:24])
@@ -46,4 +47,5 @@ def own_address() -> str:
     """This rank's address on the interface the ranks bind to (``interface_env``), else the one
     that reaches the job's store."""
     bound = os.environ.get("TP_SOCKET_IFNAME") or os.environ.get("GLOO_SOCKET_IFNAME")
-    return (interface_address(bound) if bound else None) or address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    return ((interface_address(bound) if bound else None) or
+            address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")))

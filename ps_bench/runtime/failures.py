@@ -66,8 +66,8 @@ def add_sink(sink: Callable[[dict], None]) -> None:
 
 def _entry(error: BaseException) -> dict:
     text = "".join(traceback.format_exception(error))
-    return {**asdict(_identity), "error": f"{type(error).__name__}: {error}".strip(), "traceback": text,
-            "time": time.time()}
+    return {**asdict(_identity), "error": f"{type(error).__name__}: {error}".strip(),
+            "traceback": text, "time": time.time()}
 
 
 def announce(error: BaseException) -> None:
@@ -104,7 +104,8 @@ def record(error: BaseException) -> None:
         sys.stderr.flush()
 
 
-_fatal = threading.Lock()  # taken by the first thread to fail, never released: the process ends with it
+# taken by the first thread to fail, never released: the process ends with it
+_fatal = threading.Lock()
 
 
 def fatal(error: BaseException) -> None:

@@ -44,7 +44,8 @@ class Fault:
             raise ValueError(f"expected {FORMAT}; got {text!r}")
         role, index, iteration, kind = parts[:4]
         if len(parts) == 5 and parts[4] != FIRST_ATTEMPT:
-            raise ValueError(f"the optional 5th field must be {FIRST_ATTEMPT!r} (first attempt only); got {parts[4]!r}")
+            raise ValueError(f"the optional 5th field must be {FIRST_ATTEMPT!r} "
+                             f"(first attempt only); got {parts[4]!r}")
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
         if kind not in KINDS:
@@ -52,9 +53,11 @@ class Fault:
         try:
             index_value, iteration_value = int(index), int(iteration)
         except ValueError:
-            raise ValueError(f"INDEX and ITER must be integers; got {index!r} and {iteration!r}") from None
+            raise ValueError(f"INDEX and ITER must be integers; "
+                             f"got {index!r} and {iteration!r}") from None
         if index_value < 0 or iteration_value < 1:
-            raise ValueError(f"INDEX must be 0 or more and ITER 1 or more; got {index_value} and {iteration_value}")
+            raise ValueError(f"INDEX must be 0 or more and ITER 1 or more; "
+                             f"got {index_value} and {iteration_value}")
         return cls(role, index_value, iteration_value, kind, first_attempt_only=len(parts) == 5)
 
     def matches(self, role: str, index: int, iteration: int) -> bool:
@@ -82,8 +85,8 @@ def maybe_inject(fault: "Fault | None", role: str, index: int, iteration: int) -
         fault.trigger()
 
 
-STRAGGLER_FORMAT = ("trainer:INDEX:DELAY (persistent) or any:DELAY:P (transient), e.g. trainer:1:30ms or "
-                    "any:20ms:0.2 (DELAY in us, ms or s; P in (0, 1])")
+STRAGGLER_FORMAT = ("trainer:INDEX:DELAY (persistent) or any:DELAY:P (transient), "
+                    "e.g. trainer:1:30ms or any:20ms:0.2 (DELAY in us, ms or s; P in (0, 1])")
 UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
@@ -96,7 +99,8 @@ def parse_delay(delay: str) -> float:
     except ValueError:
         value = None
     if value is None:
-        raise ValueError(f"DELAY must be a number with a unit of us, ms or s, e.g. 30ms; got {delay!r}")
+        raise ValueError(f"DELAY must be a number with a unit of us, ms or s, e.g. 30ms; "
+                         f"got {delay!r}")
     if not value >= 0 or value == float("inf"):
         raise ValueError(f"DELAY must be 0 or more; got {delay!r}")
     return value * UNITS[unit]
@@ -155,6 +159,7 @@ class Straggling:
         """Seconds to sleep in training iteration ``iteration`` (from 1)."""
         delay = self.persistent_s
         for number, (seconds, probability) in enumerate(self.transient):
-            if random.Random(f"{self.seed}:{number}:{self.index}:{iteration}").random() < probability:
+            if random.Random(f"{self.seed}:{number}:"
+                             f"{self.index}:{iteration}").random() < probability:
                 delay += seconds
         return delay

@@ -34,8 +34,9 @@ CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
 HOST_IFACE = "eth0"  # every emulated host's link, as a cluster node's NIC
 SUBNET = "10.231.0"  # private, and only ever configured inside the job's own namespaces
 MAX_HOSTS = 253
-RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,  # tc's units: bits per second,
-              "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}  # or bytes per second
+# tc's units: bits per second, or bytes per second
+RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+              "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
 DELAY_UNITS = {"us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "s": 1.0, "sec": 1.0}
 TOOLS = ("ip", "tc", "nsenter", "unshare")
 INSTALL_HINT = "apt-get install -y iproute2 util-linux"
@@ -63,7 +64,8 @@ def parse_rate(text: str) -> float:
     """A link rate in tc's units (``1gbit``, ``500mbit``, ``100mbps``) as bits per second."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]+)", text.strip().lower())
     if match is None or match.group(2) not in RATE_UNITS:
-        raise ConfigError(f"--link (--emulate-link): expected a rate in tc's units, e.g. 1gbit, 10gbit, 500mbit; got {text!r}")
+        raise ConfigError(f"--link (--emulate-link): expected a rate in tc's units, "
+                          f"e.g. 1gbit, 10gbit, 500mbit; got {text!r}")
     rate = float(match.group(1)) * RATE_UNITS[match.group(2)]
     if rate < 1e3:
         raise ConfigError(f"--link (--emulate-link) must be at least 1kbit; got {text!r}")
@@ -74,7 +76,8 @@ def parse_delay(text: str) -> float:
     """A one-way delay (``100us``, ``2ms``) in seconds."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]+)", text.strip().lower())
     if match is None or match.group(2) not in DELAY_UNITS:
-        raise ConfigError(f"--delay (--emulate-delay): expected a time, e.g. 100us or 2ms; got {text!r}")
+        raise ConfigError(f"--delay (--emulate-delay): expected a time, e.g. 100us or 2ms; "
+                          f"got {text!r}")
     return float(match.group(1)) * DELAY_UNITS[match.group(2)]
 
 
@@ -125,7 +128,8 @@ def privileged() -> bool:
 
 def netem_available() -> bool:
     """Whether the kernel has netem: tried on the loopback of a throwaway namespace."""
-    probe = subprocess.run(["unshare", "--net", "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+    probe = subprocess.run(["unshare", "--net", "tc", "qdisc", "add", "dev", "lo", "root", "netem",
+                            "delay", "1ms"],
                            capture_output=True, text=True, timeout=SETUP_TIMEOUT_S)
     return probe.returncode == 0
 
@@ -134,46 +138,52 @@ def check(cfg: RunConfig, machine: bool = True) -> None:
     """The emulation options and (``machine``) this machine: a ConfigError says what is wrong,
     before anything is created."""
     parse_rate(cfg.emulate_link)
-    if cfg.emulate_hosts is not None and (cfg.per_host is not None or cfg.servers_on == "colocated"):
+    if cfg.emulate_hosts is not None and (cfg.per_host is not None or
+                                          cfg.servers_on == "colocated"):
         placed = len(placement(cfg))
         if cfg.emulate_hosts != placed:
-            raise ConfigError(f"--hosts (--emulate-hosts) {cfg.emulate_hosts} disagrees with --per-host and "
-                              f"--servers-on, which place this job on {placed} hosts: leave --hosts out")
+            raise ConfigError(f"--hosts (--emulate-hosts) {cfg.emulate_hosts} disagrees with "
+                              f"--per-host and --servers-on, which place this job on {placed} "
+                              f"hosts: leave --hosts out")
     hosts = len(placement(cfg)) if cfg.emulate_hosts is None else cfg.emulate_hosts
     if cfg.emulate_hosts is not None and not 1 <= cfg.emulate_hosts <= cfg.world_size:
-        raise ConfigError(f"--hosts (--emulate-hosts) must be from 1 to this job's {cfg.world_size} processes; got {cfg.emulate_hosts}")
+        raise ConfigError(f"--hosts (--emulate-hosts) must be from 1 to this job's "
+                          f"{cfg.world_size} processes; got {cfg.emulate_hosts}")
     if hosts > MAX_HOSTS:
-        raise ConfigError(f"an emulated network has at most {MAX_HOSTS} hosts; this one would have {hosts}: "
-                          f"set --hosts (--emulate-hosts)")
+        raise ConfigError(f"an emulated network has at most {MAX_HOSTS} hosts; "
+                          f"this one would have {hosts}: set --hosts (--emulate-hosts)")
     if cfg.emulate_delay is not None:
         parse_delay(cfg.emulate_delay)
     if not machine:
         return
     if not privileged():
-        raise ConfigError("an emulated network needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN, for network namespaces "
-                          "and tc): run it with sudo, e.g. sudo $(which python) bench.py emulate --link 1gbit -- ...")
+        raise ConfigError("an emulated network needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN, for "
+                          "network namespaces and tc): run it with sudo, e.g. sudo $(which python) "
+                          "bench.py emulate --link 1gbit -- ...")
     missing = [tool for tool in TOOLS if shutil.which(tool) is None]
     if missing:
-        raise ConfigError(f"an emulated network needs {', '.join(missing)}, not found here: {INSTALL_HINT}")
+        raise ConfigError(f"an emulated network needs {', '.join(missing)}, not found here: "
+                          f"{INSTALL_HINT}")
     if cfg.emulate_delay is not None and not netem_available():
-        raise ConfigError("--delay (--emulate-delay) needs the kernel's netem qdisc, which this kernel does not "
-                          "have (tc: 'Specified qdisc kind is unknown'); leave --delay out, or run on a kernel "
-                          "with sch_netem")
+        raise ConfigError("--delay (--emulate-delay) needs the kernel's netem qdisc, which this "
+                          "kernel does not have (tc: 'Specified qdisc kind is unknown'); leave "
+                          "--delay out, or run on a kernel with sch_netem")
 
 
 def tbf(device: str, rate_bps: float) -> list[str]:
     """The token bucket that shapes ``device``'s egress to the rate: a burst of 2 ms at the rate
     (at least 64 KiB, so a full-size segment always fits)."""
     burst = max(64 * 1024, int(rate_bps / 8 * 0.002))
-    return ["qdisc replace dev", device, "root handle 1: tbf rate", f"{int(rate_bps)}bit", f"burst {burst}",
-            f"latency {QUEUE_LATENCY}"]
+    return ["qdisc replace dev", device, "root handle 1: tbf rate", f"{int(rate_bps)}bit",
+            f"burst {burst}", f"latency {QUEUE_LATENCY}"]
 
 
 def shaping(device: str, rate_bps: float, delay_s: float | None) -> str:
     """tc batch lines: the token bucket, and netem's delay beneath it where asked."""
     lines = [" ".join(tbf(device, rate_bps))]
     if delay_s:
-        lines.append(f"qdisc add dev {device} parent 1:1 handle 10: netem delay {delay_s * 1e6:.0f}us")
+        lines.append(f"qdisc add dev {device} parent 1:1 handle 10: "
+                     f"netem delay {delay_s * 1e6:.0f}us")
     return "\n".join(lines) + "\n"
 
 
@@ -193,8 +203,8 @@ class Holder:
 
     def run(self, *command: str, batch: str | None = None) -> None:
         """Runs ``command`` inside this namespace (``batch``: its standard input)."""
-        done = subprocess.run(["nsenter", "-t", str(self.pid), "-n", *command], input=batch, capture_output=True,
-                              text=True, timeout=SETUP_TIMEOUT_S)
+        done = subprocess.run(["nsenter", "-t", str(self.pid), "-n", *command], input=batch,
+                              capture_output=True, text=True, timeout=SETUP_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"emulated network, {self.hostname}: {' '.join(command)}: "
                                f"{(done.stderr or done.stdout).strip()}")
@@ -202,11 +212,13 @@ class Holder:
 
 def start_holder(hostname: str, keep: bool) -> Holder:
     process = subprocess.Popen([sys.executable, "-c", HOLDER, "keep" if keep else "die", hostname],
-                               stdin=subprocess.DEVNULL if keep else subprocess.PIPE, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=keep)
+                               stdin=subprocess.DEVNULL if keep else subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=keep)
     if process.stdout.readline().strip() != "ready":
         process.kill()
-        raise RuntimeError(f"emulated network: cannot make namespaces for {hostname}: {process.stderr.read().strip()}")
+        raise RuntimeError(f"emulated network: cannot make namespaces for {hostname}: "
+                           f"{process.stderr.read().strip()}")
     return Holder(process, hostname)
 
 
@@ -232,32 +244,38 @@ class EmulatedNetwork:
 
     def record(self) -> dict:
         """``env.emulated`` of the results."""
-        return {"link_rate_bps": self.rate_bps, "delay_s": self.delay_s or 0.0, "hosts": len(self.placement),
-                "placement": self.placement, "shaping": "tc tbf on both ends of every host's link"
+        return {"link_rate_bps": self.rate_bps, "delay_s": self.delay_s or 0.0,
+                "hosts": len(self.placement), "placement": self.placement,
+                "shaping": "tc tbf on both ends of every host's link"
                 + (", netem delay" if self.delay_s else ""), "rpc_transport": "tcp"}
 
     def describe(self, name_of) -> str:
         rate = format_rate(self.rate_bps)
-        delay = f", {self.delay_s * 1e6:.0f} us added delay each way" if self.delay_s else ", no added delay"
-        hosts = " | ".join(f"{self.hosts[index].hostname} ({self.address(index)}): {', '.join(map(name_of, ranks))}"
+        delay = (f", {self.delay_s * 1e6:.0f} us added delay each way" if self.delay_s
+                 else ", no added delay")
+        hosts = " | ".join(f"{self.hosts[index].hostname} ({self.address(index)}): "
+                           f"{', '.join(map(name_of, ranks))}"
                            for index, ranks in enumerate(self.placement))
-        return (f"ps_bench: emulated network: {len(self.placement)} hosts (network namespaces) on one switch, each "
-                f"link {rate} both ways (tc tbf){delay}; RPC over TCP; {hosts}")
+        return (f"ps_bench: emulated network: {len(self.placement)} hosts (network namespaces) on "
+                f"one switch, each link {rate} both ways (tc tbf){delay}; RPC over TCP; {hosts}")
 
     def build(self) -> None:
         """Makes the switch and every host, their links and shaping (about 0.1 s for three)."""
         self.switch = start_holder("emulated-switch", self.keep)
-        self.switch.run("ip", "-batch", "-", batch="link set lo up\nlink add br0 type bridge\nlink set br0 up\n")
+        self.switch.run("ip", "-batch", "-",
+                        batch="link set lo up\nlink add br0 type bridge\nlink set br0 up\n")
         for index in range(len(self.placement)):
             host = start_holder(f"emulated-h{index}", self.keep)
             self.hosts.append(host)
             port = f"s{index}"
-            self.switch.run("ip", "link", "add", port, "type", "veth", "peer", "name", HOST_IFACE, "netns",
-                            str(host.pid))
-            self.switch.run("ip", "-batch", "-", batch=f"link set {port} master br0\nlink set {port} up\n")
+            self.switch.run("ip", "link", "add", port, "type", "veth", "peer", "name", HOST_IFACE,
+                            "netns", str(host.pid))
+            self.switch.run("ip", "-batch", "-",
+                            batch=f"link set {port} master br0\nlink set {port} up\n")
             self.switch.run("tc", "-batch", "-", batch=shaping(port, self.rate_bps, self.delay_s))
-            host.run("ip", "-batch", "-", batch=f"link set lo up\naddr add {self.address(index)}/24 dev {HOST_IFACE}"
-                                               f"\nlink set {HOST_IFACE} up\n")
+            host.run("ip", "-batch", "-",
+                     batch=f"link set lo up\naddr add {self.address(index)}/24 dev {HOST_IFACE}"
+                           f"\nlink set {HOST_IFACE} up\n")
             host.run("tc", "-batch", "-", batch=shaping(HOST_IFACE, self.rate_bps, self.delay_s))
 
     def close(self) -> None:
@@ -273,8 +291,9 @@ class EmulatedNetwork:
 
     def kept(self) -> str:
         pids = " ".join(str(holder.pid) for holder in [*self.hosts, self.switch])
-        return (f"ps_bench: the emulated network is kept: enter a host with `nsenter -t PID -n -u` (PID of "
-                f"{', '.join(f'{h.hostname} {h.pid}' for h in self.hosts)}); remove it with `kill {pids}`")
+        return (f"ps_bench: the emulated network is kept: enter a host with `nsenter -t PID -n -u` "
+                f"(PID of {', '.join(f'{h.hostname} {h.pid}' for h in self.hosts)}); "
+                f"remove it with `kill {pids}`")
 
 
 def format_rate(bps: float) -> str:
@@ -287,8 +306,8 @@ def format_rate(bps: float) -> str:
 def build(cfg: RunConfig) -> EmulatedNetwork:
     """The network ``cfg`` asks for (already checked), built; ``close`` it when the job ends."""
     network = EmulatedNetwork(parse_rate(cfg.emulate_link),
-                              parse_delay(cfg.emulate_delay) if cfg.emulate_delay else None, placement(cfg),
-                              keep=cfg.emulate_keep)
+                              parse_delay(cfg.emulate_delay) if cfg.emulate_delay else None,
+                              placement(cfg), keep=cfg.emulate_keep)
     try:
         network.build()
     except BaseException:
@@ -305,6 +324,7 @@ def enter(namespaces: dict[str, str]) -> None:
         fd = os.open(namespaces[kind], os.O_RDONLY)
         try:
             if libc.setns(fd, flag) != 0:
-                raise OSError(ctypes.get_errno(), f"setns {namespaces[kind]}: {os.strerror(ctypes.get_errno())}")
+                raise OSError(ctypes.get_errno(),
+                              f"setns {namespaces[kind]}: {os.strerror(ctypes.get_errno())}")
         finally:
             os.close(fd)

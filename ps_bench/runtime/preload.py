@@ -1,4 +1,5 @@
-"""The interpreter local ranks start from: a forkserver that has already imported torch and ps_bench.
+"""The interpreter local ranks start from: a forkserver that has already imported torch and
+ps_bench.
 
 A spawned rank is a new interpreter that imports torch again (about 1.5 s of CPU each, and on a
 few cores the ranks take turns). Instead, ``torch.multiprocessing``'s forkserver imports
@@ -21,8 +22,9 @@ from collections.abc import Iterable
 from multiprocessing import forkserver, resource_tracker
 
 START_METHOD = "forkserver"
-PRELOAD = ["ps_bench.runtime.forkserver", "ps_bench.processes.launch", "torch._dynamo"]  # torch, RPC, trainers, servers, models, metrics; and what
-# DistributedDataParallel imports when a trainer first builds one (1 to 2 s of CPU)
+# torch, RPC, trainers, servers, models, metrics; and what DistributedDataParallel imports when a
+# trainer first builds one (1 to 2 s of CPU)
+PRELOAD = ["ps_bench.runtime.forkserver", "ps_bench.processes.launch", "torch._dynamo"]
 # What building any Hugging Face model imports (4 s of CPU on the development machine), preloaded
 # only when a run names one (--model hf:...): a missing transformers is passed over here and
 # reported by the run's validation.
@@ -35,7 +37,8 @@ def context(models: Iterable[str] = ()) -> multiprocessing.context.BaseContext:
     """The forkserver context ranks are started from, preloading ``PRELOAD`` and what the
     ``models`` the runs will train import."""
     ctx = multiprocessing.get_context(START_METHOD)
-    ctx.set_forkserver_preload(PRELOAD + (list(HF_MODULES) if any(str(m).startswith("hf:") for m in models) else []))
+    ctx.set_forkserver_preload(
+        PRELOAD + (list(HF_MODULES) if any(str(m).startswith("hf:") for m in models) else []))
     return ctx
 
 

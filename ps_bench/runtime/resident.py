@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def _not_sent(name: str) -> None:
-    raise TypeError(f"a {name} lives on the rank that made it and is called through its RRef; it is never sent")
+    raise TypeError(f"a {name} lives on the rank that made it and is called through its RRef; "
+                    f"it is never sent")
 
 
 class Resident:

@@ -53,8 +53,9 @@ def slice_owners(bucket_bytes: dict[int, int], parts: int, num_servers: int) -> 
     """Slice key ``index * parts + part`` -> server index: each bucket cut into ``parts`` slices of
     equal bytes (node-aggregated servers: a slice per trainer of a host), the slices dealt as
     ``balance_buckets`` deals buckets; ``parts`` 1: the buckets themselves."""
-    return balance_buckets({index * parts + part: size // parts for index, size in bucket_bytes.items()
-                            for part in range(parts)}, num_servers)
+    return balance_buckets(
+        {index * parts + part: size // parts for index, size in bucket_bytes.items()
+         for part in range(parts)}, num_servers)
 
 
 class Topology:
@@ -91,7 +92,8 @@ class Topology:
             self.groups = []
         elif pushing_hosts:
             self.groups = [range(hosts.start * pushing_hosts, hosts.stop * pushing_hosts)
-                           for hosts in split_evenly(self.num_trainers // pushing_hosts, self.num_servers)]
+                           for hosts in split_evenly(self.num_trainers // pushing_hosts,
+                                                     self.num_servers)]
         else:
             self.groups = split_evenly(self.num_trainers, self.num_servers)
 
@@ -134,7 +136,8 @@ class Topology:
             return None
         return (rank % local_world_size) % gpus_per_node
 
-    def device_maps(self, rank: int, local_world_size: int, gpus_per_node: int) -> dict[str, dict[int, int]]:
+    def device_maps(self, rank: int, local_world_size: int,
+                    gpus_per_node: int) -> dict[str, dict[int, int]]:
         """TensorPipe device maps for this rank: CUDA-RPC trainers <-> CUDA servers, 1-to-1."""
         me = self.info(rank)
         if not me.cuda_rpc or me.role == MASTER:

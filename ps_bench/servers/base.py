@@ -35,8 +35,10 @@ class BucketState:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     count: int = 0
-    accumulator: object = None  # algorithm-specific: a received tensor, a running sum or a list of tensors
-    waiting: list[tuple[Future, bool, torch.dtype]] = field(default_factory=list)  # future, on device, wire dtype
+    # algorithm-specific: a received tensor, a running sum or a list of tensors
+    accumulator: object = None
+    # future, on device, wire dtype
+    waiting: list[tuple[Future, bool, torch.dtype]] = field(default_factory=list)
     first_ms: float = 0.0
     aggregate_ms: float = 0.0
     shape: torch.Size | None = None
@@ -61,7 +63,8 @@ class BucketState:
         if len(self.buffers) < 2:
             self.buffers = [torch.empty_like(tensor), torch.empty_like(tensor)]
         buffer = self.buffers[self.turn]
-        if buffer.shape != tensor.shape or buffer.dtype != tensor.dtype or buffer.device != tensor.device:
+        if (buffer.shape != tensor.shape or buffer.dtype != tensor.dtype or
+                buffer.device != tensor.device):
             buffer = self.buffers[self.turn] = torch.empty_like(tensor)
         return buffer
 
@@ -129,7 +132,8 @@ class ParameterServer(Resident):
     @staticmethod
     @rpc.functions.async_execution
     @fatal_on_error
-    def average_gradient(server_rref: rpc.RRef, bucket_index: int, tensor: torch.Tensor, iteration: int = 0) -> Future:
+    def average_gradient(server_rref: rpc.RRef, bucket_index: int, tensor: torch.Tensor,
+                         iteration: int = 0) -> Future:
         """Called by a trainer; the future completes with the global average of the bucket."""
         server = server_rref.local_value()
         maybe_inject(server.fault, "server", server.server_index, iteration)
@@ -148,7 +152,8 @@ class ParameterServer(Resident):
         self.peers = peers
 
     def reset_state(self) -> None:
-        """Forgets every bucket's contributions (not its buffers); called by the master between rounds."""
+        """Forgets every bucket's contributions (not its buffers); called by the master between
+        rounds."""
         with self._table_lock:
             states = {**self._buckets, **self._partials}
         pending = [i for i, state in states.items() if state.count]
@@ -156,7 +161,8 @@ class ParameterServer(Resident):
             with state.lock:
                 state.clear()
         if pending:
-            raise RuntimeError(f"server {self.server_index}: buckets {pending} were incomplete at reset")
+            raise RuntimeError(f"server {self.server_index}: buckets {pending} were incomplete "
+                               f"at reset")
 
     def take_metrics(self) -> dict:
         """Samples (ms) and byte counts since the last call, then clears them."""
@@ -241,7 +247,8 @@ class ParameterServer(Resident):
         else:
             result = Future()
             result.set_result(self._divide(state, summed))
-        result.add_done_callback(lambda fut: self._answer(waiting, fut, first_ms, straggler_ms, aggregate_ms))
+        result.add_done_callback(
+            lambda fut: self._answer(waiting, fut, first_ms, straggler_ms, aggregate_ms))
         return future
 
     def _global_average(self, bucket_index: int, partial_sum: torch.Tensor) -> Future:
@@ -252,7 +259,8 @@ class ParameterServer(Resident):
         partial = partial_sum.cpu()
         self.books.count("sent", tensor_bytes(partial))
         peer = self.peers[root]
-        reply = rpc.rpc_async(peer.owner(), type(self).combine_partial, args=(peer, bucket_index, partial))
+        reply = rpc.rpc_async(peer.owner(), type(self).combine_partial,
+                              args=(peer, bucket_index, partial))
         return reply.then(self._received_global)
 
     def _received_global(self, fut: Future) -> torch.Tensor:

@@ -53,20 +53,23 @@ def shard_owners(network: torch.nn.Module, num_servers: int) -> dict[int, int]:
 class StaleSynchronousServer(Resident):
     """Owns a shard of the parameters and applies SGD to it; answers within the staleness bound."""
 
-    def __init__(self, server_index: int, num_servers: int, contributors: int, num_trainers: int, mapping: str,
-                 device: str = "cpu", fault: str | None = None) -> None:
-        self.server_index, self.num_servers, self.num_trainers = server_index, num_servers, num_trainers
+    def __init__(self, server_index: int, num_servers: int, contributors: int, num_trainers: int,
+                 mapping: str, device: str = "cpu", fault: str | None = None) -> None:
+        self.server_index, self.num_servers, self.num_trainers = (
+            server_index, num_servers, num_trainers)
         self.fault = Fault.parse(fault) if fault else None
         self.lock = threading.Lock()
         self.parameters: list[torch.Tensor] = []
         self.lr, self.bound, self.budget = 0.0, math.inf, 0
         self.clocks = [0] * num_trainers  # clocks each trainer has pushed
         self.read_at = [0] * num_trainers  # the slowest trainer's clock when each last read
-        self.waiting: list[tuple[int, int, Future, float]] = []  # trainer, clock it computes next, answer, since ms
+        # trainer, clock it computes next, answer, since ms
+        self.waiting: list[tuple[int, int, Future, float]] = []
         self.updates = self.round_updates = 0
         self.round_over = self.stopped = False
         self.books = ServerBooks()
-        self._staleness: list[int] = []  # each applied update's observed staleness, since the last take_metrics
+        # each applied update's observed staleness, since the last take_metrics
+        self._staleness: list[int] = []
 
     def set_peers(self, peers: list[rpc.RRef]) -> None:
         """Servers of this kind never talk to each other."""
@@ -85,7 +88,8 @@ class StaleSynchronousServer(Resident):
     @staticmethod
     @rpc.functions.async_execution
     @fatal_on_error
-    def push(server_rref: rpc.RRef, trainer: int, clock: int, gradients: list[torch.Tensor]) -> Future:
+    def push(server_rref: rpc.RRef, trainer: int, clock: int,
+             gradients: list[torch.Tensor]) -> Future:
         """Applies ``trainer``'s gradients of ``clock``; the answer is ``(parameters for clock + 1
         or None, updates applied in all, GO | ROUND_OVER | STOPPED)``."""
         server = server_rref.local_value()
@@ -109,7 +113,8 @@ class StaleSynchronousServer(Resident):
         return future
 
     def stop_training(self) -> None:
-        """Training is over (the target is met): every waiting trainer hears so, nothing more is applied."""
+        """Training is over (the target is met): every waiting trainer hears so, nothing more is
+        applied."""
         with self.lock:
             self.stopped = True
             ready = self.release()
@@ -119,18 +124,21 @@ class StaleSynchronousServer(Resident):
         """Between rounds: a new budget. Every trainer has ended its round, so none may wait."""
         with self.lock:
             if self.waiting:
-                raise RuntimeError(f"server {self.server_index}: trainers {[w[0] for w in self.waiting]} still "
+                raise RuntimeError(f"server {self.server_index}: trainers "
+                                   f"{[w[0] for w in self.waiting]} still "
                                    f"waiting at the end of a round")
             self.round_updates, self.round_over = 0, False
 
     def take_metrics(self) -> dict:
         with self.lock:
             staleness, self._staleness = self._staleness, []
-        return {**self.books.take(), "memory": peak_memory(), "staleness": staleness, "updates": len(staleness)}
+        return {**self.books.take(), "memory": peak_memory(), "staleness": staleness,
+                "updates": len(staleness)}
 
     def parameters_vector(self) -> torch.Tensor:
         with self.lock:
-            return torch.cat([p.reshape(-1) for p in self.parameters]) if self.parameters else torch.zeros(0)
+            return (torch.cat([p.reshape(-1) for p in self.parameters]) if self.parameters
+                    else torch.zeros(0))
 
     def parameters_now(self) -> list[torch.Tensor]:
         with self.lock:
@@ -163,17 +171,20 @@ class StaleSynchronousServer(Resident):
         ready, still = [], []
         for trainer, clock, future, since in self.waiting:
             if self.stopped or self.round_over:
-                ready.append((future, (None, self.updates, STOPPED if self.stopped else ROUND_OVER), since))
+                ready.append((future, (None, self.updates, STOPPED if self.stopped else ROUND_OVER),
+                              since))
             elif slowest >= clock - self.bound:
                 self.read_at[trainer] = slowest
-                ready.append((future, ([p.clone() for p in self.parameters], self.updates, GO), since))
+                ready.append((future, ([p.clone() for p in self.parameters], self.updates, GO),
+                              since))
             else:
                 still.append((trainer, clock, future, since))
         self.waiting = still
         return ready
 
     def answer(self, ready: list[tuple[Future, tuple, float]]) -> None:
-        """Completes the answers outside the lock; ``round`` is the ms from the request to its answer."""
+        """Completes the answers outside the lock; ``round`` is the ms from the request to its
+        answer."""
         for future, reply, since in ready:
             self.books.record(round=now_ms() - since)
             if reply[0] is not None:

@@ -8,7 +8,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import (debugging_hooks, default_hooks,
+                                                         powerSGD_hook)
 from torch.futures import Future
 
 from ps_bench.metrics import costs
@@ -17,17 +18,20 @@ from ps_bench.strategies.record import (COLLECTIVE, HOOKS, SPARSE_ALLREDUCE, SPA
                                         Strategy)
 
 
-@stateless("allreduce", Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=SPARSE_ALLREDUCE),
+@stateless("allreduce", Strategy(COLLECTIVE, "float32", lossless=True,
+                                 sparse_buckets=SPARSE_ALLREDUCE),
            aliases=("allreduce_hook",))
 def allreduce(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     """All-reduce average over the trainer process group (DDP's default); lossless."""
     return default_hooks.allreduce_hook(ctx.process_group, bucket)
 
 
-@stateless("hybrid", Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=SPARSE_GLOO, for_sparse="allreduce"),
+@stateless("hybrid", Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=SPARSE_GLOO,
+                              for_sparse="allreduce"),
            aliases=("hybrid_hook",))
 def hybrid(ctx: HookContext, bucket: dist.GradBucket) -> Future:
-    """All-reduce, sparse buckets through the CPU (gloo), dense on the trainer's device (nccl with --backend multi); lossless."""
+    """All-reduce, sparse buckets through the CPU (gloo), dense on the trainer's device (nccl with
+    --backend multi); lossless."""
     tensor = bucket.buffer()
     if not (tensor.is_sparse and tensor.is_cuda):
         return allreduce(ctx, bucket)
@@ -140,10 +144,12 @@ class PowerSGD(InOrder):
     def check(matrix_approximation_rank: int, start_powerSGD_iter: int, use_error_feedback: bool,
               warm_start: bool, min_compression_rate: float) -> None:
         if matrix_approximation_rank < 1:
-            raise ValueError(f"hook option 'matrix_approximation_rank' must be at least 1; got {matrix_approximation_rank}")
+            raise ValueError(f"hook option 'matrix_approximation_rank' must be at least 1; "
+                             f"got {matrix_approximation_rank}")
         if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
-            raise ValueError("hook option 'start_powerSGD_iter' must be more than 1 with error feedback or warm "
-                             "start (DDP rebuilds its buckets after the first iteration)")
+            raise ValueError("hook option 'start_powerSGD_iter' must be more than 1 with error "
+                             "feedback or warm start (DDP rebuilds its buckets after the first "
+                             "iteration)")
 
     def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
         if bucket.buffer().is_sparse:  # as dense_only does for the stateless hooks
@@ -155,8 +161,9 @@ class PowerSGD(InOrder):
 # Both PowerSGD hooks send all-reduces of low-rank factors (sparse buckets whole): per tensor, the
 # tensors not worth compressing, then every P, then every Q; batched, the bucket's P, then its Q.
 @HOOKS.register("powersgd", aliases=("powerSGD_hook",),
-                record=Strategy(COLLECTIVE, "low-rank factors", lossless=False, sparse_buckets=SPARSE_ALLREDUCE,
-                                uncompressed="allreduce", factors="tensor"))
+                record=Strategy(COLLECTIVE, "low-rank factors", lossless=False,
+                                sparse_buckets=SPARSE_ALLREDUCE, uncompressed="allreduce",
+                                factors="tensor"))
 class PowerSGDHook(PowerSGD):
     """Low-rank compression around all-reduce (torch's powerSGD_hook, per tensor); lossy."""
 
@@ -171,10 +178,12 @@ _orthogonalize_batch = powerSGD_hook._orthogonalize
 
 
 @HOOKS.register("batched_powersgd", aliases=("batched_powerSGD_hook",),
-                record=Strategy(COLLECTIVE, "low-rank factors", lossless=False, sparse_buckets=SPARSE_ALLREDUCE,
-                                uncompressed="allreduce", factors="bucket"))
+                record=Strategy(COLLECTIVE, "low-rank factors", lossless=False,
+                                sparse_buckets=SPARSE_ALLREDUCE, uncompressed="allreduce",
+                                factors="bucket"))
 class BatchedPowerSGDHook(PowerSGD):
-    """Low-rank compression of each whole bucket as one square matrix (torch's batched_powerSGD_hook); lossy."""
+    """Low-rank compression of each whole bucket as one square matrix (torch's
+    batched_powerSGD_hook); lossy."""
 
     hook = staticmethod(powerSGD_hook.batched_powerSGD_hook)
 
@@ -186,7 +195,8 @@ if getattr(powerSGD_hook._orthogonalize, "__name__", "") == "_orthogonalize":
 
 
 @HOOKS.register("hierarchical", aliases=("hierarchical_allreduce", "2d_allreduce"),
-                record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=SPARSE_ALLREDUCE, per_host=True,
+                record=Strategy(COLLECTIVE, "float32", lossless=True,
+                                sparse_buckets=SPARSE_ALLREDUCE, per_host=True,
                                 cost=Cost(bucket_ms=costs.hierarchical_ms)))
 class Hierarchical(InOrder):
     """Two-level all-reduce over hosts of --per-host G trainers (host k is trainers [kG, (k+1)G)):
@@ -217,12 +227,14 @@ class Hierarchical(InOrder):
     def floor_steps(self, buckets: list[int]) -> list[tuple[str, dist.ProcessGroup, int]]:
         """``--limits``: each bucket's three steps on the groups it runs them on."""
         return [step for elements in buckets for step in (
-            ("all_reduce", self.intra, elements), ("all_reduce", self.inter, -(-elements // self.per_host)),
+            ("all_reduce", self.intra, elements),
+            ("all_reduce", self.inter, -(-elements // self.per_host)),
             ("all_gather", self.intra, elements))]
 
     def two_level(self, tensor: torch.Tensor) -> Future:
         numel, done = tensor.numel(), Future()
-        padded = torch.cat([tensor, tensor.new_zeros(-numel % self.per_host)]) if numel % self.per_host else tensor.clone()
+        padded = (torch.cat([tensor, tensor.new_zeros(-numel % self.per_host)])
+                  if numel % self.per_host else tensor.clone())
         rows = padded.view(self.per_host, -1)
 
         def step(run: Callable[[], Future], then: Callable[[], None]) -> None:
@@ -238,10 +250,12 @@ class Hierarchical(InOrder):
             done.set_result(padded[:numel].div_(self.size).view_as(tensor))
 
         def across() -> None:
-            step(lambda: gather_into(padded, rows[self.local].clone(), self.intra).get_future(), gathered)
+            step(lambda: gather_into(padded, rows[self.local].clone(), self.intra).get_future(),
+                 gathered)
 
         def within() -> None:
-            step(lambda: dist.all_reduce(rows[self.local], group=self.inter, async_op=True).get_future(), across)
+            step(lambda: dist.all_reduce(rows[self.local], group=self.inter,
+                                         async_op=True).get_future(), across)
 
         step(lambda: dist.all_reduce(padded, group=self.intra, async_op=True).get_future(), within)
         return done

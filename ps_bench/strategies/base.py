@@ -74,14 +74,17 @@ class HookContext:
     # on a GPU: (iteration, CUDA event recorded as DDP handed a bucket over), in hand-over order
     ready_events: list | None = None
     capturing: bool = False  # --verify: keep this iteration's buckets
-    batch: tuple | None = None  # --verify, a strategy without a hook: the captured iteration's (inputs, targets)
+    # --verify, a strategy without a hook: the captured iteration's (inputs, targets)
+    batch: tuple | None = None
     noting: bool = True  # record this iteration's bucket sizes (the trainer asks once per round)
     captures: list[Capture] = field(default_factory=list)
-    engine_config: dict | None = None  # an engine's config, resolved when the job was validated (Job.engine_config)
-    engine_bytes: bool = False  # --verify with an engine: keep the engine's own counts of its collectives
+    # an engine's config, resolved when the job was validated (Job.engine_config)
+    engine_config: dict | None = None
+    # --verify with an engine: keep the engine's own counts of its collectives
+    engine_bytes: bool = False
     verifying: bool = False  # --verify: some iterations will be captured
-    # the last whole iteration's buckets, index -> (payload bytes, sparse, gradient shapes): the size
-    # report, --limits
+    # the last whole iteration's buckets, index -> (payload bytes, sparse, gradient shapes): the
+    # size report, --limits
     buckets: dict[int, tuple[int, bool, list]] = field(default_factory=dict)
     _filling: dict[int, tuple[int, bool, list]] = field(default_factory=dict)
     _layout: dict[int, int] = field(default_factory=dict)
@@ -115,7 +118,8 @@ class HookContext:
         """Keeps the bucket sizes (and the shapes of its gradients) DDP hands the hook, one whole
         iteration at a time."""
         buffer = bucket.buffer()
-        shapes = [list(gradient.shape) for gradient in bucket.gradients()] if not buffer.is_sparse else []
+        shapes = ([list(gradient.shape) for gradient in bucket.gradients()]
+                  if not buffer.is_sparse else [])
         self._filling[bucket.index()] = (tensor_bytes(buffer), buffer.is_sparse, shapes)
         if bucket.is_last():
             self.buckets, self._filling = self._filling, {}
@@ -205,7 +209,8 @@ class Synchroniser:
         return flat_parameters(model.parameters()).cpu()
 
     def full_parameters(self, model: nn.Module) -> torch.Tensor:
-        """This replica's whole parameters now, flattened on its device (every trainer calls it at once)."""
+        """This replica's whole parameters now, flattened on its device (every trainer calls it at
+        once)."""
         return flat_parameters(model.parameters())
 
 
@@ -219,7 +224,8 @@ class HookOnly(Synchroniser):
                     buckets: list[int]) -> list[tuple[str, dist.ProcessGroup, int]]:
         """A hook that steps through groups of its own says which (``floor_steps(buckets)``)."""
         steps = getattr(self.hook, "floor_steps", None)
-        return steps(buckets) if steps is not None else super().floor_steps(ctx, sends, elements, buckets)
+        return (steps(buckets) if steps is not None
+                else super().floor_steps(ctx, sends, elements, buckets))
 
 
 def flat_parameters(parameters) -> torch.Tensor:
@@ -248,7 +254,8 @@ def build_synchroniser(name: str, ctx: HookContext, options: dict[str, Any]) -> 
 
 
 def timed_collective(ctx: HookContext, run: Callable[[], Any]) -> Any:
-    """Runs a collective that ``after_step`` issues and records its interval as the iteration's comm."""
+    """Runs a collective that ``after_step`` issues and records its interval as the iteration's
+    comm."""
     start = time.perf_counter()
     try:
         return run()
@@ -273,12 +280,14 @@ def instrument(hook: Hook) -> Hook:
         if ctx.noting:
             ctx.note_bucket(bucket)
         start = clock()
-        if ctx.ready_events is not None:  # a GPU: when the device had made the bucket, on its own clock
+        # a GPU: when the device had made the bucket, on its own clock
+        if ctx.ready_events is not None:
             made = torch.cuda.Event(enable_timing=True)
             made.record()
             ctx.ready_events.append((iteration, made))
         future = hook(ctx, bucket)
-        if future.done() and capture is None:  # finished already (noop, a local fast path): nothing to wait for
+        # finished already (noop, a local fast path): nothing to wait for
+        if future.done() and capture is None:
             ctx.comm.add((iteration, start, clock()))
             return future
 

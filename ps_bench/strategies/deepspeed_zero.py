@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from ps_bench.config import ConfigError, RunConfig, read_json
-from ps_bench.strategies.base import OPTIMIZERS, HookContext, OptimizerSpec, Synchroniser, flat_parameters
+from ps_bench.strategies.base import (OPTIMIZERS, HookContext, OptimizerSpec, Synchroniser,
+                                      flat_parameters)
 from ps_bench.strategies.record import (COLLECTIVE, ENGINE, EVERY_ITERATION, GATHERED, HOOKS,
                                         SHARDED, Strategy)
 
@@ -49,8 +50,10 @@ IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable", "maximize"
 OPTIMIZER_PARAMS = "ps_bench_optimizer_params"
 DEFAULTS = {name: RunConfig.__dataclass_fields__[name].default
             for name in ("batch_size", "lr", "optimizer", "momentum", "weight_decay")}
-OPTIMIZER_TYPES = {"sgd": "sgd", "adamw": "adamw", "adam": "adamw"}  # DeepSpeed's Adam is AdamW (adam_w_mode)
-ZERO_PLUS_PLUS = ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights")
+# DeepSpeed's Adam is AdamW (adam_w_mode)
+OPTIMIZER_TYPES = {"sgd": "sgd", "adamw": "adamw", "adam": "adamw"}
+ZERO_PLUS_PLUS = ("zero_quantized_weights", "zero_quantized_gradients",
+                  "zero_quantized_nontrainable_weights")
 OFFLOAD = ("offload_optimizer", "offload_param")
 
 
@@ -64,7 +67,8 @@ def resolve_config(cfg: RunConfig, stage: int, gpus: int) -> tuple[dict[str, Any
     given = read_json(cfg.ds_config, "--ds-config") if cfg.ds_config else {}
     if not isinstance(given, dict):
         raise ConfigError(f"{source} must hold a JSON object (a DeepSpeed config)")
-    config = {key: value for key, value in given.items() if key not in ("optimizer", "scheduler", "comms_logger")}
+    config = {key: value for key, value in given.items()
+              if key not in ("optimizer", "scheduler", "comms_logger")}
     zero = dict(config.get("zero_optimization") or {})
     asked = zero.get("stage", stage)
     if asked == "auto":
@@ -72,18 +76,22 @@ def resolve_config(cfg: RunConfig, stage: int, gpus: int) -> tuple[dict[str, Any
     if asked not in (0, 1, 2, 3) or isinstance(asked, bool):
         raise ConfigError(f"{source}: zero_optimization.stage must be 0, 1, 2 or 3; got {asked!r}")
     if asked != stage:
-        raise ConfigError(f"{source} asks for ZeRO stage {asked}, and --hook deepspeed_zero{stage} for stage {stage}: "
-                          f"use --hook deepspeed_zero{asked}" if asked else
+        raise ConfigError(f"{source} asks for ZeRO stage {asked}, and --hook deepspeed_zero{stage} "
+                          f"for stage {stage}: use --hook deepspeed_zero{asked}" if asked else
                           f"{source} turns ZeRO off (stage 0): use --hook allreduce")
     if not gpus:
         cannot = [key for key in ZERO_PLUS_PLUS if zero.get(key)]
-        cannot += ["zero_hpz_partition_size"] if (zero.get("zero_hpz_partition_size") or 1) > 1 else []
-        cannot += [key for key in OFFLOAD if (zero.get(key) or {}).get("device", "none") not in ("none", None)]
+        cannot += (["zero_hpz_partition_size"] if (zero.get("zero_hpz_partition_size") or 1) > 1
+                   else [])
+        cannot += [key for key in OFFLOAD
+                   if (zero.get(key) or {}).get("device", "none") not in ("none", None)]
         if cannot:
-            raise ConfigError(f"{source}: {', '.join(cannot)} {'needs' if len(cannot) == 1 else 'need'} a GPU (ZeRO++ "
-                              f"has no CPU kernels; offload moves state off the GPU), and this run trains on the "
-                              f"CPU: leave {'it' if len(cannot) == 1 else 'them'} out")
-    zero = {key: value for key, value in zero.items() if value != "auto"}  # DeepSpeed's own default, as it drops them
+            raise ConfigError(f"{source}: {', '.join(cannot)} "
+                              f"{'needs' if len(cannot) == 1 else 'need'} a GPU (ZeRO++ has no CPU "
+                              f"kernels; offload moves state off the GPU), and this run trains on "
+                              f"the CPU: leave {'it' if len(cannot) == 1 else 'them'} out")
+    # DeepSpeed's own default, as it drops them
+    zero = {key: value for key, value in zero.items() if value != "auto"}
     zero["stage"] = stage
     if stage == 3:  # keep no small parameters whole: every parameter partitioned
         zero.setdefault("stage3_param_persistence_threshold", 0)
@@ -95,16 +103,20 @@ def resolve_config(cfg: RunConfig, stage: int, gpus: int) -> tuple[dict[str, Any
     for precision in ("fp16", "bf16"):
         section = config.get(precision)
         if isinstance(section, dict) and section.get("enabled") == "auto":
-            config[precision] = {**section, "enabled": False}  # ps_bench trains in float32 unless told
+            # ps_bench trains in float32 unless told
+            config[precision] = {**section, "enabled": False}
     check_precision(config, source, gpus)
     if config.get("gradient_clipping", "auto") == "auto":
         config["gradient_clipping"] = 0.0
     left = auto_keys(config)
     if left:
-        raise ConfigError(f"{source}: ps_bench cannot fill \"auto\" for {', '.join(left)}: give a value")
-    config["zero_allow_untested_optimizer"] = True  # the run's torch optimizer, which DeepSpeed has not vetted
-    notes = [f"{source}: its scheduler ({given['scheduler'].get('type', '?')}) is left out: ps_bench steps a "
-             f"constant learning rate (--lr {cfg.lr:g})"] if isinstance(given.get("scheduler"), dict) else []
+        raise ConfigError(f"{source}: ps_bench cannot fill \"auto\" for {', '.join(left)}: "
+                          f"give a value")
+    # the run's torch optimizer, which DeepSpeed has not vetted
+    config["zero_allow_untested_optimizer"] = True
+    notes = ([f"{source}: its scheduler ({given['scheduler'].get('type', '?')}) is left out: "
+              f"ps_bench steps a constant learning rate (--lr {cfg.lr:g})"]
+             if isinstance(given.get("scheduler"), dict) else [])
     return config, notes
 
 
@@ -115,19 +127,20 @@ def take_batch(cfg: RunConfig, config: dict, source: str) -> None:
     steps = config.get("gradient_accumulation_steps", "auto")
     steps = 1 if steps == "auto" else steps
     if steps != 1:
-        raise ConfigError(f"{source}: gradient_accumulation_steps {steps}: ps_bench times one optimizer step per "
-                          f"micro-batch; set it to 1 or \"auto\"")
+        raise ConfigError(f"{source}: gradient_accumulation_steps {steps}: ps_bench times one "
+                          f"optimizer step per micro-batch; set it to 1 or \"auto\"")
     total = config.get("train_batch_size", "auto")
     if micro == "auto" and total != "auto":
         micro = total // world if isinstance(total, int) and total % world == 0 else total
     if micro != "auto":
         if not isinstance(micro, int) or micro < 1:
-            raise ConfigError(f"{source}: train_micro_batch_size_per_gpu must be a whole number; got {micro!r}")
+            raise ConfigError(f"{source}: train_micro_batch_size_per_gpu must be a whole number; "
+                              f"got {micro!r}")
         conflict(cfg, "batch_size", micro, source, "train_micro_batch_size_per_gpu")
         cfg.batch_size = micro
     if total not in ("auto", cfg.batch_size * world):
-        raise ConfigError(f"{source}: train_batch_size {total} is not train_micro_batch_size_per_gpu "
-                          f"{cfg.batch_size} x {world} trainers")
+        raise ConfigError(f"{source}: train_batch_size {total} is not "
+                          f"train_micro_batch_size_per_gpu {cfg.batch_size} x {world} trainers")
     config.update(train_micro_batch_size_per_gpu=cfg.batch_size, gradient_accumulation_steps=1,
                   train_batch_size=cfg.batch_size * world)
 
@@ -142,8 +155,8 @@ def take_optimizer(cfg: RunConfig, optimizer: Any, source: str) -> dict[str, Any
         return {}
     kind = str(optimizer.get("type", "")).lower() if isinstance(optimizer, dict) else ""
     if kind not in OPTIMIZER_TYPES:
-        raise ConfigError(f"{source}: optimizer type {kind or optimizer!r} is not one ps_bench runs (SGD, Adam, "
-                          f"AdamW)")
+        raise ConfigError(f"{source}: optimizer type {kind or optimizer!r} is not one ps_bench "
+                          f"runs (SGD, Adam, AdamW)")
     conflict(cfg, "optimizer", OPTIMIZER_TYPES[kind], source, "optimizer.type")
     cfg.optimizer = OPTIMIZER_TYPES[kind]
     params = optimizer.get("params") or {}
@@ -161,8 +174,9 @@ def take_optimizer(cfg: RunConfig, optimizer: Any, source: str) -> dict[str, Any
         elif name in accepted:
             extra[name] = list(value) if isinstance(value, (list, tuple)) else value
         else:
-            raise ConfigError(f"{source}: optimizer.params.{name} {json.dumps(value)}: ps_bench's {kind} is torch's "
-                              f"{torch_class.__name__}, which takes {', '.join(sorted(accepted))}; leave {name} out")
+            raise ConfigError(f"{source}: optimizer.params.{name} {json.dumps(value)}: ps_bench's "
+                              f"{kind} is torch's {torch_class.__name__}, which takes "
+                              f"{', '.join(sorted(accepted))}; leave {name} out")
     return extra
 
 
@@ -171,10 +185,11 @@ def check_precision(config: dict, source: str, gpus: int) -> None:
     fp16 only where DeepSpeed runs it (a GPU), and not both."""
     enabled = [name for name in ("bf16", "fp16") if (config.get(name) or {}).get("enabled") is True]
     if len(enabled) > 1:
-        raise ConfigError(f"{source}: bf16 and fp16 are both enabled: DeepSpeed trains in one of them; enable one")
+        raise ConfigError(f"{source}: bf16 and fp16 are both enabled: DeepSpeed trains in one of "
+                          f"them; enable one")
     if enabled == ["fp16"] and not gpus:
-        raise ConfigError(f"{source}: fp16 enabled: DeepSpeed trains in float16 on a GPU only, and this run trains "
-                          f"on the CPU: enable bf16 instead, or leave fp16 out")
+        raise ConfigError(f"{source}: fp16 enabled: DeepSpeed trains in float16 on a GPU only, and "
+                          f"this run trains on the CPU: enable bf16 instead, or leave fp16 out")
 
 
 def precision_of(config: dict | None) -> str | None:
@@ -189,24 +204,29 @@ def conflict(cfg: RunConfig, name: str, value: Any, source: str, key: str) -> No
     """A ConfigError if the run's option ``name`` was set (is not its default) to something else."""
     mine = getattr(cfg, name)
     if name in DEFAULTS and mine != DEFAULTS[name] and mine != value:
-        raise ConfigError(f"--{name.replace('_', '-')} {mine} and {source}'s {key} {value} disagree: give one")
+        raise ConfigError(f"--{name.replace('_', '-')} {mine} and {source}'s {key} {value} "
+                          f"disagree: give one")
 
 
 def auto_keys(config: Any, prefix: str = "") -> list[str]:
     if isinstance(config, dict):
-        return [key for name, value in config.items() for key in auto_keys(value, f"{prefix}{name}.")]
+        return [key for name, value in config.items()
+                for key in auto_keys(value, f"{prefix}{name}.")]
     return [prefix.rstrip(".")] if config == "auto" else []
 
 
 def deepspeed_record(stage: int) -> Strategy:
-    second = "all_reduce" if stage < 3 else "reduce_scatter"  # the gradients; then the parameters gathered once
+    # the gradients; then the parameters gathered once
+    second = "all_reduce" if stage < 3 else "reduce_scatter"
     sends = ((second, "iteration"), ("all_gather", "iteration"))
-    return Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED, wrap=ENGINE,
-                    identical=GATHERED if stage == 3 else EVERY_ITERATION, sends=sends, engine="deepspeed")
+    return Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED,
+                    wrap=ENGINE, identical=GATHERED if stage == 3 else EVERY_ITERATION, sends=sends,
+                    engine="deepspeed")
 
 
 class EngineStep:
-    """The optimizer the trainer's loop steps: DeepSpeed's engine, which zeroes the gradients itself."""
+    """The optimizer the trainer's loop steps: DeepSpeed's engine, which zeroes the gradients
+    itself."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -236,20 +256,23 @@ class DeepSpeedZero(Synchroniser):
         return resolve_config(cfg, cls.stage, gpus)
 
     @staticmethod
-    def check_network(cfg: RunConfig, config: dict[str, Any], network: nn.Module, gpus: int) -> None:
+    def check_network(cfg: RunConfig, config: dict[str, Any], network: nn.Module,
+                      gpus: int) -> None:
         """What of the model DeepSpeed cannot train here as configured: in bf16 or fp16 it casts
         the parameters and keeps the buffers in float32 unless ``data_types.buffer_dtype`` says
         otherwise, and torch's batch norm on the CPU refuses weights and running statistics of
         two types."""
         precision = precision_of(config)
         buffers = (config.get("data_types") or {}).get("buffer_dtype")
-        norms = any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in network.modules())
+        norms = any(isinstance(module, nn.modules.batchnorm._BatchNorm)
+                    for module in network.modules())
         if precision and norms and not gpus and buffers is None:
             short = "bf16" if precision == "bfloat16" else "fp16"
-            raise ConfigError(f"--ds-config {cfg.ds_config}: --model {cfg.model} has BatchNorm, whose running "
-                              f"statistics DeepSpeed keeps in float32 while it casts the weights to {short}, which "
-                              f"torch's batch norm on the CPU refuses: add \"data_types\": {{\"buffer_dtype\": "
-                              f"\"{short}\"}} to cast them too, or leave {short} out")
+            raise ConfigError(f"--ds-config {cfg.ds_config}: --model {cfg.model} has BatchNorm, "
+                              f"whose running statistics DeepSpeed keeps in float32 while it casts "
+                              f"the weights to {short}, which torch's batch norm on the CPU "
+                              f"refuses: add \"data_types\": {{\"buffer_dtype\": \"{short}\"}} to "
+                              f"cast them too, or leave {short} out")
 
     @staticmethod
     def configured_record(record: Strategy, config: dict[str, Any]) -> Strategy:
@@ -261,8 +284,10 @@ class DeepSpeedZero(Synchroniser):
              optimizer: OptimizerSpec) -> tuple[nn.Module, EngineStep]:
         device = next(network.parameters()).device
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
-        os.environ.setdefault("LOCAL_RANK", str(device.index or 0))  # read by the engine, not used on the CPU
-        warnings.filterwarnings("ignore", category=FutureWarning, message=".*(all_gather_into_tensor|reduce_scatter_tensor)")
+        # read by the engine, not used on the CPU
+        os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message=".*(all_gather_into_tensor|reduce_scatter_tensor)")
         import deepspeed
         import deepspeed.comm.comm as comm
 
@@ -270,14 +295,18 @@ class DeepSpeedZero(Synchroniser):
         # module, not the package's attribute of that name, which is torch)
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
         deepspeed.utils.logger.setLevel(logging.ERROR)
-        config = {**ctx.engine_config, **({"comms_logger": {"prof_all": True}} if ctx.engine_bytes else {})}
-        optimizer = OptimizerSpec(optimizer.kind, {**optimizer.options, **config.pop(OPTIMIZER_PARAMS, {})})
+        config = {**ctx.engine_config,
+                  **({"comms_logger": {"prof_all": True}} if ctx.engine_bytes else {})}
+        optimizer = OptimizerSpec(optimizer.kind,
+                                  {**optimizer.options, **config.pop(OPTIMIZER_PARAMS, {})})
         precision = precision_of(config)
-        self.input_dtype = getattr(torch, precision) if precision else None  # the engine casts the model
-        ctx.wire.paused = True  # the engine's first broadcasts of the parameters are set-up, not training
+        # the engine casts the model
+        self.input_dtype = getattr(torch, precision) if precision else None
+        # the engine's first broadcasts of the parameters are set-up, not training
+        ctx.wire.paused = True
         try:
-            self.engine, _, _, _ = deepspeed.initialize(model=network, optimizer=optimizer.build(network.parameters()),
-                                                        config=config)
+            self.engine, _, _, _ = deepspeed.initialize(
+                model=network, optimizer=optimizer.build(network.parameters()), config=config)
         finally:
             ctx.wire.paused = False
         self.comms = comm.comms_logger if ctx.engine_bytes else None
@@ -290,7 +319,8 @@ class DeepSpeedZero(Synchroniser):
 
     def engine_counts(self, world: int) -> dict[str, list[int]]:
         """What DeepSpeed's comms logger saw in the round's training (``--verify``): collective ->
-        [calls, bytes of the whole tensor] (it records an all-gather's input shard: times the world)."""
+        [calls, bytes of the whole tensor] (it records an all-gather's input shard: times the
+        world)."""
         counted, self.counted = self.counted, {}
         return counted
 

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks
-from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (PostLocalSGDState,
+                                                                            post_localSGD_hook)
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from ps_bench.strategies.base import (HookContext, OptimizerSpec, Synchroniser, flat_parameters,
@@ -26,7 +27,8 @@ from ps_bench.strategies.record import AT_SYNCHRONISATION, COLLECTIVE, HOOKS, LO
 
 def check_period(period: int) -> None:
     if period < 1:
-        raise ValueError(f"hook option 'period' must be at least 1 (iterations between synchronisations); got {period}")
+        raise ValueError(f"hook option 'period' must be at least 1 (iterations between "
+                         f"synchronisations); got {period}")
 
 
 class Periodic(Synchroniser):
@@ -43,8 +45,9 @@ class Periodic(Synchroniser):
 
 
 @HOOKS.register("local_sgd", aliases=("post_localSGD_hook", "localsgd"),
-                record=Strategy(COLLECTIVE, "float32", lossless=False, sparse_buckets=None, uncompressed="allreduce",
-                                family=LOCAL, identical=AT_SYNCHRONISATION, sends=(("all_reduce", "period"),)))
+                record=Strategy(COLLECTIVE, "float32", lossless=False, sparse_buckets=None,
+                                uncompressed="allreduce", family=LOCAL,
+                                identical=AT_SYNCHRONISATION, sends=(("all_reduce", "period"),)))
 class LocalSGD(Periodic):
     """Local SGD: after ``warmup_steps`` iterations of all-reduce, each trainer steps on its own
     gradients and the parameters are averaged every ``period`` iterations (torch's
@@ -53,7 +56,8 @@ class LocalSGD(Periodic):
     def __init__(self, ctx: HookContext, period: int = 4, warmup_steps: int = 0) -> None:
         # no gradient all-reduce after the warmup, so no subgroup (dist.new_subgroups needs CUDA)
         self.state = PostLocalSGDState(process_group=ctx.process_group, subgroup=None,
-                                       start_localSGD_iter=warmup_steps, post_local_gradient_allreduce=False)
+                                       start_localSGD_iter=warmup_steps,
+                                       post_local_gradient_allreduce=False)
         self.averager = PeriodicModelAverager(period=period, warmup_steps=warmup_steps,
                                               process_group=ctx.process_group)
 
@@ -81,14 +85,16 @@ class LocalSGD(Periodic):
 
 
 @HOOKS.register("diloco", aliases=("DiLoCo",),
-                record=Strategy(COLLECTIVE, "float32", lossless=False, sparse_buckets=None, uncompressed="allreduce",
-                                family=LOCAL, identical=AT_SYNCHRONISATION, sends=(("all_reduce", "period"),)))
+                record=Strategy(COLLECTIVE, "float32", lossless=False, sparse_buckets=None,
+                                uncompressed="allreduce", family=LOCAL,
+                                identical=AT_SYNCHRONISATION, sends=(("all_reduce", "period"),)))
 class DiLoCo(Periodic):
     """DiLoCo: ``period`` inner steps of the run's optimizer on local gradients, then the mean
     parameter change (start - local) is the outer gradient of an SGD step from the start point
     (Nesterov momentum ``outer_momentum``, learning rate ``outer_lr``)."""
 
-    def __init__(self, ctx: HookContext, period: int = 16, outer_lr: float = 0.7, outer_momentum: float = 0.9) -> None:
+    def __init__(self, ctx: HookContext, period: int = 16, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9) -> None:
         self.period, self.outer_lr, self.outer_momentum = period, outer_lr, outer_momentum
         self.steps = 0
         self.start: list[torch.Tensor] = []
@@ -105,7 +111,8 @@ class DiLoCo(Periodic):
         if not outer_lr > 0:
             raise ValueError(f"hook option 'outer_lr' must be positive; got {outer_lr}")
         if not 0 <= outer_momentum < 1:
-            raise ValueError(f"hook option 'outer_momentum' must be in [0, 1); got {outer_momentum}")
+            raise ValueError(f"hook option 'outer_momentum' must be in [0, 1); "
+                             f"got {outer_momentum}")
 
     def wrap(self, network: nn.Module, ctx: HookContext, ddp_options: dict[str, Any],
              optimizer: OptimizerSpec) -> tuple[nn.Module, torch.optim.Optimizer]:

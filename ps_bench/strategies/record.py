@@ -22,19 +22,21 @@ SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS = "allreduce", "gloo", "servers"
 # Families, one module each.
 ALLREDUCE, SERVERS, SHARDED, LOCAL = "allreduce", "servers", "sharded", "local"
 FAMILIES = (ALLREDUCE, SERVERS, SHARDED, LOCAL)
-# How the model is wrapped: DDP (buckets, a hook), FSDP2's fully_shard (no hook), an engine of its own
-# (DeepSpeed's), or not at all: the parameter servers own the parameters, and the trainers push
+# How the model is wrapped: DDP (buckets, a hook), FSDP2's fully_shard (no hook), an engine of its
+# own (DeepSpeed's), or not at all: the parameter servers own the parameters, and the trainers push
 # gradients and read them (--staleness).
 DDP, FSDP, ENGINE, SERVER_OWNED = "ddp", "fsdp", "engine", "server-owned"
 # When the replicas are the same model: after every iteration, at each synchronisation point (every
-# ``period`` iterations), or as the full parameters gathered from the shards; or there are no replicas
-# to compare, the servers holding the one model.
-EVERY_ITERATION, AT_SYNCHRONISATION, GATHERED = "every iteration", "the last synchronisation", "gathered full parameters"
+# ``period`` iterations), or as the full parameters gathered from the shards; or there are no
+# replicas to compare, the servers holding the one model.
+EVERY_ITERATION, AT_SYNCHRONISATION, GATHERED = ("every iteration", "the last synchronisation",
+                                                 "gathered full parameters")
 SERVERS_MODEL = "the servers' one model"
 # The collectives a strategy issues besides (or instead of) its hook, each over the whole model's
 # parameter bytes, per iteration or once per ``period``.
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-# The training engines ps_bench drives besides torch's own, each an optional extra: the line that installs it.
+# The training engines ps_bench drives besides torch's own, each an optional extra: the line that
+# installs it.
 ENGINES = {"deepspeed": 'pip install -e ".[deepspeed]"', "torchft": 'pip install -e ".[torchft]"'}
 # The pipelines predict runs a strategy's buckets through (ps_bench.predict.pipelines): each
 # bucket combined by collectives among the trainers, pushed to parameter servers, pushed once
@@ -67,45 +69,61 @@ class Cost:
 class Strategy:
     """Everything ps_bench knows about a strategy without running it."""
 
-    transport: str | None  # COLLECTIVE: collectives among trainers; RPC: buckets to parameter servers; None: nothing
+    # COLLECTIVE: collectives among trainers; RPC: buckets to parameter servers; None: nothing
+    transport: str | None
     payload: str  # what crosses the transport, one of PAYLOADS
     lossless: bool  # every trainer receives the exact mean gradient
-    sparse_buckets: str | None  # SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS; None: it moves nothing (or no DDP)
+    # SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS; None: it moves nothing (or no DDP)
+    sparse_buckets: str | None
     uncompressed: str | None = None  # a lossy strategy: the lossless one whose bytes it reduces
-    factors: str | None = None  # low-rank factors of each "tensor", or of the "bucket" as one square matrix
-    family: str | None = None  # one of FAMILIES, the module it lives in (default: servers for RPC, else allreduce)
+    # low-rank factors of each "tensor", or of the "bucket" as one square matrix
+    factors: str | None = None
+    # one of FAMILIES, the module it lives in (default: servers for RPC, else allreduce)
+    family: str | None = None
     wrap: str = DDP  # DDP, FSDP, ENGINE or SERVER_OWNED
-    identical: str = EVERY_ITERATION  # what "replicas identical" is checked at (SERVERS_MODEL: nothing to compare)
-    # (collective, "iteration" | "period"): what it issues over the model's parameters besides its hook
+    # what "replicas identical" is checked at (SERVERS_MODEL: nothing to compare)
+    identical: str = EVERY_ITERATION
+    # (collective, "iteration" | "period"): what it issues over the model's parameters besides its
+    # hook
     sends: tuple[tuple[str, str], ...] = ()
-    per_host: bool = False  # it synchronises within each host before across hosts: needs --per-host, 2 hosts or more
-    for_sparse: str | None = None  # made for sparse gradients: on a model without them it is this strategy
-    engine: str | None = None  # the package that runs it, an optional extra (ENGINES); None: torch's own
-    hook_sends: bool | None = None  # its DDP hook sends the gradient buckets (default: the all-reduce and servers families)
+    # it synchronises within each host before across hosts: needs --per-host, 2 hosts or more
+    per_host: bool = False
+    # made for sparse gradients: on a model without them it is this strategy
+    for_sparse: str | None = None
+    # the package that runs it, an optional extra (ENGINES); None: torch's own
+    engine: str | None = None
+    # its DDP hook sends the gradient buckets (default: the all-reduce and servers families)
+    hook_sends: bool | None = None
     cost: Cost | None = None  # how predict costs it (default: from the rest of the record)
 
     def __post_init__(self) -> None:
         if self.family is None:
             object.__setattr__(self, "family", SERVERS if self.transport == RPC else ALLREDUCE)
         if self.hook_sends is None:
-            object.__setattr__(self, "hook_sends", self.transport is not None and self.family in (ALLREDUCE, SERVERS))
+            object.__setattr__(self, "hook_sends",
+                               self.transport is not None and self.family in (ALLREDUCE, SERVERS))
         object.__setattr__(self, "cost", self.resolved_cost(self.cost or Cost()))
         if (self.transport not in (COLLECTIVE, RPC, None) or self.payload not in PAYLOADS
                 or self.sparse_buckets not in (SPARSE_ALLREDUCE, SPARSE_GLOO, SPARSE_SERVERS, None)
                 or self.family not in FAMILIES or self.wrap not in (DDP, FSDP, ENGINE, SERVER_OWNED)
-                or self.identical not in (EVERY_ITERATION, AT_SYNCHRONISATION, GATHERED, SERVERS_MODEL)
-                or any(c not in COLLECTIVES or per not in ("iteration", "period") for c, per in self.sends)
+                or self.identical not in (EVERY_ITERATION, AT_SYNCHRONISATION, GATHERED,
+                                          SERVERS_MODEL)
+                or any(c not in COLLECTIVES or per not in ("iteration", "period")
+                       for c, per in self.sends)
                 or self.engine not in (None, *ENGINES)):
             raise ValueError(f"bad strategy record {self}")
         if self.transport is not None and self.lossless == (self.uncompressed is not None):
-            raise ValueError(f"a lossy strategy names the lossless one it compresses, and only it: {self}")
+            raise ValueError(f"a lossy strategy names the lossless one it compresses, "
+                             f"and only it: {self}")
         if (self.payload == "low-rank factors") != (self.factors in ("tensor", "bucket")):
-            raise ValueError(f"a low-rank strategy says what it factors, each tensor or the bucket: {self}")
+            raise ValueError(f"a low-rank strategy says what it factors, "
+                             f"each tensor or the bucket: {self}")
         if (self.transport == RPC) != (self.family == SERVERS):
-            raise ValueError(f"the strategies that send to parameter servers, and only they, are of that family: {self}")
+            raise ValueError(f"the strategies that send to parameter servers, and only they, "
+                             f"are of that family: {self}")
         if self.cost.pipeline not in (None, *PIPELINES):
-            raise ValueError(f"a strategy's buckets go through one of predict's pipelines ({', '.join(PIPELINES)}): "
-                             f"{self}")
+            raise ValueError(f"a strategy's buckets go through one of predict's pipelines "
+                             f"({', '.join(PIPELINES)}): {self}")
 
     def resolved_cost(self, cost: Cost) -> Cost:
         """``cost`` with what it leaves out taken from the rest of the record: a hook that sends
@@ -140,13 +158,14 @@ class Strategy:
         return (per_host or 1) if self.per_host and self.needs_servers else 1
 
 
-def expected_bytes(record: Strategy, nbytes: int, world: int, period: int = 1, backend: str = "gloo") -> float:
+def expected_bytes(record: Strategy, nbytes: int, world: int, period: int = 1,
+                   backend: str = "gloo") -> float:
     """What a strategy that is not a DDP hook sends per iteration over a model of ``nbytes``
     float32 parameter bytes, in its wire dtype, amortised over its period (the hook's own bytes
     come from its buckets)."""
     wire = nbytes * ELEMENT_BYTES.get(record.payload, 4) // 4
-    return sum(collective_bytes(collective, wire, world, backend) / (period if per == "period" else 1)
-               for collective, per in record.sends)
+    return sum(collective_bytes(collective, wire, world, backend) /
+               (period if per == "period" else 1) for collective, per in record.sends)
 
 
 HOOKS: Registry = Registry("hook", record_type=Strategy)

@@ -16,7 +16,8 @@ from ps_bench.strategies.base import HookContext, stateless
 from ps_bench.strategies.record import HOOKS, RPC, SERVERS, SPARSE_SERVERS, Cost, Strategy
 
 
-def send_to_server(ctx: HookContext, bucket: dist.GradBucket, wire_dtype: torch.dtype | None = None) -> Future:
+def send_to_server(ctx: HookContext, bucket: dist.GradBucket,
+                   wire_dtype: torch.dtype | None = None) -> Future:
     """Sends the bucket to its server (cast to ``wire_dtype`` on the wire) and returns the
     global average it answers with, on the bucket's device and in its dtype."""
     return send_tensor(ctx, bucket.buffer(), bucket.index(), ctx.server_for(bucket), wire_dtype)
@@ -51,41 +52,43 @@ def send_tensor(ctx: HookContext, tensor: torch.Tensor, key: int, server_index: 
     return reply.then(received)
 
 
-@stateless("ps", Strategy(RPC, "float32", lossless=True, sparse_buckets=SPARSE_SERVERS, family=SERVERS),
+@stateless("ps", Strategy(RPC, "float32", lossless=True, sparse_buckets=SPARSE_SERVERS,
+                          family=SERVERS),
            aliases=("rpc_hook",))
 def parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     """Every bucket to its parameter server over RPC, which answers with the average; lossless."""
     return send_to_server(ctx, bucket)
 
 
-@stateless("ps_fp16", Strategy(RPC, "float16", lossless=False, sparse_buckets=SPARSE_SERVERS, uncompressed="ps",
-                                   family=SERVERS))
+@stateless("ps_fp16", Strategy(RPC, "float16", lossless=False, sparse_buckets=SPARSE_SERVERS,
+                               uncompressed="ps", family=SERVERS))
 def parameter_server_fp16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     """The ps strategy with float16 on the wire (servers add in float32); lossy."""
     return send_to_server(ctx, bucket, torch.float16)
 
 
-@stateless("ps_bf16", Strategy(RPC, "bfloat16", lossless=False, sparse_buckets=SPARSE_SERVERS, uncompressed="ps",
-                                   family=SERVERS))
+@stateless("ps_bf16", Strategy(RPC, "bfloat16", lossless=False, sparse_buckets=SPARSE_SERVERS,
+                               uncompressed="ps", family=SERVERS))
 def parameter_server_bf16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     """The ps strategy with bfloat16 on the wire (servers add in float32); lossy."""
     return send_to_server(ctx, bucket, torch.bfloat16)
 
 
 # held against the RPC floor: its dense buckets are all-reduced, but what it is for is the servers
-@stateless("sparse_ps", Strategy(RPC, "float32", lossless=True, sparse_buckets=SPARSE_SERVERS, family=SERVERS,
-                                 for_sparse="allreduce"),
+@stateless("sparse_ps", Strategy(RPC, "float32", lossless=True, sparse_buckets=SPARSE_SERVERS,
+                                 family=SERVERS, for_sparse="allreduce"),
            aliases=("sparse_rpc_hook",))
 def sparse_parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future:
-    """Sparse gradients to the parameter servers, dense ones all-reduced among trainers; lossless."""
+    """Sparse gradients to the parameter servers, dense ones all-reduced among trainers;
+    lossless."""
     if bucket.buffer().is_sparse:
         return send_to_server(ctx, bucket)
     return allreduce(ctx, bucket)
 
 
 @HOOKS.register("ps_node", aliases=("ps_host", "byteps"),
-                record=Strategy(RPC, "float32", lossless=True, sparse_buckets=None, family=SERVERS, per_host=True,
-                                cost=Cost(like="ps")))
+                record=Strategy(RPC, "float32", lossless=True, sparse_buckets=None, family=SERVERS,
+                                per_host=True, cost=Cost(like="ps")))
 class NodeAggregated(InOrder):
     """Parameter servers as deployed on nodes of several GPUs (BytePS's layout; TensorFlow's and
     MXNet's device-then-server kvstores): each bucket summed within the host (--per-host G),
@@ -94,9 +97,9 @@ class NodeAggregated(InOrder):
 
     A host's link carries its gradient once each way, not G copies: 1/G of ``ps``'s bytes between
     hosts. gloo has no reduce-scatter, so the sum within the host is an all-reduce (NCCL's
-    reduce-scatter would move half). Buckets go one at a time, each step issued when the previous one completes, so every
-    trainer issues the host's collectives in the same order. Dense models only: a sparse
-    bucket's rows differ between the trainers of a host."""
+    reduce-scatter would move half). Buckets go one at a time, each step issued when the previous
+    one completes, so every trainer issues the host's collectives in the same order. Dense models
+    only: a sparse bucket's rows differ between the trainers of a host."""
 
     def __init__(self, ctx: HookContext) -> None:
         size, per_host = ctx.process_group.size(), ctx.per_host
@@ -112,13 +115,15 @@ class NodeAggregated(InOrder):
             ("all_reduce", self.intra, elements), ("all_gather", self.intra, elements))]
 
     def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
-        server = ctx.server_for(bucket, self.local, self.per_host)  # every bucket, in order: it closes the layout
+        # every bucket, in order: it closes the layout
+        server = ctx.server_for(bucket, self.local, self.per_host)
         return self.after_previous(lambda: self.aggregated(ctx, bucket, server))
 
     def aggregated(self, ctx: HookContext, bucket: dist.GradBucket, server: int) -> Future:
         tensor = bucket.buffer()
         numel, done, key = tensor.numel(), Future(), bucket.index() * self.per_host + self.local
-        padded = torch.cat([tensor, tensor.new_zeros(-numel % self.per_host)]) if numel % self.per_host else tensor.clone()
+        padded = (torch.cat([tensor, tensor.new_zeros(-numel % self.per_host)])
+                  if numel % self.per_host else tensor.clone())
         rows = padded.view(self.per_host, -1)
 
         def step(run, then) -> None:
@@ -134,7 +139,8 @@ class NodeAggregated(InOrder):
 
         def pulled(average: torch.Tensor) -> None:
             rows[self.local].copy_(average)
-            step(lambda: gather_into(padded, rows[self.local].clone(), self.intra).get_future(), gathered)
+            step(lambda: gather_into(padded, rows[self.local].clone(), self.intra).get_future(),
+                 gathered)
 
         def summed(_) -> None:
             step(lambda: send_tensor(ctx, rows[self.local].contiguous(), key, server), pulled)

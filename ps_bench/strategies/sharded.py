@@ -28,8 +28,8 @@ from ps_bench.strategies.record import (COLLECTIVE, COLLECTIVE_BUCKETS, FSDP, GA
                                         SHARDED, Cost, Strategy)
 
 MESH_NAMES = ("replicate", "shard")  # a 2-D mesh replicates across its rows and shards within each
-# torch.distributed.fsdp and torch.distributed.optim import DTensor's operators, over a second of CPU:
-# only the trainers of a run that shards pay for them, where they wrap the model.
+# torch.distributed.fsdp and torch.distributed.optim import DTensor's operators, over a second of
+# CPU: only the trainers of a run that shards pay for them, where they wrap the model.
 
 
 def shard_units(network: nn.Module) -> list[nn.Module]:
@@ -38,13 +38,15 @@ def shard_units(network: nn.Module) -> list[nn.Module]:
     wrap them), else every module with parameters of its own."""
     if hasattr(network, "shard_units"):
         return network.shard_units()
-    return [module for module in list(network.modules())[1:] if any(True for _ in module.parameters(recurse=False))]
+    return [module for module in list(network.modules())[1:]
+            if any(True for _ in module.parameters(recurse=False))]
 
 
 @HOOKS.register("fsdp", aliases=("fully_shard", "fsdp2"),
-                record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED, wrap=FSDP,
-                                identical=GATHERED, sends=(("all_gather", "iteration"), ("all_gather", "iteration"),
-                                                           ("reduce_scatter", "iteration"))))
+                record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None,
+                                family=SHARDED, wrap=FSDP, identical=GATHERED,
+                                sends=(("all_gather", "iteration"), ("all_gather", "iteration"),
+                                       ("reduce_scatter", "iteration"))))
 class FullyShard(Synchroniser):
     """FSDP2 over the trainers: the model's units (``shard_units``), each with its parameters
     all-gathered before its forward and again before its backward, having been freed in between,
@@ -54,7 +56,8 @@ class FullyShard(Synchroniser):
     def __init__(self, ctx: HookContext) -> None:
         self.gathered: torch.Tensor | None = None
         self.ctx, self.model = ctx, None
-        self.local: nn.Module | None = None  # --verify: the model whole, for each trainer's own gradient
+        # --verify: the model whole, for each trainer's own gradient
+        self.local: nn.Module | None = None
         self.loss_fn = nn.CrossEntropyLoss()
 
     def wrap(self, network: nn.Module, ctx: HookContext, ddp_options: dict[str, Any],
@@ -68,7 +71,8 @@ class FullyShard(Synchroniser):
             from torch.distributed._composable.fsdp import fully_shard
         device = next(network.parameters()).device
         shape = self.mesh_shape(ctx)
-        mesh = self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_NAMES[-len(shape):])
+        mesh = self.mesh = init_device_mesh(device.type, shape,
+                                            mesh_dim_names=MESH_NAMES[-len(shape):])
         for module in shard_units(network):
             fully_shard(module, mesh=mesh)
         fully_shard(network, mesh=mesh)
@@ -129,17 +133,18 @@ def corrupt(ctx: HookContext, model: nn.Module) -> None:
     """For the tests only: ``PS_BENCH_CORRUPT_GRADIENT=TRAINER:ITERATION`` doubles that trainer's
     share of the delivered gradients at that iteration, a wrong gradient ``--verify`` must catch."""
     trainer, _, iteration = os.environ.get("PS_BENCH_CORRUPT_GRADIENT", "").partition(":")
-    if trainer and int(trainer) == dist.get_rank(ctx.process_group) and int(iteration) == ctx.iteration:
+    if (trainer and int(trainer) == dist.get_rank(ctx.process_group) and
+            int(iteration) == ctx.iteration):
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.grad.mul_(2)
 
 
-# its collectives run over a host's trainers and over each shard's hosts, which ``sends`` (collectives
-# over all trainers) does not describe: its test counts them by hand
+# its collectives run over a host's trainers and over each shard's hosts, which ``sends``
+# (collectives over all trainers) does not describe: its test counts them by hand
 @HOOKS.register("hsdp", aliases=("HSDP",),
-                record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED, wrap=FSDP,
-                                identical=GATHERED, per_host=True,
+                record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None,
+                                family=SHARDED, wrap=FSDP, identical=GATHERED, per_host=True,
                                 cost=Cost(COLLECTIVE_BUCKETS, bucket_ms=costs.hsdp_reduce_ms,
                                           iteration_ms=costs.hsdp_gather_ms)))
 class HybridShard(FullyShard):
@@ -158,12 +163,14 @@ class HybridShard(FullyShard):
         host's trainers, each host's shard all-reduced across the hosts."""
         within, across = self.mesh.get_group("shard"), self.mesh.get_group("replicate")
         return [("all_gather", within, elements), ("all_gather", within, elements),
-                ("reduce_scatter", within, elements), ("all_reduce", across, -(-elements // ctx.per_host))]
+                ("reduce_scatter", within, elements),
+                ("all_reduce", across, -(-elements // ctx.per_host))]
 
 
 @HOOKS.register("zero1", aliases=("zero", "ZeroRedundancyOptimizer"),
-                record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED,
-                                sends=(("broadcast", "iteration"),), hook_sends=True))
+                record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None,
+                                family=SHARDED, sends=(("broadcast", "iteration"),),
+                                hook_sends=True))
 class ZeroOne(Synchroniser):
     """DDP's all-reduce, then torch's ZeroRedundancyOptimizer: each trainer keeps and steps the
     optimizer state of its shard of the parameters and broadcasts them; lossless."""

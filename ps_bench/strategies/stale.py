@@ -20,7 +20,8 @@ from ps_bench.config import ConfigError, RunConfig, flag, need
 from ps_bench.strategies.record import RPC, SERVERS, SERVERS_MODEL, SERVER_OWNED, Strategy
 
 STALE_SYNCHRONOUS = Strategy(transport=RPC, payload="float32", lossless=False, uncompressed="ps",
-                             sparse_buckets=None, family=SERVERS, wrap=SERVER_OWNED, identical=SERVERS_MODEL)
+                             sparse_buckets=None, family=SERVERS, wrap=SERVER_OWNED,
+                             identical=SERVERS_MODEL)
 MODE = "ssp"  # the trainer and server the mode runs
 
 
@@ -31,7 +32,8 @@ def parse_staleness(text: str) -> float:
     try:
         value = int(str(text))
     except ValueError:
-        raise ValueError(f"--staleness must be an integer of 0 or more, or inf; got {text!r}") from None
+        raise ValueError(f"--staleness must be an integer of 0 or more, or inf; "
+                         f"got {text!r}") from None
     if value < 0:
         raise ValueError(f"--staleness must be an integer of 0 or more, or inf; got {value}")
     return float(value)
@@ -43,25 +45,29 @@ def resolve(cfg: RunConfig, record: Strategy) -> Strategy:
     else ``record``. Canonicalises ``cfg.staleness`` to an integer or ``inf``."""
     if cfg.staleness is None:
         for name in ("trainer", "server"):
-            need(getattr(cfg, name) != MODE, f"--{name} {MODE} is the mode of --staleness S: set --staleness")
+            need(getattr(cfg, name) != MODE,
+                 f"--{name} {MODE} is the mode of --staleness S: set --staleness")
         return record
     try:
         bound = parse_staleness(cfg.staleness)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     cfg.staleness = "inf" if bound == math.inf else str(int(bound))
-    need(cfg.hook == "ps", f"--staleness {cfg.staleness} trains with servers that own the parameters, which trainers "
-                           f"push gradients to and read from: it needs --hook ps (got --hook {cfg.hook})")
+    need(cfg.hook == "ps", f"--staleness {cfg.staleness} trains with servers that own the "
+                           f"parameters, which trainers push gradients to and read from: it needs "
+                           f"--hook ps (got --hook {cfg.hook})")
     need(cfg.trainer in ("ddp", MODE) and cfg.server in ("average", MODE),
-         f"--staleness chooses its own trainer and server ({MODE}): leave --trainer and --server out "
-         f"(got {cfg.trainer} and {cfg.server})")
+         f"--staleness chooses its own trainer and server ({MODE}): leave --trainer and --server "
+         f"out (got {cfg.trainer} and {cfg.server})")
     cfg.trainer = cfg.server = MODE
-    need(cfg.optimizer == "sgd" and not cfg.momentum, "--staleness: the servers step the parameters with plain SGD; "
-                                                      "leave --optimizer and --momentum out")
-    unsupported = [flag(name) for name in ("ncudatrainer", "ncudaserver", "verify", "limits") if getattr(cfg, name)]
+    need(cfg.optimizer == "sgd" and not cfg.momentum,
+         "--staleness: the servers step the parameters with plain SGD; "
+         "leave --optimizer and --momentum out")
+    unsupported = [flag(name) for name in ("ncudatrainer", "ncudaserver", "verify", "limits")
+                   if getattr(cfg, name)]
     unsupported += ["--profile"] if cfg.profile is not None else []
     unsupported += [f"--backend {cfg.backend}"] if cfg.backend != "gloo" else []
     unsupported += ["--mapping group"] if cfg.mapping == "group" else []
-    need(not unsupported, f"--staleness runs CPU trainers and servers without DDP's buckets: it cannot be combined "
-                          f"with {', '.join(unsupported)}")
+    need(not unsupported, f"--staleness runs CPU trainers and servers without DDP's buckets: it "
+                          f"cannot be combined with {', '.join(unsupported)}")
     return STALE_SYNCHRONOUS

@@ -40,8 +40,10 @@ LIGHTHOUSE_KEY = "torchft/lighthouse"  # in the trainers' store: trainer 0's lig
 
 
 def record() -> Strategy:
-    return Strategy(COLLECTIVE, "float32", lossless=False, sparse_buckets=None, uncompressed="allreduce", family=LOCAL,
-                    wrap=ENGINE, identical=AT_SYNCHRONISATION, sends=(("all_reduce", "period"),), engine="torchft")
+    return Strategy(COLLECTIVE, "float32", lossless=False, sparse_buckets=None,
+                    uncompressed="allreduce", family=LOCAL, wrap=ENGINE,
+                    identical=AT_SYNCHRONISATION, sends=(("all_reduce", "period"),),
+                    engine="torchft")
 
 
 def bound_store(address: str, timeout: timedelta) -> dist.TCPStore:
@@ -50,7 +52,8 @@ def bound_store(address: str, timeout: timedelta) -> dist.TCPStore:
     listener = socket.socket(socket.AF_INET)
     listener.bind((address, 0))
     listener.listen(socket.SOMAXCONN)
-    store = dist.TCPStore(address, listener.getsockname()[1], is_master=True, wait_for_workers=False, timeout=timeout,
+    store = dist.TCPStore(address, listener.getsockname()[1], is_master=True,
+                          wait_for_workers=False, timeout=timeout,
                           master_listen_fd=listener.fileno())
     listener.detach()
     return store
@@ -77,12 +80,13 @@ class TorchftLocal(Synchroniser):
         unsupported = ["--verify"] if cfg.verify else []
         unsupported += [f"--backend {cfg.backend}"] if cfg.backend != "gloo" else []
         if unsupported:
-            raise ConfigError(f"--hook {cfg.hook} cannot be combined with {', '.join(unsupported)} (torchft's "
-                              f"replicas all-reduce on its own gloo process group)")
+            raise ConfigError(f"--hook {cfg.hook} cannot be combined with {', '.join(unsupported)} "
+                              f"(torchft's replicas all-reduce on its own gloo process group)")
         return None, []
 
     def start(self, ctx: HookContext) -> Any:
-        """The Manager of this trainer's replica group, once every trainer's has joined the quorum."""
+        """The Manager of this trainer's replica group, once every trainer's has joined the
+        quorum."""
         from torchft._torchft import LighthouseServer
         from torchft.checkpointing.transport import CheckpointTransport
         from torchft.manager import Manager
@@ -95,36 +99,43 @@ class TorchftLocal(Synchroniser):
                 return "ps_bench: no checkpoints"
 
             def send_checkpoint(self, dst_ranks, step, state_dict, timeout) -> None:
-                raise RuntimeError(f"a torchft replica fell behind at step {step}: ps_bench's replicas never heal")
+                raise RuntimeError(f"a torchft replica fell behind at step {step}: "
+                                   f"ps_bench's replicas never heal")
 
             def recv_checkpoint(self, src_rank, metadata, step, timeout):
-                raise RuntimeError(f"this torchft replica fell behind at step {step}: ps_bench's replicas never heal")
+                raise RuntimeError(f"this torchft replica fell behind at step {step}: "
+                                   f"ps_bench's replicas never heal")
 
         timeout = timedelta(seconds=ctx.rpc_timeout)
         index, count, address = dist.get_rank(), dist.get_world_size(), own_address()
         shared = dist.distributed_c10d._get_default_store()
         if index == 0:
-            self.lighthouse = LighthouseServer(bind=f"{address}:0", min_replicas=count, join_timeout_ms=100,
-                                               quorum_tick_ms=10)
-            shared.set(LIGHTHOUSE_KEY, f"http://{address}:{self.lighthouse.address().rsplit(':', 1)[1]}")
+            self.lighthouse = LighthouseServer(bind=f"{address}:0", min_replicas=count,
+                                               join_timeout_ms=100, quorum_tick_ms=10)
+            shared.set(LIGHTHOUSE_KEY,
+                       f"http://{address}:{self.lighthouse.address().rsplit(':', 1)[1]}")
         lighthouse = shared.get(LIGHTHOUSE_KEY).decode()
         store = bound_store(address, timeout)
         group = ProcessGroupGloo(timeout=timeout)
         self.held = [store, group]
         manager = Manager(pg=group, load_state_dict=None, state_dict=None, min_replica_size=count,
-                          use_async_quorum=False, init_sync=False, max_retries=0, rank=0, world_size=1,
-                          store_addr=address, store_port=store.port, lighthouse_addr=lighthouse,
-                          replica_id=f"trainer_{index:05d}", hostname=address, timeout=timeout,
-                          quorum_timeout=timeout, connect_timeout=timeout, checkpoint_transport=NoHealing())
+                          use_async_quorum=False, init_sync=False, max_retries=0, rank=0,
+                          world_size=1, store_addr=address, store_port=store.port,
+                          lighthouse_addr=lighthouse, replica_id=f"trainer_{index:05d}",
+                          hostname=address, timeout=timeout, quorum_timeout=timeout,
+                          connect_timeout=timeout, checkpoint_transport=NoHealing())
         manager.start_quorum()  # the first quorum's rendezvous, outside the clock
         manager.wait_quorum()
         plain = manager.allreduce
 
         def counted(tensor: torch.Tensor, *args, **kwargs):
-            ctx.wire.add_ring(allreduce_bytes(tensor_bytes(tensor), manager.num_participants()), None)
+            ctx.wire.add_ring(allreduce_bytes(tensor_bytes(tensor), manager.num_participants()),
+                              None)
             started, iteration = time.perf_counter(), ctx.iteration
             work = plain(tensor, *args, **kwargs)
-            work.get_future().then(lambda _: ctx.comm.add((iteration, started, time.perf_counter())))  # its futures chain
+            # its futures chain
+            work.get_future().then(
+                lambda _: ctx.comm.add((iteration, started, time.perf_counter())))
             return work
 
         manager.allreduce = counted
@@ -135,7 +146,8 @@ class TorchftLocal(Synchroniser):
         """The model's parameters in ``fragments`` contiguous parts balanced by bytes, each a
         module of its own that holds them (no copy)."""
         parameters = list(network.parameters())
-        total, made, parts = sum(p.numel() for p in parameters), 0, [[] for _ in range(self.fragments)]
+        total, made, parts = (sum(p.numel() for p in parameters), 0,
+                              [[] for _ in range(self.fragments)])
         for parameter in parameters:
             parts[min(self.fragments - 1, made * self.fragments // max(1, total))].append(parameter)
             made += parameter.numel()
@@ -208,27 +220,33 @@ class TorchftLocalSGD(TorchftLocal):
         return network, inner
 
 
-@HOOKS.register("torchft_diloco", aliases=("torchft_DiLoCo", "torchft_streaming_diloco"), record=record())
+@HOOKS.register("torchft_diloco", aliases=("torchft_DiLoCo", "torchft_streaming_diloco"),
+                record=record())
 class TorchftDiLoCo(TorchftLocal):
     """torchft's DiLoCo: ``period`` inner steps of the run's optimizer, then each fragment's mean
     parameter change is the outer gradient of an SGD step with Nesterov momentum; with
     ``fragments`` F, streaming DiLoCo: one fragment synchronised every period/F steps, its
     all-reduce sent ``fragment_sync_delay`` steps before it is needed."""
 
-    def __init__(self, ctx: HookContext, period: int = 16, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 fragments: int = 1, fragment_sync_delay: int = 0) -> None:
+    def __init__(self, ctx: HookContext, period: int = 16, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, fragments: int = 1,
+                 fragment_sync_delay: int = 0) -> None:
         super().__init__(ctx, period, fragments)
-        self.outer_lr, self.outer_momentum, self.delay = outer_lr, outer_momentum, fragment_sync_delay
+        self.outer_lr, self.outer_momentum, self.delay = (outer_lr, outer_momentum,
+                                                          fragment_sync_delay)
 
     @staticmethod
-    def check(period: int, outer_lr: float, outer_momentum: float, fragments: int, fragment_sync_delay: int) -> None:
+    def check(period: int, outer_lr: float, outer_momentum: float, fragments: int,
+              fragment_sync_delay: int) -> None:
         check_period(period)
         if not outer_lr > 0:
             raise ValueError(f"hook option 'outer_lr' must be positive; got {outer_lr}")
         if not 0 <= outer_momentum < 1:
-            raise ValueError(f"hook option 'outer_momentum' must be in [0, 1); got {outer_momentum}")
+            raise ValueError(f"hook option 'outer_momentum' must be in [0, 1); "
+                             f"got {outer_momentum}")
         if fragments < 1 or period % fragments:
-            raise ValueError(f"hook option 'fragments' must divide the period ({period}); got {fragments}")
+            raise ValueError(f"hook option 'fragments' must divide the period ({period}); "
+                             f"got {fragments}")
         if not 0 <= fragment_sync_delay < period // fragments:
             raise ValueError(f"hook option 'fragment_sync_delay' must be in [0, period/fragments = "
                              f"{period // fragments}); got {fragment_sync_delay}")
@@ -239,8 +257,9 @@ class TorchftDiLoCo(TorchftLocal):
 
         inner = optimizer.build(network.parameters())
         fragments = self.fragment_modules(network)
-        outers = [torch.optim.SGD(fragment.parameters(), lr=self.outer_lr, momentum=self.outer_momentum,
-                                  nesterov=self.outer_momentum > 0) for fragment in fragments]
+        outers = [torch.optim.SGD(fragment.parameters(), lr=self.outer_lr,
+                                  momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
+                  for fragment in fragments]
         self.context = DiLoCo(self.start(ctx), fragments, inner, outers, sync_every=self.period,
                               backup_device=torch.device("cpu"), pin_memory=False,
                               fragment_sync_delay=self.delay).__enter__()

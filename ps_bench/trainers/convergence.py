@@ -34,20 +34,23 @@ from ps_bench.metrics.wire import ByteCounter
 from ps_bench.models.base import Dataset
 
 HELD_OUT_SAMPLES = 256  # at most; the data's own sample count if smaller
-HELD_OUT_POINTS = 10  # held-out evaluations spread over --max-iterations, besides the first and the last
+# held-out evaluations spread over --max-iterations, besides the first and the last
+HELD_OUT_POINTS = 10
 
 
 class Convergence:
     """One trainer's side of a ``--target-loss`` run: the averaged model's loss after each
     iteration, whether to stop, and the held-out losses (trainer 0)."""
 
-    def __init__(self, network: nn.Module, loss_fn: nn.Module, process_group: dist.ProcessGroup | None,
-                 wire: ByteCounter | None, target: float, max_iterations: int | None, held_out: Dataset | None,
+    def __init__(self, network: nn.Module, loss_fn: nn.Module,
+                 process_group: dist.ProcessGroup | None, wire: ByteCounter | None, target: float,
+                 max_iterations: int | None, held_out: Dataset | None,
                  parameters: Callable[[], torch.Tensor] | None = None) -> None:
         """``network`` as it is before a strategy wraps it (the scratch copy's template);
         ``parameters``: this trainer's whole parameters, flattened (default: ``network``'s)."""
         self.network, self.loss_fn, self.group, self.wire = network, loss_fn, process_group, wire
-        self.parameters = parameters or (lambda: torch.cat([p.detach().reshape(-1) for p in network.parameters()]))
+        self.parameters = parameters or (
+            lambda: torch.cat([p.detach().reshape(-1) for p in network.parameters()]))
         self.averaged = copy.deepcopy(network)
         self.averaged.requires_grad_(False)
         self.target = target
@@ -55,17 +58,20 @@ class Convergence:
         self.held_out = held_out
         self.held_out_every = max(1, self.max_iterations // HELD_OUT_POINTS)
         self.next_held_out = 0  # the iteration count at which the next held-out point is due
-        # (iterations done, the averaged model's training loss[, seconds of training, where the trainer keeps them])
+        # (iterations done, the averaged model's training loss[, seconds of training, where the
+        # trainer keeps them])
         self.curve: list[tuple] = []
-        self.held_out_curve: list[tuple[int, float]] = []  # (iterations done, its held-out loss): trainer 0
-        self.reached_at: int | None = None  # iterations done when the smoothed loss first met the target
+        # (iterations done, its held-out loss): trainer 0
+        self.held_out_curve: list[tuple[int, float]] = []
+        # iterations done when the smoothed loss first met the target
+        self.reached_at: int | None = None
         self.diverged = False
         self.stopped = False
         self.taken = (0, 0)  # points of each curve already handed to the master
 
     @torch.no_grad()
-    def check(self, iterations: int, inputs: list[torch.Tensor], targets: torch.Tensor, seconds: float | None = None,
-              held_out_at_stop: bool = True) -> bool:
+    def check(self, iterations: int, inputs: list[torch.Tensor], targets: torch.Tensor,
+              seconds: float | None = None, held_out_at_stop: bool = True) -> bool:
         """After ``iterations`` training iterations, before training on (``inputs``, ``targets``):
         records the averaged model's loss on them (with ``seconds`` of training, where the
         caller keeps the clock); True when training stops here (the target is met, the loss is
@@ -91,12 +97,15 @@ class Convergence:
         if self.reached_at is None and smoothed is not None and smoothed <= self.target:
             self.reached_at = iterations
         self.diverged = not math.isfinite(value)
-        self.stopped = self.reached_at is not None or self.diverged or iterations >= self.max_iterations
-        if (self.stopped and held_out_at_stop) or (not self.stopped and iterations >= self.next_held_out):
+        self.stopped = (self.reached_at is not None or self.diverged or
+                        iterations >= self.max_iterations)
+        if ((self.stopped and held_out_at_stop) or
+                (not self.stopped and iterations >= self.next_held_out)):
             self.evaluate_held_out(iterations, seconds)
         return self.stopped
 
-    def evaluate_held_out(self, iterations: int, seconds: float | None = None, network: nn.Module | None = None) -> None:
+    def evaluate_held_out(self, iterations: int, seconds: float | None = None,
+                          network: nn.Module | None = None) -> None:
         """A held-out point: the averaged model's loss on the held-out set (or ``network``'s)."""
         if self.held_out is None:
             return
@@ -104,7 +113,8 @@ class Convergence:
             self.averaged.load_state_dict(network.state_dict())
         loss = self.held_out_loss()
         self.next_held_out = (iterations // self.held_out_every + 1) * self.held_out_every
-        self.held_out_curve.append((iterations, loss) if seconds is None else (iterations, loss, seconds))
+        self.held_out_curve.append((iterations, loss) if seconds is None
+                                   else (iterations, loss, seconds))
 
     def average(self) -> None:
         """The trainers' mean parameters into the scratch model, with this trainer's buffers
@@ -125,7 +135,8 @@ class Convergence:
             for first in range(0, count, 64):
                 part = slice(first, first + 64)
                 inputs = [t[part] for t in self.held_out.inputs]
-                total += self.loss_fn(self.averaged(*inputs), self.held_out.targets[part]).item() * len(inputs[0])
+                total += self.loss_fn(self.averaged(*inputs),
+                                      self.held_out.targets[part]).item() * len(inputs[0])
             return total / count
         finally:
             self.averaged.train()
@@ -136,5 +147,5 @@ class Convergence:
         ones too, since training time to the target is all of it) and where training stands."""
         curve, held_out = self.curve[self.taken[0]:], self.held_out_curve[self.taken[1]:]
         self.taken = (len(self.curve), len(self.held_out_curve))
-        return {"curve": curve, "held_out": held_out, "batch_ms": batch_ms, "reached_at": self.reached_at,
-                "diverged": self.diverged, "stopped": self.stopped}
+        return {"curve": curve, "held_out": held_out, "batch_ms": batch_ms,
+                "reached_at": self.reached_at, "diverged": self.diverged, "stopped": self.stopped}

@@ -21,8 +21,8 @@ class FloorProbes:
     context, synchroniser and strategy record."""
 
     @fatal_on_error
-    def measure_floors(self, messages: dict[int, list], own: dict[int, list] | None, targets: list[list[rpc.RRef]],
-                       repeat: int) -> dict[str, list[float]]:
+    def measure_floors(self, messages: dict[int, list], own: dict[int, list] | None,
+                       targets: list[list[rpc.RRef]], repeat: int) -> dict[str, list[float]]:
         """``--limits``: ``repeat`` repetitions of the raw RPC floor (to ``targets[0]``, one per
         server, when there are servers) and of the raw collective floor, moving ``messages`` (the
         float32 buckets); of the strategy's ``own`` floor, its own messages over its own transport
@@ -33,51 +33,62 @@ class FloorProbes:
         ctx = self.hook_context
         out: dict[str, list[float]] = {}
         if self._compute_copy is None:  # the model whole, outside DDP, FSDP2 or an engine
-            self._compute_copy = build_model(self.entry.class_name, self.entry.kwargs, self.seed).to(
-                self.device, dtype=self.synchroniser.input_dtype)
+            self._compute_copy = build_model(
+                self.entry.class_name, self.entry.kwargs, self.seed).to(
+                    self.device, dtype=self.synchroniser.input_dtype)
         ctx.wire.paused = True
         try:
             if targets:
-                out["rpc_ms"] = limits.rpc_floor_ms(messages, self.floor_owners(messages, targets[0]), ctx.process_group,
-                                                    self.device, repeat)
-            out["collective_ms"] = limits.collective_floor_ms(messages, self.device, ctx.process_group, repeat)
+                out["rpc_ms"] = limits.rpc_floor_ms(messages,
+                                                    self.floor_owners(messages, targets[0]),
+                                                    ctx.process_group, self.device, repeat)
+            out["collective_ms"] = limits.collective_floor_ms(messages, self.device,
+                                                              ctx.process_group, repeat)
             if own is not None and self.strategy.transport == RPC:
                 out["own_ms"] = limits.rpc_floor_ms(own, self.floor_owners(
-                    messages, targets[-1], self.strategy.rpc_slices(ctx.per_host)), ctx.process_group, self.device, repeat)
+                    messages, targets[-1], self.strategy.rpc_slices(ctx.per_host)),
+                    ctx.process_group, self.device, repeat)
             elif own is not None:
-                out["own_ms"] = limits.collective_floor_ms(own, self.device, ctx.process_group, repeat)
+                out["own_ms"] = limits.collective_floor_ms(own, self.device, ctx.process_group,
+                                                           repeat)
             for nbytes in limits.LINK_SIZES:  # the link itself, one message at a time
                 if ctx.process_group.size() > 1:
-                    out[f"link_{nbytes}"] = limits.collective_floor_ms({0: [(nbytes // 4, "float32")]}, self.device,
-                                                                       ctx.process_group, repeat)
+                    out[f"link_{nbytes}"] = limits.collective_floor_ms(
+                        {0: [(nbytes // 4, "float32")]}, self.device, ctx.process_group, repeat)
                 elif targets:
-                    out[f"link_{nbytes}"] = limits.echo_ms(nbytes, targets[0][0], ctx.process_group, self.device,
-                                                             repeat)
-            steps = self.synchroniser.floor_steps(ctx, self.strategy.sends, self.elements,
-                                                  [nbytes // 4 for nbytes, _, _ in ctx.buckets.values()])
+                    out[f"link_{nbytes}"] = limits.echo_ms(nbytes, targets[0][0], ctx.process_group,
+                                                           self.device, repeat)
+            steps = self.synchroniser.floor_steps(
+                ctx, self.strategy.sends, self.elements,
+                [nbytes // 4 for nbytes, _, _ in ctx.buckets.values()])
             if steps:
-                out.update({f"step_{kind}_ms": values for kind, values in
-                            limits.steps_floor_ms(steps, self.device, ctx.process_group, repeat,
-                                                  limits.wire_dtype(self.strategy.payload)).items()})
-            out["compute_ms"] = limits.compute_floor_ms(self._compute_copy, self.inputs, self.targets, self.batch_size,
+                out.update({f"step_{kind}_ms": values for kind, values in limits.steps_floor_ms(
+                    steps, self.device, ctx.process_group, repeat,
+                    limits.wire_dtype(self.strategy.payload)).items()})
+            out["compute_ms"] = limits.compute_floor_ms(self._compute_copy, self.inputs,
+                                                        self.targets, self.batch_size,
                                                         ctx.process_group, self.lr, repeat)
         finally:
             ctx.wire.paused = False
         return out
 
-    def floor_owners(self, messages: dict[int, list], targets: list[rpc.RRef], slices: int = 1) -> dict[int, rpc.RRef]:
-        """Each bucket's server, as the strategy maps it (its group's, or balanced by float32 bytes);
-        ``slices``: the server of this trainer's slice of it, as ``HookContext.server_for`` deals them."""
+    def floor_owners(self, messages: dict[int, list], targets: list[rpc.RRef],
+                     slices: int = 1) -> dict[int, rpc.RRef]:
+        """Each bucket's server, as the strategy maps it (its group's, or balanced by float32
+        bytes); ``slices``: the server of this trainer's slice of it, as ``HookContext.server_for``
+        deals them."""
         if self.hook_context.mapping == "group":
             return {index: targets[self.hook_context.group_server] for index in messages}
         part = dist.get_rank() % slices
-        owners = slice_owners({index: sum(count for count, _ in parts) * 4 for index, parts in messages.items()},
+        owners = slice_owners({index: sum(count for count, _ in parts) * 4
+                               for index, parts in messages.items()},
                               slices, len(targets))
         return {index: targets[owners[index * slices + part]] for index in messages}
 
 
 def finish_profile(profiler: torch.profiler.profile, path: str) -> None:
-    """Stops ``profiler`` and writes its Chrome trace to ``path``; returns None, the profiler's new state."""
+    """Stops ``profiler`` and writes its Chrome trace to ``path``; returns None, the profiler's new
+    state."""
     profiler.stop()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     profiler.export_chrome_trace(path)

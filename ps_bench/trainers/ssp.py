@@ -42,10 +42,10 @@ class StaleSynchronousTrainer(Resident):
 
     @fatal_on_error
     def __init__(self, trainer_index: int, config: RunConfig, strategy: Strategy, model: Entry,
-                 inputs: tuple[torch.Tensor, ...],
-                 targets: torch.Tensor, servers: list[tuple[rpc.RRef, bool]], group_server: int | None,
-                 cuda_rpc: bool, device: str, held_out: Dataset | None = None,
-                 rank_hosts: list[int] | None = None, engine_config: dict | None = None) -> None:
+                 inputs: tuple[torch.Tensor, ...], targets: torch.Tensor,
+                 servers: list[tuple[rpc.RRef, bool]], group_server: int | None, cuda_rpc: bool,
+                 device: str, held_out: Dataset | None = None, rank_hosts: list[int] | None = None,
+                 engine_config: dict | None = None) -> None:
         self.index = trainer_index
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.straggling = Straggling(config.straggler, trainer_index, config.torch_seed)
@@ -53,7 +53,8 @@ class StaleSynchronousTrainer(Resident):
         self.parameters = list(self.network.parameters())
         self.servers = [rref for rref, _ in servers]
         owners = shard_owners(self.network, len(self.servers))
-        self.shards = [[i for i in range(len(self.parameters)) if owners[i] == s] for s in range(len(self.servers))]
+        self.shards = [[i for i in range(len(self.parameters)) if owners[i] == s]
+                       for s in range(len(self.servers))]
         self.loss_fn = nn.CrossEntropyLoss()
         self.inputs, self.targets = inputs, targets
         self.batch_size = config.batch_size
@@ -67,8 +68,8 @@ class StaleSynchronousTrainer(Resident):
         self.converging = config.target_loss is not None
         self.convergence = None
         if self.converging and trainer_index == 0:
-            self.convergence = Convergence(self.network, self.loss_fn, None, None, config.target_loss,
-                                           config.max_iterations, held_out)
+            self.convergence = Convergence(self.network, self.loss_fn, None, None,
+                                           config.target_loss, config.max_iterations, held_out)
 
     def ready(self) -> int:
         return self.iterations_per_round
@@ -95,7 +96,8 @@ class StaleSynchronousTrainer(Resident):
             for p in self.parameters:
                 p.grad = None
             loss = self.loss_fn(self.network(*x), y)
-            if self.straggling:  # --straggler: this trainer is slower in this iteration by that much
+            # --straggler: this trainer is slower in this iteration by that much
+            if self.straggling:
                 time.sleep(self.straggling.delay_s(self.clock + 1))
             t1 = clock()
             loss.backward()
@@ -108,7 +110,8 @@ class StaleSynchronousTrainer(Resident):
             t4 = clock()
             readings.append((t0, t1, t2, t3, t4))
             moved.append((sum(tensor_bytes(g) for shard in gradients for g in shard),
-                          sum(tensor_bytes(p) for reply in answers if reply[0] is not None for p in reply[0])))
+                          sum(tensor_bytes(p) for reply in answers if reply[0] is not None
+                              for p in reply[0])))
             losses.append(loss.item())
             self.trained_s += t4 - t0
         return self.round_result(readings, moved, losses, status)
@@ -117,11 +120,13 @@ class StaleSynchronousTrainer(Resident):
         grad = self.parameters[index].grad
         return torch.zeros_like(self.parameters[index]) if grad is None else grad
 
-    def ask(self, method: str, clock: int, gradients: list[list[torch.Tensor]] | None = None) -> list[tuple]:
+    def ask(self, method: str, clock: int,
+            gradients: list[list[torch.Tensor]] | None = None) -> list[tuple]:
         """Every server at once: its push (with its shard's gradients) or pull; their answers."""
         function = getattr(StaleSynchronousServer, method)
         futures = [rpc.rpc_async(server.owner(), function,
-                                 args=(server, self.index, clock) + ((gradients[s],) if gradients else ()),
+                                 args=((server, self.index, clock) +
+                                       ((gradients[s],) if gradients else ())),
                                  timeout=0)
                    for s, server in enumerate(self.servers)]
         return [future.wait() for future in futures]
@@ -142,7 +147,8 @@ class StaleSynchronousTrainer(Resident):
         batch. When training stops it tells the servers, and evaluates the held-out set on the
         parameters the servers ended with."""
         iterations = self.updates // self.num_trainers
-        if not self.convergence.check(iterations, x, y, seconds=self.trained_s, held_out_at_stop=False):
+        if not self.convergence.check(iterations, x, y, seconds=self.trained_s,
+                                      held_out_at_stop=False):
             return False
         for server in self.servers:
             server.rpc_sync().stop_training()
@@ -157,7 +163,8 @@ class StaleSynchronousTrainer(Resident):
                 for index, value in zip(shard, values):
                     self.parameters[index].copy_(value)
 
-    def round_result(self, readings: list[tuple], moved: list[tuple], losses: list[float], status: str) -> dict:
+    def round_result(self, readings: list[tuple], moved: list[tuple], losses: list[float],
+                     status: str) -> dict:
         phases = np.diff(np.asarray(readings, dtype=np.float64), axis=1) * 1000.0 if readings \
             else np.zeros((0, 4))
         moved_array = np.asarray(moved, dtype=np.int64).reshape(-1, 2)
@@ -165,22 +172,26 @@ class StaleSynchronousTrainer(Resident):
                    "backward": phases[:, 1].tolist(), "comm": phases[:, 2].tolist(),
                    "optimizer": phases[:, 3].tolist(), "bytes_sent": moved_array[:, 0].tolist(),
                    "bytes_recv": moved_array[:, 1].tolist()}
-        result = {"samples": samples, "iterations": len(readings), "samples_processed": len(readings) * self.batch_size,
-                  "bytes_sent": int(moved_array[:, 0].sum()), "bytes_recv": int(moved_array[:, 1].sum()),
-                  "losses": losses, "verified_iterations": 0, "grad_errors": [], "memory": peak_memory(),
-                  "timeline": {}}
+        result = {"samples": samples, "iterations": len(readings),
+                  "samples_processed": len(readings) * self.batch_size,
+                  "bytes_sent": int(moved_array[:, 0].sum()),
+                  "bytes_recv": int(moved_array[:, 1].sum()),
+                  "losses": losses, "verified_iterations": 0, "grad_errors": [],
+                  "memory": peak_memory(), "timeline": {}}
         if self.convergence is not None:
             result["convergence"] = self.convergence.take(samples["batch"])
         elif self.converging:
-            result["convergence"] = {"curve": [], "held_out": [], "batch_ms": samples["batch"], "reached_at": None,
-                                     "diverged": False, "stopped": status == STOPPED}
+            result["convergence"] = {"curve": [], "held_out": [], "batch_ms": samples["batch"],
+                                     "reached_at": None, "diverged": False,
+                                     "stopped": status == STOPPED}
         return result
 
     def bucket_layout(self) -> list[dict]:
         """What crosses the wire per server, in the shape of DDP's bucket rows: each server's
         shard of the parameters (its gradients one way, its parameters the other)."""
-        return [{"index": s, "bytes": sum(tensor_bytes(self.parameters[i]) for i in shard), "sparse": False,
-                 "shapes": [list(self.parameters[i].shape) for i in shard]} for s, shard in enumerate(self.shards)]
+        return [{"index": s, "bytes": sum(tensor_bytes(self.parameters[i]) for i in shard),
+                 "sparse": False, "shapes": [list(self.parameters[i].shape) for i in shard]}
+                for s, shard in enumerate(self.shards)]
 
     def parameters_vector(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.parameters])

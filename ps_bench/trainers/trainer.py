@@ -22,7 +22,8 @@ from ps_bench.models.base import Dataset, build_model
 from ps_bench.models.entries import Entry
 from ps_bench.registry import Registry
 from ps_bench.strategies import Strategy
-from ps_bench.strategies.base import HookContext, ServerHandle, build_synchroniser, fingerprint, optimizer_spec
+from ps_bench.strategies.base import (HookContext, ServerHandle, build_synchroniser, fingerprint,
+                                      optimizer_spec)
 from ps_bench.trainers.convergence import Convergence
 from ps_bench.trainers.probes import FloorProbes, finish_profile, start_profiler
 from ps_bench.runtime.resident import Resident
@@ -30,11 +31,13 @@ from ps_bench.runtime.resident import Resident
 TRAINERS: Registry = Registry("trainer")
 VERIFIED_PER_ROUND = 4  # --verify checks at most this many evenly spaced iterations per round
 PROFILED_ITERATIONS = 3  # --profile traces this many iterations, from the second of the round on
-TIMELINE_ITERATIONS = 8  # the bucket timeline comes from this many timed iterations at the end of each round
+# the bucket timeline comes from this many timed iterations at the end of each round
+TIMELINE_ITERATIONS = 8
 
 
 def verified_steps(iterations: int) -> set[int]:
-    """Which iterations of a round ``--verify`` checks: evenly spaced, at most VERIFIED_PER_ROUND."""
+    """Which iterations of a round ``--verify`` checks: evenly spaced, at most
+    VERIFIED_PER_ROUND."""
     stride = max(1, math.ceil(iterations / VERIFIED_PER_ROUND))
     return set(range(0, iterations, stride))
 
@@ -72,7 +75,8 @@ class DdpTrainer(FloorProbes, Resident):
         ``engine_config``, the job's resolved config of an engine of its own (DeepSpeed's)."""
         self.index = trainer_index
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
-        self.straggling = Straggling(config.straggler, trainer_index, config.torch_seed)  # --straggler
+        # --straggler
+        self.straggling = Straggling(config.straggler, trainer_index, config.torch_seed)
         self.iteration = 0  # training iterations run so far, warmup included
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -91,34 +95,41 @@ class DdpTrainer(FloorProbes, Resident):
             engine_bytes=config.verify,
             verifying=config.verify,
         )
-        self.hook_context.wire.hosts, self.hook_context.wire.rank = rank_hosts, trainer_index  # trainers rank first
+        # trainers rank first
+        self.hook_context.wire.hosts, self.hook_context.wire.rank = rank_hosts, trainer_index
         wire.install(self.hook_context.wire)
         self.synchroniser = build_synchroniser(config.hook, self.hook_context, config.hook_options)
         self.strategy = strategy
         self.loss_fn = nn.CrossEntropyLoss()
-        # before the strategy wraps the model (FSDP2 shards it in place): the averaged model's template
+        # before the strategy wraps the model (FSDP2 shards it in place): the averaged model's
+        # template
         self.convergence = None if config.target_loss is None else Convergence(
-            network, self.loss_fn, dist.group.WORLD, self.hook_context.wire, config.target_loss, config.max_iterations,
+            network, self.loss_fn, dist.group.WORLD, self.hook_context.wire, config.target_loss,
+            config.max_iterations,
             None if held_out is None else Dataset(tuple(t.to(self.device) for t in held_out.inputs),
                                                   held_out.targets.to(self.device)),
             parameters=lambda: self.synchroniser.full_parameters(self.model))
         ddp_options = {"device_ids": [self.device.index] if self.device.type == "cuda" else None,
-                       "bucket_cap_mb": config.bucket_cap_mb, "gradient_as_bucket_view": config.gradient_as_bucket_view}
-        # the whole model's, before wrap shards it (DeepSpeed's stage 3 leaves each parameter a placeholder)
+                       "bucket_cap_mb": config.bucket_cap_mb,
+                       "gradient_as_bucket_view": config.gradient_as_bucket_view}
+        # the whole model's, before wrap shards it (DeepSpeed's stage 3 leaves each parameter a
+        # placeholder)
         self.elements = sum(p.numel() for p in network.parameters())
         self.model, self.optimizer = self.synchroniser.wrap(
             network, self.hook_context, ddp_options,
             optimizer_spec(config.optimizer, config.lr, config.momentum, config.weight_decay))
         self.lr = config.lr
         cast = self.synchroniser.input_dtype  # an engine's model in bf16: float inputs in bf16 too
-        self.inputs = tuple(t.to(self.device, dtype=cast if cast and t.is_floating_point() else t.dtype)
+        self.inputs = tuple(t.to(self.device,
+                                 dtype=cast if cast and t.is_floating_point() else t.dtype)
                             for t in inputs)
         self.targets = targets.to(self.device)
         self.batch_size = config.batch_size
         self.epochs = config.epochs
         self.iterations_per_epoch = len(targets) // config.batch_size
         self._compute_copy: nn.Module | None = None  # --limits: the model outside DDP, made once
-        self.entry, self.seed = model, config.torch_seed  # --limits builds the compute-only copy from them
+        # --limits builds the compute-only copy from them
+        self.entry, self.seed = model, config.torch_seed
 
     def ready(self) -> int:
         return self.iterations_per_epoch * self.epochs
@@ -138,15 +149,18 @@ class DdpTrainer(FloorProbes, Resident):
         ctx.comm.drain()
         iterations = self.iterations_per_epoch * self.epochs
         checked = verified_steps(iterations) if verify else set()
-        traced = set(range(1, 1 + PROFILED_ITERATIONS)) & set(range(iterations)) if profile_path else set()
+        traced = (set(range(1, 1 + PROFILED_ITERATIONS)) & set(range(iterations)) if profile_path
+                  else set())
         last = iterations - 1
-        # iterations that capture, trace or note the bucket sizes (a --target-loss round may end early)
+        # iterations that capture, trace or note the bucket sizes (a --target-loss round may end
+        # early)
         special = checked | traced | {last} | ({min(1, last)} if self.convergence else set())
         profiler = None
         # What every iteration pays on top of training: four clock reads, two byte-counter reads
         # and one append. Everything else waits for the end of the round
         # (benchmarks/timer_overhead.py measures it).
-        records: list[tuple] = []  # per iteration: four clock readings, bytes sent and received so far
+        # per iteration: four clock readings, bytes sent and received so far
+        records: list[tuple] = []
         losses: list[torch.Tensor] = []
         record, append_loss = records.append, losses.append
         sent_before, recv_before = wire.sent, wire.recv
@@ -154,10 +168,13 @@ class DdpTrainer(FloorProbes, Resident):
         if ctx.ready_events is not None:
             ctx.ready_events.clear()
         clock, stop = timer.clock, timer.stop
-        model, loss_fn, optimizer, inputs, targets = self.model, self.loss_fn, self.optimizer, self.inputs, self.targets
-        per_epoch, batch_size, fault, iteration = self.iterations_per_epoch, self.batch_size, self.fault, self.iteration
+        model, loss_fn, optimizer, inputs, targets = (
+            self.model, self.loss_fn, self.optimizer, self.inputs, self.targets)
+        per_epoch, batch_size, fault, iteration = (
+            self.iterations_per_epoch, self.batch_size, self.fault, self.iteration)
         convergence, straggling, sleep = self.convergence, self.straggling, time.sleep
-        after_step, note_synchronised = self.synchroniser.after_step, self.synchroniser.note_synchronised
+        after_step, note_synchronised = (
+            self.synchroniser.after_step, self.synchroniser.note_synchronised)
         backward = self.synchroniser.backward
         if convergence is not None and convergence.stopped:
             return self.empty_round()
@@ -197,7 +214,8 @@ class DdpTrainer(FloorProbes, Resident):
                 if profiler is not None and step == max(traced):
                     profiler = finish_profile(profiler, profile_path)
         else:
-            if convergence is not None:  # where the round left the model, on the next round's first batch
+            # where the round left the model, on the next round's first batch
+            if convergence is not None:
                 convergence.check(iteration, [t[:batch_size] for t in inputs], targets[:batch_size])
         if profiler is not None:  # a --target-loss round that stopped amid the traced iterations
             finish_profile(profiler, profile_path)
@@ -209,21 +227,27 @@ class DdpTrainer(FloorProbes, Resident):
         readings = [record[:4] for record in records]
         phases = timer.phases(readings)
         moved = np.diff([(sent_before, recv_before)] + [record[4:] for record in records], axis=0)
-        intervals, first_iteration, untimed = ctx.comm.drain(), iteration - iterations + 1, checked | traced
-        # comm: while a bucket's hook or any collective was open (FSDP2, ZeRO and DeepSpeed have no hook)
-        timings = [timing for timing in wire.take_timings() if timing[0] - first_iteration not in untimed]
+        intervals, first_iteration, untimed = (
+            ctx.comm.drain(), iteration - iterations + 1, checked | traced)
+        # comm: while a bucket's hook or any collective was open (FSDP2, ZeRO and DeepSpeed have no
+        # hook)
+        timings = [timing for timing in wire.take_timings()
+                   if timing[0] - first_iteration not in untimed]
         opened = sorted(intervals + [timing[:3] for timing in timings]) if timings else intervals
-        samples = self.round_samples(phases, moved, covered_ms(opened), first_iteration, untimed=untimed)
+        samples = self.round_samples(phases, moved, covered_ms(opened), first_iteration,
+                                     untimed=untimed)
         # when each bucket became ready and was done, after backward began, in the round's last
         # timed iterations: on the CPU's clock, or on a GPU the device's (CUDA events)
         timeline = {}
         steps = [step for step in range(iterations) if step not in untimed][-TIMELINE_ITERATIONS:]
         if steps and not timer.cuda:
             tail = intervals[bisect.bisect_left(intervals, (first_iteration + steps[0],)):]
-            timeline = bucket_offsets(tail, {first_iteration + step: readings[step][1] for step in steps})
+            timeline = bucket_offsets(tail, {first_iteration + step: readings[step][1]
+                                             for step in steps})
         elif steps and ctx.ready_events:
-            timeline = cuda_bucket_offsets(ctx.ready_events, {first_iteration + step: readings[step][1:3]
-                                                              for step in steps})
+            timeline = cuda_bucket_offsets(ctx.ready_events,
+                                           {first_iteration + step: readings[step][1:3]
+                                            for step in steps})
         return {
             "samples": samples,
             "iterations": iterations,
@@ -237,22 +261,26 @@ class DdpTrainer(FloorProbes, Resident):
                if hasattr(self.synchroniser, "engine_counts") else {}),
             "memory": peak_memory(self.device),
             "timeline": timeline,
-            "collectives": {kind: sum(covered_ms([timing[:3] for timing in timings if timing[3] == kind]).values())
-                            for kind in sorted({timing[3] for timing in timings})},  # ms in the timed iterations
+            # ms in the timed iterations
+            "collectives": {kind: sum(covered_ms([timing[:3] for timing in timings
+                                                  if timing[3] == kind]).values())
+                            for kind in sorted({timing[3] for timing in timings})},
             "host_traffic": [[source, destination, nbytes] for (source, destination), nbytes
                              in sorted(wire.take_crossing().items())],
-            **({"convergence": convergence.take(phases.sum(axis=1).tolist())} if convergence is not None else {}),
+            **({"convergence": convergence.take(phases.sum(axis=1).tolist())}
+               if convergence is not None else {}),
         }
 
     def empty_round(self) -> dict:
         """A round that ran no iteration: training had stopped (``--target-loss``)."""
-        return {"samples": {}, "iterations": 0, "samples_processed": 0, "bytes_sent": 0, "bytes_recv": 0,
-                "losses": [], "verified_iterations": 0, "grad_errors": [], "memory": peak_memory(self.device),
-                "timeline": {}, "convergence": self.convergence.take([])}
+        return {"samples": {}, "iterations": 0, "samples_processed": 0, "bytes_sent": 0,
+                "bytes_recv": 0, "losses": [], "verified_iterations": 0, "grad_errors": [],
+                "memory": peak_memory(self.device), "timeline": {},
+                "convergence": self.convergence.take([])}
 
     @staticmethod
-    def round_samples(phases: np.ndarray, moved: np.ndarray, comm: dict[int, float], first_iteration: int,
-                      untimed: set[int]) -> dict[str, list]:
+    def round_samples(phases: np.ndarray, moved: np.ndarray, comm: dict[int, float],
+                      first_iteration: int, untimed: set[int]) -> dict[str, list]:
         """A round's per-iteration samples from what its loop recorded: ``phases`` (forward,
         backward, optimizer ms per iteration), ``moved`` (bytes sent and received per iteration)
         and ``comm`` (iteration -> ms during which a bucket's communication was open). Bytes
@@ -284,7 +312,8 @@ class DdpTrainer(FloorProbes, Resident):
                 dist.all_reduce(exact, group=ctx.process_group)
                 exact /= ctx.process_group.size()
                 delivered = capture.delivered
-                delivered = (delivered.to_dense() if delivered.is_sparse else delivered).double().to(exact.device)
+                delivered = (delivered.to_dense() if delivered.is_sparse
+                             else delivered).double().to(exact.device)
                 scale = exact.norm().item()
                 difference = (delivered - exact).norm().item()
                 errors.append(difference / scale if scale > 0 else difference)

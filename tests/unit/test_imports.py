@@ -167,3 +167,9 @@ def test_every_module_imports_alone():
     done = subprocess.run([sys.executable, "-c", probe], cwd=PACKAGE.parent, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+def test_lines_of_the_package_are_at_most_100_characters():
+    long = [f"{name}:{number}" for name, path in MODULES.items()
+            for number, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 100]
+    assert long == []
