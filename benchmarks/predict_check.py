@@ -84,6 +84,8 @@ HOSTS = [
     Point("ps", 4, 2, per_host=2, servers_on="colocated"),
     Point("ps_node", 4, 2, per_host=2),  # a host's sum pushed once, each trainer a half
     Point("ps_node", 4, 2, per_host=2, servers_on="colocated"),
+    Point("ps_node", 4, 4, per_host=2),  # more servers than trainers a host: the pieces spread
+    Point("ps_node", 4, 4, per_host=2, servers_on="colocated"),
 ]
 
 
@@ -109,7 +111,7 @@ def run_point(out: Path, link: str, point: Point) -> Path:
 def predict_args(case: str) -> list[str]:
     if case == "flat":
         return ["--trainers", ",".join(map(str, TRAINERS)), "--servers", "1,2", "--hooks", "allreduce,fp16,ps"]
-    return ["--trainers", "4", "--per-node", "2", "--servers", "1,2", "--servers-on", "dedicated,colocated",
+    return ["--trainers", "4", "--per-node", "2", "--servers", "1,2,4", "--servers-on", "dedicated,colocated",
             "--hooks", "allreduce,hierarchical,ps,ps_node"]
 
 

@@ -12,9 +12,10 @@ by a board's GPUs, its PCIe switches, the framework's copies) are measured there
 them is communication between nodes. ``bench.py predict --compute-ms`` is run as a user runs
 it, and its predicted throughput is compared with the measured one.
 
-No number is set per case: every case reads ``DEFAULTS`` (the links' achievable fraction of
-their line rate, the latency per message, the compute split, the local link of a node whose
-GPUs share PCIe). What a case says of its own setup (its network's line rate, GPUs per node,
+No number is set per case: every case reads ``DEFAULTS`` (the compute split, the local link of a
+node whose GPUs share PCIe), and predict's own defaults for each kind of link (the share of the
+line rate a transfer achieves, the latency per message: ``bench.py predict --help``). What a case
+says of its own setup (its network's line rate and kind, GPUs per node and how they are linked,
 the strategy it ran, the fusion buffer it used) is from its source.
 
 Prints every point (predicted and measured images/s, the error, the measured scaling efficiency
@@ -41,11 +42,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # One set of defaults for every case (docs/predict.md, "Checked against published measurements").
 DEFAULTS = {
-    # A TCP stream reaches this fraction of an Ethernet link's line rate (headers, the kernel's
-    # copies); the same fraction of PCIe's for a node's local link.
-    "achievable": 0.8,
-    # Per message step of a collective or a push (TCP over Ethernet, through the kernel).
-    "latency_us": 50.0,
     # The 1-GPU batch time split: backward twice forward (each layer's backward computes the
     # gradients of its input and of its weights, each as costly as its forward), the optimizer
     # step inside them (SGD: one pass over the parameters, under 1 % of a CNN's batch).
@@ -65,13 +61,21 @@ class Case:
     link_gbit: float  # the network's line rate, each way
     hook: str  # the ps_bench strategy that does what the system did
     measured: dict[int, float] = field(default_factory=dict)  # GPUs -> images/s; 1: the single-GPU baseline
-    servers_on: str | None = None  # parameter servers: "colocated", one on each node
+    # parameter servers: "colocated", one on each node; "dedicated", on as many machines of
+    # their own as there are nodes
+    servers_on: str | None = None
     bucket_cap_mb: float = 25.0  # what the system fused gradients into (DDP: 25 MB)
     setup: str = ""
     # the same instance's throughput on all per_node GPUs with no network, from the source's
     # single-node table (img/s; None: the source has none): the compute ps_bench is given
     node: float | None = None
     node_source: str = ""
+    intra_gbit: float | None = None  # a node's local link, each way, where the source names it
+    # cases of one cluster, model and GPU count ran side by side: the faster is that point's winner
+    cluster: str = ""
+    unit: str = "images/s"
+    link_kind: str = "ethernet"  # the network: ethernet (TCP), roce or infiniband (RDMA)
+    intra_kind: str = "pcie"  # a node's local link: pcie or nvlink
 
     def t1_ms(self) -> float:
         """The batch time ps_bench is given: per GPU of a full node where the source measured
@@ -103,6 +107,25 @@ HOROVOD_TABLES = [
 ]
 SHORT = {"vgg16": "vgg16", "resnet101": "resnet101", "inception_v3": "inception3"}
 
+DLPERF = ("OneFlow DLPerf benchmark report v1, 'BERT base pretrain' FP32 table, batch size 32 per device "
+          "(github.com/Oneflow-Inc/DLPerf, reports/dlperf_benchmark_test_report_v1.md, commit 9c9d9e2, "
+          "2020-11-03), {column} column")
+DLPERF_SETUP = ("4 nodes of 8 V100-SXM2-16GB (NVLink 2.0: 6 links of 25 GB/s a GPU), InfiniBand 100 Gb/s (4X EDR), "
+                "one NIC a node; BERT-base, sequence 128, fp32, no gradient accumulation; {system}")
+DLPERF_NODE = "the same table, its 1-node 8-GPU row (no network)"
+NVLINK_V100_GBIT = 6 * 25 * 8  # NVLink 2.0 on a V100-SXM2: 6 links of 25 GB/s each way
+BYTEPS = ("BytePS docs/performance.md, 'NVLink + TCP' (github.com/bytedance/byteps, commit cc77f49, 2019-11-15): "
+          "the bar charts docs/images/perf_tcp_{model}.png (commit d72cfd4), read off the image to the pixel "
+          "(about 1 % of the axis); the text prints the 64-GPU gains, 44 % for ResNet-50 and 100 % for VGG-16")
+BYTEPS_SETUP = ("cloud VMs of 8 V100 16GB with NVLink, 20 Gbit/s TCP/IP between them, batch 64 per GPU, fp32; "
+                "{system}")
+BYTEPS_NODE = "the same chart, 8 GPUs (one VM, no network), the faster of the two systems"
+# GPUs -> images/s read off BytePS's charts (docs/images/perf_tcp_*.png): (Horovod, BytePS)
+BYTEPS_CHARTS = {
+    "resnet50": {8: (2409, 2546), 16: (3909, 4727), 32: (7591, 8818), 64: (11408, 16590)},
+    "vgg16": {8: (1618, 1727), 16: (1564, 2436), 32: (2055, 4182), 64: (3309, 6636)},
+}
+
 CASES = [
     Case(f"horovod-{link:g}g-{SHORT[model]}", source, model, 64, 4, link, "allreduce", {1: one, gpus: many},
          bucket_cap_mb=64.0, setup=f"{HOROVOD_SETUP}, {network}")
@@ -117,27 +140,70 @@ CASES = [
     Case("tf-k80-inception3", TF_K80, "inception_v3", 64, 8, 10.0, "ps_node",
          {1: 29.7, 8: 229, 16: 459, 32: 902}, servers_on="colocated", node=230, node_source=TF_K80_NODE,
          setup=TF_SETUP + " (at 64 GPUs it ran 6 servers on 8 instances: not a layout ps_bench predicts)"),
+    # NVIDIA's BERT in PyTorch wraps the model in apex's DDP with message_size=250000000 elements
+    # (run_pretraining.py at DeepLearningExamples 5cc03ca, the commit DLPerf ran): every gradient
+    # in one bucket, all-reduced once backward is over
+    Case("dlperf-pytorch-bert", DLPERF.format(column="NGC PyTorch"), "hf:bert-base", 32, 8, 100.0, "allreduce",
+         {1: 119.60, 8: 921.32, 16: 1499.40, 32: 2885.81}, bucket_cap_mb=250e6 * 4 / 2 ** 20,
+         setup=DLPERF_SETUP.format(system="NGC PyTorch 20.03, apex DDP (message_size 250,000,000), NCCL 2.5.6"),
+         node=921.32, node_source=DLPERF_NODE, intra_gbit=NVLINK_V100_GBIT, unit="sentences/s",
+         link_kind="infiniband", intra_kind="nvlink"),
+    Case("dlperf-tensorflow-bert", DLPERF.format(column="NGC TensorFlow 1.x"), "hf:bert-base", 32, 8, 100.0,
+         "allreduce", {1: 107.33, 8: 790.03, 16: 1404.04, 32: 2727.90}, bucket_cap_mb=64.0,
+         setup=DLPERF_SETUP.format(system="NGC TensorFlow 20.03, Horovod 0.19.0 (Tensor Fusion, 64 MB)"),
+         node=790.03, node_source=DLPERF_NODE, intra_gbit=NVLINK_V100_GBIT, unit="sentences/s",
+         link_kind="infiniband", intra_kind="nvlink"),
+] + [
+    Case(f"byteps-20g-{model}-{system}", BYTEPS.format(model=model), model, 64, 8, 20.0, hook,
+         {gpus: pair[index] for gpus, pair in BYTEPS_CHARTS[model].items()}, servers_on=place,
+         bucket_cap_mb=64.0 if hook == "allreduce" else 25.0,
+         setup=BYTEPS_SETUP.format(system=system_setup), node=max(BYTEPS_CHARTS[model][8]),
+         node_source=BYTEPS_NODE, intra_gbit=NVLINK_V100_GBIT, cluster=f"byteps-20g-{model}",
+         intra_kind="nvlink")
+    for model in BYTEPS_CHARTS
+    for index, (system, hook, place, system_setup) in enumerate((
+        ("horovod", "allreduce", None, "Horovod with NCCL (Tensor Fusion, 64 MB)"),
+        ("byteps", "ps_node", "dedicated", "BytePS, its servers on as many CPU machines as GPU machines (not "
+                                            "stated for this chart: BytePS's best practice asks for the servers' "
+                                            "bandwidth to match the workers', and its OSDI artifact runs as many "
+                                            "CPU machines as GPU machines)")))
 ]
 
 
-def predict_case(case: Case, scratch: Path) -> list[dict]:
-    """``bench.py predict`` for the case's GPU counts, as a user would run it; its rows by GPUs."""
+def predict_command(case: Case, nodes: list[int], out: Path, servers: int | None = None) -> list[str]:
+    """``bench.py predict`` for the case at these node counts, as a user would run it: each
+    link's line rate and kind. Dedicated servers on one node: none (BytePS on one machine sums
+    its GPUs' gradients and uses no server), so the node's own link alone."""
     t1 = case.t1_ms()
     forward = t1 * DEFAULTS["forward_share"]
-    nodes = sorted({gpus // case.per_node for gpus in case.measured if gpus > 1})
-    out = scratch / f"{case.name}.json"
+    intra = case.intra_gbit or DEFAULTS["pcie_gbit"]
     command = [sys.executable, str(ROOT / "bench.py"), "predict", "--model", case.model, "--batch-size", str(case.batch),
                "--compute-ms", f"forward={forward:.3f},backward={t1 - forward:.3f},optimizer=0",
-               "--link", f"{case.link_gbit * DEFAULTS['achievable']:g}gbit", "--latency", f"{DEFAULTS['latency_us']:g}us",
-               "--per-node", str(case.per_node), "--intra-link", f"{DEFAULTS['pcie_gbit'] * DEFAULTS['achievable']:g}gbit",
+               "--link", f"{case.link_gbit:g}gbit", "--link-kind", case.link_kind,
+               "--per-node", str(case.per_node), "--intra-link", f"{intra:g}gbit", "--intra-link-kind", case.intra_kind,
                "--nodes", ",".join(map(str, nodes)), "--hooks", case.hook, "--bucket-cap-mb", f"{case.bucket_cap_mb:g}",
                "--out", str(out)]
-    if case.servers_on:
-        command += ["--servers-on", case.servers_on]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    if done.returncode != 0:
-        raise SystemExit(f"{case.name}: bench.py predict failed: {done.stderr.strip() or done.stdout.strip()}")
-    predictions = json.loads(out.read_text())["predictions"]
+    if case.servers_on == "colocated" or (case.servers_on == "dedicated" and nodes == [1]):
+        command += ["--servers-on", "colocated"]
+    elif servers is not None:
+        command += ["--servers", str(servers)]
+    return command
+
+
+def predict_case(case: Case, scratch: Path) -> list[dict]:
+    """The case's GPU counts predicted, as a user would ask: its rows by GPUs (dedicated servers:
+    one prediction per node count, with as many servers as nodes)."""
+    t1 = case.t1_ms()
+    nodes = sorted({gpus // case.per_node for gpus in case.measured if gpus > 1})
+    runs = [(nodes, None)] if case.servers_on != "dedicated" else [([n], n) for n in nodes]
+    predictions = []
+    for index, (counts, servers) in enumerate(runs):
+        out = scratch / f"{case.name}-{index}.json"
+        done = subprocess.run(predict_command(case, counts, out, servers), capture_output=True, text=True, cwd=ROOT)
+        if done.returncode != 0:
+            raise SystemExit(f"{case.name}: bench.py predict failed: {done.stderr.strip() or done.stdout.strip()}")
+        predictions += json.loads(out.read_text())["predictions"]
+    per_gpu = case.node / case.per_node if case.node else case.measured[1]
     rows = []
     for row in predictions:
         gpus = row["trainers"]
@@ -146,10 +212,31 @@ def predict_case(case: Case, scratch: Path) -> list[dict]:
         rows.append({"case": case.name, "model": case.model, "gpus": gpus, "nodes": row["nodes"],
                      "measured": measured, "predicted": predicted,
                      "error_pct": (predicted - measured) / measured * 100.0,
-                     "efficiency": measured / (gpus * case.measured[1]),
+                     "efficiency": measured / (gpus * per_gpu),
                      "communication_share": 1.0 - t1 / row["batch_ms"],
-                     "given": f"{case.per_node}-GPU node" if case.node else "1 GPU", "given_ms": t1})
+                     "given": f"{case.per_node}-GPU node" if case.node else "1 GPU", "given_ms": t1,
+                     "cluster": case.cluster, "strategy": case.hook})
     return rows
+
+
+def winners(rows: list[dict]) -> list[dict]:
+    """Each point where two systems ran on one cluster: the measured and the predicted winner,
+    and the measured gap (the winner's throughput over the other's, less 1)."""
+    points: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row["cluster"]:
+            points.setdefault((row["cluster"], row["gpus"]), []).append(row)
+    out = []
+    for (cluster, gpus), members in sorted(points.items()):
+        if len(members) < 2:
+            continue
+        measured = max(members, key=lambda row: row["measured"])
+        predicted = max(members, key=lambda row: row["predicted"])
+        runner_up = max((row for row in members if row is not measured), key=lambda row: row["measured"])
+        out.append({"cluster": cluster, "gpus": gpus, "measured_winner": measured["strategy"],
+                    "predicted_winner": predicted["strategy"],
+                    "gap_pct": (measured["measured"] / runner_up["measured"] - 1.0) * 100.0})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,9 +264,20 @@ def main(argv: list[str] | None = None) -> int:
                    headers=["case", "GPUs", "nodes", "measured img/s", "predicted img/s", "error", "measured efficiency",
                             "predicted comm. share", "compute given"], tablefmt="github"))
     errors = [abs(row["error_pct"]) for row in rows]
-    print(f"\n{len(rows)} points: median |error| {statistics.median(errors):.1f} %, largest {max(errors):.1f} %")
+    tables = len({case.source for case in cases})
+    print(f"\n{len(rows)} points from {tables} tables: median |error| {statistics.median(errors):.1f} %, "
+          f"largest {max(errors):.1f} %")
+    compared = winners(rows)
+    if compared:
+        print("\nwhere two systems ran on one cluster, the measured and the predicted winner:")
+        print(tabulate([[w["cluster"], w["gpus"], w["measured_winner"], f"{w['gap_pct']:.0f} %",
+                         w["predicted_winner"], "yes" if w["measured_winner"] == w["predicted_winner"] else "NO"]
+                        for w in compared],
+                       headers=["cluster", "GPUs", "measured winner", "by", "predicted winner", "same"],
+                       tablefmt="github"))
     if args.out:
-        Path(args.out).write_text(json.dumps({"defaults": DEFAULTS, "points": rows}, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps({"defaults": DEFAULTS, "points": rows, "winners": compared},
+                                             indent=2) + "\n")
     return 0
 
 

@@ -72,7 +72,8 @@ class RunConfig:
         "host)", group=TOPOLOGY, metavar="G")
     servers_on: str = option(
         "dedicated", "where an emulated network places the parameter servers: dedicated (a host of "
-        "their own) or colocated (server k on trainer host k, one per host, as BytePS places them)",
+        "their own) or colocated (server k on trainer host k mod the hosts, as many on each, as "
+        "BytePS places them)",
         group=TOPOLOGY, choices=("dedicated", "colocated"))
     hook: str = option("ps", "DDP communication hook (gradient strategy)", group=STRATEGY,
                        aliases=("ddp_hook",))

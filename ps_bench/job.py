@@ -176,9 +176,10 @@ def check_pieces(cfg: RunConfig) -> Strategy:
                                            "hosts of an emulated network: set --emulate-link "
                                            "(bench.py emulate); on real hosts the launcher places "
                                            "every rank")
-        need(cfg.num_servers == hosts, f"--servers-on colocated puts one server on each trainer "
-                                       f"host: this job has {hosts} trainer host(s), so --nserver "
-                                       f"{hosts}; got {cfg.num_servers}")
+        need(cfg.num_servers >= hosts and cfg.num_servers % hosts == 0,
+             f"--servers-on colocated puts as many servers on each trainer host: this job has "
+             f"{hosts} trainer host(s), so --nserver {hosts} or a multiple of it; got "
+             f"{cfg.num_servers}")
     if record.per_host:
         hosts = cfg.num_trainers // cfg.per_host if cfg.per_host else 1
         need(hosts >= 2, f"--hook {cfg.hook} synchronises within each host, then across hosts: it "

@@ -31,7 +31,6 @@ p50, is what communication adds to an iteration, and ``exposed_value`` is the fl
 
 from __future__ import annotations
 
-import math
 import statistics
 
 import numpy as np
@@ -41,6 +40,7 @@ import torch.distributed.rpc as rpc
 
 from ps_bench.metrics import costs
 from ps_bench.metrics.costs import busbw_gbps
+from ps_bench.metrics.messages import DTYPES
 from ps_bench.metrics.timers import now_ms
 from ps_bench.runtime.resident import Resident
 
@@ -55,8 +55,6 @@ FLOOR_MIN_TIMED = 3
 SLOW_REPETITION_MS = 100.0
 MEMCPY_ITERATIONS = 20
 LINK_SIZES = (4 * 1024, 1024 * 1024, 16 * 1024 * 1024)  # bytes of the link probe's messages
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 # -- pure arithmetic ---------------------------------------------------------------------------
@@ -70,75 +68,6 @@ def efficiency(floor_ms: float | None, cost_ms: float | None) -> float | None:
     if floor_ms is None or cost_ms is None or cost_ms <= 0:
         return None
     return floor_ms / cost_ms
-
-
-def low_rank_factors(shapes: list[list[int]], rank: int,
-                     min_compression_rate: float) -> tuple[int, int, int]:
-    """Elements torch's per-tensor PowerSGD all-reduces for one bucket: the tensors not worth
-    compressing (1-D ones, and matrices where ``(n + m) · r · rate >= n · m``, as its
-    ``_should_compress`` decides), every P (``n × r``) and every Q (``m × r``), with each gradient
-    viewed as ``shape[0] × rest`` and ``r = min(rank, n, m)``."""
-    uncompressed = p_elements = q_elements = 0
-    for shape in shapes:
-        elements = 1
-        for size in shape:
-            elements *= size
-        if len(shape) <= 1:
-            uncompressed += elements
-            continue
-        rows, cols = shape[0], elements // shape[0] if shape[0] else 0
-        r = min(rank, rows, cols)
-        if (rows + cols) * r * min_compression_rate < rows * cols:
-            p_elements, q_elements = p_elements + rows * r, q_elements + cols * r
-        else:
-            uncompressed += elements
-    return uncompressed, p_elements, q_elements
-
-
-def batched_low_rank_factors(elements: int, rank: int,
-                             min_compression_rate: float) -> tuple[int, int, int]:
-    """Elements torch's batched PowerSGD all-reduces for one bucket of ``elements``: the bucket as
-    one square matrix of side ``ceil(sqrt(elements))``, P and Q of ``side × rank`` each; the whole
-    bucket, uncompressed, where that does not save ``min_compression_rate`` times."""
-    side = math.isqrt(elements - 1) + 1 if elements > 0 else 0
-    if 2 * side * rank * min_compression_rate < side * side:
-        return 0, side * rank, side * rank
-    return elements, 0, 0
-
-
-def floor_messages(strategy, buckets: list[dict], options: dict,
-                   slices: int = 1) -> dict[int, list[tuple[int, str]]]:
-    """What ``strategy`` (a ``Strategy`` record) puts on the wire for each of ``buckets`` (rows of
-    ``DdpTrainer.bucket_layout``: index, bytes, sparse, shapes), as ``(elements, dtype)``
-    messages in the order it sends them; ``options`` are the hook's options, defaults included;
-    ``slices``: each trainer sends its ``1/slices`` of each bucket (node-aggregated servers: a
-    host's G trainers push a slice each of the host's sum). Sparse buckets go as they are
-    (float32 at their size)."""
-    messages: dict[int, list[tuple[int, str]]] = {}
-    for bucket in buckets:
-        elements = -(-(bucket["bytes"] // 4) // slices)
-        if strategy.transport is None:
-            messages[bucket["index"]] = []
-        elif bucket["sparse"] or strategy.payload == "float32":
-            messages[bucket["index"]] = [(elements, "float32")]
-        elif strategy.payload in ("float16", "bfloat16"):
-            messages[bucket["index"]] = [(elements, strategy.payload)]
-        else:  # low-rank factors
-            rank, rate = options["matrix_approximation_rank"], options["min_compression_rate"]
-            parts = (low_rank_factors(bucket["shapes"], rank, rate) if strategy.factors == "tensor"
-                     else batched_low_rank_factors(elements, rank, rate))
-            messages[bucket["index"]] = [(count, "float32") for count in parts if count]
-    return messages
-
-
-def wire_dtype(payload: str) -> str:
-    """The dtype a payload's collectives move: its own where it is one, else float32."""
-    return payload if payload in ELEMENT_BYTES else "float32"
-
-
-def message_bytes(messages: dict[int, list[tuple[int, str]]]) -> int:
-    return sum(count * ELEMENT_BYTES[dtype]
-               for parts in messages.values() for count, dtype in parts)
 
 
 def link_terms(method: str, peers: int) -> tuple[float, float]:
@@ -208,17 +137,19 @@ def affordable(repeat: int, first_ms: float) -> tuple[int, int]:
 
 # -- the server side of the RPC floor ----------------------------------------------------------
 class RpcFloorTarget(Resident):
-    """Lives on a parameter server: one preallocated buffer per bucket (``messages``: bucket index
-    -> its ``(elements, dtype)`` messages, of which an RPC floor sends one per bucket), nothing
-    else."""
+    """Lives on a parameter server: one preallocated buffer per message (``messages``: bucket
+    index -> its ``(elements, dtype)`` messages, each sent on its own: a piece, or the bucket
+    whole), nothing else."""
 
     def __init__(self, messages: dict[int, list[tuple[int, str]]]) -> None:
-        self.buffers = {index: torch.zeros(parts[0][0], dtype=DTYPES[parts[0][1]])
-                        for index, parts in messages.items() if parts}
+        self.buffers = {(index, place): torch.zeros(count, dtype=DTYPES[dtype])
+                        for index, parts in messages.items()
+                        for place, (count, dtype) in enumerate(parts)}
 
     @staticmethod
-    def add_and_answer(target: rpc.RRef, bucket_index: int, tensor: torch.Tensor) -> torch.Tensor:
-        buffer = target.local_value().buffers[bucket_index]
+    def add_and_answer(target: rpc.RRef, key: tuple[int, int],
+                       tensor: torch.Tensor) -> torch.Tensor:
+        buffer = target.local_value().buffers[key]
         buffer.add_(tensor)  # trainers race on it: the floor's numbers are never used
         return buffer
 
@@ -253,13 +184,13 @@ def _timed(repeat: int, once, sync, agree=slowest(None)) -> list[float]:
     return samples
 
 
-def rpc_floor_ms(messages: dict[int, list[tuple[int, str]]], owners: dict[int, rpc.RRef],
-                 group: dist.ProcessGroup, device: torch.device,
-                 repeat: int = FLOOR_ITERATIONS) -> list[float]:
-    """Round trips of every bucket's message to its owner's floor target, all sent at once, per
-    iteration."""
-    tensors = {index: torch.ones(parts[0][0], dtype=DTYPES[parts[0][1]])
-               for index, parts in messages.items() if parts}
+def rpc_floor_ms(messages: dict[int, list[tuple[int, str]]],
+                 owners: dict[tuple[int, int], rpc.RRef], group: dist.ProcessGroup,
+                 device: torch.device, repeat: int = FLOOR_ITERATIONS) -> list[float]:
+    """Round trips of every message (``(bucket index, place)``: a piece, or a bucket whole) to its
+    owner's floor target, all sent at once, per iteration."""
+    tensors = {(index, place): torch.ones(count, dtype=DTYPES[dtype])
+               for index, parts in messages.items() for place, (count, dtype) in enumerate(parts)}
 
     def once() -> None:
         futures = [rpc.rpc_async(owners[i].owner(), RpcFloorTarget.add_and_answer,

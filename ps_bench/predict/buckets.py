@@ -5,11 +5,11 @@ low-rank factors), on a calibration's buckets and links."""
 from __future__ import annotations
 
 from ps_bench.metrics import costs
-from ps_bench.metrics.limits import ELEMENT_BYTES
+from ps_bench.metrics.messages import ELEMENT_BYTES, piece_elements
 from ps_bench.predict import pipelines
 from ps_bench.predict.calibration import Calibration
 from ps_bench.strategies import (COLLECTIVE_BUCKETS, HOST_SERVER_BUCKETS, LOW_RANK_BUCKETS,
-                                 SERVER_BUCKETS, SPARSE_SERVERS, Strategy)
+                                 SERVER_BUCKETS, SPARSE_SERVERS, Strategy, hook_options)
 
 
 def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n: int, k: int,
@@ -73,28 +73,42 @@ def server_bytes(calibration: Calibration, strategy: Strategy) -> list[tuple[flo
             for ready, nbytes, sparse in calibration.buckets]
 
 
+def piece_bytes(strategy: Strategy, hook: str) -> float | None:
+    """The bytes on the wire of a piece the strategy cuts what it pushes into (its
+    ``partition_mb`` default, of the float32 gradient); None: it sends buckets whole."""
+    piece = piece_elements(hook_options(hook, {}))
+    return None if piece is None else piece * ELEMENT_BYTES["float32"] * wire_factor(strategy)
+
+
+def piece_window(hook: str) -> int:
+    """Pieces a trainer keeps in flight (its ``window`` default; 0: no bound)."""
+    return int(hook_options(hook, {}).get("window", 0))
+
+
 def servers_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes,
                 k: int, mapping: str, servers_on: str) -> float | None:
-    """Every trainer pushes each bucket to its server: ``k`` dedicated ones, or one on each node."""
-    sized = server_bytes(calibration, strategy)
-    if servers_on == "colocated":
-        return pipelines.colocated_ps_pipeline(sized, nodes, calibration.aggregate_bytes_per_ms)
+    """Every trainer pushes each bucket, in pieces, to the servers: ``k`` dedicated ones, or
+    ``k`` spread over the nodes (colocated)."""
     if k < 1:
         return None
-    return pipelines.ps_pipeline(sized, nodes.trainers, k, calibration.link, mapping,
+    pieces = pipelines.server_pieces(server_bytes(calibration, strategy), k,
+                                     piece_bytes(strategy, hook))
+    if servers_on == "colocated":
+        return pipelines.colocated_ps_pipeline(pieces, nodes, calibration.aggregate_bytes_per_ms,
+                                               piece_window(hook))
+    return pipelines.ps_pipeline(pieces, nodes.trainers, k, calibration.link, mapping,
                                  calibration.aggregate_bytes_per_ms, nodes.per_node)
 
 
 def host_servers_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes,
                      k: int, mapping: str, servers_on: str) -> float | None:
-    """Each bucket summed within the node, one push per node: each trainer a slice."""
-    colocated = servers_on == "colocated"
-    if not colocated and k < 1:
+    """Each bucket summed within the node, one push per node: each trainer a slice, in pieces."""
+    if k < 1:
         return None
-    return pipelines.node_ps_pipeline(server_bytes(calibration, strategy), nodes,
-                                      nodes.count if colocated else k,
-                                      calibration.aggregate_bytes_per_ms, colocated,
-                                      calibration.gloo)
+    return pipelines.node_ps_pipeline(server_bytes(calibration, strategy), nodes, k,
+                                      calibration.aggregate_bytes_per_ms, servers_on == "colocated",
+                                      calibration.gloo, piece_bytes(strategy, hook),
+                                      piece_window(hook))
 
 
 # the pipeline each Strategy.cost.pipeline names

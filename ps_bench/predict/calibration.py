@@ -91,9 +91,19 @@ def own_terms(run: Run, calibration: Calibration) -> dict:
 
 
 def from_compute_ms(model: str, batch_size: int, phases: Phases, buckets: list[tuple[int, bool]],
-                    link: Link, link_from: str) -> Calibration:
-    """A calibration with no run: compute phases as given, the buckets' ready times spread over
-    backward in proportion to their bytes (``inputs.spread``)."""
-    return Calibration(model, batch_size, phases, spread(phases.backward, buckets), link, link_from,
-                       None, "--compute-ms: bucket-ready times spread over backward in proportion "
-                       "to their bytes", [])
+                    link: Link, link_from: str, shares: list[float] | None = None,
+                    shares_from: str = "") -> Calibration:
+    """A calibration with no run: compute phases as given; each bucket ready when backward has
+    done its ``shares`` (from the layers' FLOPs, ``inputs.backward_shares``), else its ready times
+    spread over backward in proportion to their bytes (``inputs.spread``)."""
+    if shares is not None:
+        ready = [(phases.backward * share, nbytes, sparse)
+                 for share, (nbytes, sparse) in zip(shares, buckets)]
+        ready.sort(key=lambda bucket: bucket[0])
+        how = (f"--compute-ms: each bucket ready when backward has done its layers' share "
+               f"({shares_from})")
+    else:
+        ready = spread(phases.backward, buckets)
+        how = ("--compute-ms: bucket-ready times spread over backward in proportion to their bytes"
+               + (f" ({shares_from})" if shares_from else ""))
+    return Calibration(model, batch_size, phases, ready, link, link_from, None, how, [])

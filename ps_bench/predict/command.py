@@ -12,8 +12,8 @@ from ps_bench.config import ConfigError
 from ps_bench.options import KeyValue
 from ps_bench.metrics import costs
 from ps_bench.predict import pipelines
-from ps_bench.predict.inputs import (count_list, model_buckets, parse_phases, parse_target_latency,
-                                     parse_target_rate)
+from ps_bench.predict.inputs import (LINK_KINDS, LOCAL_KINDS, NETWORK_KINDS, TargetLink, count_list,
+                                     model_buckets, parse_phases, parse_target_latency, target_link)
 from ps_bench.predict.calibration import Calibration, from_compute_ms
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.runs import Run
@@ -58,8 +58,8 @@ hierarchical (within, across, within), hsdp, parameter servers on hosts of their
 ps_bench/metrics/costs.py, the bucket pipelines in ps_bench/predict/pipelines.py.
 --compute RUN.json takes the compute phases and bucket timeline from a run on the device you
 will train on (e.g. --backend nccl --ntrainer 1 --nserver 0 --hook noop); --compute-ms needs no
-run: DDP's buckets for --model, their ready times spread over backward in proportion to their
-bytes.
+run: DDP's buckets for --model, each ready when backward has done the FLOPs of the layers after
+its parameters' (counted on the meta device over a batch of the model's own data).
 """
 
 
@@ -80,18 +80,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"and {', '.join(DEFAULT_HOOKS)})")
     parser.add_argument("--mapping", choices=("shard", "group"), default="shard",
                         help="how trainers' buckets map to servers (default: shard)")
-    parser.add_argument("--link", metavar="RATE", help="the target network's link, each way, e.g. "
-                        "25gbit, 100gbit (default: the link fitted to the runs' --limits)")
+    parser.add_argument("--link", metavar="RATE", help="the target network's line rate, each way, "
+                        "e.g. 25gbit, 100gbit; predict takes --link-kind's share of it (default: "
+                        "the link fitted to the runs' --limits)")
+    parser.add_argument("--link-kind", choices=NETWORK_KINDS, default="ethernet",
+                        help="what the network is, for its achievable share of the line rate and "
+                        "its latency per message: " + kinds(NETWORK_KINDS) + " (default: ethernet)")
+    parser.add_argument("--link-efficiency", type=float, metavar="F", help="the share of --link's "
+                        "line rate a transfer achieves, instead of --link-kind's")
     parser.add_argument("--latency", metavar="TIME", help="the target link's latency per message, "
-                        "e.g. 5us (default: the fitted one)")
+                        "e.g. 5us (default: --link-kind's, or the fitted one)")
     parser.add_argument("--per-node", type=int, default=1, metavar="G",
                         help="trainers (GPUs) per node, sharing its local link and one network "
                         "link (default: 1)")
     parser.add_argument("--nodes", metavar="N,...", help="node counts to predict: trainers = nodes "
                         "x --per-node (instead of --trainers)")
     parser.add_argument("--intra-link", metavar="RATE", help="a node's local link between its "
-                        "trainers, each way, e.g. 900gbit for NVLink, 200gbit for PCIe (default: "
-                        "fitted from a run whose trainers shared one host)")
+                        "trainers, its line rate each way, e.g. 1200gbit for a V100's NVLink, "
+                        "126gbit for PCIe 3.0 x16 (default: fitted from a run whose trainers "
+                        "shared one host)")
+    parser.add_argument("--intra-link-kind", choices=LOCAL_KINDS, default="pcie",
+                        help="what a node's local link is: " + kinds(LOCAL_KINDS) +
+                        " (default: pcie)")
+    parser.add_argument("--intra-link-efficiency", type=float, metavar="F", help="the share of "
+                        "--intra-link's line rate a transfer achieves, instead of its kind's")
     parser.add_argument("--servers-on", default="dedicated", metavar="WHERE,...",
                         help="parameter servers on hosts of their own (dedicated), one on each "
                         "node (colocated), or both: dedicated,colocated (default: dedicated)")
@@ -120,15 +132,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 PLACES = ("dedicated", "colocated")
 
 
+def kinds(names: tuple[str, ...]) -> str:
+    """Each kind of link with its defaults, for --help."""
+    return "; ".join(f"{name} {LINK_KINDS[name].efficiency:g} of the line, "
+                     f"{LINK_KINDS[name].latency_us:g} us" for name in names)
+
+
 @dataclass
 class Target:
     """What to predict for, from the command line alone."""
 
     trainers: list[int]
-    link_bps: float | None
+    link: TargetLink | None
     latency_s: float | None
     per_node: int
-    intra_bps: float | None
+    intra: TargetLink | None
     servers_on: list[str]
     compute_ms: dict[str, float] | None
 
@@ -145,10 +163,11 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
         if uneven:
             raise ConfigError(f"--per-node {args.per_node} does not divide --trainers {uneven[0]} "
                               f"into whole nodes; give --nodes N,... instead")
-    link_bps = parse_target_rate(args.link) if args.link is not None else None
+    link = (target_link("--link", args.link, args.link_kind, args.link_efficiency, args.latency)
+            if args.link is not None else None)
     latency_s = parse_target_latency(args.latency) if args.latency is not None else None
-    intra_bps = (parse_target_rate(args.intra_link, "--intra-link") if args.intra_link is not None
-                 else None)
+    intra = (target_link("--intra-link", args.intra_link, args.intra_link_kind,
+                         args.intra_link_efficiency, None) if args.intra_link is not None else None)
     if args.servers is not None:
         count_list(args.servers, "servers", allow_auto=True)
     places = [place.strip() for place in args.servers_on.split(",")]
@@ -170,34 +189,34 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
     elif not args.results:
         raise ConfigError("predict needs results files to calibrate on, or --compute-ms with "
                           "--model, --batch-size and --link")
-    return Target(trainers, link_bps, latency_s, args.per_node, intra_bps,
+    return Target(trainers, link, latency_s, args.per_node, intra,
                   list(dict.fromkeys(places)), compute_ms)
 
 
 def no_run_calibration(args: argparse.Namespace, target: Target) -> Calibration:
-    """``--compute-ms``: the phases given, DDP's buckets for the model built on the meta device."""
-    latency_us = target.latency_s * 1e6 if target.latency_s is not None else 0.0
+    """``--compute-ms``: the phases given, DDP's buckets for the model built on the meta device,
+    each ready when backward has done the FLOPs of the layers after its parameters'."""
+    buckets, shares, shares_from = model_buckets(args.model, args.bucket_cap_mb,
+                                                 args.model_options, args.batch_size)
     calibration = from_compute_ms(args.model, args.batch_size,
-                                  pipelines.Phases(**target.compute_ms),
-                                  model_buckets(args.model, args.bucket_cap_mb, args.model_options),
-                                  costs.Link.of(latency_us, target.link_bps / 1e9),
-                                  f"--link {target.link_bps / 1e9:g} Gbit/s, "
-                                  f"latency {latency_us:g} us")
-    if target.intra_bps is not None:
-        calibration.intra_link = costs.Link.of(0.0, target.intra_bps / 1e9)
-        calibration.intra_from = f"--intra-link {target.intra_bps / 1e9:g} Gbit/s"
+                                  pipelines.Phases(**target.compute_ms), buckets,
+                                  target.link.link(), target.link.describe(), shares, shares_from)
+    if target.intra is not None:
+        calibration.intra_link = target.intra.link()
+        calibration.intra_from = target.intra.describe()
     return calibration
 
 
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     target = check(args, bench_argv)
-    trainers, link_bps = target.trainers, target.link_bps
+    trainers = target.trainers
+    link_bps = target.link.line_bps if target.link is not None else None
     runs = [Run.load(path) for path in args.results]
     if target.compute_ms is not None:
         calibration = no_run_calibration(args, target)
     else:
         compute = Run.load(args.compute) if args.compute is not None else None
-        calibration = calibrate(runs, link_bps, target.latency_s, target.intra_bps, compute)
+        calibration = calibrate(runs, target.link, target.latency_s, target.intra, compute)
     if target.per_node > 1 and calibration.intra_link is None:
         raise ConfigError(f"--per-node {target.per_node}: no local link between a node's trainers: "
                           f"give --intra-link RATE, or a run made with --limits whose trainers all "
@@ -257,7 +276,8 @@ def prediction_rows(calibration: Calibration, hooks: list[str], trainers: list[i
                     servers_on: list[str] = ("dedicated",)) -> list[dict]:
     """One row per strategy, trainer count and (parameter-server strategies) server count; with
     ``auto``, the server count of the shortest predicted batch is added, marked ``auto``; with
-    servers ``colocated``, one row with a server on each node."""
+    servers ``colocated``, a row for each server count given that the nodes can share evenly,
+    at least one a node (one a node when none is)."""
     rows = []
     explicit = [k for k in servers if k != "auto"]
 
@@ -278,7 +298,9 @@ def prediction_rows(calibration: Calibration, hooks: list[str], trainers: list[i
                         predicted[best["servers"]] = {**best, "auto": True}
                 rows.extend(r for _, r in sorted(predicted.items()))
             if "colocated" in servers_on:
-                rows.append(row(hook, n, n // per_node, "colocated"))
+                nodes = n // per_node
+                counts = sorted({k for k in explicit if k >= nodes and k % nodes == 0}) or [nodes]
+                rows.extend(row(hook, n, k, "colocated") for k in counts)
     return rows
 
 

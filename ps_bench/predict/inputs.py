@@ -1,18 +1,80 @@
 """What ``bench.py predict`` is asked for, read from its command line: counts, rates and
 latencies, the compute phases of ``--compute-ms``, and DDP's buckets for a model built on the
-meta device (sizes only), with their ready times spread over backward."""
+meta device (sizes only), with when backward makes each ready, from the FLOPs of its layers."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
 
-from ps_bench.runtime.network import parse_delay, parse_rate
 from ps_bench.config import ConfigError, RunConfig
-from ps_bench.models import MODELS, model_entry
-from ps_bench.models.entries import construct
+from ps_bench.metrics.costs import Link
+from ps_bench.models import DATA, DATA_PRESETS, MODELS, default_data, model_entry
+from ps_bench.models.entries import construct, load_entry
+from ps_bench.runtime.network import parse_delay, parse_rate
 
 PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class LinkKind:
+    """What a kind of link achieves of its line rate, and what each message step costs: predict's
+    defaults for ``--link`` and ``--intra-link`` (docs/predict.md, "Links: line rates in")."""
+
+    efficiency: float  # the share of the line rate a large transfer achieves
+    latency_us: float  # per message step of a collective, or per push
+    why: str
+
+
+LINK_KINDS = {
+    "ethernet": LinkKind(0.8, 50.0, "TCP through the kernel: framing leaves 0.94 of the line, the "
+                                    "kernel's copies and the libraries' socket transports less"),
+    "roce": LinkKind(0.9, 5.0, "RDMA over Converged Ethernet: no kernel copy; RoCEv2's headers and "
+                               "the collective library's protocol take the rest"),
+    "infiniband": LinkKind(0.9, 5.0, "RDMA: EDR's 64b/66b encoding leaves 0.97 of the line, the "
+                                     "collective library's protocol less"),
+    "nvlink": LinkKind(0.8, 5.0, "GPU to GPU: a collective's rings use most of the links' rate"),
+    "pcie": LinkKind(0.8, 5.0, "128b/130b encoding and transaction headers leave about 0.85 of the "
+                               "line to large copies"),
+}
+NETWORK_KINDS, LOCAL_KINDS = ("ethernet", "roce", "infiniband"), ("nvlink", "pcie", "ethernet")
+
+
+@dataclass(frozen=True)
+class TargetLink:
+    """A link to predict for, as the user gave it: its line rate and kind, and what predict makes
+    of them (``LINK_KINDS``, or the options that override them)."""
+
+    flag: str
+    line_bps: float
+    kind: str
+    efficiency: float
+    latency_s: float
+
+    def link(self) -> Link:
+        return Link.of(self.latency_s * 1e6, self.line_bps * self.efficiency / 1e9)
+
+    def describe(self) -> str:
+        return (f"{self.flag} {self.line_bps / 1e9:g} Gbit/s {self.kind}, {self.efficiency:g} of "
+                f"it: {self.line_bps * self.efficiency / 1e9:g} Gbit/s, latency "
+                f"{self.latency_s * 1e6:g} us")
+
+
+def target_link(flag: str, rate: str, kind: str, efficiency: float | None,
+                latency: str | None) -> TargetLink:
+    """A ``TargetLink`` from the command line: the line rate, its kind's defaults, and the
+    efficiency and latency where given; ConfigError for anything out of range."""
+    line_bps = parse_target_rate(rate, flag)
+    if efficiency is not None and not 0 < efficiency <= 1:
+        raise ConfigError(f"{flag}-efficiency must be a share of the line rate, above 0 and at "
+                          f"most 1; got {efficiency}")
+    defaults = LINK_KINDS[kind]
+    latency_s = parse_target_latency(latency) if latency is not None else defaults.latency_us / 1e6
+    return TargetLink(flag, line_bps, kind,
+                      defaults.efficiency if efficiency is None else efficiency, latency_s)
 
 
 def count_list(text: str, name: str, allow_auto: bool = False) -> list[int | str]:
@@ -71,26 +133,89 @@ def parse_phases(text: str) -> dict[str, float]:
     return phases
 
 
-def meta_buckets(network: torch.nn.Module, bucket_cap_mb: float) -> list[tuple[int, bool]]:
-    """DDP's buckets for ``network`` (built on the meta device: sizes only), in the order backward
-    makes them ready: ``(bytes, sparse)``. DDP assigns the parameters in reverse order (the
-    last layer's gradient is ready first) to buckets of at most 1 MiB first, then
-    ``bucket_cap_mb``, as ``torch.distributed._compute_bucket_assignment_by_size`` does for it."""
+def bucket_parameters(network: torch.nn.Module,
+                      bucket_cap_mb: float) -> list[list[torch.nn.Parameter]]:
+    """The parameters of each of DDP's buckets for ``network``, in the order backward makes them
+    ready. DDP assigns the parameters in reverse order (the last layer's gradient is ready first)
+    to buckets of at most 1 MiB first, then ``bucket_cap_mb``, as
+    ``torch.distributed._compute_bucket_assignment_by_size`` does for it."""
     parameters = [p for p in network.parameters() if p.requires_grad][::-1]
     sparse = {id(module.weight) for module in network.modules() if getattr(module, "sparse", False)}
     indices, _ = dist._compute_bucket_assignment_by_size(
         parameters, [dist._DEFAULT_FIRST_BUCKET_BYTES, int(bucket_cap_mb * 1024 * 1024)],
         [id(p) in sparse for p in parameters])
-    return [(sum(parameters[i].numel() * parameters[i].element_size() for i in bucket),
-             any(id(parameters[i]) in sparse for i in bucket)) for bucket in indices]
+    return [[parameters[i] for i in bucket] for bucket in indices]
 
 
-def model_buckets(model: str, bucket_cap_mb: float,
-                  options: dict | None = None) -> list[tuple[int, bool]]:
+def meta_buckets(network: torch.nn.Module, bucket_cap_mb: float) -> list[tuple[int, bool]]:
+    """DDP's buckets for ``network`` (built on the meta device: sizes only), in the order backward
+    makes them ready (``bucket_parameters``): ``(bytes, sparse)``."""
+    sparse = {id(module.weight) for module in network.modules() if getattr(module, "sparse", False)}
+    return [(sum(p.numel() * p.element_size() for p in bucket),
+             any(id(p) in sparse for p in bucket))
+            for bucket in bucket_parameters(network, bucket_cap_mb)]
+
+
+def backward_shares(network: torch.nn.Module,
+                    inputs: tuple[torch.Tensor, ...]) -> dict[int, float]:
+    """Parameter id -> the share of backward done when its gradient is ready, from the FLOPs of
+    a forward pass on the meta device (``torch.utils.flop_counter.FlopCounterMode``): backward
+    runs the forward's operations in reverse, each taken to cost in proportion to its forward
+    FLOPs, so a layer's parameters are ready once backward has undone everything from the
+    layer's first call on; a module's own parameters beside its children's (a head's bias) are
+    taken as used when it returns, so ready once backward has undone what followed it; a
+    parameter used by two modules (a tied embedding), by the earlier. A parameter no forward used
+    is ready at the end. Raises where the model's forward cannot run on the meta device (a step
+    whose shape depends on the data, as a mixture of experts' routing)."""
+    counter = FlopCounterMode(display=False)
+    started: dict[torch.nn.Module, int] = {}
+    owners = [module for module in network.modules()
+              if any(True for _ in module.parameters(recurse=False))]
+
+    def reached(module: torch.nn.Module, *args) -> None:
+        started.setdefault(module, counter.get_total_flops())
+
+    hooks = [module.register_forward_pre_hook(reached) if not any(True for _ in module.children())
+             else module.register_forward_hook(reached) for module in owners]
+    try:
+        with counter, torch.no_grad():
+            network(*inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    total = counter.get_total_flops() or 1
+    shares: dict[int, float] = {}
+    for module in owners:
+        share = (total - started[module]) / total if module in started else 1.0
+        for parameter in module.parameters(recurse=False):
+            shares[id(parameter)] = max(shares.get(id(parameter), 0.0), share)
+    return shares
+
+
+def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
+                  batch_size: int | None = None,
+                  ) -> tuple[list[tuple[int, bool]], list[float] | None, str]:
     """``meta_buckets`` of what ``--model`` names (a zoo model, one of the model configuration
-    file, or a Hugging Face config), with ``--model-option``s."""
+    file, or a Hugging Face config), with ``--model-option``s; with ``batch_size``, when each is
+    ready, as a share of backward (``backward_shares`` over a batch of the model's own data, on
+    the meta device; None where the forward cannot run there), and how that was found."""
     entry = model_entry(model, options or {}, RunConfig().model_config_path)
-    return meta_buckets(construct(entry, MODELS), bucket_cap_mb)
+    network = construct(entry, MODELS)
+    buckets = bucket_parameters(network, bucket_cap_mb)
+    sizes = meta_buckets(network, bucket_cap_mb)
+    if batch_size is None:
+        return sizes, None, "no batch given"
+    data = load_entry(RunConfig().data_config_path, default_data(entry), "data_class", DATA, "data",
+                      DATA_PRESETS)
+    kwargs = {**network.fitted_data(data.kwargs), "sample_count": batch_size}
+    try:
+        inputs = tuple(t.to("meta") for t in DATA.get(data.class_name)(**kwargs).build(0).inputs)
+        shares = backward_shares(network, inputs)
+    except Exception as error:  # noqa: BLE001 - any op without a meta kernel: said, and passed over
+        return sizes, None, (f"the model's forward did not run on the meta device "
+                             f"({type(error).__name__}), so by bytes")
+    return sizes, [max(shares.get(id(p), 1.0) for p in bucket) for bucket in buckets], (
+        f"FLOPs of a forward of {batch_size} samples of --data {data.id} on the meta device")
 
 
 def spread(backward_ms: float, buckets: list[tuple[int, bool]]) -> list[tuple[float, int, bool]]:

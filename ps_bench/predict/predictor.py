@@ -27,23 +27,23 @@ from dataclasses import replace
 from ps_bench.config import ConfigError
 from ps_bench.metrics import costs
 from ps_bench.metrics.costs import Link
-from ps_bench.metrics.limits import ELEMENT_BYTES
+from ps_bench.metrics.messages import ELEMENT_BYTES
 from ps_bench.predict import pipelines
 from ps_bench.predict.buckets import communication_end
 from ps_bench.predict.calibration import (Calibration, backward_compute, bucket_sizes, own_terms,
                                           ready_buckets)
-from ps_bench.predict.inputs import spread
+from ps_bench.predict.inputs import TargetLink, spread
 from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.runs import Run
 from ps_bench.strategies import HOOKS, LOW_RANK_BUCKETS, Strategy, hook_options
 
 
-def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float | None = None,
-              intra_bps: float | None = None, compute: Run | None = None) -> Calibration:
-    """The calibration of ``runs`` (see the module's docstring); ``link_bps`` and ``latency_s``
-    describe the target network instead of the runs' own, ``intra_bps`` a node's local link;
-    ``compute`` (a run of the same model and batch, on the device to predict for) gives the
-    compute phases and bucket timeline instead of ``runs``."""
+def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: float | None = None,
+              intra: TargetLink | None = None, compute: Run | None = None) -> Calibration:
+    """The calibration of ``runs`` (see the module's docstring); ``target`` describes the network
+    to predict for instead of the runs' own (``latency_s`` alone, the fitted link's latency),
+    ``intra`` a node's local link; ``compute`` (a run of the same model and batch, on the device
+    to predict for) gives the compute phases and bucket timeline instead of ``runs``."""
     first = runs[0]
     for run in runs[1:]:
         if (run.model, run.batch_size) != (first.model, first.batch_size):
@@ -57,18 +57,14 @@ def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float |
                           f"{first.batch_size}: give a run of the same model and batch size")
     fitted = [run.link for run in runs if run.link and not run.on_one_host]
     fitted_intra = [run.link for run in runs if run.link and run.on_one_host]
-    if link_bps is None and not fitted:
+    if target is None and not fitted:
         raise ConfigError("no link to predict with: give runs made with --limits (their link is "
                           "fitted) or the target network with --link RATE")
     measured_link = (Link.of(statistics.median(f["latency_us"] for f in fitted),
                              statistics.median(f["bandwidth_gbit_s"] for f in fitted))
                      if fitted else None)
-    if link_bps is not None:
-        latency_us = (latency_s * 1e6 if latency_s is not None
-                      else statistics.median(f["latency_us"] for f in fitted) if fitted else 0.0)
-        link = Link.of(latency_us, link_bps / 1e9)
-        link_from = f"--link {link_bps / 1e9:g} Gbit/s, latency {latency_us:g} us" + (
-            " (fitted)" if latency_s is None and fitted else "")
+    if target is not None:
+        link, link_from = target.link(), target.describe()
     else:
         link = measured_link
         if latency_s is not None:
@@ -76,11 +72,8 @@ def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float |
         link_from = f"fitted to the --limits link probe of {len(fitted)} run(s)"
     intra_link, intra_from = None, ("none: give --intra-link RATE, or a run whose trainers "
                                     "shared one host")
-    if intra_bps is not None:
-        intra_latency = (statistics.median(f["latency_us"] for f in fitted_intra) if fitted_intra
-                         else 0.0)
-        intra_link, intra_from = (Link.of(intra_latency, intra_bps / 1e9),
-                                  f"--intra-link {intra_bps / 1e9:g} Gbit/s")
+    if intra is not None:
+        intra_link, intra_from = intra.link(), intra.describe()
     elif fitted_intra:
         intra_link = Link.of(statistics.median(f["latency_us"] for f in fitted_intra),
                              statistics.median(f["bandwidth_gbit_s"] for f in fitted_intra))
@@ -133,7 +126,7 @@ def calibrate(runs: list[Run], link_bps: float | None = None, latency_s: float |
     for run in runs:
         if measured_link is not None:
             network = measured_link
-        elif run.link_rate_bps is not None and run.link_rate_bps == link_bps:
+        elif run.link_rate_bps is not None and target and run.link_rate_bps == target.line_bps:
             network = link
         else:
             continue

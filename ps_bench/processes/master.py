@@ -10,7 +10,7 @@ from typing import Callable
 import torch.distributed.rpc as rpc
 
 from ps_bench.job import Job
-from ps_bench.metrics import limits
+from ps_bench.metrics import limits, messages
 from ps_bench.metrics.startup import render_startup, startup_phases
 from ps_bench.models import build_data, build_held_out
 from ps_bench.models.entries import Entry
@@ -228,7 +228,7 @@ class Master:
         for closed in [t.rpc_async(timeout=0).close() for t in trainers]:
             closed.wait()
         if cfg.limits:
-            record.memcpy = limits.memcpy_floor(limits.message_bytes(record.floor_messages))
+            record.memcpy = limits.memcpy_floor(messages.message_bytes(record.floor_messages))
         results = record.results("ok")
         print_report(results, record.rows(split_ranks=cfg.per_rank))
         print(f"results: {write_results(results, self.results_path)}", flush=True)
@@ -263,17 +263,18 @@ class Master:
             buckets = trainers[0].rpc_sync().bucket_layout() or [
                 {"index": 0, "bytes": self.model.size["dense_gradient_bytes"], "sparse": False,
                  "shapes": []}]
-            record.floor_messages = limits.floor_messages(HOOKS.record("allreduce"), buckets, {})
-            own = limits.floor_messages(self.job.strategy, buckets,
+            record.floor_messages = messages.floor_messages(HOOKS.record("allreduce"), buckets, {})
+            own = messages.floor_messages(self.job.strategy, buckets,
                                         hook_options(cfg.hook, cfg.hook_options),
                                         slices=self.job.strategy.rpc_slices(cfg.per_host))
             record.own_messages = own if own != record.floor_messages else None
-            self.floor_targets = [[rpc.remote(info.name, limits.RpcFloorTarget, args=(messages,))
+            self.floor_targets = [[rpc.remote(info.name, limits.RpcFloorTarget, args=(sent,))
                                    for info in self.topology.servers]
-                                  for messages in (record.floor_messages, record.own_messages)
-                                  if messages and self.topology.servers]
+                                  for sent in (record.floor_messages, record.own_messages)
+                                  if sent and self.topology.servers]
         repeat = limits.repeats_per_round(cfg.rounds)
+        piece = messages.piece_elements(hook_options(cfg.hook, cfg.hook_options))
         futures = [t.rpc_async(timeout=0).measure_floors(record.floor_messages, record.own_messages,
-                                                         self.floor_targets, repeat)
+                                                         self.floor_targets, repeat, piece)
                    for t in trainers]
         record.add_floors([f.wait() for f in futures])

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ps_bench.metrics import limits as measure
+from ps_bench.metrics.messages import message_bytes
 from ps_bench.strategies import hook_options
 
 STEP = "step_"  # floor samples of a strategy's own steps: step_<collective>_ms, step_total_ms
@@ -31,11 +32,11 @@ def limits(record: Any) -> dict | None:
     samples = record.floor_samples
     if record.floor_messages is None or record.memcpy is None:
         return None
-    per_iteration = measure.message_bytes(record.floor_messages)
+    per_iteration = message_bytes(record.floor_messages)
     strategy, trainers = record.strategy, record.topology.num_trainers
     own = None
     if record.own_messages is not None and samples["own_ms"]:
-        own_bytes = measure.message_bytes(record.own_messages)
+        own_bytes = message_bytes(record.own_messages)
         own = {**measure.floor_summary(samples["own_ms"], own_bytes,
                                        world=trainers if strategy.floor == "collective" else None),
                "transport": strategy.floor, "bytes_per_iter": own_bytes,

@@ -49,13 +49,51 @@ def balance_buckets(bucket_bytes: dict[int, int], num_servers: int) -> dict[int,
     return owner
 
 
-def slice_owners(bucket_bytes: dict[int, int], parts: int, num_servers: int) -> dict[int, int]:
-    """Slice key ``index * parts + part`` -> server index: each bucket cut into ``parts`` slices of
-    equal bytes (node-aggregated servers: a slice per trainer of a host), the slices dealt as
-    ``balance_buckets`` deals buckets; ``parts`` 1: the buckets themselves."""
-    return balance_buckets(
-        {index * parts + part: size // parts for index, size in bucket_bytes.items()
-         for part in range(parts)}, num_servers)
+# A piece's key (what a server knows it by): its slice's key ``index * parts + part`` times
+# PIECES, plus its place in the slice.
+PIECES = 1 << 16
+
+
+def piece_ranges(size: int, piece: int | None) -> list[tuple[int, int]]:
+    """``(first, length)`` of each piece of a slice of ``size`` elements (or bytes) cut into as
+    few pieces of at most ``piece`` as it takes, of equal length (the first ones one longer
+    where it does not divide), so that no small remainder is left to unbalance the servers
+    (None: the slice whole)."""
+    if piece is None or size <= piece:
+        return [(0, size)]
+    count = -(-size // piece)
+    base, longer = divmod(size, count)
+    lengths = [base + 1] * longer + [base] * (count - longer)
+    return [(sum(lengths[:place]), length) for place, length in enumerate(lengths)]
+
+
+def slice_size(size: int, parts: int) -> int:
+    """The size of each of ``parts`` equal slices of a bucket of ``size`` (the last padded)."""
+    return -(-size // parts)
+
+
+def piece_owners(bucket_sizes: dict[int, int], parts: int, num_servers: int,
+                 piece: int | None = None) -> dict[int, int]:
+    """Piece key -> server index. Each bucket (index -> size in elements or bytes) is cut into
+    ``parts`` equal slices (node-aggregated servers: one for each trainer of a host) and each
+    slice into pieces of at most ``piece`` (None: the slice whole); the pieces are dealt as
+    ``balance_buckets`` deals buckets, the largest first onto the server with the least so far
+    (ties in key order, so a slice's pieces of one size go round the servers), so the servers'
+    loads differ by one piece at most and usually by much less, as BytePS spreads its
+    partitions over all its servers.
+
+    Deterministic, so every trainer that sees the same buckets computes the same owners without
+    talking to the others."""
+    return balance_buckets({(index * parts + part) * PIECES + place: length
+                            for index, size in bucket_sizes.items() for part in range(parts)
+                            for place, (_, length) in enumerate(
+                                piece_ranges(slice_size(size, parts), piece))}, num_servers)
+
+
+def piece_root(key: int, num_servers: int) -> int:
+    """The server that combines the ``group`` mapping's partial sums of piece ``key``: its slice
+    and its place in the slice, taken round the servers."""
+    return (key // PIECES + key % PIECES) % num_servers
 
 
 class Topology:

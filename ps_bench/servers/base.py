@@ -24,6 +24,7 @@ from ps_bench.metrics.memory import peak_memory
 from ps_bench.metrics.timers import now_ms, tensor_bytes
 from ps_bench.registry import Registry
 from ps_bench.runtime.resident import Resident
+from ps_bench.runtime.topology import piece_root
 
 SERVERS: Registry = Registry("server")
 
@@ -253,7 +254,7 @@ class ParameterServer(Resident):
 
     def _global_average(self, bucket_index: int, partial_sum: torch.Tensor) -> Future:
         """``group`` mapping: hands this group's sum to the bucket's root server."""
-        root = bucket_index % self.num_servers
+        root = piece_root(bucket_index, self.num_servers)
         if root == self.server_index:
             return self.combine(bucket_index, partial_sum, remote=False)
         partial = partial_sum.cpu()

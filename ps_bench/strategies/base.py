@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ps_bench.metrics.timers import IntervalTracker, tensor_bytes
 from ps_bench.metrics.wire import ByteCounter
-from ps_bench.runtime.topology import slice_owners
+from ps_bench.runtime.topology import PIECES, piece_owners, piece_ranges, piece_root, slice_size
 from ps_bench.strategies.record import HOOKS, Strategy
 
 Hook = Callable[["HookContext", dist.GradBucket], Future]
@@ -91,28 +91,38 @@ class HookContext:
     _seen: dict[int, int] = field(default_factory=dict)
     _owners: dict[int, int] = field(default_factory=dict)
 
-    def server_for(self, bucket: dist.GradBucket, part: int = 0, parts: int = 1) -> int:
-        """The server that owns this bucket (or its ``part``-th of ``parts`` slices, each a key
-        of its own: ``index * parts + part``).
+    def pieces(self, bucket: dist.GradBucket, piece: int | None = None, part: int = 0,
+               parts: int = 1) -> list[tuple[int, int, int, int]]:
+        """``(key, first element, elements, server)`` of each piece this trainer sends of the
+        bucket: its ``part``-th of ``parts`` equal slices (node-aggregated servers: a slice per
+        trainer of a host), cut into pieces of at most ``piece`` elements (None: whole), each a
+        key of its own (``topology.piece_owners``).
 
-        ``group``: this trainer's group server. ``shard``: owners balance bytes across servers;
-        they are computed from the bucket layout of the previous iteration (DDP rebuilds its
+        ``group``: every piece to this trainer's group server. ``shard``: the pieces are dealt
+        over every server from the bucket layout of the previous iteration (DDP rebuilds its
         buckets after the first one, and launches buckets in index order, so ``is_last`` closes
         the layout). Sizes are dense sizes, identical on every trainer, so every trainer
-        computes the same owners without talking to the others.
+        computes the same owners without talking to the others. Every bucket passes here once
+        an iteration, in order.
         """
-        if self.mapping == "group":
-            return self.group_server
         tensor = bucket.buffer()
-        index, key = bucket.index(), bucket.index() * parts + part
-        self._seen[index] = tensor.numel() * tensor.element_size()
-        owner = self._owners.get(key, key % len(self.servers))
+        index, elements = bucket.index(), tensor.numel()
+        self._seen[index] = elements
+        first_key = (index * parts + part) * PIECES
+        ranges = piece_ranges(slice_size(elements, parts), piece)
+        owned = [(first_key + place, first, length) for place, (first, length) in enumerate(ranges)]
+        if self.mapping == "group":
+            servers = [self.group_server] * len(owned)
+        else:
+            servers = [self._owners.get(key, piece_root(key, len(self.servers)))
+                       for key, _, _ in owned]
         if bucket.is_last():
             if self._seen != self._layout:
                 self._layout = self._seen
-                self._owners = slice_owners(self._layout, parts, len(self.servers))
+                self._owners = piece_owners(self._layout, parts, len(self.servers), piece)
             self._seen = {}
-        return owner
+        return [(key, first, length, server)
+                for (key, first, length), server in zip(owned, servers)]
 
     def note_bucket(self, bucket: dist.GradBucket) -> None:
         """Keeps the bucket sizes (and the shapes of its gradients) DDP hands the hook, one whole

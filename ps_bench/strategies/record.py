@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from ps_bench.metrics.costs import Nodes
-from ps_bench.metrics.limits import ELEMENT_BYTES
+from ps_bench.metrics.messages import ELEMENT_BYTES
 from ps_bench.metrics.wire import collective_bytes
 from ps_bench.registry import Registry
 

@@ -4,6 +4,9 @@ node-aggregated form for hosts of several trainers (``ps_node``)."""
 
 from __future__ import annotations
 
+import threading
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
@@ -11,16 +14,18 @@ from torch.futures import Future
 
 from ps_bench.metrics.timers import tensor_bytes
 from ps_bench.servers.base import ParameterServer
-from ps_bench.strategies.allreduce import InOrder, allreduce, gather_into
+from ps_bench.strategies.allreduce import allreduce, gather_into
 from ps_bench.strategies.base import HookContext, stateless
+from ps_bench.strategies.partitions import PARTITION_MB, Partitioned
 from ps_bench.strategies.record import HOOKS, RPC, SERVERS, SPARSE_SERVERS, Cost, Strategy
 
 
 def send_to_server(ctx: HookContext, bucket: dist.GradBucket,
                    wire_dtype: torch.dtype | None = None) -> Future:
-    """Sends the bucket to its server (cast to ``wire_dtype`` on the wire) and returns the
+    """Sends the bucket whole to its server (cast to ``wire_dtype`` on the wire) and returns the
     global average it answers with, on the bucket's device and in its dtype."""
-    return send_tensor(ctx, bucket.buffer(), bucket.index(), ctx.server_for(bucket), wire_dtype)
+    (key, _, _, server), = ctx.pieces(bucket)
+    return send_tensor(ctx, bucket.buffer(), key, server, wire_dtype)
 
 
 def send_tensor(ctx: HookContext, tensor: torch.Tensor, key: int, server_index: int,
@@ -52,26 +57,36 @@ def send_tensor(ctx: HookContext, tensor: torch.Tensor, key: int, server_index: 
     return reply.then(received)
 
 
-@stateless("ps", Strategy(RPC, "float32", lossless=True, sparse_buckets=SPARSE_SERVERS,
-                          family=SERVERS),
-           aliases=("rpc_hook",))
-def parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future:
-    """Every bucket to its parameter server over RPC, which answers with the average; lossless."""
-    return send_to_server(ctx, bucket)
+@HOOKS.register("ps", aliases=("rpc_hook",),
+                record=Strategy(RPC, "float32", lossless=True, sparse_buckets=SPARSE_SERVERS,
+                                family=SERVERS))
+class PartitionedServers(Partitioned):
+    """Every bucket to the parameter servers over RPC, cut into pieces dealt over all of them,
+    which answer with the average; lossless."""
+
+    def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
+        tensor = bucket.buffer()
+        if tensor.is_sparse:  # its rows differ between trainers: sent whole
+            return send_to_server(ctx, bucket, self.wire_dtype)
+        return self.push(ctx, tensor, self.reserve(ctx.pieces(bucket, self.piece)), send_tensor)
 
 
-@stateless("ps_fp16", Strategy(RPC, "float16", lossless=False, sparse_buckets=SPARSE_SERVERS,
-                               uncompressed="ps", family=SERVERS))
-def parameter_server_fp16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
+@HOOKS.register("ps_fp16", record=Strategy(RPC, "float16", lossless=False,
+                                           sparse_buckets=SPARSE_SERVERS, uncompressed="ps",
+                                           family=SERVERS))
+class HalfPrecisionServers(PartitionedServers):
     """The ps strategy with float16 on the wire (servers add in float32); lossy."""
-    return send_to_server(ctx, bucket, torch.float16)
+
+    wire_dtype = torch.float16
 
 
-@stateless("ps_bf16", Strategy(RPC, "bfloat16", lossless=False, sparse_buckets=SPARSE_SERVERS,
-                               uncompressed="ps", family=SERVERS))
-def parameter_server_bf16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
+@HOOKS.register("ps_bf16", record=Strategy(RPC, "bfloat16", lossless=False,
+                                           sparse_buckets=SPARSE_SERVERS, uncompressed="ps",
+                                           family=SERVERS))
+class BrainFloatServers(PartitionedServers):
     """The ps strategy with bfloat16 on the wire (servers add in float32); lossy."""
-    return send_to_server(ctx, bucket, torch.bfloat16)
+
+    wire_dtype = torch.bfloat16
 
 
 # held against the RPC floor: its dense buckets are all-reduced, but what it is for is the servers
@@ -89,61 +104,101 @@ def sparse_parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future
 @HOOKS.register("ps_node", aliases=("ps_host", "byteps"),
                 record=Strategy(RPC, "float32", lossless=True, sparse_buckets=None, family=SERVERS,
                                 per_host=True, cost=Cost(like="ps")))
-class NodeAggregated(InOrder):
+class NodeAggregated(Partitioned):
     """Parameter servers as deployed on nodes of several GPUs (BytePS's layout; TensorFlow's and
     MXNet's device-then-server kvstores): each bucket summed within the host (--per-host G),
-    each of the host's trainers pushing its 1/G slice of the sum to the slice's server and pulling
-    the average, then the slices all-gathered within the host; lossless.
+    each of the host's trainers pushing its 1/G slice of the sum to the servers and pulling the
+    average, then the slices all-gathered within the host; lossless.
 
     A host's link carries its gradient once each way, not G copies: 1/G of ``ps``'s bytes between
-    hosts. gloo has no reduce-scatter, so the sum within the host is an all-reduce (NCCL's
-    reduce-scatter would move half). Buckets go one at a time, each step issued when the previous
-    one completes, so every trainer issues the host's collectives in the same order. Dense models
-    only: a sparse bucket's rows differ between the trainers of a host."""
+    hosts. Each slice is pushed as ``ps`` pushes a bucket: in pieces dealt over every server
+    (``partition_mb``, ``window``, ``priority``, as ``ps`` takes them), and a bucket's pieces are
+    on their way while the next bucket is summed, as BytePS keeps many partitions in flight. gloo
+    has no reduce-scatter, so the sum within the host is an all-reduce (NCCL's reduce-scatter
+    would move half). Every trainer issues the host's collectives on the host's group in the same
+    order: the sums as DDP hands the buckets over, then, once the last is issued, the all-gathers
+    in bucket order, each once its bucket's pieces are back (a second group for the gathers,
+    issued as soon as each could be, was slower on the development machine: 549 against 467 ms
+    a batch on 2 emulated hosts of 2 trainers). Dense models only: a sparse bucket's rows differ
+    between the trainers of a host."""
 
-    def __init__(self, ctx: HookContext) -> None:
+    def __init__(self, ctx: HookContext, partition_mb: float = PARTITION_MB, window: int = 0,
+                 priority: bool = False) -> None:
+        super().__init__(ctx, partition_mb, window, priority)
         size, per_host = ctx.process_group.size(), ctx.per_host
-        hosts = size // per_host
-        self.intra, _ = dist.new_subgroups_by_enumeration(
-            [list(range(host * per_host, (host + 1) * per_host)) for host in range(hosts)])
+        hosts = [list(range(host * per_host, (host + 1) * per_host))
+                 for host in range(size // per_host)]
+        self.intra, _ = dist.new_subgroups_by_enumeration(hosts)
         self.local, self.per_host = dist.get_rank() % per_host, per_host
+        self.lock = threading.Lock()
+        self.handed = 0  # buckets handed over this iteration
+        # place in the iteration -> (its all-gather, whether it is the iteration's last bucket)
+        self.to_gather: dict[int, tuple[Callable[[], None], bool]] = {}
+        self.gathered = 0  # all-gathers issued this iteration
+        self.summed_all = False  # every sum of this iteration issued: the all-gathers may follow
 
     def floor_steps(self, buckets: list[int]) -> list[tuple[str, dist.ProcessGroup, int]]:
         """``--limits``: each bucket's sum and all-gather within the host (its slices' pushes and
-        pulls are the floor of its own messages, ``limits.floor_messages(slices=G)``)."""
+        pulls are the floor of its own messages, ``messages.floor_messages(slices=G)``)."""
         return [step for elements in buckets for step in (
             ("all_reduce", self.intra, elements), ("all_gather", self.intra, elements))]
 
     def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
         # every bucket, in order: it closes the layout
-        server = ctx.server_for(bucket, self.local, self.per_host)
-        return self.after_previous(lambda: self.aggregated(ctx, bucket, server))
-
-    def aggregated(self, ctx: HookContext, bucket: dist.GradBucket, server: int) -> Future:
+        pieces = self.reserve(ctx.pieces(bucket, self.piece, self.local, self.per_host))
+        place, self.handed = self.handed, 0 if bucket.is_last() else self.handed + 1
         tensor = bucket.buffer()
-        numel, done, key = tensor.numel(), Future(), bucket.index() * self.per_host + self.local
+        numel, done = tensor.numel(), Future()
         padded = (torch.cat([tensor, tensor.new_zeros(-numel % self.per_host)])
                   if numel % self.per_host else tensor.clone())
         rows = padded.view(self.per_host, -1)
 
-        def step(run, then) -> None:
-            def next_step(finished: Future) -> None:
-                try:
-                    then(finished.wait())
-                except Exception as error:  # noqa: BLE001 - the trainer waits on ``done``
-                    done.set_exception(error)
-            run().add_done_callback(next_step)
+        def failed(error: Exception) -> None:
+            if not done.done():
+                done.set_exception(error)
 
-        def gathered(_) -> None:
-            done.set_result(padded[:numel].view_as(tensor))
+        def gather() -> None:
+            work = gather_into(padded, rows[self.local].clone(), self.intra).get_future()
+            work.add_done_callback(lambda finished: settled(
+                finished, lambda: done.set_result(padded[:numel].view_as(tensor))))
 
-        def pulled(average: torch.Tensor) -> None:
-            rows[self.local].copy_(average)
-            step(lambda: gather_into(padded, rows[self.local].clone(), self.intra).get_future(),
-                 gathered)
+        def pulled(answer: Future) -> None:
+            def ready() -> None:
+                rows[self.local].copy_(answer.wait())
+                self.gather_in_order(place, gather, bucket.is_last())
+            settled(answer, ready)
 
-        def summed(_) -> None:
-            step(lambda: send_tensor(ctx, rows[self.local].contiguous(), key, server), pulled)
+        def summed(finished: Future) -> None:
+            settled(finished, lambda: self.push(ctx, rows[self.local], pieces,
+                                                send_tensor).add_done_callback(pulled))
 
-        step(lambda: dist.all_reduce(padded, group=self.intra, async_op=True).get_future(), summed)
+        def settled(finished: Future, then: Callable[[], None]) -> None:
+            try:
+                finished.wait()
+                then()
+            except Exception as error:  # noqa: BLE001 - the trainer waits on ``done``
+                failed(error)
+
+        sum_work = dist.all_reduce(padded, group=self.intra, async_op=True)
+        sum_work.get_future().add_done_callback(summed)
+        if bucket.is_last():
+            self.gather_in_order(None, None, False)
         return done
+
+    def gather_in_order(self, place: int | None, gather: Callable[[], None] | None,
+                        last: bool) -> None:
+        """Issues the all-gathers of the buckets whose pieces are back, in the order DDP handed
+        the buckets over, once every sum of the iteration has been issued, from whichever thread
+        completes the next one in that order (``place`` None: the iteration's last sum has just
+        been issued). Sums and gathers share the host's group, in the same order on every
+        trainer: the iteration's sums, then its gathers."""
+        with self.lock:
+            if place is None:
+                self.summed_all = True
+            else:
+                self.to_gather[place] = (gather, last)
+            while self.summed_all and self.gathered in self.to_gather:
+                issue, closes = self.to_gather.pop(self.gathered)
+                self.gathered = 0 if closes else self.gathered + 1
+                self.summed_all = not closes
+                issue()

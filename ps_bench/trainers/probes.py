@@ -10,9 +10,10 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from ps_bench.metrics import limits
+from ps_bench.metrics.messages import wire_dtype
 from ps_bench.models.base import build_model
 from ps_bench.runtime.failures import fatal_on_error
-from ps_bench.runtime.topology import slice_owners
+from ps_bench.runtime.topology import PIECES, piece_owners, piece_ranges, slice_size
 from ps_bench.strategies import RPC
 
 
@@ -22,13 +23,16 @@ class FloorProbes:
 
     @fatal_on_error
     def measure_floors(self, messages: dict[int, list], own: dict[int, list] | None,
-                       targets: list[list[rpc.RRef]], repeat: int) -> dict[str, list[float]]:
+                       targets: list[list[rpc.RRef]], repeat: int,
+                       piece: int | None = None) -> dict[str, list[float]]:
         """``--limits``: ``repeat`` repetitions of the raw RPC floor (to ``targets[0]``, one per
         server, when there are servers) and of the raw collective floor, moving ``messages`` (the
         float32 buckets); of the strategy's ``own`` floor, its own messages over its own transport
         (to ``targets[1]`` for RPC), when they differ; of its own steps besides the buckets (its
         synchroniser's ``floor_steps``: each collective it issues, on its groups, as ``step_*``);
-        of the link probe and of the compute-only iteration. Nothing here counts as wire bytes.
+        of the link probe and of the compute-only iteration. ``piece``: the elements of a piece
+        the strategy cuts what it pushes into (``metrics.messages.piece_elements``; None:
+        buckets whole). Nothing here counts as wire bytes.
         Every trainer must call it at once (each repetition starts with a barrier)."""
         ctx = self.hook_context
         out: dict[str, list[float]] = {}
@@ -46,7 +50,7 @@ class FloorProbes:
                                                               ctx.process_group, repeat)
             if own is not None and self.strategy.transport == RPC:
                 out["own_ms"] = limits.rpc_floor_ms(own, self.floor_owners(
-                    messages, targets[-1], self.strategy.rpc_slices(ctx.per_host)),
+                    messages, targets[-1], self.strategy.rpc_slices(ctx.per_host), piece),
                     ctx.process_group, self.device, repeat)
             elif own is not None:
                 out["own_ms"] = limits.collective_floor_ms(own, self.device, ctx.process_group,
@@ -64,7 +68,7 @@ class FloorProbes:
             if steps:
                 out.update({f"step_{kind}_ms": values for kind, values in limits.steps_floor_ms(
                     steps, self.device, ctx.process_group, repeat,
-                    limits.wire_dtype(self.strategy.payload)).items()})
+                    wire_dtype(self.strategy.payload)).items()})
             out["compute_ms"] = limits.compute_floor_ms(self._compute_copy, self.inputs,
                                                         self.targets, self.batch_size,
                                                         ctx.process_group, self.lr, repeat)
@@ -72,18 +76,24 @@ class FloorProbes:
             ctx.wire.paused = False
         return out
 
-    def floor_owners(self, messages: dict[int, list], targets: list[rpc.RRef],
-                     slices: int = 1) -> dict[int, rpc.RRef]:
-        """Each bucket's server, as the strategy maps it (its group's, or balanced by float32
-        bytes); ``slices``: the server of this trainer's slice of it, as ``HookContext.server_for``
-        deals them."""
-        if self.hook_context.mapping == "group":
-            return {index: targets[self.hook_context.group_server] for index in messages}
+    def floor_owners(self, messages: dict[int, list], targets: list[rpc.RRef], slices: int = 1,
+                     piece: int | None = None) -> dict[tuple[int, int], rpc.RRef]:
+        """The server of each message (``(bucket index, place)``) this trainer sends, as the
+        strategy deals them (``HookContext.pieces``): its group's, or its piece's owner among
+        every server; ``messages`` are the float32 buckets whole (their sizes), ``slices`` the
+        slices of a bucket (this trainer sends its own), ``piece`` the elements of a piece (None:
+        each slice whole)."""
+        sizes = {index: sum(count for count, _ in parts) for index, parts in messages.items()}
         part = dist.get_rank() % slices
-        owners = slice_owners({index: sum(count for count, _ in parts) * 4
-                               for index, parts in messages.items()},
-                              slices, len(targets))
-        return {index: targets[owners[index * slices + part]] for index in messages}
+        places = {index: len(piece_ranges(slice_size(size, slices), piece))
+                  for index, size in sizes.items()}
+        if self.hook_context.mapping == "group":
+            server = targets[self.hook_context.group_server]
+            return {(index, place): server
+                    for index, count in places.items() for place in range(count)}
+        owners = piece_owners(sizes, slices, len(targets), piece)
+        return {(index, place): targets[owners[(index * slices + part) * PIECES + place]]
+                for index, count in places.items() for place in range(count)}
 
 
 def finish_profile(profiler: torch.profiler.profile, path: str) -> None:

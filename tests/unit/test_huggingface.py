@@ -23,9 +23,10 @@ from ps_bench.strategies.sharded import shard_units
 ROOT = Path(__file__).resolve().parents[2]
 # Parameters of each shipped config as published by its authors (model cards, papers), and as
 # transformers counts them: GPT-2 124M, Llama 3 8B and 70B, Mistral 7B, Qwen2.5 7B (7.61 B),
-# Mixtral 8x7B (46.7 B), T5-base (223 M, its embedding shared by encoder, decoder and output).
+# Mixtral 8x7B (46.7 B), T5-base (223 M, its embedding shared by encoder, decoder and output),
+# BERT-Base (110 M; as a language model its output is tied to the token embedding, no pooler).
 PUBLISHED = {"gpt2": 124.44e6, "llama3-8b": 8.03e9, "llama3-70b": 70.55e9, "mistral-7b": 7.24e9,
-             "qwen2.5-7b": 7.61e9, "mixtral-8x7b": 46.70e9, "t5-base": 222.9e6}
+             "qwen2.5-7b": 7.61e9, "mixtral-8x7b": 46.70e9, "t5-base": 222.9e6, "bert-base": 110e6}
 
 
 def entry(name: str, **options):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ps_bench.metrics import costs, limits
+from ps_bench.metrics import costs, limits, messages
 from ps_bench.metrics.costs import Link
 from ps_bench.metrics.memory import combine_peaks, peak_memory
 from ps_bench.results.printed import render_limits, render_memory
@@ -50,16 +50,18 @@ def test_floor_summary_and_memcpy():
 
 
 def test_rpc_floor_target_adds_into_its_preallocated_buffer():
-    target = limits.RpcFloorTarget({0: [(4, "float32")], 3: [(2, "float16")]})
-    buffer = target.buffers[3]
+    """One buffer for each message, keyed by (bucket, place): a bucket whole, or each piece."""
+    target = limits.RpcFloorTarget({0: [(4, "float32")], 3: [(2, "float16"), (1, "float16")]})
+    assert set(target.buffers) == {(0, 0), (3, 0), (3, 1)}
+    buffer = target.buffers[3, 0]
 
     class LocalRef:
         def local_value(self):
             return target
 
-    answer = limits.RpcFloorTarget.add_and_answer(LocalRef(), 3, torch.ones(2, dtype=torch.float16))
+    answer = limits.RpcFloorTarget.add_and_answer(LocalRef(), (3, 0), torch.ones(2, dtype=torch.float16))
     assert answer is buffer and answer.dtype == torch.float16 and answer.tolist() == [1.0, 1.0]
-    assert target.buffers[0].dtype == torch.float32 and target.buffers[0].numel() == 4
+    assert target.buffers[0, 0].dtype == torch.float32 and target.buffers[0, 0].numel() == 4
 
 
 # A made-up layout: bucket 0 holds a 512 x 256 weight, its bias and a 64 x 3 x 3 x 3 convolution
@@ -75,30 +77,30 @@ HOOK_DEFAULTS = {"matrix_approximation_rank": 2, "min_compression_rate": 2.0}
 def test_each_strategys_floor_moves_what_it_sends_derived_by_hand():
     records = {name: HOOKS.record(name) for name in ("allreduce", "fp16", "bf16", "ps_fp16", "powersgd",
                                                      "batched_powersgd", "noop", "ps", "ps_node", "hierarchical")}
-    float32 = limits.floor_messages(records["allreduce"], LAYOUT, {})
+    float32 = messages.floor_messages(records["allreduce"], LAYOUT, {})
     assert float32 == {0: [(131072 + 512 + 1728, "float32")], 1: [(8000, "float32")], 2: [(300, "float32")]}
-    half = limits.floor_messages(records["fp16"], LAYOUT, {})
+    half = messages.floor_messages(records["fp16"], LAYOUT, {})
     assert half[0] == [(133312, "float16")] and half[2] == [(300, "float32")]  # sparse buckets go as they are
-    assert limits.message_bytes(half) == 2 * 133312 + 2 * 8000 + 1200
-    assert limits.floor_messages(records["bf16"], LAYOUT, {})[1] == [(8000, "bfloat16")]
-    assert limits.floor_messages(records["ps_fp16"], LAYOUT, {})[1] == [(8000, "float16")]
+    assert messages.message_bytes(half) == 2 * 133312 + 2 * 8000 + 1200
+    assert messages.floor_messages(records["bf16"], LAYOUT, {})[1] == [(8000, "bfloat16")]
+    assert messages.floor_messages(records["ps_fp16"], LAYOUT, {})[1] == [(8000, "float16")]
     # PowerSGD, rank 2: 512 x 256 -> P 1024, Q 512 ((512 + 256) * 2 * 2 < 131072); the bias is 1-D;
     # 64 x 27 -> (64 + 27) * 2 * 2 = 364 < 1728, P 128, Q 54; 1000 x 8 -> 1008 * 2 * 2 = 4032 < 8000,
     # P 2000, Q 16
-    low_rank = limits.floor_messages(records["powersgd"], LAYOUT, HOOK_DEFAULTS)
+    low_rank = messages.floor_messages(records["powersgd"], LAYOUT, HOOK_DEFAULTS)
     assert low_rank[0] == [(512, "float32"), (1024 + 128, "float32"), (512 + 54, "float32")]
     assert low_rank[1] == [(2000, "float32"), (16, "float32")]  # nothing uncompressed: no message for it
     # at rank 4, 1000 x 8 is not worth it: 1008 * 4 * 2 = 8064 >= 8000, so it goes whole
-    assert limits.floor_messages(records["powersgd"], LAYOUT, {**HOOK_DEFAULTS, "matrix_approximation_rank": 4})[1] \
+    assert messages.floor_messages(records["powersgd"], LAYOUT, {**HOOK_DEFAULTS, "matrix_approximation_rank": 4})[1] \
         == [(8000, "float32")]
     # batched: bucket 1's 8000 elements as a 90 x 90 matrix (ceil(sqrt(8000)) = 90): P and Q of 90 x 2
-    assert limits.floor_messages(records["batched_powersgd"], LAYOUT, HOOK_DEFAULTS)[1] == [(180, "float32"),
+    assert messages.floor_messages(records["batched_powersgd"], LAYOUT, HOOK_DEFAULTS)[1] == [(180, "float32"),
                                                                                              (180, "float32")]
-    assert limits.floor_messages(records["noop"], LAYOUT, {}) == {0: [], 1: [], 2: []}
+    assert messages.floor_messages(records["noop"], LAYOUT, {}) == {0: [], 1: [], 2: []}
     # node-aggregated servers: each of a host's 3 trainers pushes a third of each bucket, rounded up
     slices = records["ps_node"].rpc_slices(3)
     assert slices == 3 and records["ps"].rpc_slices(3) == 1 and records["hierarchical"].rpc_slices(3) == 1
-    assert limits.floor_messages(records["ps_node"], LAYOUT, {}, slices=slices)[1] == [(2667, "float32")]
+    assert messages.floor_messages(records["ps_node"], LAYOUT, {}, slices=slices)[1] == [(2667, "float32")]
 
 
 def test_peak_memory_per_role():

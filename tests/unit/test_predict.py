@@ -18,6 +18,7 @@ from ps_bench.predict import predictor as predictor_module
 from ps_bench.metrics.costs import Link
 from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.calibration import from_compute_ms
+from ps_bench.predict.inputs import TargetLink
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.runs import Run
 from ps_bench.predict.tables import render_winners, winners
@@ -26,6 +27,11 @@ from ps_bench.strategies import COLLECTIVE, HOOKS, Cost, Strategy
 # 1 MB per ms (8 Gbit/s), 10 µs per message: round numbers to compute by hand
 LINK = Link(latency_ms=0.01, bytes_per_ms=1e6)
 MB = 1e6
+
+
+def whole(buckets: list[tuple[float, float]], servers: int) -> list[tuple[float, float, int]]:
+    """Buckets pushed whole, dealt over the servers as the run deals them."""
+    return pipelines.server_pieces(buckets, servers)
 
 
 def test_ring_allreduce_is_2_n_minus_1_latencies_plus_2_n_minus_1_over_n_of_the_bytes():
@@ -56,31 +62,34 @@ def test_pipeline_starts_each_transfer_when_ready_and_after_the_previous():
 
 def test_one_trainer_one_server_is_a_round_trip():
     # out (1 ms on the trainer's link, then the server's), back (1 ms), a latency each way
-    assert pipelines.ps_pipeline([(0.0, MB)], 1, 1, LINK) == pytest.approx(2.0 + 2 * 0.01)
+    assert pipelines.ps_pipeline(whole([(0.0, MB)], 1), 1, 1, LINK) == pytest.approx(2.0 + 2 * 0.01)
 
 
 def test_one_server_carries_every_trainers_bytes_both_ways():
     # 4 trainers, one 8 MB bucket ready at once: 32 MB in through the server's link, 32 MB out
-    assert pipelines.ps_pipeline([(0.0, 8 * MB)], 4, 1, LINK) == pytest.approx(64.0 + 2 * 0.01)
+    assert pipelines.ps_pipeline(whole([(0.0, 8 * MB)], 1), 4, 1, LINK) == pytest.approx(64.0 + 2 * 0.01)
     # ... and the aggregation of the last copy at 4 MB/ms between them
-    assert pipelines.ps_pipeline([(0.0, 8 * MB)], 4, 1, LINK, aggregate_bytes_per_ms=4 * MB) == pytest.approx(
+    assert pipelines.ps_pipeline(whole([(0.0, 8 * MB)], 1), 4, 1, LINK,
+                                 aggregate_bytes_per_ms=4 * MB) == pytest.approx(
         64.0 + 2.0 + 2 * 0.01)
 
 
 def test_servers_beyond_the_buckets_do_nothing_and_shards_pipeline():
     buckets = [(0.0, 6 * MB), (0.0, 2 * MB)]
-    two = pipelines.ps_pipeline(buckets, 2, 2, LINK)
+    two = pipelines.ps_pipeline(whole(buckets, 2), 2, 2, LINK)
     # server 0 holds the 6 MB bucket: 12 MB in (the trainers' links send 6 MB first), 12 MB back
     assert two == pytest.approx(24.0 + 2 * 0.01)
-    assert pipelines.ps_pipeline(buckets, 2, 8, LINK) == pytest.approx(two)  # k > n and k > buckets
+    assert pipelines.ps_pipeline(whole(buckets, 8), 2, 8, LINK) == pytest.approx(two)  # k > n, buckets
     # one server: the 6 MB bucket is in at 12 and answered by 24, overlapping the 2 MB bucket's
     # arrival (in at 16); its answer (4 ms) follows the first on the server's link: 28 ms
-    assert pipelines.ps_pipeline(buckets, 2, 1, LINK) == pytest.approx(max(12.0 + 12.0, 16.0) + 4.0 + 2 * 0.01)
+    assert pipelines.ps_pipeline(whole(buckets, 1), 2, 1, LINK) == pytest.approx(
+        max(12.0 + 12.0, 16.0) + 4.0 + 2 * 0.01)
 
 
 def test_group_mapping_sends_everything_to_the_groups_server():
     # 4 trainers in 2 groups: each server hears from 2 trainers, 8 MB each: 16 in, 16 out
-    assert pipelines.ps_pipeline([(0.0, 8 * MB)], 4, 2, LINK, mapping="group") == pytest.approx(32.0 + 2 * 0.01)
+    assert pipelines.ps_pipeline(whole([(0.0, 8 * MB)], 2), 4, 2, LINK, mapping="group") == pytest.approx(
+        32.0 + 2 * 0.01)
 
 
 def test_iteration_overlaps_backward_with_the_transfers():
@@ -149,7 +158,7 @@ def test_calibration_reads_phases_timeline_and_link_and_fits_each_strategys_own_
 
 def test_a_target_link_replaces_the_fitted_one(tmp_path):
     run = Run.load(results_file(tmp_path, limits=False))
-    calibration = calibrate([run], link_bps=100e9, latency_s=5e-6)
+    calibration = calibrate([run], TargetLink("--link", 100e9, "ethernet", 1.0, 5e-6))
     assert calibration.link.latency_ms == pytest.approx(0.005) and calibration.link.bytes_per_ms == pytest.approx(12.5e6)
     assert calibration.phases.backward == 40.0  # without --limits: the last bucket's ready time
     assert calibration.own_ms == {}  # no fitted link: the run's own network is unknown
@@ -157,9 +166,9 @@ def test_a_target_link_replaces_the_fitted_one(tmp_path):
 
 def test_own_compute_is_measured_on_the_runs_network_and_carried_to_the_target(tmp_path):
     run = Run.load(results_file(tmp_path))  # 100 ms measured; 62.02 by the model on its fitted 8 Gbit/s link
-    calibration = calibrate([run], link_bps=100e9)
+    calibration = calibrate([run], TargetLink("--link", 100e9, "ethernet", 1.0, 10e-6))
     assert calibration.own_ms["allreduce"] == pytest.approx(100.0 - 62.02)
-    # at 100 Gbit/s (latency still the fitted 10 µs) a 10 MB bucket takes 0.8 ms + 20 µs: the
+    # at 100 Gbit/s (latency the fitted 10 µs) a 10 MB bucket takes 0.8 ms + 20 µs: the
     # second ends at 40.82, inside nothing: 10 + 40.82 + 2 + 37.98
     assert predict(calibration, "allreduce", 2, 0)["batch_ms"] == pytest.approx(10 + 40.82 + 2 + 37.98)
 

@@ -35,8 +35,8 @@ def test_one_trainer_per_node_is_the_flat_ring_and_one_node_is_its_local_link(n)
     node = Nodes(1, n, NETWORK, LOCAL)
     assert costs.flat_ring_ms(node, 8 * MB) == costs.ring_allreduce_ms(n, 8 * MB, LOCAL)
     assert costs.hierarchical_ms(node, 8 * MB) == pytest.approx(costs.ring_allreduce_ms(n, 8 * MB, LOCAL))
-    buckets = [(0.0, 4 * MB)]
-    assert pipelines.ps_pipeline(buckets, n, 1, NETWORK, per_node=1) == pipelines.ps_pipeline(buckets, n, 1, NETWORK)
+    pieces = pipelines.server_pieces([(0.0, 4 * MB)], 1)
+    assert pipelines.ps_pipeline(pieces, n, 1, NETWORK, per_node=1) == pipelines.ps_pipeline(pieces, n, 1, NETWORK)
 
 
 def test_the_flat_ring_on_nodes_moves_at_the_network_link_with_2_n_minus_1_latencies():
@@ -69,10 +69,11 @@ def test_hsdp_reduces_once_inside_and_gathers_twice():
 def test_dedicated_servers_see_every_trainer_of_a_node_on_its_link():
     # one 1 MB bucket, 2 nodes x 2, one server: the node sends 2 copies (2 ms), the server
     # receives 4 (4 ms after the first starts) and answers 4 (4 ms), the node receives 2
-    assert pipelines.ps_pipeline([(0.0, MB)], 4, 1, NETWORK, per_node=2) == pytest.approx(4.0 + 0.01 + 4.0 + 0.01)
+    assert pipelines.ps_pipeline(pipelines.server_pieces([(0.0, MB)], 1), 4, 1, NETWORK,
+                                 per_node=2) == pytest.approx(4.0 + 0.01 + 4.0 + 0.01)
     # 4 servers of 4 one-MB buckets: each server hears 4 copies; each node's link, outbound,
     # carries 2 copies of each of 4 buckets: 8 ms, the bound
-    four = [(0.0, MB)] * 4
+    four = pipelines.server_pieces([(0.0, MB)] * 4, 4)
     assert pipelines.ps_pipeline(four, 4, 4, NETWORK, per_node=2) >= 8.0
 
 
@@ -80,23 +81,46 @@ def test_colocated_servers_carry_each_nodes_gradient_once_each_way_on_two_nodes(
     # one bucket of S = 1 MB owned by node 0's server, 2 nodes x 2: node 1 pushes 2 S (2 ms, then
     # 10 µs), node 0's own copies cross its local link meanwhile; the answers, 2 S out of node 0
     nodes = Nodes(2, 2, NETWORK, LOCAL)
-    assert pipelines.colocated_ps_pipeline([(0.0, MB)], nodes) == pytest.approx(2.0 + 0.01 + 2.0 + 0.01)
+    one = pipelines.server_pieces([(0.0, MB)], 2)
+    assert pipelines.colocated_ps_pipeline(one, nodes) == pytest.approx(2.0 + 0.01 + 2.0 + 0.01)
     # one node: the local link alone, G copies each way
-    assert pipelines.colocated_ps_pipeline([(0.0, MB)], Nodes(1, 4, NETWORK, LOCAL)) == pytest.approx(
+    assert pipelines.colocated_ps_pipeline(pipelines.server_pieces([(0.0, MB)], 1),
+                                           Nodes(1, 4, NETWORK, LOCAL)) == pytest.approx(
         2 * (4 * 0.1 + 0.001))
+
+
+def test_colocated_servers_spread_evenly_move_a_rings_bytes():
+    # 4 MB cut into four 1 MB pieces over 2 nodes x 2: each node's servers hold half; a node's
+    # link pushes 2 x 2 MB out while 2 x 2 MB come in, then the answers the other way, the first
+    # wave's answers (two pieces to each server: two waves) behind the second wave's pushes:
+    # each direction busy throughout, 2G(N-1)/N x M / B = 8 ms, then the last answer's latency
+    nodes = Nodes(2, 2, NETWORK, LOCAL)
+    pieces = pipelines.server_pieces([(0.0, 4 * MB)], 2, piece=MB)
+    assert pipelines.colocated_ps_pipeline(pieces, nodes) == pytest.approx(8.0 + 0.01)
+
+
+def test_a_later_bucket_pushes_while_the_earlier_ones_answers_come_back():
+    # dedicated, one server a node, pieces of half a bucket over both: bucket 1's pushes (1 ms
+    # out of each node) cross while bucket 0's answers come in, so two buckets cost 3
+    # crossings, not 4
+    nodes = Nodes(2, 1, NETWORK, None)
+    one = pipelines.node_ps_pipeline([(0.0, MB)], nodes, 2, piece=MB / 2)
+    two = pipelines.node_ps_pipeline([(0.0, MB), (0.0, MB)], nodes, 2, piece=MB / 2)
+    assert one == pytest.approx(2.0 + 2 * 0.01)
+    assert two == pytest.approx(3.0 + 2 * 0.01)
 
 
 def test_node_aggregated_servers_carry_each_nodes_gradient_once_each_way():
     # one 1 MB bucket, 2 nodes x 2, 2 dedicated servers (a slice of 0.5 MB each): gloo's sum inside
     # the node, a ring all-reduce of 1 MB over the local link (2 x 0.05 ms + 2 µs); the node sends
-    # its 2 slices (1 ms), each server hears 2 nodes' 0.5 MB (1 ms): 1 ms + 10 µs each way; the
-    # slices gathered inside the node (0.05 ms + 1 µs)
+    # its 2 slices (1 ms), each server hears 2 nodes' 0.5 MB (1 ms), then answers its last slice's
+    # 2 copies (1 ms), 10 µs each way; the slices gathered inside the node (0.05 ms + 1 µs)
     nodes = Nodes(2, 2, NETWORK, LOCAL)
     inside, across = 2 * (0.05 + 0.001), 2 * (1.0 + 0.01)
     assert pipelines.node_ps_pipeline([(0.0, MB)], nodes, 2, gloo=True) == pytest.approx(inside + across + 0.051)
     # against ps's per-trainer pushes: the node's link carries 2 copies each way
-    assert pipelines.node_ps_pipeline([(0.0, MB)] * 4, nodes, 2) < pipelines.ps_pipeline([(0.0, MB)] * 4, 4, 2,
-                                                                                           NETWORK, per_node=2)
+    assert pipelines.node_ps_pipeline([(0.0, MB)] * 4, nodes, 2) < pipelines.ps_pipeline(
+        pipelines.server_pieces([(0.0, MB)] * 4, 2), 4, 2, NETWORK, per_node=2)
     # never below the BytePS bound over the nodes, with the servers it has
     assert pipelines.node_ps_pipeline([(0.0, MB)], Nodes(8, 8, NETWORK, LOCAL), 8) >= costs.byteps_bound_ms(
         8, 8, MB, NETWORK)
@@ -121,12 +145,38 @@ def test_predict_puts_node_aggregated_servers_beside_ps_on_nodes_and_respects_th
         assert row["batch_ms"] <= ps["batch_ms"]
 
 
-def test_predict_builds_vgg16_on_the_meta_device(tmp_path, capsys):
+def test_predict_builds_vgg16_on_the_meta_device_and_its_classifier_is_ready_first(tmp_path, capsys):
+    """VGG-16's classifier holds 89 % of its gradient bytes and under 1 % of its FLOPs, and runs
+    last in forward: with --compute-ms, the buckets holding half the bytes are ready within the
+    first 10 % of backward, not spread over it by their bytes."""
     out = tmp_path / "predict.json"
     assert main(["predict", "--model", "vgg16", "--batch-size", "32", "--compute-ms", "forward=10,backward=20,"
                  "optimizer=2", "--link", "10gbit", "--out", str(out)]) == 0
-    buckets = json.loads(out.read_text())["calibration"]["buckets"]
+    calibration = json.loads(out.read_text())["calibration"]
+    buckets = calibration["buckets"]
     assert sum(bucket["bytes"] for bucket in buckets) == 4 * 138_357_544
+    early = sum(bucket["bytes"] for bucket in buckets if bucket["ready_ms"] <= 0.1 * 20)
+    assert early >= 0.5 * 4 * 138_357_544, buckets
+    assert "FLOPs" in calibration["overlap_from"]
+    capsys.readouterr()
+
+
+def test_predicted_ps_node_on_8_nodes_of_4_is_within_a_fifth_of_its_bounds(tmp_path, capsys):
+    """ResNet-50 on nodes of 4 GPUs at 10 Gbit/s, servers on the nodes: ps_node at 8 nodes
+    within 1.2 times the larger of its compute and forward plus the BytePS bound; 8 dedicated
+    servers no slower than 4."""
+    out = tmp_path / "predict.json"
+    common = ["predict", "--model", "resnet50", "--batch-size", "64", "--compute-ms",
+              "forward=84.2,backward=168.5,optimizer=2.5", "--per-node", "4", "--intra-link", "10000gbit",
+              "--link", "10gbit", "--latency", "50us", "--hooks", "allreduce,ps_node", "--out", str(out)]
+    assert main([*common, "--nodes", "1,2,4,8", "--servers-on", "colocated"]) == 0
+    row = next(r for r in json.loads(out.read_text())["predictions"]
+               if r["strategy"] == "ps_node" and r["nodes"] == 8)
+    assert row["batch_ms"] <= 1.2 * max(84.2 + 168.5 + 2.5, 84.2 + row["byteps_bound_ms"])
+    assert main([*common, "--nodes", "8", "--servers", "4,8"]) == 0
+    dedicated = {r["servers"]: r["batch_ms"] for r in json.loads(out.read_text())["predictions"]
+                 if r["strategy"] == "ps_node"}
+    assert dedicated[8] <= dedicated[4]
     capsys.readouterr()
 
 

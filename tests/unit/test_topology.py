@@ -1,6 +1,7 @@
 import pytest
 
-from ps_bench.runtime.topology import MASTER, SERVER, TRAINER, Topology, balance_buckets, slice_owners, split_evenly
+from ps_bench.runtime.topology import (MASTER, PIECES, SERVER, TRAINER, Topology, balance_buckets, piece_owners,
+                                      piece_root, split_evenly)
 
 
 def test_rank_order_roles_and_names():
@@ -58,12 +59,19 @@ def test_balance_buckets_balances_bytes_and_is_deterministic():
     assert set(balance_buckets({0: 5}, 3).values()) == {0}
 
 
-def test_slice_owners_deal_each_buckets_slices_as_buckets():
-    """Bucket 0 of 100 B and bucket 1 of 60 B in halves over 2 servers: 50, 50, 30, 30 B, largest
-    first onto the least loaded server; in one part, the buckets as balance_buckets deals them."""
-    assert slice_owners({0: 100, 1: 60}, 2, 2) == {0: 0, 1: 1, 2: 0, 3: 1}
+def test_whole_slices_are_dealt_as_buckets():
+    """Bucket 0 of 100 and bucket 1 of 60 in halves over 2 servers: 50, 50, 30, 30, largest first
+    onto the least loaded server; in one part, the buckets as balance_buckets deals them (each
+    key a slice's times PIECES: its first and only piece)."""
+    assert piece_owners({0: 100, 1: 60}, 2, 2) == {0: 0, PIECES: 1, 2 * PIECES: 0, 3 * PIECES: 1}
     sizes = {0: 100, 1: 60, 2: 50, 3: 40, 4: 10}
-    assert slice_owners(sizes, 1, 2) == balance_buckets(sizes, 2)
+    assert piece_owners(sizes, 1, 2) == {key * PIECES: server
+                                         for key, server in balance_buckets(sizes, 2).items()}
+
+
+def test_the_group_mappings_roots_go_round_the_servers():
+    assert [piece_root(key * PIECES, 4) for key in range(5)] == [0, 1, 2, 3, 0]  # whole buckets
+    assert [piece_root(PIECES + place, 4) for place in range(4)] == [1, 2, 3, 0]  # a bucket's pieces
 
 
 def test_device_indices_are_node_local():

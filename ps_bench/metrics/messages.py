@@ -1,0 +1,101 @@
+"""What a strategy puts on the wire for each of DDP's buckets, as ``(elements, dtype)``
+messages (``floor_messages``): its buckets whole in float32 or 16 bits, PowerSGD's factors, a
+parameter-server strategy's slices and pieces; the floors (``limits``), the byte counts and
+``predict`` read them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ps_bench.runtime.topology import piece_ranges, slice_size
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def low_rank_factors(shapes: list[list[int]], rank: int,
+                     min_compression_rate: float) -> tuple[int, int, int]:
+    """Elements torch's per-tensor PowerSGD all-reduces for one bucket: the tensors not worth
+    compressing (1-D ones, and matrices where ``(n + m) · r · rate >= n · m``, as its
+    ``_should_compress`` decides), every P (``n × r``) and every Q (``m × r``), with each gradient
+    viewed as ``shape[0] × rest`` and ``r = min(rank, n, m)``."""
+    uncompressed = p_elements = q_elements = 0
+    for shape in shapes:
+        elements = 1
+        for size in shape:
+            elements *= size
+        if len(shape) <= 1:
+            uncompressed += elements
+            continue
+        rows, cols = shape[0], elements // shape[0] if shape[0] else 0
+        r = min(rank, rows, cols)
+        if (rows + cols) * r * min_compression_rate < rows * cols:
+            p_elements, q_elements = p_elements + rows * r, q_elements + cols * r
+        else:
+            uncompressed += elements
+    return uncompressed, p_elements, q_elements
+
+
+def batched_low_rank_factors(elements: int, rank: int,
+                             min_compression_rate: float) -> tuple[int, int, int]:
+    """Elements torch's batched PowerSGD all-reduces for one bucket of ``elements``: the bucket as
+    one square matrix of side ``ceil(sqrt(elements))``, P and Q of ``side × rank`` each; the whole
+    bucket, uncompressed, where that does not save ``min_compression_rate`` times."""
+    side = math.isqrt(elements - 1) + 1 if elements > 0 else 0
+    if 2 * side * rank * min_compression_rate < side * side:
+        return 0, side * rank, side * rank
+    return elements, 0, 0
+
+
+def floor_messages(strategy, buckets: list[dict], options: dict,
+                   slices: int = 1) -> dict[int, list[tuple[int, str]]]:
+    """What ``strategy`` (a ``Strategy`` record) puts on the wire for each of ``buckets`` (rows of
+    ``DdpTrainer.bucket_layout``: index, bytes, sparse, shapes), as ``(elements, dtype)``
+    messages in the order it sends them; ``options`` are the hook's options, defaults included;
+    ``slices``: each trainer sends its ``1/slices`` of each bucket (node-aggregated servers: a
+    host's G trainers push a slice each of the host's sum); a partitioned parameter-server
+    strategy (``partition_mb`` among its options) sends each slice in pieces, a message each.
+    Sparse buckets go as they are (float32 at their size)."""
+    messages: dict[int, list[tuple[int, str]]] = {}
+    piece = piece_elements(options) if strategy.transport == "rpc" else None
+    for bucket in buckets:
+        elements = slice_size(bucket["bytes"] // 4, slices)
+        dtype = strategy.payload if strategy.payload in ELEMENT_BYTES else "float32"
+        if strategy.transport is None:
+            messages[bucket["index"]] = []
+        elif bucket["sparse"]:
+            messages[bucket["index"]] = [(elements, "float32")]
+        elif strategy.payload in ELEMENT_BYTES:
+            messages[bucket["index"]] = [(length, dtype)
+                                         for _, length in piece_ranges(elements, piece)]
+        else:  # low-rank factors
+            rank, rate = options["matrix_approximation_rank"], options["min_compression_rate"]
+            parts = (low_rank_factors(bucket["shapes"], rank, rate) if strategy.factors == "tensor"
+                     else batched_low_rank_factors(elements, rank, rate))
+            messages[bucket["index"]] = [(count, "float32") for count in parts if count]
+    return messages
+
+
+MIB = 1024 * 1024
+
+
+def piece_elements(options: dict) -> int | None:
+    """Float32 elements in a piece of a partitioned parameter-server strategy, from its hook
+    options (``partition_mb``, MiB); None for a strategy that sends buckets whole."""
+    partition_mb = options.get("partition_mb")
+    return None if partition_mb is None else max(1, int(partition_mb * MIB) // 4)
+
+
+def wire_dtype(payload: str) -> str:
+    """The dtype a payload's collectives move: its own where it is one, else float32."""
+    return payload if payload in ELEMENT_BYTES else "float32"
+
+
+def message_bytes(messages: dict[int, list[tuple[int, str]]]) -> int:
+    return sum(count * ELEMENT_BYTES[dtype]
+               for parts in messages.values() for count, dtype in parts)

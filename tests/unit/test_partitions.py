@@ -1,0 +1,151 @@
+"""Parameter servers fed in pieces (``ps``, ``ps_node``): how the pieces are cut and dealt over
+the servers, the window that sends them, and what predict makes of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.futures import Future
+
+from ps_bench.cli import main
+from ps_bench.metrics import costs
+from ps_bench.metrics.costs import Link, Nodes
+from ps_bench.predict import pipelines
+from ps_bench.runtime.topology import PIECES, piece_owners, piece_ranges, slice_size
+from ps_bench.strategies.partitions import Partitioned, PieceWindow
+
+MB = 1e6
+NETWORK, LOCAL = Link(latency_ms=0.01, bytes_per_ms=1e6), Link(latency_ms=0.001, bytes_per_ms=1e7)
+
+
+def test_a_slice_is_cut_into_pieces_of_at_most_the_partition():
+    assert piece_ranges(10, 4) == [(0, 4), (4, 3), (7, 3)]  # as few as it takes, of equal length
+    assert piece_ranges(12, 4) == [(0, 4), (4, 4), (8, 4)]
+    assert piece_ranges(10, None) == piece_ranges(10, 10) == [(0, 10)]
+    assert slice_size(10, 4) == 3  # four slices of 3, the last padded
+
+
+@pytest.mark.parametrize("servers", [1, 3, 4, 7])
+def test_pieces_are_dealt_evenly_over_every_server(servers):
+    """Two buckets of 25 and 11 MiB in 4 MiB pieces, and a host's 2 slices of each: every server
+    gets within one piece of every other, and each piece has a key of its own."""
+    buckets = {0: 25 << 20, 1: 11 << 20}
+    for parts in (1, 2):
+        owners = piece_owners(buckets, parts, servers, 4 << 20)
+        load = [0] * servers
+        for index, size in buckets.items():
+            for part in range(parts):
+                for place, (_, length) in enumerate(piece_ranges(slice_size(size, parts), 4 << 20)):
+                    load[owners[(index * parts + part) * PIECES + place]] += length
+        assert sum(load) == sum(slice_size(size, parts) * parts for size in buckets.values())
+        assert max(load) - min(load) <= 4 << 20
+
+
+def test_whole_buckets_are_dealt_largest_first():
+    assert piece_owners({0: 6, 1: 2, 2: 3}, 1, 2) == {0: 0, 1 * PIECES: 1, 2 * PIECES: 1}
+
+
+def test_the_window_sends_in_the_order_places_were_reserved_and_at_most_its_pieces_at_once():
+    """Places are reserved as DDP hands the buckets over, the same on every trainer, so with a
+    bound every host has the same pieces in flight: a piece submitted before an earlier place's
+    waits for it, whatever order the host's sums finish in."""
+    sent, pending = [], {}
+
+    def send(name):
+        def start():
+            sent.append(name)
+            pending[name] = Future()
+            return pending[name]
+        return start
+
+    window = PieceWindow(window=1)
+    first, second = window.reserve(2), window.reserve(1)
+    cpu = torch.device("cpu")
+    late = window.submit(second, send("c"), cpu)  # the next bucket's sum finished first
+    assert sent == []
+    answers = [window.submit(first, send("a"), cpu), window.submit(first + 1, send("b"), cpu)]
+    assert sent == ["a"]  # one in flight
+    pending["a"].set_result(1)
+    assert sent == ["a", "b"]
+    pending["b"].set_result(2)
+    pending["c"].set_result(3)
+    assert [answer.wait() for answer in answers + [late]] == [1, 2, 3]
+    unbounded = PieceWindow(window=0)
+    sent.clear()
+    start = unbounded.reserve(3)
+    for place, name in enumerate("xyz"):
+        unbounded.submit(start + place, send(name), cpu)
+    assert sent == ["x", "y", "z"]
+
+
+def test_priority_sends_a_buckets_last_pieces_first():
+    """DDP keeps a bucket's gradients in reverse order of the layers: its last pieces hold the
+    earliest layers, which the next forward needs first."""
+    pieces = [(key, key * 10, 10, 0) for key in range(3)]
+    plain = Partitioned(None, window=0, priority=False)
+    first = Partitioned(None, window=0, priority=True)
+    assert plain.reserve(pieces)[1] == pieces and first.reserve(pieces)[1] == pieces[::-1]
+
+
+def test_node_aggregated_pieces_reach_the_byteps_bound_with_a_server_a_node():
+    """8 nodes of 8, one 200 MB bucket in 4 MiB pieces, 8 dedicated servers: each node's link
+    sends and receives the bucket once, each server the same share. With one piece a trainer in
+    flight (``window`` 1) the pieces arrive one wave after another and are answered while the
+    next are pushed: ``M/B``, the BytePS bound with one server a node, and at most the last
+    wave's answers later. With no window, every piece is in flight at once, so the answers wait
+    for most of the pushes: up to ``2M/B``. 8 servers are not slower than 4."""
+    nodes = Nodes(8, 8, NETWORK, LOCAL)
+    bucket, piece = [(0.0, 200 * MB)], 4 * 2 ** 20
+    inside = 2 * costs.within_node_ms(nodes, 200 * MB, 1)  # the sum and the gather within the node
+    bound = costs.byteps_bound_ms(8, 8, 200 * MB, NETWORK)
+    assert bound == pytest.approx(200.0)
+    windowed = pipelines.node_ps_pipeline(bucket, nodes, 8, piece=piece, window=1)
+    assert bound <= windowed - inside <= bound + 2 * 8 * NETWORK.time(piece) + 4 * NETWORK.latency_ms
+    eight = pipelines.node_ps_pipeline(bucket, nodes, 8, piece=piece)
+    assert windowed < eight and bound < eight - inside <= 2 * bound + 4 * NETWORK.latency_ms
+    assert eight <= pipelines.node_ps_pipeline(bucket, nodes, 4, piece=piece)
+    whole = pipelines.node_ps_pipeline(bucket, nodes, 8)  # one slice a trainer, each to one server
+    assert eight < whole
+
+
+def test_waves_count_a_senders_window_or_its_pieces_to_one_server():
+    assert pipelines.pushed_in_waves([[0, 1, 2, 3, 0, 1]], window=0) == 2  # two to server 0
+    assert pipelines.pushed_in_waves([[0, 1, 2, 3, 0, 1]], window=1) == 6
+    assert pipelines.pushed_in_waves([[0, 1, 2, 3, 0, 1], [0]], window=4) == 2
+    assert pipelines.pushed_in_waves([[]], window=0) == 1
+
+
+def test_ps_pieces_spread_a_large_bucket_over_more_servers():
+    pieces = lambda k: pipelines.server_pieces([(0.0, 64 * MB)], k, 4 * 2 ** 20)
+    one_bucket_one_server = pipelines.ps_pipeline(pipelines.server_pieces([(0.0, 64 * MB)], 4), 4, 4, NETWORK)
+    spread = pipelines.ps_pipeline(pieces(4), 4, 4, NETWORK)
+    assert spread < 0.4 * one_bucket_one_server  # 4 servers share what one carried
+    assert spread >= costs.ps_bound_ms(4, 4, 64 * MB, NETWORK)
+
+
+@pytest.mark.parametrize("hook, value, words", [
+    ("ps", "0", "hook option 'partition_mb' must be a number of MiB above 0; got 0"),
+    ("ps_node", "-2", "hook option 'partition_mb' must be a number of MiB above 0; got -2"),
+    ("ps", "lots", "hook option 'partition_mb' must be float; got 'lots'"),
+    ("ps", "nan", "hook option 'partition_mb' must be"),
+])
+def test_a_bad_partition_is_one_line_and_exit_2_before_anything_starts(hook, value, words, capsys):
+    argv = ["--hook", hook, "--hook-option", f"partition_mb={value}", "--dry-run"]
+    if hook == "ps_node":
+        argv += ["--ntrainer", "4", "--per-host", "2", "--nserver", "2"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and words in captured.err, captured.err
+
+
+def test_the_dummy_models_pieces_spread_evenly_over_more_servers_than_a_host_has_trainers():
+    """upstream's DummyModel (three buckets of 4.2, 29.4 and 4.2 MB) on hosts of 2 trainers and
+    4 servers: each server receives its quarter of a host's sum to the byte's tenth."""
+    sizes = {0: 1_049_600, 1: 7_347_200, 2: 1_048_576}  # float32 elements
+    owners = piece_owners(sizes, 2, 4, (4 << 20) // 4)
+    load = [0] * 4
+    for index, size in sizes.items():
+        for part in range(2):
+            for place, (_, length) in enumerate(piece_ranges(slice_size(size, 2), (4 << 20) // 4)):
+                load[owners[(index * 2 + part) * PIECES + place]] += length
+    assert max(load) <= 1.1 * sum(load) / 4
