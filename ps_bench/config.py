@@ -96,7 +96,22 @@ class RunConfig:
         group=TOPOLOGY, choices=("shard", "group"),
     )
     epochs: int = option(1, "passes over each trainer's data shard per round", group=STRATEGY)
-    batch_size: int = option(16, "samples per trainer per iteration", group=STRATEGY)
+    batch_size: int = option(16, "samples per trainer per micro-batch (per iteration without "
+                                 "--grad-accum)", group=STRATEGY)
+    grad_accum: int = option(1, "micro-batches of --batch-size an optimizer step: the gradients "
+                                "accumulated over them, synchronised once a step as each "
+                                "strategy's engine does it (an iteration is an optimizer step)",
+                             group=STRATEGY, metavar="N")
+    precision: str = option("fp32", "what forward and backward compute in: bf16 and fp16 under "
+                                    "torch.autocast (fp16 with a gradient scaler, on a GPU); "
+                                    "DeepSpeed casts the model as its config says",
+                            group=STRATEGY, choices=("fp32", "bf16", "fp16"))
+    reduce_dtype: str | None = option(
+        None, "what an engine that has one communicates the gradients in: FSDP2's "
+        "MixedPrecisionPolicy (its gathers too), DeepSpeed's communication_data_type (default: "
+        "the engine's own: FSDP2 the parameters' float32, DeepSpeed the type it trains in); DDP "
+        "sends the gradients in their own dtype", group=STRATEGY,
+        choices=("fp32", "bf16", "fp16"))
     lr: float = option(0.01, "learning rate of the trainers' optimizer (diloco: the inner one)",
                        group=STRATEGY)
     optimizer: str = option(

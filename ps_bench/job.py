@@ -18,6 +18,7 @@ import torch
 
 from ps_bench.config import (ConfigError, RunConfig, check_interface, check_port,
                              check_writable_folder, flag, need)
+from ps_bench.metrics.messages import PRECISIONS
 from ps_bench.models import DATA, DATA_PRESETS, MODELS, RANDOM, TEACHER, default_data, model_entry
 from ps_bench.models.base import SyntheticData
 from ps_bench.models.huggingface import is_hf
@@ -67,7 +68,7 @@ def check_options(cfg: RunConfig) -> None:
     """Each option on its own: ranges, formats, ports, folders, the interface."""
     for name in ("ntrainer", "ncudatrainer", "nserver", "ncudaserver", "warmup_rounds"):
         need(getattr(cfg, name) >= 0, f"{flag(name)} must be 0 or more; got {getattr(cfg, name)}")
-    for name in ("epochs", "batch_size", "rounds", "rpc_threads"):
+    for name in ("epochs", "batch_size", "grad_accum", "rounds", "rpc_threads"):
         value = getattr(cfg, name)
         need(value is None or value >= 1, f"{flag(name)} must be at least 1; got {value}")
     for name in ("lr", "rpc_timeout", "bucket_cap_mb", "timeout"):
@@ -97,11 +98,12 @@ def check_options(cfg: RunConfig) -> None:
         check_port("--master-port", cfg.master_port)
     if cfg.iface is not None:
         check_interface(cfg.iface)
-    for name in ("backend", "mapping", "rpc_transport", "labels", "optimizer"):
+    for name in ("backend", "mapping", "rpc_transport", "labels", "optimizer", "precision",
+                 "reduce_dtype"):
         allowed, value = (RunConfig.__dataclass_fields__[name].metadata["choices"],
                           getattr(cfg, name))
-        # None: chosen by check_labels
-        need(value in allowed or (value is None and name == "labels"),
+        # None: chosen by check_labels, or the engine's own reduce dtype
+        need(value in allowed or (value is None and name in ("labels", "reduce_dtype")),
              f"--{name} must be one of {', '.join(allowed)}; got {value!r}")
     if cfg.target_loss is not None:
         need(math.isfinite(cfg.target_loss) and cfg.target_loss > 0,
@@ -215,12 +217,13 @@ def check_workload(cfg: RunConfig) -> tuple[Entry, Entry, torch.nn.Module]:
     mismatch = network.fits(dataset)
     need(mismatch is None, f"--data {cfg.data} {mismatch} (--model {cfg.model})")
     check_labels(cfg, dataset)
-    samples = dataset.sample_count
+    samples, step = dataset.sample_count, cfg.batch_size * cfg.grad_accum
+    accumulated = f" x --grad-accum {cfg.grad_accum}" if cfg.grad_accum > 1 else ""
     need(
-        samples // cfg.num_trainers >= cfg.batch_size,
+        samples // cfg.num_trainers >= step,
         f"--data {cfg.data} has {samples} samples: {cfg.num_trainers} trainers get "
-        f"{samples // cfg.num_trainers} each, fewer than --batch-size {cfg.batch_size}; lower "
-        f"--batch-size or use more samples",
+        f"{samples // cfg.num_trainers} each, fewer than --batch-size {cfg.batch_size}"
+        f"{accumulated}; lower --batch-size or use more samples",
     )
     smallest = getattr(network, "min_batch_size", 1)
     need(cfg.batch_size >= smallest, f"--model {cfg.model} needs --batch-size {smallest} or more "
@@ -296,6 +299,7 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
     # may set the batch and optimizer from the engine's
     engine_config, notes = check_engine(cfg, record, gpus)
     record = engine_record(record, cfg, engine_config)
+    record = check_training(cfg, record)
     check_optimizer(cfg)
     check_network(cfg, machine)
     model, data, network = check_workload(cfg)
@@ -320,6 +324,24 @@ def check_engine(cfg: RunConfig, record: Strategy, gpus: int) -> tuple[dict | No
          f"{ENGINES[record.engine]}")
     factory = HOOKS.get(cfg.hook)
     return factory.configure(cfg, gpus) if hasattr(factory, "configure") else (None, [])
+
+
+def check_training(cfg: RunConfig, record: Strategy) -> Strategy:
+    """--precision and --reduce-dtype against the devices and the strategy; returns the record
+    as it sends (FSDP2's gradients and gathers in --reduce-dtype)."""
+    on_cpu = cfg.ntrainer > 0 and cfg.backend not in ("nccl", "multi")
+    need(cfg.precision != "fp16" or not on_cpu,
+         f"--precision fp16 needs the trainers on GPUs (fp16 autocast with a gradient scaler); "
+         f"{cfg.ntrainer} trainer(s) compute on the CPU here: use --precision bf16")
+    if cfg.reduce_dtype is None:
+        return record
+    need(record.reduce_dtype,
+         f"--reduce-dtype is for strategies whose engine communicates in a dtype of its own "
+         f"(fsdp, hsdp, deepspeed_zero1-3); --hook {cfg.hook} sends the gradients as they are "
+         f"(its fp16 and bf16 forms are hooks of their own): leave --reduce-dtype out")
+    if record.engine == "deepspeed":  # its communication_data_type: configured_record's
+        return record
+    return dataclasses.replace(record, payload=PRECISIONS[cfg.reduce_dtype])
 
 
 def engine_record(record: Strategy, cfg: RunConfig, engine_config: dict | None) -> Strategy:

@@ -16,6 +16,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# --precision and --reduce-dtype, as DTYPES names them
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def low_rank_factors(shapes: list[list[int]], rank: int,

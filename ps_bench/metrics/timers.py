@@ -130,3 +130,16 @@ def covered_seconds(spans: list[tuple[float, float]]) -> float:
         else:
             high = max(high, end)
     return covered + high - low
+
+
+def folded(phases: np.ndarray, trailing: int) -> np.ndarray:
+    """Each iteration's forward and backward ms, then its ``trailing`` last phases, from the ms
+    between its readings: the start, each micro-batch's end of forward and of backward
+    (``--grad-accum``: several), then the ends of the phases that follow; the forwards summed,
+    the backwards summed."""
+    micro = phases.shape[1] - trailing
+    if micro == 2:
+        return phases
+    return np.concatenate([phases[:, 0:micro:2].sum(axis=1, keepdims=True),
+                           phases[:, 1:micro:2].sum(axis=1, keepdims=True), phases[:, micro:]],
+                          axis=1)

@@ -33,6 +33,11 @@ class Calibration:
     own_ms: dict[str, float] = field(default_factory=dict)
     # low-rank strategies: bytes sent / dense
     payload_ratio: dict[str, float] = field(default_factory=dict)
+    # micro-batches of batch_size an optimizer step (--grad-accum): the compute of each, the
+    # hooks' buckets synchronised on the last, each record's sends as often as it says
+    micro_batches: int = 1
+    # --reduce-dtype: what the strategies that have one communicate in (None: their own)
+    reduce_dtype: str | None = None
 
     @property
     def gradient_bytes(self) -> float:

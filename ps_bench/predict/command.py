@@ -121,6 +121,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --model: an option of the model, as a run takes it")
     parser.add_argument("--batch-size", type=int, metavar="B", help="with --compute-ms: the batch "
                         "per trainer")
+    parser.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                        help="micro-batches of the batch size an optimizer step, as a run's "
+                        "--grad-accum: each computed, the gradients synchronised as each strategy "
+                        "does (DDP's hooks once, on the last; ZeRO-2 and 3 every micro-batch); "
+                        "calibrate from runs of one (default: 1)")
+    parser.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="what the strategies whose engine has one (fsdp, hsdp, DeepSpeed) "
+                        "communicate in, as a run's --reduce-dtype (default: float32)")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="X",
                         help="with --compute-ms: DDP's bucket cap (default: 25)")
     parser.add_argument("--out", metavar="FILE.json", help="write the calibration and every "
@@ -153,6 +161,9 @@ class Target:
 
 def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
     """The scale, links, servers and compute asked for, before any results file is read."""
+    if args.grad_accum < 1:
+        raise ConfigError(f"--grad-accum must be at least 1 (micro-batches a step); got "
+                          f"{args.grad_accum}")
     if args.per_node < 1:
         raise ConfigError(f"--per-node must be at least 1 (trainers per node); got {args.per_node}")
     if args.nodes is not None:
@@ -216,7 +227,12 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
         calibration = no_run_calibration(args, target)
     else:
         compute = Run.load(args.compute) if args.compute is not None else None
+        for run in runs + ([compute] if compute else []):
+            if run.grad_accum != 1:
+                raise ConfigError(f"{run.path} ran --grad-accum {run.grad_accum}: calibrate from "
+                                  f"runs of one micro-batch a step, and give predict --grad-accum")
         calibration = calibrate(runs, target.link, target.latency_s, target.intra, compute)
+    calibration.micro_batches, calibration.reduce_dtype = args.grad_accum, args.reduce_dtype
     if target.per_node > 1 and calibration.intra_link is None:
         raise ConfigError(f"--per-node {target.per_node}: no local link between a node's trainers: "
                           f"give --intra-link RATE, or a run made with --limits whose trainers all "
@@ -225,6 +241,10 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     servers = (count_list(args.servers, "servers", allow_auto=True) if args.servers is not None
                else sorted({run.servers for run in runs if run.servers} or {1}))
     compared = [Run.load(path) for path in args.compare]
+    for run in compared:
+        if run.grad_accum != args.grad_accum:
+            raise ConfigError(f"--compare {run.path} ran --grad-accum {run.grad_accum}; this "
+                              f"prediction is for --grad-accum {args.grad_accum}")
     rows = prediction_rows(calibration, hooks, trainers, servers, args.mapping, link_bps, compared,
                            target.per_node, target.servers_on)
     print(describe_calibration(calibration))

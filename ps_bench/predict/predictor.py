@@ -27,7 +27,7 @@ from dataclasses import replace
 from ps_bench.config import ConfigError
 from ps_bench.metrics import costs
 from ps_bench.metrics.costs import Link
-from ps_bench.metrics.messages import ELEMENT_BYTES
+from ps_bench.metrics.messages import ELEMENT_BYTES, PRECISIONS
 from ps_bench.predict import pipelines
 from ps_bench.predict.buckets import communication_end
 from ps_bench.predict.calibration import (Calibration, backward_compute, bucket_sizes, own_terms,
@@ -36,6 +36,7 @@ from ps_bench.predict.inputs import TargetLink, spread
 from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.runs import Run
 from ps_bench.strategies import HOOKS, LOW_RANK_BUCKETS, Strategy, hook_options
+from ps_bench.strategies.record import calls_per_iteration
 
 
 def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: float | None = None,
@@ -163,7 +164,8 @@ def sends_ms(calibration: Calibration, strategy: Strategy, hook: str, n: int,
               if strategy.payload in ELEMENT_BYTES else 1.0)
     return sum(costs.collective_ms(collective, nodes, calibration.gradient_bytes * factor,
                                    calibration.gloo)
-               / (period if per == "period" else 1) for collective, per in strategy.sends)
+               * calls_per_iteration(per, period, calibration.micro_batches)
+               for collective, per in strategy.sends)
 
 
 def predict(calibration: Calibration, hook: str, n: int, k: int, mapping: str = "shard",
@@ -172,13 +174,20 @@ def predict(calibration: Calibration, hook: str, n: int, k: int, mapping: str = 
     servers (dedicated, or colocated: one on each node) (None: not predictable): its hook's
     buckets overlapped with backward, then the collectives it issues besides (``sends_ms``)."""
     strategy = HOOKS.record(hook)
+    if calibration.reduce_dtype and strategy.reduce_dtype:  # --reduce-dtype: its wire dtype
+        strategy = replace(strategy, payload=PRECISIONS[calibration.reduce_dtype])
     end = communication_end(calibration, strategy, hook, n, k, mapping, per_node, servers_on)
     if end is None:
         return None
     own_ms = own_compute(calibration, hook) if own else 0.0
     sent_ms = sends_ms(calibration, strategy, hook, n, per_node)
-    batch = pipelines.iteration_ms(calibration.phases, end, own_ms) + sent_ms
+    phases, micro = calibration.phases, calibration.micro_batches
+    # --grad-accum: the micro-batches before the last compute alone (their gradients only
+    # accumulate); the last one's backward hands the buckets over
+    accumulating = (micro - 1) * (phases.forward + phases.backward)
+    batch = pipelines.iteration_ms(phases, end, own_ms) + accumulating + sent_ms
     return {"batch_ms": batch, "communication_end_ms": end, "sends_ms": sent_ms, "own_ms": own_ms,
-            "samples_per_s": n * calibration.batch_size / (batch / 1000.0) if batch > 0 else None}
+            "samples_per_s": (n * calibration.batch_size * micro / (batch / 1000.0)
+                              if batch > 0 else None)}
 
 

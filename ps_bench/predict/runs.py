@@ -36,6 +36,7 @@ class Run:
     # trainers on each trainer host (an emulated network's; else 1, every trainer apart)
     per_host: int = 1
     servers_on: str = "dedicated"
+    grad_accum: int = 1  # micro-batches an optimizer step
 
     @property
     def communicates_nothing(self) -> bool:
@@ -74,6 +75,7 @@ class Run:
             per_host=trainers_per_host(emulated.get("placement"),
                                        cfg["ntrainer"] + cfg.get("ncudatrainer", 0)),
             servers_on=cfg.get("servers_on", "dedicated"), backend=cfg.get("backend", "gloo"),
+            grad_accum=cfg.get("grad_accum", 1),
         )
 
 

@@ -22,6 +22,7 @@ import numpy as np
 from ps_bench.metrics import limits as measure
 from ps_bench.metrics.messages import message_bytes
 from ps_bench.strategies import hook_options
+from ps_bench.strategies.record import calls_per_iteration
 
 STEP = "step_"  # floor samples of a strategy's own steps: step_<collective>_ms, step_total_ms
 
@@ -60,10 +61,12 @@ def limits(record: Any) -> dict | None:
     }
 
 
-def periods(record: Any) -> dict[str, int]:
-    """Each collective of the record's ``sends`` -> how many iterations one of its calls serves."""
+def periods(record: Any) -> dict[str, float]:
+    """Each collective of the record's ``sends`` -> how many iterations one of its calls serves
+    (a period's; a fraction for one made every micro-batch of ``--grad-accum``)."""
     period = hook_options(record.config.hook, record.config.hook_options).get("period", 1)
-    return {collective: period if per == "period" else 1
+    micro = getattr(record.config, "grad_accum", 1)
+    return {collective: 1.0 / calls_per_iteration(per, period, micro)
             for collective, per in record.strategy.sends}
 
 

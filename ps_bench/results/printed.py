@@ -30,10 +30,11 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
             print(f"\n{title} (timed rounds)")
             print(render_table(role_rows))
     throughput, moved, replicas = results["throughput"], results["bytes"], results["replicas"]
-    print(
-        f"\nthroughput: {throughput['samples_per_s']:.1f} samples/s over "
-        f"{throughput['iterations']} iterations per trainer"
-    )
+    rate, config = throughput["samples_per_s"], results["config"]
+    steps = (f" (optimizer steps of {config['grad_accum']} micro-batches of "
+             f"{config['batch_size']})" if config.get("grad_accum", 1) > 1 else "")
+    print(f"\nthroughput: {rate:.1f} samples/s ({1000.0 / rate if rate else 0.0:.3f} ms a "
+          f"sample) over {throughput['iterations']} iterations{steps} per trainer")
     print(
         "bytes per iteration: trainer sent {trainer_sent_per_iter:.0f}, "
         "recv {trainer_recv_per_iter:.0f}; "

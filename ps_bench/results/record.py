@@ -295,6 +295,7 @@ class RunRecord:
             "throughput": {
                 "samples_per_s": sum(work[1] for work in self.trainer_work.values()) / self.timed_s
                 if self.timed_s else 0.0,
+                "samples_per_iteration": cfg.batch_size * cfg.grad_accum,
                 "iterations": self.iterations,
                 "timed_s": self.timed_s,
                 "per_trainer": [{"index": info.index, "rank": info.rank,

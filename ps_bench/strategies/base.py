@@ -20,6 +20,7 @@ in its family's module, registered with its record.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import time
@@ -83,6 +84,8 @@ class HookContext:
     # --verify with an engine: keep the engine's own counts of its collectives
     engine_bytes: bool = False
     verifying: bool = False  # --verify: some iterations will be captured
+    # --reduce-dtype (or --precision's): what an engine with a policy of its own communicates in
+    reduce_dtype: torch.dtype | None = None
     # the last whole iteration's buckets, index -> (payload bytes, sparse, gradient shapes): the
     # size report, --limits
     buckets: dict[int, tuple[int, bool, list]] = field(default_factory=dict)
@@ -185,6 +188,19 @@ class Synchroniser:
     hook: Hook | None = None
     after_step: Callable[[HookContext, nn.Module], bool] | None = None
     input_dtype: torch.dtype | None = None  # an engine that casts the model: its float inputs' type
+    casts_itself = False  # an engine that runs its own precision (no torch.autocast around it)
+    scales_micro_losses = True  # --grad-accum: each micro-batch's loss divided by the count here
+
+    def accumulating(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        """Around one micro-batch's forward and backward: ``sync`` on the step's last, where the
+        gradients are synchronised; before it they are only accumulated (DDP's ``no_sync``; a
+        model that is not DDP's has nothing to skip)."""
+        if sync or not hasattr(model, "no_sync"):
+            return contextlib.nullcontext()
+        return model.no_sync()
+
+    def micro_step(self) -> None:
+        """After each micro-batch but the step's last (an engine that counts them steps here)."""
 
     def wrap(self, network: nn.Module, ctx: HookContext, ddp_options: dict[str, Any],
              optimizer: OptimizerSpec | None) -> tuple[nn.Module, torch.optim.Optimizer | None]:

@@ -14,16 +14,17 @@ what DeepSpeed's own comms logger saw, to hold one against the other.
 
 A ds_config gives the run its batch size, optimizer and precision (and ``"auto"`` takes the
 run's, as the Hugging Face Trainer fills it); a value that conflicts with an option given on the
-command line is refused naming both. ps_bench times one optimizer step per micro-batch, steps a
-constant learning rate and does not clip (a config's scheduler is left out, saying so). What
+command line is refused naming both (``strategies.deepspeed_config``). Its micro-batches an
+optimizer step are the run's ``--grad-accum`` or the config's ``gradient_accumulation_steps``:
+DeepSpeed accumulates them itself, reducing as its stage does. ps_bench steps a constant
+learning rate and does not clip (a config's scheduler is left out, saying so). What
 cannot run here is refused before anything starts: an unknown stage, ZeRO++'s quantized weights
 and gradients and its hierarchical partitions, and offload, without a GPU.
 """
 
 from __future__ import annotations
 
-import inspect
-import json
+import contextlib
 import logging
 import os
 import sys
@@ -34,194 +35,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from ps_bench.config import ConfigError, RunConfig, read_json
-from ps_bench.strategies.base import (OPTIMIZERS, HookContext, OptimizerSpec, Synchroniser,
-                                      flat_parameters)
+from ps_bench.config import ConfigError, RunConfig
+from ps_bench.strategies.base import HookContext, OptimizerSpec, Synchroniser, flat_parameters
+from ps_bench.strategies.deepspeed_config import (OPTIMIZER_PARAMS, precision_of, resolve_config,
+                                                  wire_of)
 from ps_bench.strategies.record import (COLLECTIVE, ENGINE, EVERY_ITERATION, GATHERED, HOOKS,
                                         SHARDED, Strategy)
 
-# DeepSpeed's optimizer parameters that ps_bench's torch optimizer already does as given (its
-# Adam is torch's, bias-corrected, with decoupled weight decay); the torch arguments that choose an
-# implementation, not the mathematics, are not the config's to set.
-IMPLEMENTED = {"torch_adam": True, "adam_w_mode": True, "bias_correction": True}
-IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable", "maximize")
-# Where the resolved config keeps what ps_bench's optimizer takes besides the run's options; taken
-# out before DeepSpeed reads the config.
-OPTIMIZER_PARAMS = "ps_bench_optimizer_params"
-DEFAULTS = {name: RunConfig.__dataclass_fields__[name].default
-            for name in ("batch_size", "lr", "optimizer", "momentum", "weight_decay")}
-# DeepSpeed's Adam is AdamW (adam_w_mode)
-OPTIMIZER_TYPES = {"sgd": "sgd", "adamw": "adamw", "adam": "adamw"}
-ZERO_PLUS_PLUS = ("zero_quantized_weights", "zero_quantized_gradients",
-                  "zero_quantized_nontrainable_weights")
-OFFLOAD = ("offload_optimizer", "offload_param")
-
-
-def resolve_config(cfg: RunConfig, stage: int, gpus: int) -> tuple[dict[str, Any], list[str]]:
-    """The DeepSpeed config a run of ``--hook deepspeed_zero{stage}`` trains with: the user's
-    ``--ds-config`` (its ``"auto"`` values filled from the run) or a minimal one; the run's batch
-    size, optimizer and learning rate are set from it (``cfg`` is updated); and what of the
-    user's config the run leaves out, in a line each. ConfigError names the input for anything
-    that cannot run here."""
-    source = f"--ds-config {cfg.ds_config}" if cfg.ds_config else f"--hook deepspeed_zero{stage}"
-    given = read_json(cfg.ds_config, "--ds-config") if cfg.ds_config else {}
-    if not isinstance(given, dict):
-        raise ConfigError(f"{source} must hold a JSON object (a DeepSpeed config)")
-    config = {key: value for key, value in given.items()
-              if key not in ("optimizer", "scheduler", "comms_logger")}
-    zero = dict(config.get("zero_optimization") or {})
-    asked = zero.get("stage", stage)
-    if asked == "auto":
-        asked = stage
-    if asked not in (0, 1, 2, 3) or isinstance(asked, bool):
-        raise ConfigError(f"{source}: zero_optimization.stage must be 0, 1, 2 or 3; got {asked!r}")
-    if asked != stage:
-        raise ConfigError(f"{source} asks for ZeRO stage {asked}, and --hook deepspeed_zero{stage} "
-                          f"for stage {stage}: use --hook deepspeed_zero{asked}" if asked else
-                          f"{source} turns ZeRO off (stage 0): use --hook allreduce")
-    if not gpus:
-        cannot = [key for key in ZERO_PLUS_PLUS if zero.get(key)]
-        cannot += (["zero_hpz_partition_size"] if (zero.get("zero_hpz_partition_size") or 1) > 1
-                   else [])
-        cannot += [key for key in OFFLOAD
-                   if (zero.get(key) or {}).get("device", "none") not in ("none", None)]
-        if cannot:
-            raise ConfigError(f"{source}: {', '.join(cannot)} "
-                              f"{'needs' if len(cannot) == 1 else 'need'} a GPU (ZeRO++ has no CPU "
-                              f"kernels; offload moves state off the GPU), and this run trains on "
-                              f"the CPU: leave {'it' if len(cannot) == 1 else 'them'} out")
-    # DeepSpeed's own default, as it drops them
-    zero = {key: value for key, value in zero.items() if value != "auto"}
-    zero["stage"] = stage
-    if stage == 3:  # keep no small parameters whole: every parameter partitioned
-        zero.setdefault("stage3_param_persistence_threshold", 0)
-    config["zero_optimization"] = zero
-    take_batch(cfg, config, source)
-    params = take_optimizer(cfg, given.get("optimizer"), source)
-    if params:
-        config[OPTIMIZER_PARAMS] = params
-    for precision in ("fp16", "bf16"):
-        section = config.get(precision)
-        if isinstance(section, dict) and section.get("enabled") == "auto":
-            # ps_bench trains in float32 unless told
-            config[precision] = {**section, "enabled": False}
-    check_precision(config, source, gpus)
-    if config.get("gradient_clipping", "auto") == "auto":
-        config["gradient_clipping"] = 0.0
-    left = auto_keys(config)
-    if left:
-        raise ConfigError(f"{source}: ps_bench cannot fill \"auto\" for {', '.join(left)}: "
-                          f"give a value")
-    # the run's torch optimizer, which DeepSpeed has not vetted
-    config["zero_allow_untested_optimizer"] = True
-    notes = ([f"{source}: its scheduler ({given['scheduler'].get('type', '?')}) is left out: "
-              f"ps_bench steps a constant learning rate (--lr {cfg.lr:g})"]
-             if isinstance(given.get("scheduler"), dict) else [])
-    return config, notes
-
-
-def take_batch(cfg: RunConfig, config: dict, source: str) -> None:
-    """The micro-batch is the run's ``--batch-size``; one optimizer step per micro-batch."""
-    world = cfg.num_trainers
-    micro = config.get("train_micro_batch_size_per_gpu", "auto")
-    steps = config.get("gradient_accumulation_steps", "auto")
-    steps = 1 if steps == "auto" else steps
-    if steps != 1:
-        raise ConfigError(f"{source}: gradient_accumulation_steps {steps}: ps_bench times one "
-                          f"optimizer step per micro-batch; set it to 1 or \"auto\"")
-    total = config.get("train_batch_size", "auto")
-    if micro == "auto" and total != "auto":
-        micro = total // world if isinstance(total, int) and total % world == 0 else total
-    if micro != "auto":
-        if not isinstance(micro, int) or micro < 1:
-            raise ConfigError(f"{source}: train_micro_batch_size_per_gpu must be a whole number; "
-                              f"got {micro!r}")
-        conflict(cfg, "batch_size", micro, source, "train_micro_batch_size_per_gpu")
-        cfg.batch_size = micro
-    if total not in ("auto", cfg.batch_size * world):
-        raise ConfigError(f"{source}: train_batch_size {total} is not "
-                          f"train_micro_batch_size_per_gpu {cfg.batch_size} x {world} trainers")
-    config.update(train_micro_batch_size_per_gpu=cfg.batch_size, gradient_accumulation_steps=1,
-                  train_batch_size=cfg.batch_size * world)
-
-
-def take_optimizer(cfg: RunConfig, optimizer: Any, source: str) -> dict[str, Any]:
-    """The config's optimizer becomes the run's (a torch optimizer ps_bench builds: nothing to
-    compile): its learning rate, momentum and weight decay the run's options, its other
-    parameters (betas, eps, nesterov, ...) the optimizer's own keyword arguments, returned;
-    "auto" keeps the run's (torch's defaults). A parameter the torch optimizer has no
-    counterpart for is refused, naming it."""
-    if optimizer is None:
-        return {}
-    kind = str(optimizer.get("type", "")).lower() if isinstance(optimizer, dict) else ""
-    if kind not in OPTIMIZER_TYPES:
-        raise ConfigError(f"{source}: optimizer type {kind or optimizer!r} is not one ps_bench "
-                          f"runs (SGD, Adam, AdamW)")
-    conflict(cfg, "optimizer", OPTIMIZER_TYPES[kind], source, "optimizer.type")
-    cfg.optimizer = OPTIMIZER_TYPES[kind]
-    params = optimizer.get("params") or {}
-    if not isinstance(params, dict):
-        raise ConfigError(f"{source}: optimizer.params must be an object; got {params!r}")
-    torch_class = OPTIMIZERS[cfg.optimizer]
-    accepted = set(inspect.signature(torch_class).parameters) - {"params", *IMPLEMENTATION}
-    extra = {}
-    for name, value in params.items():
-        if value == "auto" or IMPLEMENTED.get(name, object()) == value:
-            continue
-        if name in ("lr", "momentum", "weight_decay"):
-            conflict(cfg, name, value, source, f"optimizer.params.{name}")
-            setattr(cfg, name, float(value))
-        elif name in accepted:
-            extra[name] = list(value) if isinstance(value, (list, tuple)) else value
-        else:
-            raise ConfigError(f"{source}: optimizer.params.{name} {json.dumps(value)}: ps_bench's "
-                              f"{kind} is torch's {torch_class.__name__}, which takes "
-                              f"{', '.join(sorted(accepted))}; leave {name} out")
-    return extra
-
-
-def check_precision(config: dict, source: str, gpus: int) -> None:
-    """bf16 or fp16 enabled: DeepSpeed casts the model, and ps_bench the inputs, to that type;
-    fp16 only where DeepSpeed runs it (a GPU), and not both."""
-    enabled = [name for name in ("bf16", "fp16") if (config.get(name) or {}).get("enabled") is True]
-    if len(enabled) > 1:
-        raise ConfigError(f"{source}: bf16 and fp16 are both enabled: DeepSpeed trains in one of "
-                          f"them; enable one")
-    if enabled == ["fp16"] and not gpus:
-        raise ConfigError(f"{source}: fp16 enabled: DeepSpeed trains in float16 on a GPU only, and "
-                          f"this run trains on the CPU: enable bf16 instead, or leave fp16 out")
-
-
-def precision_of(config: dict | None) -> str | None:
-    """The dtype a resolved config trains in (``bfloat16``, ``float16``), None for float32."""
-    for name, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
-        if ((config or {}).get(name) or {}).get("enabled") is True:
-            return dtype
-    return None
-
-
-def conflict(cfg: RunConfig, name: str, value: Any, source: str, key: str) -> None:
-    """A ConfigError if the run's option ``name`` was set (is not its default) to something else."""
-    mine = getattr(cfg, name)
-    if name in DEFAULTS and mine != DEFAULTS[name] and mine != value:
-        raise ConfigError(f"--{name.replace('_', '-')} {mine} and {source}'s {key} {value} "
-                          f"disagree: give one")
-
-
-def auto_keys(config: Any, prefix: str = "") -> list[str]:
-    if isinstance(config, dict):
-        return [key for name, value in config.items()
-                for key in auto_keys(value, f"{prefix}{name}.")]
-    return [prefix.rstrip(".")] if config == "auto" else []
-
-
 def deepspeed_record(stage: int) -> Strategy:
-    # the gradients; then the parameters gathered once
-    second = "all_reduce" if stage < 3 else "reduce_scatter"
-    sends = ((second, "iteration"), ("all_gather", "iteration"))
+    # the gradients, then the stepped parameters gathered once; with micro-batches (--grad-accum),
+    # stage 1 reduces at the step's last, stages 2 and 3 at every one, and stage 3 gathers the
+    # parameters for every one
+    sends = {1: (("all_reduce", "iteration"), ("all_gather", "iteration")),
+             2: (("all_reduce", "micro-batch"), ("all_gather", "iteration")),
+             3: (("reduce_scatter", "micro-batch"), ("all_gather", "micro-batch"))}[stage]
     return Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED,
                     wrap=ENGINE, identical=GATHERED if stage == 3 else EVERY_ITERATION, sends=sends,
-                    engine="deepspeed")
+                    engine="deepspeed", reduce_dtype=True)
 
 
 class EngineStep:
@@ -240,6 +70,9 @@ class EngineStep:
 
 class DeepSpeedZero(Synchroniser):
     """The model trained by a DeepSpeed engine over the trainers' process group."""
+
+    casts_itself = True  # its config's bf16 or fp16: the model cast, no torch.autocast
+    scales_micro_losses = False  # it divides each micro-batch's loss by its accumulation steps
 
     stage = 1
 
@@ -276,9 +109,9 @@ class DeepSpeedZero(Synchroniser):
 
     @staticmethod
     def configured_record(record: Strategy, config: dict[str, Any]) -> Strategy:
-        """The record as the resolved config trains: with bf16 or fp16 enabled, the gradients and
-        parameters it moves are in that type."""
-        return replace(record, payload=precision_of(config) or record.payload)
+        """The record as the resolved config trains: the gradients it moves in its
+        ``communication_data_type``, else in the type it trains in (bf16 or fp16 enabled)."""
+        return replace(record, payload=wire_of(config) or record.payload)
 
     def wrap(self, network: nn.Module, ctx: HookContext, ddp_options: dict[str, Any],
              optimizer: OptimizerSpec) -> tuple[nn.Module, EngineStep]:
@@ -316,6 +149,16 @@ class DeepSpeedZero(Synchroniser):
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
+
+    def accumulating(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        """DeepSpeed accumulates by its own ``gradient_accumulation_steps``, reducing as its stage
+        does (ZeRO-2 and 3 at every micro-batch): nothing to skip."""
+        return contextlib.nullcontext()
+
+    def micro_step(self) -> None:
+        """DeepSpeed counts the micro-batches in its ``step``: it steps the optimizer on the
+        step's last."""
+        self.engine.step()
 
     def engine_counts(self, world: int) -> dict[str, list[int]]:
         """What DeepSpeed's comms logger saw in the round's training (``--verify``): collective ->

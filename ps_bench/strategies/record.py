@@ -33,8 +33,10 @@ EVERY_ITERATION, AT_SYNCHRONISATION, GATHERED = ("every iteration", "the last sy
                                                  "gathered full parameters")
 SERVERS_MODEL = "the servers' one model"
 # The collectives a strategy issues besides (or instead of) its hook, each over the whole model's
-# parameter bytes, per iteration or once per ``period``.
+# parameter bytes, per iteration (an optimizer step), per micro-batch of one (--grad-accum), or
+# once per ``period``.
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+FREQUENCIES = ("iteration", "micro-batch", "period")
 # The training engines ps_bench drives besides torch's own, each an optional extra: the line that
 # installs it.
 ENGINES = {"deepspeed": 'pip install -e ".[deepspeed]"', "torchft": 'pip install -e ".[torchft]"'}
@@ -83,7 +85,7 @@ class Strategy:
     wrap: str = DDP  # DDP, FSDP, ENGINE or SERVER_OWNED
     # what "replicas identical" is checked at (SERVERS_MODEL: nothing to compare)
     identical: str = EVERY_ITERATION
-    # (collective, "iteration" | "period"): what it issues over the model's parameters besides its
+    # (collective, one of FREQUENCIES): what it issues over the model's parameters besides its
     # hook
     sends: tuple[tuple[str, str], ...] = ()
     # it synchronises within each host before across hosts: needs --per-host, 2 hosts or more
@@ -95,6 +97,8 @@ class Strategy:
     # its DDP hook sends the gradient buckets (default: the all-reduce and servers families)
     hook_sends: bool | None = None
     cost: Cost | None = None  # how predict costs it (default: from the rest of the record)
+    # an engine that communicates in a dtype of its own choosing: --reduce-dtype sets it
+    reduce_dtype: bool = False
 
     def __post_init__(self) -> None:
         if self.family is None:
@@ -108,7 +112,7 @@ class Strategy:
                 or self.family not in FAMILIES or self.wrap not in (DDP, FSDP, ENGINE, SERVER_OWNED)
                 or self.identical not in (EVERY_ITERATION, AT_SYNCHRONISATION, GATHERED,
                                           SERVERS_MODEL)
-                or any(c not in COLLECTIVES or per not in ("iteration", "period")
+                or any(c not in COLLECTIVES or per not in FREQUENCIES
                        for c, per in self.sends)
                 or self.engine not in (None, *ENGINES)):
             raise ValueError(f"bad strategy record {self}")
@@ -158,14 +162,20 @@ class Strategy:
         return (per_host or 1) if self.per_host and self.needs_servers else 1
 
 
+def calls_per_iteration(per: str, period: int = 1, micro_batches: int = 1) -> float:
+    """How many calls of a collective of frequency ``per`` an iteration (an optimizer step of
+    ``micro_batches``) makes, amortised over the period."""
+    return {"iteration": 1.0, "micro-batch": float(micro_batches), "period": 1.0 / period}[per]
+
+
 def expected_bytes(record: Strategy, nbytes: int, world: int, period: int = 1,
-                   backend: str = "gloo") -> float:
-    """What a strategy that is not a DDP hook sends per iteration over a model of ``nbytes``
-    float32 parameter bytes, in its wire dtype, amortised over its period (the hook's own bytes
-    come from its buckets)."""
+                   backend: str = "gloo", micro_batches: int = 1) -> float:
+    """What a strategy that is not a DDP hook sends per iteration (an optimizer step of
+    ``micro_batches``) over a model of ``nbytes`` float32 parameter bytes, in its wire dtype,
+    amortised over its period (the hook's own bytes come from its buckets)."""
     wire = nbytes * ELEMENT_BYTES.get(record.payload, 4) // 4
-    return sum(collective_bytes(collective, wire, world, backend) /
-               (period if per == "period" else 1) for collective, per in record.sends)
+    return sum(collective_bytes(collective, wire, world, backend) *
+               calls_per_iteration(per, period, micro_batches) for collective, per in record.sends)
 
 
 HOOKS: Registry = Registry("hook", record_type=Strategy)

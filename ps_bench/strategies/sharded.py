@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import contextlib
 import copy
 import os
 
@@ -44,8 +45,10 @@ def shard_units(network: nn.Module) -> list[nn.Module]:
 
 @HOOKS.register("fsdp", aliases=("fully_shard", "fsdp2"),
                 record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None,
-                                family=SHARDED, wrap=FSDP, identical=GATHERED,
-                                sends=(("all_gather", "iteration"), ("all_gather", "iteration"),
+                                family=SHARDED, wrap=FSDP, identical=GATHERED, reduce_dtype=True,
+                                # --grad-accum: the parameters gathered for every micro-batch's
+                                # forward and backward, the gradients reduced on the step's last
+                                sends=(("all_gather", "micro-batch"), ("all_gather", "micro-batch"),
                                        ("reduce_scatter", "iteration"))))
 class FullyShard(Synchroniser):
     """FSDP2 over the trainers: the model's units (``shard_units``), each with its parameters
@@ -73,11 +76,20 @@ class FullyShard(Synchroniser):
         shape = self.mesh_shape(ctx)
         mesh = self.mesh = init_device_mesh(device.type, shape,
                                             mesh_dim_names=MESH_NAMES[-len(shape):])
+        options = {"mesh": mesh}
+        if ctx.reduce_dtype is not None:  # --reduce-dtype: gathered and reduced in it
+            options["mp_policy"] = mixed_precision_policy(ctx.reduce_dtype)
         for module in shard_units(network):
-            fully_shard(module, mesh=mesh)
-        fully_shard(network, mesh=mesh)
+            fully_shard(module, **options)
+        fully_shard(network, **options)
         self.model = network
         return network, optimizer.build(network.parameters())
+
+    def accumulating(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        """--grad-accum: FSDP2 reduce-scatters the gradients on the step's last micro-batch only
+        (``set_requires_gradient_sync``); it gathers the parameters for every one."""
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
         """``--verify``, on a captured iteration: after FSDP2's backward, the gradients it delivered
@@ -124,6 +136,15 @@ class FullyShard(Synchroniser):
         return flat_parameters(whole(p) for p in model.parameters())
 
 
+def mixed_precision_policy(dtype: torch.dtype):
+    """FSDP2's policy that gathers the parameters and reduces the gradients in ``dtype``."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    except ImportError:  # torch releases before FSDP2 was public
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+
+
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A sharded tensor (a DTensor) gathered whole; any other as it is."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
@@ -145,6 +166,7 @@ def corrupt(ctx: HookContext, model: nn.Module) -> None:
 @HOOKS.register("hsdp", aliases=("HSDP",),
                 record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None,
                                 family=SHARDED, wrap=FSDP, identical=GATHERED, per_host=True,
+                                reduce_dtype=True,
                                 cost=Cost(COLLECTIVE_BUCKETS, bucket_ms=costs.hsdp_reduce_ms,
                                           iteration_ms=costs.hsdp_gather_ms)))
 class HybridShard(FullyShard):

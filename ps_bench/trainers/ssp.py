@@ -15,6 +15,7 @@ divided by the number of trainers, its seconds as its own training time.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -26,7 +27,7 @@ from ps_bench.config import RunConfig
 from ps_bench.runtime.failures import fatal_on_error
 from ps_bench.runtime.faults import Fault, Straggling, maybe_inject
 from ps_bench.metrics.memory import peak_memory
-from ps_bench.metrics.timers import tensor_bytes
+from ps_bench.metrics.timers import folded, tensor_bytes
 from ps_bench.models.base import Dataset, build_model
 from ps_bench.models.entries import Entry
 from ps_bench.servers.ssp import GO, STOPPED, StaleSynchronousServer, shard_owners
@@ -57,8 +58,10 @@ class StaleSynchronousTrainer(Resident):
                        for s in range(len(self.servers))]
         self.loss_fn = nn.CrossEntropyLoss()
         self.inputs, self.targets = inputs, targets
-        self.batch_size = config.batch_size
-        self.per_epoch = len(targets) // config.batch_size
+        self.batch_size, self.accum = config.batch_size, config.grad_accum
+        self.per_epoch = len(targets) // (config.batch_size * config.grad_accum)
+        self.autocast = (contextlib.nullcontext if config.precision == "fp32" else
+                         lambda: torch.autocast("cpu", dtype=torch.bfloat16))  # on the CPU: bf16
         self.iterations_per_round = self.per_epoch * config.epochs
         self.num_trainers = config.num_trainers
         self.clock = 0  # iterations pushed so far
@@ -84,36 +87,42 @@ class StaleSynchronousTrainer(Resident):
         status = GO
         if not self.fresh:
             status = self.read(self.ask("pull", self.clock))
+        accum, size = self.accum, self.batch_size
         while status == GO:
-            first = (self.clock % self.per_epoch) * self.batch_size
-            x = [t[first:first + self.batch_size] for t in self.inputs]
-            y = self.targets[first:first + self.batch_size]
+            first = (self.clock % self.per_epoch) * size * accum
+            x = [t[first:first + size * accum] for t in self.inputs]
+            y = self.targets[first:first + size * accum]
             if self.convergence is not None and self.check(x, y):
                 status = STOPPED
                 break
             maybe_inject(self.fault, "trainer", self.index, self.clock + 1)
-            t0 = clock()
+            times = [clock()]
             for p in self.parameters:
                 p.grad = None
-            loss = self.loss_fn(self.network(*x), y)
-            # --straggler: this trainer is slower in this iteration by that much
-            if self.straggling:
-                time.sleep(self.straggling.delay_s(self.clock + 1))
-            t1 = clock()
-            loss.backward()
-            t2 = clock()
+            step_loss = 0.0
+            for micro in range(accum):  # --grad-accum: the gradients of every micro-batch, summed
+                with self.autocast():
+                    part = slice(micro * size, (micro + 1) * size)
+                    loss = self.loss_fn(self.network(*(t[part] for t in x)), y[part])
+                # --straggler: this trainer is slower in this iteration by that much
+                if self.straggling and micro == accum - 1:
+                    time.sleep(self.straggling.delay_s(self.clock + 1))
+                times.append(clock())
+                (loss / accum if accum > 1 else loss).backward()
+                times.append(clock())
+                step_loss += loss.item() / accum
             gradients = [[self.gradient(i) for i in shard] for shard in self.shards]
             answers = self.ask("push", self.clock, gradients)
             t3 = clock()
             self.clock += 1
             status = self.read(answers)
             t4 = clock()
-            readings.append((t0, t1, t2, t3, t4))
+            readings.append((*times, t3, t4))
             moved.append((sum(tensor_bytes(g) for shard in gradients for g in shard),
                           sum(tensor_bytes(p) for reply in answers if reply[0] is not None
                               for p in reply[0])))
-            losses.append(loss.item())
-            self.trained_s += t4 - t0
+            losses.append(step_loss)
+            self.trained_s += t4 - times[0]
         return self.round_result(readings, moved, losses, status)
 
     def gradient(self, index: int) -> torch.Tensor:
@@ -165,15 +174,15 @@ class StaleSynchronousTrainer(Resident):
 
     def round_result(self, readings: list[tuple], moved: list[tuple], losses: list[float],
                      status: str) -> dict:
-        phases = np.diff(np.asarray(readings, dtype=np.float64), axis=1) * 1000.0 if readings \
-            else np.zeros((0, 4))
+        phases = (folded(np.diff(np.asarray(readings, dtype=np.float64), axis=1) * 1000.0, 2)
+                  if readings else np.zeros((0, 4)))
         moved_array = np.asarray(moved, dtype=np.int64).reshape(-1, 2)
         samples = {"batch": phases.sum(axis=1).tolist(), "forward": phases[:, 0].tolist(),
                    "backward": phases[:, 1].tolist(), "comm": phases[:, 2].tolist(),
                    "optimizer": phases[:, 3].tolist(), "bytes_sent": moved_array[:, 0].tolist(),
                    "bytes_recv": moved_array[:, 1].tolist()}
         result = {"samples": samples, "iterations": len(readings),
-                  "samples_processed": len(readings) * self.batch_size,
+                  "samples_processed": len(readings) * self.batch_size * self.accum,
                   "bytes_sent": int(moved_array[:, 0].sum()),
                   "bytes_recv": int(moved_array[:, 1].sum()),
                   "losses": losses, "verified_iterations": 0, "grad_errors": [],

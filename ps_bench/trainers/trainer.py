@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import time
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -17,13 +19,15 @@ from ps_bench.runtime.failures import fatal_on_error
 from ps_bench.runtime.faults import Fault, Straggling, maybe_inject
 from ps_bench.metrics import wire
 from ps_bench.metrics.memory import peak_memory
-from ps_bench.metrics.timers import StepTimer, bucket_offsets, covered_ms, cuda_bucket_offsets
+from ps_bench.metrics.messages import DTYPES, PRECISIONS
+from ps_bench.metrics.timers import (StepTimer, bucket_offsets, covered_ms, cuda_bucket_offsets,
+                                     folded)
 from ps_bench.models.base import Dataset, build_model
 from ps_bench.models.entries import Entry
 from ps_bench.registry import Registry
 from ps_bench.strategies import Strategy
-from ps_bench.strategies.base import (HookContext, ServerHandle, build_synchroniser, fingerprint,
-                                      optimizer_spec)
+from ps_bench.strategies.base import (HookContext, ServerHandle, Synchroniser, build_synchroniser,
+                                      fingerprint, optimizer_spec)
 from ps_bench.trainers.convergence import Convergence
 from ps_bench.trainers.probes import FloorProbes, finish_profile, start_profiler
 from ps_bench.runtime.resident import Resident
@@ -33,6 +37,18 @@ VERIFIED_PER_ROUND = 4  # --verify checks at most this many evenly spaced iterat
 PROFILED_ITERATIONS = 3  # --profile traces this many iterations, from the second of the round on
 # the bucket timeline comes from this many timed iterations at the end of each round
 TIMELINE_ITERATIONS = 8
+
+
+def mixed_precision(device: torch.device, precision: str,
+                    synchroniser: Synchroniser) -> tuple[Callable[[], Any], Any]:
+    """``--precision``: a context for forward under ``torch.autocast`` in bf16 or fp16, and for
+    fp16 a gradient scaler (``torch.amp.GradScaler``, on a GPU); for fp32, or a strategy whose
+    engine casts the model itself (DeepSpeed), nothing."""
+    if precision == "fp32" or synchroniser.casts_itself:
+        return contextlib.nullcontext, None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    return (lambda: torch.autocast(device.type, dtype=dtype)), scaler
 
 
 def verified_steps(iterations: int) -> set[int]:
@@ -93,6 +109,7 @@ class DdpTrainer(FloorProbes, Resident):
             ready_events=[] if self.device.type == "cuda" else None,
             engine_config=engine_config,
             engine_bytes=config.verify,
+            reduce_dtype=(DTYPES[PRECISIONS[config.reduce_dtype]] if config.reduce_dtype else None),
             verifying=config.verify,
         )
         # trainers rank first
@@ -124,9 +141,12 @@ class DdpTrainer(FloorProbes, Resident):
                                  dtype=cast if cast and t.is_floating_point() else t.dtype)
                             for t in inputs)
         self.targets = targets.to(self.device)
-        self.batch_size = config.batch_size
+        self.batch_size, self.accum = config.batch_size, config.grad_accum
         self.epochs = config.epochs
-        self.iterations_per_epoch = len(targets) // config.batch_size
+        self.iterations_per_epoch = len(targets) // (config.batch_size * config.grad_accum)
+        self.micro_step = self.synchroniser.micro_step
+        self.autocast, self.scaler = mixed_precision(self.device, config.precision,
+                                                     self.synchroniser)
         self._compute_copy: nn.Module | None = None  # --limits: the model outside DDP, made once
         # --limits builds the compute-only copy from them
         self.entry, self.seed = model, config.torch_seed
@@ -156,8 +176,9 @@ class DdpTrainer(FloorProbes, Resident):
         # early)
         special = checked | traced | {last} | ({min(1, last)} if self.convergence else set())
         profiler = None
-        # What every iteration pays on top of training: four clock reads, two byte-counter reads
-        # and one append. Everything else waits for the end of the round
+        # What every iteration pays on top of training: two clock reads and two more a
+        # micro-batch, two byte-counter reads and two appends. Everything else waits for the end
+        # of the round
         # (benchmarks/timer_overhead.py measures it).
         # per iteration: four clock readings, bytes sent and received so far
         records: list[tuple] = []
@@ -172,6 +193,11 @@ class DdpTrainer(FloorProbes, Resident):
             self.model, self.loss_fn, self.optimizer, self.inputs, self.targets)
         per_epoch, batch_size, fault, iteration = (
             self.iterations_per_epoch, self.batch_size, self.fault, self.iteration)
+        # --grad-accum: an iteration is an optimizer step of ``accum`` micro-batches, the
+        # gradients synchronised on the last (each micro-batch's loss a share of the step's)
+        accum, step_size, micro_step = self.accum, self.batch_size * self.accum, self.micro_step
+        accumulating, autocast, scaler = self.synchroniser.accumulating, self.autocast, self.scaler
+        share = self.accum if self.synchroniser.scales_micro_losses else 1
         convergence, straggling, sleep = self.convergence, self.straggling, time.sleep
         after_step, note_synchronised = (
             self.synchroniser.after_step, self.synchroniser.note_synchronised)
@@ -179,8 +205,8 @@ class DdpTrainer(FloorProbes, Resident):
         if convergence is not None and convergence.stopped:
             return self.empty_round()
         for step in range(iterations):
-            first = (step % per_epoch) * batch_size
-            x, y = [t[first:first + batch_size] for t in inputs], targets[first:first + batch_size]
+            first = (step % per_epoch) * step_size
+            x, y = [t[first:first + step_size] for t in inputs], targets[first:first + step_size]
             if convergence is not None and convergence.check(iteration, x, y):  # outside the clock
                 break
             iteration += 1
@@ -193,21 +219,38 @@ class DdpTrainer(FloorProbes, Resident):
                     profiler = start_profiler(self.device)
             if fault is not None:
                 maybe_inject(fault, "trainer", self.index, iteration)
-            t0 = clock()
+            capturing, micro_losses = ctx.capturing, []
+            readings = [clock()]
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(*x), y)
-            if straggling:  # --straggler: slower by that much in this iteration, inside the clock
-                sleep(straggling.delay_s(iteration))
-            t1 = clock()
-            backward(loss)
-            t2 = clock()
-            optimizer.step()
+            for micro in range(accum):  # one pass without --grad-accum
+                last_micro = micro == accum - 1
+                ctx.capturing = capturing and last_micro  # what is synchronised: the whole step's
+                start = micro * batch_size
+                with accumulating(model, last_micro):
+                    with autocast():  # forward; backward follows autocast's casts on its own
+                        loss = (loss_fn(model(*x), y) if accum == 1 else
+                                loss_fn(model(*(t[start:start + batch_size] for t in x)),
+                                        y[start:start + batch_size]))
+                    if straggling and last_micro:  # --straggler: slower by that much, in the clock
+                        sleep(straggling.delay_s(iteration))
+                    readings.append(clock())
+                    scaled = loss / share if share > 1 else loss
+                    backward(scaler.scale(scaled) if scaler else scaled)
+                    readings.append(clock())
+                if not last_micro:
+                    micro_step()
+                micro_losses.append(loss.detach())
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
             synchronised = after_step is not None and after_step(ctx, model)
-            t3 = stop()
+            readings.append(stop())
             if synchronised:
                 note_synchronised(model)
-            record((t0, t1, t2, t3, wire.sent, wire.recv))
-            append_loss(loss.detach())
+            record((readings, wire.sent, wire.recv))
+            append_loss(micro_losses[0] if accum == 1 else torch.stack(micro_losses).mean())
             if marked:
                 ctx.capturing = ctx.noting = False
                 ctx.batch = None
@@ -224,9 +267,9 @@ class DdpTrainer(FloorProbes, Resident):
         if not records:
             return self.empty_round()
         iterations = len(records)  # fewer where a --target-loss round stopped early
-        readings = [record[:4] for record in records]
-        phases = timer.phases(readings)
-        moved = np.diff([(sent_before, recv_before)] + [record[4:] for record in records], axis=0)
+        readings = [record[0] for record in records]
+        phases = folded(timer.phases(readings), 1)
+        moved = np.diff([(sent_before, recv_before)] + [record[1:] for record in records], axis=0)
         intervals, first_iteration, untimed = (
             ctx.comm.drain(), iteration - iterations + 1, checked | traced)
         # comm: while a bucket's hook or any collective was open (FSDP2, ZeRO and DeepSpeed have no
@@ -242,16 +285,17 @@ class DdpTrainer(FloorProbes, Resident):
         steps = [step for step in range(iterations) if step not in untimed][-TIMELINE_ITERATIONS:]
         if steps and not timer.cuda:
             tail = intervals[bisect.bisect_left(intervals, (first_iteration + steps[0],)):]
-            timeline = bucket_offsets(tail, {first_iteration + step: readings[step][1]
+            # the synchronised micro-batch's backward: the last
+            timeline = bucket_offsets(tail, {first_iteration + step: readings[step][-3]
                                              for step in steps})
         elif steps and ctx.ready_events:
             timeline = cuda_bucket_offsets(ctx.ready_events,
-                                           {first_iteration + step: readings[step][1:3]
+                                           {first_iteration + step: readings[step][-3:-1]
                                             for step in steps})
         return {
             "samples": samples,
             "iterations": iterations,
-            "samples_processed": iterations * self.batch_size,
+            "samples_processed": iterations * self.batch_size * self.accum,
             "bytes_sent": sum(samples["bytes_sent"]),
             "bytes_recv": sum(samples["bytes_recv"]),
             "losses": torch.stack(losses).float().cpu().tolist(),

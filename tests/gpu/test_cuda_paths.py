@@ -10,6 +10,8 @@ trainers sharing the GPU.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from ps_bench.metrics.costs import allreduce_bytes
@@ -104,6 +106,19 @@ def test_compression_on_the_gpu(hook, bench_runs):
         assert sent == allreduced(results, 2, halve=True)
     else:
         assert 0 < sent < allreduced(results, 2)
+
+
+@pytest.mark.parametrize("args", [
+    ("--backend", "nccl", "--ntrainer", "1", "--nserver", "0", "--hook", "allreduce", "--precision", "fp16"),
+    (*CUDA_RPC, "--hook", "ps", "--precision", "bf16"),
+], ids=["fp16-nccl", "bf16-cuda-rpc"])
+def test_autocast_and_micro_batches_on_the_gpu(args, bench_runs):
+    """--precision under torch.autocast on the device (fp16 with its gradient scaler), with the
+    gradients of 2 micro-batches accumulated before they are synchronised."""
+    results = job(bench_runs, *args, "--grad-accum", "2", "--batch-size", "8", "--verify", *QUICK)
+    assert results["replicas"]["identical"] is True, results["replicas"]
+    assert results["config"]["grad_accum"] == 2 and results["throughput"]["samples_per_iteration"] == 16
+    assert math.isfinite(results["loss"]["last"])  # the scaler kept fp16 from overflowing
 
 
 def test_half_precision_to_a_cuda_server(bench_runs):

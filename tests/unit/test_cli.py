@@ -78,6 +78,14 @@ BAD_INPUTS = [
     (["--straggler", "trainer:2:30ms"], "--straggler trainer:2:30ms: there is no trainer 2; this run has 2"),
     (["--straggler", "trainer:1:-30ms"], "--straggler trainer:1:-30ms: DELAY must be 0 or more"),
     (["--server", "ssp"], "--server ssp is the mode of --staleness S: set --staleness"),
+    (["--grad-accum", "0"], "--grad-accum must be at least 1; got 0"),
+    (["--grad-accum", "many"], "--grad-accum/--grad_accum: expected int, got 'many'"),
+    (["--grad-accum", "64"], "fewer than --batch-size 16 x --grad-accum 64"),
+    (["--precision", "fp16"], "--precision fp16 needs the trainers on GPUs"),
+    (["--precision", "fp8"], "invalid choice: 'fp8'"),
+    (["--hook", "allreduce", "--nserver", "0", "--reduce-dtype", "bf16"],
+     "--reduce-dtype is for strategies whose engine communicates in a dtype of its own"),
+    (["--hook", "ps", "--reduce-dtype", "fp16"], "--hook ps sends the gradients as they are"),
 ]
 CONFIG_FILES = {
     "{bad_json}": '{"ntrainer": 2\n "rounds": 3}',

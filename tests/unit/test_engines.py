@@ -15,7 +15,8 @@ from ps_bench.cli import main
 from ps_bench.config import ConfigError, RunConfig, build_config
 from ps_bench.job import validate
 from ps_bench.options import parse_run_options
-from ps_bench.strategies.deepspeed_zero import OPTIMIZER_PARAMS, resolve_config
+from ps_bench.strategies.deepspeed_config import OPTIMIZER_PARAMS, resolve_config
+from ps_bench.strategies import HOOKS
 from ps_bench.strategies.record import expected_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,10 +68,12 @@ def test_the_configs_values_become_the_runs_unless_an_option_given_disagrees(tmp
      "offload_optimizer needs a GPU"),
     ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2}},
      "zero_quantized_gradients, zero_hpz_partition_size need a GPU"),
-    ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps 4: ps_bench times one optimizer step per "
-                                         "micro-batch"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be a whole number of micro-batches; "
+                                         "got 0"),
+    ({"gradient_accumulation_steps": 2.5}, "got 2.5"),
     ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 16}, "train_batch_size 64 is not "
-                                                                     "train_micro_batch_size_per_gpu 16 x 2 trainers"),
+                                                                     "train_micro_batch_size_per_gpu 16 x "
+                                                                     "gradient_accumulation_steps 1 x 2 trainers"),
     ({"optimizer": {"type": "Lamb"}}, "optimizer type 'lamb' is not one ps_bench runs"),
     ({"optimizer": {"type": "AdamW", "params": {"betas": [0.5, 0.6], "freeze_step": 10}}},
      "optimizer.params.freeze_step 10: ps_bench's adamw is torch's AdamW, which takes amsgrad, betas, eps, lr, "
@@ -87,6 +90,33 @@ def test_what_cannot_run_is_one_line_and_exit_2(config, words, tmp_path, capsys)
     assert main(["--hook", "deepspeed_zero2", "--nserver", "0", "--ds-config", path, "--dry-run"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1 and words in captured.err, captured.err
+
+
+def test_the_configs_accumulation_is_the_runs_and_a_different_one_given_is_refused(tmp_path, capsys):
+    path = written(tmp_path, {"gradient_accumulation_steps": 4, "train_batch_size": 32})
+    built = job("--hook", "deepspeed_zero2", "--nserver", "0", "--ds-config", path)
+    config = built.engine_config
+    assert built.config.grad_accum == 4 and built.config.batch_size == 4
+    assert config["gradient_accumulation_steps"] == 4 and config["train_micro_batch_size_per_gpu"] == 4
+    assert main(["--hook", "deepspeed_zero2", "--nserver", "0", "--ds-config", path, "--grad-accum", "2",
+                 "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--grad-accum 2 and" in err and "gradient_accumulation_steps 4 disagree" in err
+    # --grad-accum alone reaches the config; --precision bf16 enables its bf16, --reduce-dtype is its
+    # communication_data_type, and the record sends in it
+    built = job("--hook", "deepspeed_zero2", "--nserver", "0", "--grad-accum", "2", "--precision", "bf16",
+                "--reduce-dtype", "fp32")
+    assert built.engine_config["gradient_accumulation_steps"] == 2 and built.engine_config["bf16"]["enabled"]
+    assert built.engine_config["communication_data_type"] == "fp32" and built.strategy.payload == "float32"
+    assert job("--hook", "deepspeed_zero2", "--nserver", "0", "--precision", "bf16").strategy.payload == "bfloat16"
+
+
+def test_fsdp_sends_in_its_reduce_dtype_and_gathers_for_every_micro_batch():
+    fsdp = job("--hook", "fsdp", "--nserver", "0", "--precision", "bf16", "--reduce-dtype", "bf16").strategy
+    assert fsdp.payload == "bfloat16"
+    assert expected_bytes(fsdp, 3200, 2) == expected_bytes(HOOKS.record("fsdp"), 3200, 2) / 2
+    # the parameters gathered twice a micro-batch, the gradients reduce-scattered once a step
+    assert expected_bytes(HOOKS.record("fsdp"), 3200, 2, micro_batches=4) == 4 * (1600 + 1600) + 3200
 
 
 def test_offload_and_zero_plus_plus_are_left_to_deepspeed_where_a_gpu_is(tmp_path):

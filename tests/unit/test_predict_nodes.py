@@ -258,3 +258,25 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
     assert main(["predict", *argv(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_predict_with_micro_batches_computes_each_and_sends_as_each_engine_does(tmp_path, capsys):
+    """--grad-accum 4: all-reduce's buckets once a step, after 3 more micro-batches of forward and
+    backward; FSDP2's parameters gathered for every micro-batch, its gradients reduced once;
+    --reduce-dtype bf16 halves what FSDP2 sends and leaves all-reduce as it was."""
+    def rows(*extra: str) -> dict:
+        out = tmp_path / "predict.json"
+        assert main(["predict", "--model", "resnet18", "--batch-size", "32", "--compute-ms",
+                     "forward=30,backward=60,optimizer=5", "--link", "10gbit", "--trainers", "8",
+                     "--hooks", "allreduce,fsdp", "--out", str(out), *extra]) == 0
+        return {row["strategy"]: row for row in json.loads(out.read_text())["predictions"]}
+    one, four, half = rows(), rows("--grad-accum", "4"), rows("--grad-accum", "4", "--reduce-dtype", "bf16")
+    assert four["allreduce"]["batch_ms"] == pytest.approx(one["allreduce"]["batch_ms"] + 3 * (30 + 60))
+    assert four["allreduce"]["samples_per_s"] > one["allreduce"]["samples_per_s"]
+    assert one["fsdp"]["sends_ms"] < four["fsdp"]["sends_ms"] < 4 * one["fsdp"]["sends_ms"]
+    assert half["fsdp"]["sends_ms"] == pytest.approx(four["fsdp"]["sends_ms"] / 2, rel=0.05)
+    assert half["allreduce"]["batch_ms"] == four["allreduce"]["batch_ms"]
+    capsys.readouterr()
+    assert main(["predict", "--model", "resnet18", "--batch-size", "32", "--compute-ms",
+                 "forward=30,backward=60,optimizer=5", "--link", "10gbit", "--grad-accum", "0"]) == 2
+    assert "--grad-accum must be at least 1" in capsys.readouterr().err

@@ -69,7 +69,7 @@ def test_an_ok_run_meets_the_contract_with_numbers_derived_from_the_rounds():
     assert batch["count"] == 2 * 2 * ITERATIONS and batch["min"] == 3.5 and batch["max"] == 6.5
     each = {"iterations": 2 * ITERATIONS, "samples_per_s": 2 * ITERATIONS * BATCH / 0.75}
     assert results["throughput"] == {"samples_per_s": 2 * 2 * ITERATIONS * BATCH / 0.75,
-                                     "iterations": 2 * ITERATIONS, "timed_s": 0.75,
+                                     "samples_per_iteration": BATCH, "iterations": 2 * ITERATIONS, "timed_s": 0.75,
                                      "per_trainer": [{"index": 0, "rank": 0, **each}, {"index": 1, "rank": 1, **each}]}
     assert results["bytes"] == {"trainer_sent_per_iter": 3200, "trainer_recv_per_iter": 3200,
                                 "server_recv_per_iter": 6400, "server_sent_per_iter": 6400}

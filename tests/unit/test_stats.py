@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ps_bench.metrics.stats import SummaryRow, summarize, summary_rows
-from ps_bench.metrics.timers import IntervalTracker, StepTimer, bucket_offsets, covered_ms, tensor_bytes
+from ps_bench.metrics.timers import IntervalTracker, StepTimer, bucket_offsets, covered_ms, tensor_bytes, folded
 from ps_bench.trainers.trainer import DdpTrainer
 
 import torch
@@ -90,3 +90,12 @@ def test_tensor_bytes_dense_and_sparse():
     assert tensor_bytes(torch.zeros(3, dtype=torch.float16)) == 6
     sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (5,), check_invariants=True)
     assert tensor_bytes(sparse) == 2 * 8 + 2 * 4  # int64 indices + fp32 values
+
+
+def test_micro_batches_fold_into_one_iterations_forward_and_backward():
+    # readings: start, then each micro-batch's end of forward and of backward, then the step's end
+    readings = np.array([[0.0, 1.0, 3.0, 4.0, 6.0, 6.5]])  # two micro-batches, then the optimizer
+    phases = np.diff(readings, axis=1)
+    assert folded(phases, 1).tolist() == [[2.0, 4.0, 0.5]]  # forward 1+1, backward 2+2, optimizer
+    one = np.array([[1.0, 2.0, 0.5]])
+    assert folded(one, 1) is one  # one micro-batch: as it was
