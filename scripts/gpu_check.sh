@@ -9,8 +9,8 @@
 # then every example of docs/gpus.md, and writes DIR/report.md: the GPU, driver,
 # torch and CUDA versions, and each command's exit status and batch p50. Exits 0 when the tests
 # pass and every example either ran or was refused for want of GPUs; 2, with one line, where
-# there is no GPU. Each command has a time limit (the tests 300 s, each example 60 s), so with the
-# page's four examples it ends within 9 minutes.
+# there is no GPU. Each command has a time limit (the tests 420 s, each example 40 s), so with the
+# page's four examples it ends within 10 minutes.
 # PYTHON chooses the interpreter (default: python3).
 set -uo pipefail
 
@@ -84,7 +84,7 @@ EOF
 
 failed=0
 echo "gpu_check: the GPU tests (python -m pytest tests/gpu -m gpu)"
-timeout 300 "$python" -m pytest tests/gpu -m gpu -q -rfEs -p no:cacheprovider > "$out/pytest.log" 2>&1
+timeout 420 "$python" -m pytest tests/gpu -m gpu -q -rfEs --durations=8 -p no:cacheprovider > "$out/pytest.log" 2>&1
 code=$?
 summary=$(grep -E "passed|failed|error|skipped" "$out/pytest.log" | tail -n 1)
 echo "| \`python -m pytest tests/gpu -m gpu\` | $code | - | - | ${summary//|//} |" >> "$report"
@@ -98,7 +98,7 @@ while IFS= read -r example; do
     log="$out/example-$index.log"
     echo "gpu_check: $example"
     # shellcheck disable=SC2086 # the page's words, as a user would type them
-    timeout 60 "$python" $example --out "$results" > "$log" 2>&1
+    timeout 40 "$python" $example --out "$results" > "$log" 2>&1
     code=$?
     row "$example" "$code" "$results" "$log"
     # refused before anything starts for want of GPUs (exit 2) is what docs/gpus.md promises

@@ -258,22 +258,24 @@ class Master:
         ``ps_bench.metrics.limits``). The buckets are trainer 0's of the first timed round's last
         iteration, the same for every trainer and every round."""
         record, cfg = self.record, self.config
+        on_device = all(info.cuda_rpc for info in self.topology.trainers + self.topology.servers)
+        options = hook_options(cfg.hook, cfg.hook_options)
         if record.floor_messages is None:
             # DDP's buckets; without them (FSDP2, an engine, torchft), the model's gradients as one
             buckets = trainers[0].rpc_sync().bucket_layout() or [
                 {"index": 0, "bytes": self.model.size["dense_gradient_bytes"], "sparse": False,
                  "shapes": []}]
             record.floor_messages = messages.floor_messages(HOOKS.record("allreduce"), buckets, {})
-            own = messages.floor_messages(self.job.strategy, buckets,
-                                        hook_options(cfg.hook, cfg.hook_options),
-                                        slices=self.job.strategy.rpc_slices(cfg.per_host))
+            own = messages.floor_messages(self.job.strategy, buckets, options,
+                                          slices=self.job.strategy.rpc_slices(cfg.per_host),
+                                          on_device=on_device)
             record.own_messages = own if own != record.floor_messages else None
             self.floor_targets = [[rpc.remote(info.name, limits.RpcFloorTarget, args=(sent,))
                                    for info in self.topology.servers]
                                   for sent in (record.floor_messages, record.own_messages)
                                   if sent and self.topology.servers]
         repeat = limits.repeats_per_round(cfg.rounds)
-        piece = messages.piece_elements(hook_options(cfg.hook, cfg.hook_options))
+        piece = messages.piece_elements(options, on_device)
         futures = [t.rpc_async(timeout=0).measure_floors(record.floor_messages, record.own_messages,
                                                          self.floor_targets, repeat, piece)
                    for t in trainers]

@@ -4,6 +4,7 @@ types and defaults, checked like every other option (and by the factory's own ``
 from __future__ import annotations
 
 import inspect
+import types
 import typing
 from typing import Any
 
@@ -18,7 +19,10 @@ def option_types(name: str) -> dict[str, tuple[type, Any]]:
     hints = typing.get_type_hints(target)
     out = {}
     for parameter in list(inspect.signature(factory).parameters.values())[1:]:  # after ctx
-        out[parameter.name] = (hints[parameter.name], parameter.default)
+        kind = hints[parameter.name]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None: None is the
+            kind, = [arg for arg in typing.get_args(kind) if arg is not type(None)]  # default
+        out[parameter.name] = (kind, parameter.default)
     return out
 
 

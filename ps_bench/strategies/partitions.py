@@ -24,8 +24,6 @@ from torch.futures import Future
 from ps_bench.metrics.messages import piece_elements
 from ps_bench.strategies.base import HookContext
 
-PARTITION_MB = 4.0  # MiB, as DDP's bucket_cap_mb; BytePS's default is 4,096,000 bytes
-
 
 class PieceWindow:
     """A trainer's pieces on their way to the servers, sent in the order their places were
@@ -110,21 +108,24 @@ def assembled(answers: list[Future], like: torch.Tensor) -> Future:
 
 class Partitioned:
     """A parameter-server hook that pushes pieces (see the module): its options are
-    ``partition_mb`` (MiB of the gradient a piece holds at most), ``window`` (pieces in flight
+    ``partition_mb`` (MiB of the gradient a piece holds at most; not given: 4 on the CPU, whole
+    buckets over device maps, ``metrics.messages.piece_elements``), ``window`` (pieces in flight
     at once, 0: all) and ``priority`` (each bucket's pieces from its end, where DDP keeps the
     gradients of the earlier layers, which the next forward needs first)."""
 
     wire_dtype: torch.dtype | None = None  # what the pieces travel as (None: the gradient's)
 
-    def __init__(self, ctx: HookContext, partition_mb: float = PARTITION_MB, window: int = 0,
+    def __init__(self, ctx: HookContext, partition_mb: float | None = None, window: int = 0,
                  priority: bool = False) -> None:
-        self.piece = piece_elements({"partition_mb": partition_mb})
+        on_device = ctx.cuda_rpc and all(server.cuda_rpc for server in ctx.servers)
+        self.piece = piece_elements({"partition_mb": partition_mb}, on_device)
         self.sender = PieceWindow(window)
         self.priority = priority
 
     @staticmethod
-    def check(partition_mb: float, window: int, priority: bool) -> None:
-        if not (isinstance(partition_mb, (int, float)) and math.isfinite(partition_mb)
+    def check(partition_mb: float | None, window: int, priority: bool) -> None:
+        if partition_mb is not None and not (
+                isinstance(partition_mb, (int, float)) and math.isfinite(partition_mb)
                 and partition_mb > 0):
             raise ValueError(f"hook option 'partition_mb' must be a number of MiB above 0; "
                              f"got {partition_mb!r}")

@@ -16,7 +16,7 @@ from ps_bench.metrics.timers import tensor_bytes
 from ps_bench.servers.base import ParameterServer
 from ps_bench.strategies.allreduce import allreduce, gather_into
 from ps_bench.strategies.base import HookContext, stateless
-from ps_bench.strategies.partitions import PARTITION_MB, Partitioned
+from ps_bench.strategies.partitions import Partitioned
 from ps_bench.strategies.record import HOOKS, RPC, SERVERS, SPARSE_SERVERS, Cost, Strategy
 
 
@@ -122,7 +122,7 @@ class NodeAggregated(Partitioned):
     a batch on 2 emulated hosts of 2 trainers). Dense models only: a sparse bucket's rows differ
     between the trainers of a host."""
 
-    def __init__(self, ctx: HookContext, partition_mb: float = PARTITION_MB, window: int = 0,
+    def __init__(self, ctx: HookContext, partition_mb: float | None = None, window: int = 0,
                  priority: bool = False) -> None:
         super().__init__(ctx, partition_mb, window, priority)
         size, per_host = ctx.process_group.size(), ctx.per_host

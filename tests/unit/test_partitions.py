@@ -3,6 +3,8 @@ the servers, the window that sends them, and what predict makes of them."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.futures import Future
@@ -10,8 +12,10 @@ from torch.futures import Future
 from ps_bench.cli import main
 from ps_bench.metrics import costs
 from ps_bench.metrics.costs import Link, Nodes
+from ps_bench.metrics.messages import piece_elements
 from ps_bench.predict import pipelines
 from ps_bench.runtime.topology import PIECES, piece_owners, piece_ranges, slice_size
+from ps_bench.strategies.hook_options import hook_options
 from ps_bench.strategies.partitions import Partitioned, PieceWindow
 
 MB = 1e6
@@ -82,9 +86,30 @@ def test_priority_sends_a_buckets_last_pieces_first():
     """DDP keeps a bucket's gradients in reverse order of the layers: its last pieces hold the
     earliest layers, which the next forward needs first."""
     pieces = [(key, key * 10, 10, 0) for key in range(3)]
-    plain = Partitioned(None, window=0, priority=False)
-    first = Partitioned(None, window=0, priority=True)
+    plain = Partitioned(on_cpu(), window=0, priority=False)
+    first = Partitioned(on_cpu(), window=0, priority=True)
     assert plain.reserve(pieces)[1] == pieces and first.reserve(pieces)[1] == pieces[::-1]
+
+
+def on_cpu(cuda_trainer: bool = False, cuda_servers: tuple[bool, ...] = (False,)):
+    """What ``Partitioned`` reads of a trainer's ``HookContext``: where its tensors cross RPC."""
+    return SimpleNamespace(cuda_rpc=cuda_trainer,
+                           servers=[SimpleNamespace(cuda_rpc=cuda) for cuda in cuda_servers])
+
+
+def test_pieces_are_4_mib_on_the_cpu_and_whole_buckets_over_device_maps():
+    """Not given, ``partition_mb`` is 4 MiB where tensors cross RPC on the CPU and whole buckets
+    where a CUDA trainer sends to CUDA servers (each message a stream synchronisation); given, it
+    holds on both; a strategy without the option sends buckets whole."""
+    assert piece_elements({"partition_mb": None}) == 2 ** 20
+    assert piece_elements({"partition_mb": None}, on_device=True) is None
+    assert piece_elements({"partition_mb": 16.0}, on_device=True) == 4 * 2 ** 20
+    assert piece_elements({}) is None
+    assert Partitioned(on_cpu()).piece == 2 ** 20
+    assert Partitioned(on_cpu(True, (True, True))).piece is None
+    assert Partitioned(on_cpu(True, (True, False))).piece == 2 ** 20  # one server on the CPU
+    assert Partitioned(on_cpu(True, (True,)), partition_mb=1.0).piece == 2 ** 18
+    assert hook_options("ps", {})["partition_mb"] is None
 
 
 def test_node_aggregated_pieces_reach_the_byteps_bound_with_a_server_a_node():
