@@ -31,6 +31,11 @@ def check_contract(results: dict, status: str = "ok") -> None:
         assert set(row) == STATS and row["unit"] == "ms" and row["count"] > 0
         assert row["min"] <= row["p50"] <= row["p90"] <= row["p99"] <= row["max"]
     assert set(results["bytes"]) == BYTES
+    for role in ("trainer", "server"):  # what each process of the role holds, where it counted
+        states = (results["memory"][role] or {}).get("model_states")
+        if states is not None:
+            assert set(states) == {"parameters_bytes", "gradients_bytes", "optimizer_bytes", "total_bytes"}
+            assert states["total_bytes"] == sum(v for k, v in states.items() if k != "total_bytes")
     for bucket in results["timeline"] or []:
         assert set(bucket) == {"index", "bytes", "ready_ms", "done_ms"} and bucket["ready_ms"] <= bucket["done_ms"]
     if "convergence" in results:

@@ -11,7 +11,7 @@ from pathlib import Path
 from ps_bench.config import ConfigError
 from ps_bench.options import KeyValue
 from ps_bench.metrics import costs
-from ps_bench.predict import pipelines
+from ps_bench.predict import memory, pipelines
 from ps_bench.predict.inputs import (LINK_KINDS, LOCAL_KINDS, NETWORK_KINDS, TargetLink, count_list,
                                      model_buckets, parse_phases, parse_target_latency, target_link)
 from ps_bench.predict.calibration import Calibration, from_compute_ms
@@ -29,7 +29,9 @@ DESCRIPTION = (
     "each strategy's own compute (from its run). One model per transport (ring all-reduce, "
     "all-gather for sparse buckets, sharded or grouped parameter servers), with the overlap of "
     "transfers and backward computed bucket by bucket. Every given run that matches a predicted "
-    "point is shown beside it, with the error.")
+    "point is shown beside it, with the error. With a model built on the meta device "
+    "(--compute-ms, or --gpu-memory), each row has the memory a GPU holds under the strategy, "
+    "and --gpu-memory says whether it fits.")
 EPILOG = """\
 examples:
   python bench.py --ntrainer 2 --nserver 1 --hook ps --limits --out ps.json    # calibration runs
@@ -131,6 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "communicate in, as a run's --reduce-dtype (default: float32)")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="X",
                         help="with --compute-ms: DDP's bucket cap (default: 25)")
+    memory.add_arguments(parser)
     parser.add_argument("--out", metavar="FILE.json", help="write the calibration and every "
                         "prediction as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw batch time against trainers, one "
@@ -204,28 +207,41 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
                   list(dict.fromkeys(places)), compute_ms)
 
 
-def no_run_calibration(args: argparse.Namespace, target: Target) -> Calibration:
+def no_run_calibration(args: argparse.Namespace,
+                       target: Target) -> tuple[Calibration, memory.ModelFacts]:
     """``--compute-ms``: the phases given, DDP's buckets for the model built on the meta device,
-    each ready when backward has done the FLOPs of the layers after its parameters'."""
-    buckets, shares, shares_from = model_buckets(args.model, args.bucket_cap_mb,
-                                                 args.model_options, args.batch_size)
+    each ready when backward has done the FLOPs of the layers after its parameters'; and what
+    the memory needs of the model."""
+    buckets, shares, shares_from, facts = model_buckets(
+        args.model, args.bucket_cap_mb, args.model_options, args.batch_size,
+        args.sequence_length, args.precision or "fp32")
     calibration = from_compute_ms(args.model, args.batch_size,
                                   pipelines.Phases(**target.compute_ms), buckets,
                                   target.link.link(), target.link.describe(), shares, shares_from)
     if target.intra is not None:
         calibration.intra_link = target.intra.link()
         calibration.intra_from = target.intra.describe()
-    return calibration
+    return calibration, facts
 
 
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     target = check(args, bench_argv)
     trainers = target.trainers
     link_bps = target.link.line_bps if target.link is not None else None
+    gpu_memory = memory.check_arguments(args)
     runs = [Run.load(path) for path in args.results]
+    facts = None
     if target.compute_ms is not None:
-        calibration = no_run_calibration(args, target)
+        calibration, facts = no_run_calibration(args, target)
     else:
+        if args.sequence_length is not None:
+            raise ConfigError("--sequence-length goes with --compute-ms: a run's data is its own")
+        if gpu_memory is not None:  # the runs' model, on the meta device
+            run = runs[0]
+            facts = model_buckets(run.model, args.bucket_cap_mb,
+                                  (run.training or {}).get("model_options"), run.batch_size,
+                                  None, args.precision
+                                  or (run.training or {}).get("precision", "fp32"))[3]
         compute = Run.load(args.compute) if args.compute is not None else None
         for run in runs + ([compute] if compute else []):
             if run.grad_accum != 1:
@@ -247,7 +263,12 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
                               f"prediction is for --grad-accum {args.grad_accum}")
     rows = prediction_rows(calibration, hooks, trainers, servers, args.mapping, link_bps, compared,
                            target.per_node, target.servers_on)
-    print(describe_calibration(calibration))
+    held = None
+    if facts is not None:
+        held = memory.target(args, facts, [run.training or {} for run in runs], gpu_memory)
+        for row in rows:
+            row.update(held.row(HOOKS.record(row["strategy"]), row["trainers"], row["per_node"]))
+    print(describe_calibration(calibration) + (held.describe() if held else ""))
     print(render(rows))
     print(render_winners(winners(rows)))
     if args.out:

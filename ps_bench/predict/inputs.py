@@ -14,6 +14,8 @@ from ps_bench.config import ConfigError, RunConfig
 from ps_bench.metrics.costs import Link
 from ps_bench.models import DATA, DATA_PRESETS, MODELS, default_data, model_entry
 from ps_bench.models.entries import construct, load_entry
+from ps_bench.predict.memory import (ModelFacts, largest_layer, meta_friendly,
+                                     saved_activations_bytes)
 from ps_bench.runtime.network import parse_delay, parse_rate
 
 PHASES = ("forward", "backward", "optimizer")
@@ -178,7 +180,7 @@ def backward_shares(network: torch.nn.Module,
     hooks = [module.register_forward_pre_hook(reached) if not any(True for _ in module.children())
              else module.register_forward_hook(reached) for module in owners]
     try:
-        with counter, torch.no_grad():
+        with counter, torch.no_grad(), meta_friendly(network):
             network(*inputs)
     finally:
         for hook in hooks:
@@ -193,29 +195,45 @@ def backward_shares(network: torch.nn.Module,
 
 
 def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
-                  batch_size: int | None = None,
-                  ) -> tuple[list[tuple[int, bool]], list[float] | None, str]:
+                  batch_size: int | None = None, sequence_length: int | None = None,
+                  precision: str = "fp32",
+                  ) -> tuple[list[tuple[int, bool]], list[float] | None, str, ModelFacts]:
     """``meta_buckets`` of what ``--model`` names (a zoo model, one of the model configuration
     file, or a Hugging Face config), with ``--model-option``s; with ``batch_size``, when each is
-    ready, as a share of backward (``backward_shares`` over a batch of the model's own data, on
-    the meta device; None where the forward cannot run there), and how that was found."""
+    ready, as a share of backward (``backward_shares`` over a batch of the model's own data, of
+    ``sequence_length`` where it has sequences, on the meta device; None where the forward cannot
+    run there), and how that was found; and what predict's memory needs of it
+    (``predict.memory``)."""
     entry = model_entry(model, options or {}, RunConfig().model_config_path)
     network = construct(entry, MODELS)
     buckets = bucket_parameters(network, bucket_cap_mb)
     sizes = meta_buckets(network, bucket_cap_mb)
+    parameters = sum(p.numel() for p in network.parameters())
+    facts = ModelFacts(parameters, largest_layer(network), None, "no batch given",
+                       sum(1 for _ in network.parameters()))
     if batch_size is None:
-        return sizes, None, "no batch given"
+        return sizes, None, "no batch given", facts
     data = load_entry(RunConfig().data_config_path, default_data(entry), "data_class", DATA, "data",
                       DATA_PRESETS)
     kwargs = {**network.fitted_data(data.kwargs), "sample_count": batch_size}
+    if sequence_length is not None:
+        if "sequence_length" not in kwargs:
+            raise ConfigError(f"--sequence-length: the data of {model} ({data.id}) has no "
+                              f"sequences")
+        kwargs["sequence_length"] = sequence_length
     try:
         inputs = tuple(t.to("meta") for t in DATA.get(data.class_name)(**kwargs).build(0).inputs)
         shares = backward_shares(network, inputs)
     except Exception as error:  # noqa: BLE001 - any op without a meta kernel: said, and passed over
+        facts.activations_from = "the model's forward did not run on the meta device"
         return sizes, None, (f"the model's forward did not run on the meta device "
-                             f"({type(error).__name__}), so by bytes")
+                             f"({type(error).__name__}), so by bytes"), facts
+    shape = "x".join(str(n) for n in inputs[0].shape)
+    facts.activations_bytes = saved_activations_bytes(network, inputs, precision)
+    facts.activations_from = (f"saved for backward by a forward of {shape} {data.id} "
+                              f"({precision}) on the meta device")
     return sizes, [max(shares.get(id(p), 1.0) for p in bucket) for bucket in buckets], (
-        f"FLOPs of a forward of {batch_size} samples of --data {data.id} on the meta device")
+        f"FLOPs of a forward of {batch_size} samples of --data {data.id} on the meta device"), facts
 
 
 def spread(backward_ms: float, buckets: list[tuple[int, bool]]) -> list[tuple[float, int, bool]]:

@@ -37,6 +37,8 @@ class Run:
     per_host: int = 1
     servers_on: str = "dedicated"
     grad_accum: int = 1  # micro-batches an optimizer step
+    # what predict's memory takes from it: optimizer, momentum, precision, model_options
+    training: dict | None = None
 
     @property
     def communicates_nothing(self) -> bool:
@@ -76,6 +78,8 @@ class Run:
                                        cfg["ntrainer"] + cfg.get("ncudatrainer", 0)),
             servers_on=cfg.get("servers_on", "dedicated"), backend=cfg.get("backend", "gloo"),
             grad_accum=cfg.get("grad_accum", 1),
+            training={key: cfg[key] for key in ("optimizer", "momentum", "precision",
+                                                "model_options") if key in cfg},
         )
 
 

@@ -11,13 +11,16 @@ from ps_bench.predict.calibration import Calibration
 from ps_bench.plots import pyplot
 
 
+GIB = 2 ** 30
 TIE = 0.01  # strategies predicted within 1 % of the fastest tie with it
 
 
 def winners(rows: list[dict]) -> list[dict]:
     """The fastest strategy (and server count) at each trainer count, and the others that tie
-    with it (``tied_with``: within ``TIE`` of its batch time, labelled as ``label`` does)."""
+    with it (``tied_with``: within ``TIE`` of its batch time, labelled as ``label`` does); with
+    ``--gpu-memory``, of those that fit."""
     best: dict[int, dict] = {}
+    rows = [row for row in rows if row.get("fits") is not False]  # one that does not fit: out
     for row in rows:
         if row["trainers"] not in best or row["batch_ms"] < best[row["trainers"]]["batch_ms"]:
             best[row["trainers"]] = row
@@ -66,6 +69,8 @@ def render(rows: list[dict]) -> str:
     best = {(w["trainers"], w["strategy"], w["servers"], w.get("servers_on"))
             for w in winners(rows)}
     nodes = any(row.get("per_node", 1) > 1 for row in rows)
+    held = any("model_states_bytes" in row for row in rows)
+    fits = any("fits" in row for row in rows)
     body = [[*([f"{row['nodes']} x {row['per_node']}"] if nodes else []), row["trainers"],
              row["strategy"], servers_label(row),
              f"{row['batch_ms']:.1f}",
@@ -75,13 +80,28 @@ def render(rows: list[dict]) -> str:
               f"{row['error_pct']:+.1f}" + (" (cal.)" if row.get("calibration") else "")),
              "-" if row.get("byteps_bound_ms") is None else f"{row['byteps_bound_ms']:.1f}",
              "*" if (row["trainers"], row["strategy"], row["servers"],
-                     row.get("servers_on")) in best else ""]
+                     row.get("servers_on")) in best else "",
+             *(memory_cells(row) if held else [])]
             for row in rows]
     return tabulate(body, headers=[*(["nodes x G"] if nodes else []), "trainers", "strategy",
                                    "servers", "batch ms", "samples/s", "measured ms",
-                                   "error %", "BytePS bound ms", "best"], disable_numparse=True) + (
+                                   "error %", "BytePS bound ms", "best",
+                                   *(["states GiB", "memory GiB"] if held else []),
+                                   *(["fits"] if fits else [])],
+                    disable_numparse=True) + (
         "\nBytePS bound: the least any parameter-server layout with that many servers needs to "
-        "move the gradients (communication only)")
+        "move the gradients (communication only)") + (
+        "\nstates: parameters, gradients, optimizer state and gathered layers a GPU holds; "
+        "memory: with the activations" if held else "") + (
+        "; NO: does not fit --gpu-memory (never the best)" if fits else "")
+
+
+def memory_cells(row: dict) -> list[str]:
+    """A row's model states and memory, GiB, and whether it fits (where asked)."""
+    total = row.get("memory_bytes")
+    return [f"{row['model_states_bytes'] / GIB:.1f}",
+            "-" if total is None else f"{total / GIB:.1f}",
+            *([] if "fits" not in row else ["yes" if row["fits"] else "NO"])]
 
 
 def render_winners(best: list[dict]) -> str:
@@ -94,7 +114,8 @@ def render_winners(best: list[dict]) -> str:
         return {w["strategy"], *(tied.split(" (")[0] for tied in w["tied_with"])}
 
     lines = ["", "winner per trainer count: " +
-             ", ".join(f"{w['trainers']}: {named(w)}" for w in best)]
+             (", ".join(f"{w['trainers']}: {named(w)}" for w in best)
+              or "none: no strategy fits --gpu-memory")]
     for before, after in zip(best, best[1:]):
         if not strategies(before) & strategies(after):
             lines.append(f"crossover: {' and '.join(sorted(strategies(before)))} "

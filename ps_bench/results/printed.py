@@ -95,13 +95,20 @@ def render_convergence(convergence: dict) -> str:
 
 
 def render_memory(memory: dict) -> str:
+    """Each role's peaks, and the model states and activations its processes counted (the
+    largest over them): MiB."""
     rows = []
     for role, peaks in memory.items():
         if peaks:
-            cuda = peaks.get("peak_cuda_bytes")
-            rows.append([role, peaks["peak_rss_bytes"] / MIB, None if cuda is None else cuda / MIB])
-    return tabulate(rows, headers=["role", "peak RSS MiB", "peak CUDA MiB"], floatfmt=".1f",
-                    missingval="-")
+            states, activations = peaks.get("model_states"), peaks.get("activations_bytes")
+            rows.append([role, *[None if peaks.get(key) is None else peaks[key] / MIB
+                                 for key in ("peak_rss_bytes", "peak_cuda_bytes")],
+                         *[None if states is None else states[f"{kind}_bytes"] / MIB
+                           for kind in ("parameters", "gradients", "optimizer")],
+                         None if activations is None else activations / MIB])
+    return tabulate(rows, headers=["role", "peak RSS MiB", "peak CUDA MiB", "parameters MiB",
+                                   "gradients MiB", "optimizer MiB", "activations MiB"],
+                    floatfmt=".3f", missingval="-")
 
 
 def render_limits(limits: dict, efficiency: dict | None) -> str:

@@ -20,7 +20,7 @@ from torch.futures import Future
 
 from ps_bench.runtime.failures import fatal_on_error
 from ps_bench.runtime.faults import Fault, maybe_inject
-from ps_bench.metrics.memory import peak_memory
+from ps_bench.metrics.memory import held_bytes, peak_memory
 from ps_bench.metrics.timers import now_ms, tensor_bytes
 from ps_bench.registry import Registry
 from ps_bench.runtime.resident import Resident
@@ -167,7 +167,11 @@ class ParameterServer(Resident):
 
     def take_metrics(self) -> dict:
         """Samples (ms) and byte counts since the last call, then clears them."""
-        return {**self.books.take(), "memory": peak_memory(self.device)}
+        with self._table_lock:  # the sums' buffers it keeps, its share of the gradients
+            buffers = [b for state in [*self._buckets.values(), *self._partials.values()]
+                       for b in state.buffers]
+        held = held_bytes({"parameters": [], "gradients": buffers, "optimizer": []})
+        return {**self.books.take(), "memory": {**peak_memory(self.device), "model_states": held}}
 
     # -- the work ---------------------------------------------------------------------------
     def _state(self, table: dict[int, BucketState], bucket_index: int) -> BucketState:

@@ -31,7 +31,7 @@ from torch.futures import Future
 
 from ps_bench.runtime.failures import fatal_on_error
 from ps_bench.runtime.faults import Fault, maybe_inject
-from ps_bench.metrics.memory import peak_memory
+from ps_bench.metrics.memory import held_bytes, peak_memory
 from ps_bench.metrics.timers import now_ms, tensor_bytes
 from ps_bench.models.base import build_model
 from ps_bench.models.entries import Entry
@@ -132,8 +132,9 @@ class StaleSynchronousServer(Resident):
     def take_metrics(self) -> dict:
         with self.lock:
             staleness, self._staleness = self._staleness, []
-        return {**self.books.take(), "memory": peak_memory(), "staleness": staleness,
-                "updates": len(staleness)}
+        held = held_bytes({"parameters": self.parameters, "gradients": [], "optimizer": []})
+        return {**self.books.take(), "memory": {**peak_memory(), "model_states": held},
+                "staleness": staleness, "updates": len(staleness)}
 
     def parameters_vector(self) -> torch.Tensor:
         with self.lock:

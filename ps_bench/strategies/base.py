@@ -34,6 +34,7 @@ from torch import nn
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
+from ps_bench.metrics.memory import state_tensors
 from ps_bench.metrics.timers import IntervalTracker, tensor_bytes
 from ps_bench.metrics.wire import ByteCounter
 from ps_bench.runtime.topology import PIECES, piece_owners, piece_ranges, piece_root, slice_size
@@ -226,6 +227,17 @@ class Synchroniser:
         each over the model's ``elements`` on the trainers' group (``buckets``: DDP's, in
         elements, for a hook that works bucket by bucket)."""
         return [(collective, ctx.process_group, elements) for collective, _ in sends]
+
+    def held_tensors(self, model: nn.Module,
+                     optimizer: torch.optim.Optimizer | None) -> dict[str, list[torch.Tensor]]:
+        """The model states this trainer holds, as tensors (``metrics.memory.held_bytes`` counts
+        them): its parameters (an FSDP2 shard's local part), their gradients and the
+        optimizer's state (ZeroRedundancyOptimizer's: its shard's, in ``optim``)."""
+        parameters = list(model.parameters())
+        inner = getattr(optimizer, "optim", optimizer)
+        return {"parameters": parameters,
+                "gradients": [p.grad for p in parameters if p.grad is not None],
+                "optimizer": [] if inner is None else state_tensors(inner.state)}
 
     def end_round(self, ctx: HookContext, model: nn.Module) -> None:
         """After a round, outside the clock: whatever ``parameters_vector`` needs."""

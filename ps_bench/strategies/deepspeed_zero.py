@@ -36,11 +36,13 @@ import torch
 from torch import nn
 
 from ps_bench.config import ConfigError, RunConfig
+from ps_bench.metrics.memory import state_tensors
 from ps_bench.strategies.base import HookContext, OptimizerSpec, Synchroniser, flat_parameters
 from ps_bench.strategies.deepspeed_config import (OPTIMIZER_PARAMS, precision_of, resolve_config,
                                                   wire_of)
-from ps_bench.strategies.record import (COLLECTIVE, ENGINE, EVERY_ITERATION, GATHERED, HOOKS,
-                                        SHARDED, Strategy)
+from ps_bench.strategies.record import (COLLECTIVE, ENGINE, EVERY_ITERATION, GATHERED,
+                                        GRADIENTS, HOOKS, OPTIMIZER, PARAMETERS, SHARDED, Holds,
+                                        Strategy)
 
 def deepspeed_record(stage: int) -> Strategy:
     # the gradients, then the stepped parameters gathered once; with micro-batches (--grad-accum),
@@ -49,9 +51,13 @@ def deepspeed_record(stage: int) -> Strategy:
     sends = {1: (("all_reduce", "iteration"), ("all_gather", "iteration")),
              2: (("all_reduce", "micro-batch"), ("all_gather", "iteration")),
              3: (("reduce_scatter", "micro-batch"), ("all_gather", "micro-batch"))}[stage]
+    # stage 1 partitions the optimizer state, 2 the gradients too, 3 the parameters too
+    sharded = (OPTIMIZER, GRADIENTS, PARAMETERS)[:stage]
     return Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED,
                     wrap=ENGINE, identical=GATHERED if stage == 3 else EVERY_ITERATION, sends=sends,
-                    engine="deepspeed", reduce_dtype=True)
+                    engine="deepspeed", reduce_dtype=True,
+                    holds=Holds(sharded, gathers=stage == 3, master_copy=True,
+                                half_gradients=stage < 3))
 
 
 class EngineStep:
@@ -112,6 +118,34 @@ class DeepSpeedZero(Synchroniser):
         """The record as the resolved config trains: the gradients it moves in its
         ``communication_data_type``, else in the type it trains in (bf16 or fp16 enabled)."""
         return replace(record, payload=wire_of(config) or record.payload)
+
+    def held_tensors(self, model: nn.Module, optimizer: Any) -> dict[str, list[torch.Tensor]]:
+        """What the engine's ZeRO optimizer holds: the parameters (stage 3: this trainer's
+        partition of them), the gradients (the 16-bit ones and their reduced partitions), and
+        as optimizer state the float32 master partition, its float32 gradient and the inner
+        optimizer's moments, as DeepSpeed's estimators count them."""
+        zero = self.engine.optimizer
+
+        def tensors(name: str) -> list[torch.Tensor]:
+            found = getattr(zero, name, None)
+            values = ([found] if isinstance(found, torch.Tensor) else
+                      found.values() if isinstance(found, dict) else found or [])
+            flat = [v for value in values
+                    for v in (value if isinstance(value, (list, tuple)) else [value])]
+            return [v for v in flat if isinstance(v, torch.Tensor)]
+
+        if self.stage == 3:
+            parameters, master = (tensors("fp16_partitioned_groups_flat"),
+                                  tensors("fp32_partitioned_groups_flat"))
+            gradients = tensors("grad_partitions_flat_buffer")
+        else:
+            parameters, master = (tensors("bit16_groups_flat"),
+                                  tensors("single_partition_of_fp32_groups"))
+            gradients = [p.grad for p in model.parameters() if p.grad is not None]
+            gradients += tensors("averaged_gradients")
+        return {"parameters": parameters, "gradients": gradients,
+                "optimizer": master + [t.grad for t in master if t.grad is not None]
+                + state_tensors(zero.optimizer.state)}
 
     def wrap(self, network: nn.Module, ctx: HookContext, ddp_options: dict[str, Any],
              optimizer: OptimizerSpec) -> tuple[nn.Module, EngineStep]:

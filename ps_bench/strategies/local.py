@@ -20,9 +20,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (Post
                                                                             post_localSGD_hook)
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
+from ps_bench.metrics.memory import state_tensors
 from ps_bench.strategies.base import (HookContext, OptimizerSpec, Synchroniser, flat_parameters,
                                       timed_collective)
-from ps_bench.strategies.record import AT_SYNCHRONISATION, COLLECTIVE, HOOKS, LOCAL, Strategy
+from ps_bench.strategies.record import (AT_SYNCHRONISATION, COLLECTIVE, HOOKS, LOCAL, Holds,
+                                        Strategy)
 
 
 def check_period(period: int) -> None:
@@ -86,7 +88,7 @@ class LocalSGD(Periodic):
 
 @HOOKS.register("diloco", aliases=("DiLoCo",),
                 record=Strategy(COLLECTIVE, "float32", lossless=False, sparse_buckets=None,
-                                uncompressed="allreduce", family=LOCAL,
+                                uncompressed="allreduce", family=LOCAL, holds=Holds(copies=2),
                                 identical=AT_SYNCHRONISATION, sends=(("all_reduce", "period"),)))
 class DiLoCo(Periodic):
     """DiLoCo: ``period`` inner steps of the run's optimizer on local gradients, then the mean
@@ -122,6 +124,14 @@ class DiLoCo(Periodic):
         self.outer = torch.optim.SGD(parameters, lr=self.outer_lr, momentum=self.outer_momentum,
                                      nesterov=self.outer_momentum > 0)
         return model, inner
+
+    def held_tensors(self, model: nn.Module,
+                     optimizer: torch.optim.Optimizer | None) -> dict[str, list[torch.Tensor]]:
+        """Besides the inner optimizer's: the start point and the outer optimizer's momentum."""
+        held = super().held_tensors(model, optimizer)
+        held["parameters"] += self.start
+        held["optimizer"] += state_tensors(self.outer.state) if self.outer else []
+        return held
 
     @torch.no_grad()
     def after_step(self, ctx: HookContext, model: nn.Module) -> bool:

@@ -48,6 +48,32 @@ COLLECTIVE_BUCKETS, SERVER_BUCKETS, HOST_SERVER_BUCKETS, LOW_RANK_BUCKETS = (
 PIPELINES = (COLLECTIVE_BUCKETS, SERVER_BUCKETS, HOST_SERVER_BUCKETS, LOW_RANK_BUCKETS)
 
 
+# The model states a trainer holds (a run's ``memory.trainer.model_states``, predict's memory)
+PARAMETERS, GRADIENTS, OPTIMIZER = "parameters", "gradients", "optimizer"
+MODEL_STATES = (PARAMETERS, GRADIENTS, OPTIMIZER)
+
+
+@dataclass(frozen=True)
+class Holds:
+    """What each trainer keeps of the model states, for predict's memory.
+
+    ``sharded``: the states divided among the trainers (``over`` all of them, or ``"host"``: a
+    host's, as HSDP) instead of whole on each; ``gathers``: a layer's parameters are gathered
+    whole while it computes, and the next one's prefetched; ``master_copy``: an engine that
+    keeps float32 master weights in its optimizer, and trained in 16 bits casts the model and
+    keeps float32 gradient partitions there too (DeepSpeed's); ``half_gradients``: those 16-bit
+    gradients stay until the step (False: each is reduced into its float32 partition as it is
+    made, ZeRO stage 3); ``copies``: more float32 copies of the parameters it keeps (DiLoCo's
+    start point and outer momentum)."""
+
+    sharded: tuple[str, ...] = ()
+    over: str = "trainers"
+    gathers: bool = False
+    master_copy: bool = False
+    half_gradients: bool = True
+    copies: int = 0
+
+
 @dataclass(frozen=True)
 class Cost:
     """How ``bench.py predict`` costs a strategy; the defaults follow from the rest of its record.
@@ -99,6 +125,7 @@ class Strategy:
     cost: Cost | None = None  # how predict costs it (default: from the rest of the record)
     # an engine that communicates in a dtype of its own choosing: --reduce-dtype sets it
     reduce_dtype: bool = False
+    holds: Holds = Holds()  # what each trainer keeps of the model states (predict's memory)
 
     def __post_init__(self) -> None:
         if self.family is None:
@@ -114,7 +141,9 @@ class Strategy:
                                           SERVERS_MODEL)
                 or any(c not in COLLECTIVES or per not in FREQUENCIES
                        for c, per in self.sends)
-                or self.engine not in (None, *ENGINES)):
+                or self.engine not in (None, *ENGINES)
+                or any(state not in MODEL_STATES for state in self.holds.sharded)
+                or self.holds.over not in ("trainers", "host")):
             raise ValueError(f"bad strategy record {self}")
         if self.transport is not None and self.lossless == (self.uncompressed is not None):
             raise ValueError(f"a lossy strategy names the lossless one it compresses, "

@@ -26,7 +26,7 @@ from ps_bench.strategies.allreduce import allreduce
 from ps_bench.strategies.base import (Capture, HookContext, OptimizerSpec, Synchroniser,
                                       flat_parameters)
 from ps_bench.strategies.record import (COLLECTIVE, COLLECTIVE_BUCKETS, FSDP, GATHERED, HOOKS,
-                                        SHARDED, Cost, Strategy)
+                                        MODEL_STATES, OPTIMIZER, SHARDED, Cost, Holds, Strategy)
 
 MESH_NAMES = ("replicate", "shard")  # a 2-D mesh replicates across its rows and shards within each
 # torch.distributed.fsdp and torch.distributed.optim import DTensor's operators, over a second of
@@ -46,6 +46,7 @@ def shard_units(network: nn.Module) -> list[nn.Module]:
 @HOOKS.register("fsdp", aliases=("fully_shard", "fsdp2"),
                 record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None,
                                 family=SHARDED, wrap=FSDP, identical=GATHERED, reduce_dtype=True,
+                                holds=Holds(MODEL_STATES, gathers=True),
                                 # --grad-accum: the parameters gathered for every micro-batch's
                                 # forward and backward, the gradients reduced on the step's last
                                 sends=(("all_gather", "micro-batch"), ("all_gather", "micro-batch"),
@@ -167,6 +168,7 @@ def corrupt(ctx: HookContext, model: nn.Module) -> None:
                 record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None,
                                 family=SHARDED, wrap=FSDP, identical=GATHERED, per_host=True,
                                 reduce_dtype=True,
+                                holds=Holds(MODEL_STATES, over="host", gathers=True),
                                 cost=Cost(COLLECTIVE_BUCKETS, bucket_ms=costs.hsdp_reduce_ms,
                                           iteration_ms=costs.hsdp_gather_ms)))
 class HybridShard(FullyShard):
@@ -192,7 +194,7 @@ class HybridShard(FullyShard):
 @HOOKS.register("zero1", aliases=("zero", "ZeroRedundancyOptimizer"),
                 record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None,
                                 family=SHARDED, sends=(("broadcast", "iteration"),),
-                                hook_sends=True))
+                                hook_sends=True, holds=Holds((OPTIMIZER,))))
 class ZeroOne(Synchroniser):
     """DDP's all-reduce, then torch's ZeroRedundancyOptimizer: each trainer keeps and steps the
     optimizer state of its shard of the parameters and broadcasts them; lossless."""

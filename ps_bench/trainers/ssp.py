@@ -26,7 +26,7 @@ from torch import nn
 from ps_bench.config import RunConfig
 from ps_bench.runtime.failures import fatal_on_error
 from ps_bench.runtime.faults import Fault, Straggling, maybe_inject
-from ps_bench.metrics.memory import peak_memory
+from ps_bench.metrics.memory import held_bytes, peak_memory
 from ps_bench.metrics.timers import folded, tensor_bytes
 from ps_bench.models.base import Dataset, build_model
 from ps_bench.models.entries import Entry
@@ -186,7 +186,10 @@ class StaleSynchronousTrainer(Resident):
                   "bytes_sent": int(moved_array[:, 0].sum()),
                   "bytes_recv": int(moved_array[:, 1].sum()),
                   "losses": losses, "verified_iterations": 0, "grad_errors": [],
-                  "memory": peak_memory(), "timeline": {}}
+                  "memory": {**peak_memory(), "model_states": held_bytes({
+                      "parameters": self.parameters, "optimizer": [],  # the servers step
+                      "gradients": [p.grad for p in self.parameters if p.grad is not None]})},
+                  "timeline": {}}
         if self.convergence is not None:
             result["convergence"] = self.convergence.take(samples["batch"])
         elif self.converging:

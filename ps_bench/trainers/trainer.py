@@ -18,7 +18,7 @@ from ps_bench.config import RunConfig
 from ps_bench.runtime.failures import fatal_on_error
 from ps_bench.runtime.faults import Fault, Straggling, maybe_inject
 from ps_bench.metrics import wire
-from ps_bench.metrics.memory import peak_memory
+from ps_bench.metrics.memory import NO_COUNT, SavedActivations, held_bytes, trainer_memory
 from ps_bench.metrics.messages import DTYPES, PRECISIONS
 from ps_bench.metrics.timers import (StepTimer, bucket_offsets, covered_ms, cuda_bucket_offsets,
                                      folded)
@@ -148,6 +148,8 @@ class DdpTrainer(FloorProbes, Resident):
         self.autocast, self.scaler = mixed_precision(self.device, config.precision,
                                                      self.synchroniser)
         self._compute_copy: nn.Module | None = None  # --limits: the model outside DDP, made once
+        self.held: dict[str, int] | None = None  # model states, counted once (note_memory)
+        self.activations = 0
         # --limits builds the compute-only copy from them
         self.entry, self.seed = model, config.torch_seed
 
@@ -167,6 +169,8 @@ class DdpTrainer(FloorProbes, Resident):
         ctx, wire = self.hook_context, self.hook_context.wire
         timer = StepTimer(self.device)
         ctx.comm.drain()
+        if timer.cuda:  # the round's peak (the last round's is reported)
+            torch.cuda.reset_peak_memory_stats(self.device)
         iterations = self.iterations_per_epoch * self.epochs
         checked = verified_steps(iterations) if verify else set()
         traced = (set(range(1, 1 + PROFILED_ITERATIONS)) & set(range(iterations)) if profile_path
@@ -212,6 +216,8 @@ class DdpTrainer(FloorProbes, Resident):
             iteration += 1
             ctx.iteration = wire.iteration = iteration
             marked = step in special
+            counting = marked and step == last and self.held is None
+            saved = SavedActivations() if counting else NO_COUNT
             if marked:
                 ctx.capturing, ctx.noting = step in checked, step == last
                 ctx.batch = (x, y) if ctx.capturing else None
@@ -227,7 +233,7 @@ class DdpTrainer(FloorProbes, Resident):
                 ctx.capturing = capturing and last_micro  # what is synchronised: the whole step's
                 start = micro * batch_size
                 with accumulating(model, last_micro):
-                    with autocast():  # forward; backward follows autocast's casts on its own
+                    with autocast(), (saved if last_micro else NO_COUNT):  # backward: cast alike
                         loss = (loss_fn(model(*x), y) if accum == 1 else
                                 loss_fn(model(*(t[start:start + batch_size] for t in x)),
                                         y[start:start + batch_size]))
@@ -240,6 +246,8 @@ class DdpTrainer(FloorProbes, Resident):
                 if not last_micro:
                     micro_step()
                 micro_losses.append(loss.detach())
+            if counting:  # once, outside the timed rounds where there are untimed ones
+                self.note_memory(saved.nbytes)
             if scaler:
                 scaler.step(optimizer)
                 scaler.update()
@@ -303,7 +311,7 @@ class DdpTrainer(FloorProbes, Resident):
             "grad_errors": self.gradient_errors(),
             **({"engine_counts": self.synchroniser.engine_counts(ctx.process_group.size())}
                if hasattr(self.synchroniser, "engine_counts") else {}),
-            "memory": peak_memory(self.device),
+            "memory": trainer_memory(self.device, self.held, self.activations),
             "timeline": timeline,
             # ms in the timed iterations
             "collectives": {kind: sum(covered_ms([timing[:3] for timing in timings
@@ -319,8 +327,13 @@ class DdpTrainer(FloorProbes, Resident):
         """A round that ran no iteration: training had stopped (``--target-loss``)."""
         return {"samples": {}, "iterations": 0, "samples_processed": 0, "bytes_sent": 0,
                 "bytes_recv": 0, "losses": [], "verified_iterations": 0, "grad_errors": [],
-                "memory": peak_memory(self.device), "timeline": {},
+                "memory": trainer_memory(self.device, self.held, self.activations), "timeline": {},
                 "convergence": self.convergence.take([])}
+
+    def note_memory(self, activations: int) -> None:
+        """The model states held before a step and the activations its forward saved."""
+        self.held = held_bytes(self.synchroniser.held_tensors(self.model, self.optimizer))
+        self.activations = activations
 
     @staticmethod
     def round_samples(phases: np.ndarray, moved: np.ndarray, comm: dict[int, float],

@@ -1,0 +1,255 @@
+"""What each GPU holds under a strategy: the model states (parameters, gradients, optimizer
+state) from its record's ``Holds``, the activations saved for backward counted on the meta
+device, and whether the sum fits ``--gpu-memory``.
+
+Bytes a parameter, before any sharding:
+
+- parameters: 4 (float32); 2 where an engine with a master copy trains in 16 bits (the
+  model cast). torch's strategies under ``--precision bf16|fp16`` run autocast over float32
+  parameters, so 4.
+- gradients: as the parameters; 0 where 16-bit gradients are reduced into float32 partitions
+  as they are made (ZeRO stage 3).
+- optimizer: the moments (AdamW 8 and a float32 step count a tensor, SGD with momentum 4,
+  without 0); with a master copy its
+  float32 weights (4 more: DeepSpeed copies them in float32 training too), and in 16 bits their
+  float32 gradients (4 more), as DeepSpeed's estimators count them
+  (``estimate_zero2_model_states_mem_needs``: 2 bytes of 16-bit parameters on every GPU and 18
+  over the GPUs; ``estimate_zero3_model_states_mem_needs``: 18 over the GPUs).
+- a strategy that gathers layers (FSDP2, ZeRO-3) holds the largest layer's parameters twice
+  whole besides its shard (the layer computing and the next, prefetched), in the type it
+  computes in: 4 bytes a parameter of the largest layer in 16 bits, DeepSpeed's figure.
+- DiLoCo keeps two more float32 copies (the start point and the outer momentum); a strategy
+  whose servers own the parameters keeps no optimizer state on its trainers.
+
+Activations: the bytes of the tensors a forward of one micro-batch saves for backward (its
+autograd graph, through ``torch.autograd.graph.saved_tensors_hooks``), each storage once and the
+parameters left out, on the meta device, in the model's dtype under ``--precision`` (autocast
+keeps some in float32, so a lower bound there), attention counted as a fused kernel saves it
+(its inputs, output and a float32 log-sum-exp a row, as torch's flash attention on a GPU). Not
+counted: temporary buffers, the allocator's fragmentation, the communication buffers, the CUDA
+context, activation checkpointing (not modelled: every activation is kept)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ps_bench.config import ConfigError
+from ps_bench.metrics.memory import SavedActivations
+from ps_bench.strategies.record import (GRADIENTS, OPTIMIZER, PARAMETERS, SERVER_OWNED, Holds,
+                                        Strategy)
+
+HALF = ("bf16", "fp16")
+DTYPES = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)  # --precision
+UNITS = {"": None, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+         "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+@dataclass
+class ModelFacts:
+    """What the memory model needs of a model: its parameters, its largest layer's (the most any
+    one module holds itself, as DeepSpeed's estimators take it), and the activations one
+    micro-batch saves for backward (None where its forward cannot run on the meta device)."""
+
+    parameters: int
+    largest_layer: int
+    activations_bytes: int | None
+    activations_from: str
+    tensors: int = 0  # parameter tensors: AdamW keeps a float32 step count for each
+
+
+def moments_bytes(optimizer: str, momentum: float) -> int:
+    """Optimizer state a parameter, float32: AdamW's two moments; SGD's momentum buffer."""
+    return 8 if optimizer == "adamw" else 4 if momentum else 0
+
+
+def model_states(record: Strategy, facts: ModelFacts, trainers: int, per_node: int,
+                 precision: str = "fp32", optimizer: str = "sgd",
+                 momentum: float = 0.0) -> dict[str, int]:
+    """The model states one trainer (GPU) holds, bytes, by kind, and their sum."""
+    holds: Holds = record.holds
+    p = facts.parameters
+    engine_half = holds.master_copy and precision in HALF
+    parameter_bytes = 2 if engine_half else 4
+    gradient_bytes = 0 if engine_half and not holds.half_gradients else parameter_bytes
+    optimizer_bytes = (0 if record.wrap == SERVER_OWNED
+                       else moments_bytes(optimizer, momentum) + (4 if holds.master_copy else 0)
+                       + (4 if engine_half else 0))
+    shards = per_node if holds.over == "host" else trainers
+
+    def held(kind: str, per_parameter: int) -> int:
+        return -(-p * per_parameter // shards) if kind in holds.sharded else p * per_parameter
+
+    # AdamW's step counts: one a tensor it steps (DeepSpeed's: one a flat partition; sharded
+    # optimizer state: its share of the tensors; FSDP2's: every tensor's shard)
+    steps = (0 if optimizer != "adamw" or record.wrap == SERVER_OWNED else 1 if holds.master_copy
+             else -(-facts.tensors // shards) if OPTIMIZER in holds.sharded and not holds.gathers
+             else facts.tensors)
+    out = {"parameters_bytes": held(PARAMETERS, parameter_bytes) + p * 4 * holds.copies,
+           "gradients_bytes": held(GRADIENTS, gradient_bytes),
+           "optimizer_bytes": held(OPTIMIZER, optimizer_bytes) + 4 * steps,
+           # the layer computing and the next, whole, in the type it computes in
+           "gathered_bytes": (2 * facts.largest_layer * (2 if precision in HALF else 4)
+                              if holds.gathers else 0)}
+    out["model_states_bytes"] = sum(out.values())
+    return out
+
+
+def memory(record: Strategy, facts: ModelFacts, trainers: int, per_node: int,
+           precision: str, optimizer: str, momentum: float,
+           gpu_memory: int | None) -> dict:
+    """A prediction row's memory: the model states, the activations, their sum and, with
+    ``gpu_memory``, whether it fits."""
+    states = model_states(record, facts, trainers, per_node, precision, optimizer, momentum)
+    total = (None if facts.activations_bytes is None
+             else states["model_states_bytes"] + facts.activations_bytes)
+    out = {**states, "activations_bytes": facts.activations_bytes, "memory_bytes": total}
+    if gpu_memory is not None:
+        out["fits"] = (total if total is not None else states["model_states_bytes"]) <= gpu_memory
+    return out
+
+
+def parse_memory(text: str) -> int:
+    """``--gpu-memory``: a size with its unit (80GB, 80GiB, 141GB); bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    unit = UNITS.get(match.group(2)) if match else None
+    if match is None or unit is None:
+        raise ConfigError(f"--gpu-memory must be a size with its unit, e.g. 80GB or 80GiB; got "
+                          f"{text!r}")
+    size = float(match.group(1)) * unit
+    if size < 1:
+        raise ConfigError(f"--gpu-memory must be above 0; got {text!r}")
+    return int(size)
+
+
+def largest_layer(network: torch.nn.Module) -> int:
+    """The most parameters one module holds itself (not its children's)."""
+    return max((sum(p.numel() for p in module.parameters(recurse=False))
+                for module in network.modules()), default=0)
+
+
+def saved_activations_bytes(network: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
+                            precision: str = "fp32") -> int:
+    """The bytes of the tensors one forward saves for backward, each storage once, the
+    parameters left out: on the meta device, so nothing is allocated (see the module)."""
+    dtype = DTYPES[precision]
+    if dtype != torch.float32:
+        network = network.to(dtype)
+        inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+    with SavedActivations() as saved, torch.enable_grad(), meta_friendly(network, fused=True):
+        network(*inputs)
+    return saved.nbytes
+
+
+class FusedAttention(torch.autograd.Function):
+    """Scaled dot-product attention as a fused kernel runs it on a GPU (torch's flash and
+    memory-efficient ones): it saves the query, key, value, output and the log-sum-exp of each
+    row, never the sequence-by-sequence scores, which the meta device's decomposition would."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):  # noqa: D102 - the kernel's saved tensors, no values
+        out = query.new_empty((*query.shape[:-1], value.shape[-1]))
+        lse = query.new_empty(query.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102 - never run: memory is counted on forward
+        query, key, value, _, _ = ctx.saved_tensors
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+
+
+def fused_attention(query, key, value, *args, **kwargs):
+    return FusedAttention.apply(query, key, value)
+
+
+@contextlib.contextmanager
+def meta_friendly(network: torch.nn.Module, fused: bool = False):
+    """Around a forward on the meta device: a Hugging Face causal mask looks for packed
+    sequences in the position ids, a data-dependent check no meta tensor can answer (the data
+    here is never packed); with ``fused``, attention saves what a fused kernel saves
+    (``FusedAttention``)."""
+    functional = torch.nn.functional
+    attention = functional.scaled_dot_product_attention
+    masking_utils = original = None
+    if type(network).__name__ == "HuggingFaceModel":
+        from transformers import masking_utils  # a Hugging Face model: already imported
+
+        original = masking_utils.find_packed_sequence_indices
+        masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    if fused:
+        functional.scaled_dot_product_attention = fused_attention
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = attention
+        if masking_utils is not None:
+            masking_utils.find_packed_sequence_indices = original
+
+
+def add_arguments(parser) -> None:
+    """predict's memory options."""
+    parser.add_argument("--gpu-memory", metavar="SIZE", help="each GPU's memory, e.g. 80GB or "
+                        "80GiB: every row says whether its memory fits, and the table marks "
+                        "what does not")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default=None,
+                        help="the optimizer whose state the memory counts, as a run's "
+                        "--optimizer (default: the runs', else sgd)")
+    parser.add_argument("--momentum", type=float, default=None, metavar="M",
+                        help="SGD's momentum, as a run's (default: the runs', else 0)")
+    parser.add_argument("--precision", choices=tuple(DTYPES), default=None,
+                        help="what the memory counts the model in, as a run's --precision: "
+                        "DeepSpeed casts the model and keeps float32 master weights, torch's "
+                        "strategies run autocast over float32 (default: the runs', else fp32)")
+    parser.add_argument("--sequence-length", type=int, metavar="T",
+                        help="with --compute-ms: the tokens a sample of the model's data "
+                        "(default: the data's own)")
+
+
+@dataclass
+class MemoryTarget:
+    """What predict's memory is counted for: the model, its options, the GPU's memory."""
+
+    facts: ModelFacts
+    precision: str
+    optimizer: str
+    momentum: float
+    gpu_memory: int | None
+
+    def row(self, record: Strategy, trainers: int, per_node: int) -> dict:
+        return memory(record, self.facts, trainers, per_node, self.precision, self.optimizer,
+                      self.momentum, self.gpu_memory)
+
+    def describe(self) -> str:
+        facts = self.facts
+        activations = ("unknown" if facts.activations_bytes is None
+                       else f"{facts.activations_bytes / 2 ** 30:.2f} GiB")
+        return (f"  memory: {facts.parameters / 1e9:.3f} B parameters, the largest layer "
+                f"{facts.largest_layer / 1e6:.1f} M; {self.optimizer}"
+                f"{f' (momentum {self.momentum:g})' if self.optimizer == 'sgd' else ''}, "
+                f"{self.precision}; activations {activations} ({facts.activations_from})"
+                + (f"; each GPU {self.gpu_memory / 2 ** 30:.1f} GiB" if self.gpu_memory else "")
+                + "\n")
+
+
+def check_arguments(args) -> int | None:
+    """The memory options' values (before anything is read); ``--gpu-memory`` in bytes."""
+    if args.sequence_length is not None and args.sequence_length < 1:
+        raise ConfigError(f"--sequence-length must be at least 1; got {args.sequence_length}")
+    if args.momentum is not None and not 0 <= args.momentum < 1:
+        raise ConfigError(f"--momentum must be in [0, 1); got {args.momentum}")
+    return None if args.gpu_memory is None else parse_memory(args.gpu_memory)
+
+
+def target(args, facts: ModelFacts, run_configs: list[dict], gpu_memory: int | None
+           ) -> MemoryTarget:
+    """The options the memory is counted with: the command line's, else the runs' (the first
+    run's), else fp32 SGD without momentum."""
+    first = run_configs[0] if run_configs else {}
+    return MemoryTarget(facts, args.precision or first.get("precision", "fp32"),
+                        args.optimizer or first.get("optimizer", "sgd"),
+                        args.momentum if args.momentum is not None
+                        else first.get("momentum", 0.0), gpu_memory)

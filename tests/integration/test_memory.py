@@ -1,0 +1,60 @@
+"""Memory beside time, for real: the model states each trainer holds, counted from its tensors,
+against the model predict costs memory with (``ps_bench.predict.memory``), on a shrunk Llama
+(hf:llama-tiny, 139,584 parameters in 21 tensors) on 4 trainers with AdamW."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ps_bench.predict.inputs import model_buckets
+from ps_bench.predict.memory import model_states
+from ps_bench.strategies import HOOKS
+
+pytest.importorskip("transformers")
+
+TRAINERS = 4
+LLAMA = ("--model", "hf:llama-tiny", "--optimizer", "adamw", "--ntrainer", str(TRAINERS),
+         "--nserver", "0", "--rounds", "1", "--warmup-rounds", "0")
+
+
+def held(results: dict) -> dict:
+    return results["memory"]["trainer"]["model_states"]
+
+
+def predicted(hook: str, precision: str = "fp32") -> dict:
+    facts = model_buckets("hf:llama-tiny", 25.0)[3]
+    return model_states(HOOKS.record(hook), facts, TRAINERS, 1, precision, "adamw")
+
+
+def test_each_strategy_holds_its_share_of_the_model_states(bench_runs, tmp_path):
+    """allreduce holds everything whole and fsdp a quarter of it, both to the byte as predict
+    counts them; zero1 a quarter of the optimizer state; DeepSpeed ZeRO-3 in bf16 its partitions
+    of the 16-bit parameters and gradients and of the float32 master weights and moments (what
+    DeepSpeed's estimator adds, the float32 gradient partition, is made during the step)."""
+    whole = bench_runs.ok(*LLAMA, "--hook", "allreduce", timeout_s=180)
+    sharded = bench_runs.ok(*LLAMA, "--hook", "fsdp", timeout_s=180)
+    zero1 = bench_runs.ok(*LLAMA, "--hook", "zero1", timeout_s=180)
+    for results, hook in ((whole, "allreduce"), (sharded, "fsdp")):
+        expected = predicted(hook)
+        assert {key: held(results)[f"{key}_bytes"] for key in ("parameters", "gradients", "optimizer")} == {
+            key: expected[f"{key}_bytes"] for key in ("parameters", "gradients", "optimizer")}, hook
+    assert held(whole)["parameters_bytes"] == 4 * 139_584
+    assert held(sharded)["total_bytes"] == pytest.approx(held(whole)["total_bytes"] / TRAINERS, rel=0.10)
+    assert held(zero1)["optimizer_bytes"] == pytest.approx(held(whole)["optimizer_bytes"] / TRAINERS, rel=0.10)
+    assert held(zero1)["parameters_bytes"] == held(whole)["parameters_bytes"]
+    memory = whole["memory"]["trainer"]
+    assert memory["activations_bytes"] > 0 and memory["peak_from"].startswith("model states")
+    assert memory["peak_bytes"] == memory["model_states"]["total_bytes"] + memory["activations_bytes"]
+
+    config = tmp_path / "zero3_bf16.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}))
+    zero3 = held(bench_runs.ok(*LLAMA, "--hook", "deepspeed_zero3", "--ds-config", str(config),
+                               timeout_s=240))
+    expected = predicted("deepspeed_zero3", "bf16")
+    shard = 139_584 // TRAINERS
+    assert zero3["parameters_bytes"] == expected["parameters_bytes"] == 2 * shard
+    assert zero3["gradients_bytes"] == 2 * shard  # the 16-bit partition, kept between steps
+    # master weights and moments (and one step count); predict adds the float32 gradients
+    assert zero3["optimizer_bytes"] == 12 * shard + 4 == expected["optimizer_bytes"] - 4 * shard

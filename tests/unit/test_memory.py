@@ -1,0 +1,133 @@
+"""predict's memory (``ps_bench.predict.memory``): the model states each strategy's record says a
+GPU holds, checked against DeepSpeed's own estimators on the shipped Hugging Face configs; the
+activations a forward saves, counted by hand; ``--gpu-memory`` and what does not fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ps_bench.cli import main
+from ps_bench.metrics.memory import SavedActivations, held_bytes
+from ps_bench.predict.inputs import model_buckets
+from ps_bench.predict.memory import ModelFacts, model_states, parse_memory, saved_activations_bytes
+from ps_bench.strategies import HOOKS
+from ps_bench.strategies.stale import STALE_SYNCHRONOUS
+
+P = 1_000_000  # a model of a million parameters in 10 tensors, its largest layer 200,000
+FACTS = ModelFacts(P, 200_000, None, "by hand", tensors=10)
+
+
+def states(hook: str, n: int = 8, per_node: int = 1, precision: str = "fp32",
+           optimizer: str = "adamw", momentum: float = 0.0) -> dict:
+    return model_states(HOOKS.record(hook), FACTS, n, per_node, precision, optimizer, momentum)
+
+
+def test_each_record_says_what_its_trainers_hold():
+    """Bytes a parameter: float32 parameters and gradients, AdamW's two moments (and a step count
+    a tensor), whole under DDP and the parameter servers, sharded as each strategy shards them."""
+    whole = states("allreduce")
+    assert (whole["parameters_bytes"], whole["gradients_bytes"], whole["optimizer_bytes"]) == (
+        4 * P, 4 * P, 8 * P + 4 * 10)
+    assert states("ps") == states("fp16") == whole
+    assert states("allreduce", optimizer="sgd")["optimizer_bytes"] == 0
+    assert states("allreduce", optimizer="sgd", momentum=0.9)["optimizer_bytes"] == 4 * P
+    fsdp = states("fsdp")  # everything over the 8, the largest layer twice whole besides
+    assert (fsdp["parameters_bytes"], fsdp["gradients_bytes"], fsdp["gathered_bytes"]) == (
+        P // 2, P // 2, 2 * 4 * 200_000)
+    assert states("hsdp", n=64, per_node=8)["parameters_bytes"] == P // 2  # over a host's 8
+    assert states("zero1")["optimizer_bytes"] == P + 4 * 2 and states("zero1")["gradients_bytes"] == 4 * P
+    assert states("diloco")["parameters_bytes"] == 3 * 4 * P  # its start point and outer momentum
+    stale = model_states(STALE_SYNCHRONOUS, FACTS, 8, 1, "fp32", "adamw")  # --staleness
+    assert stale["optimizer_bytes"] == 0 and stale["parameters_bytes"] == 4 * P  # servers step
+    assert states("fsdp", precision="bf16")["parameters_bytes"] == P // 2  # autocast: float32 kept
+    assert states("fsdp", precision="bf16")["gathered_bytes"] == 2 * 2 * 200_000
+
+
+@pytest.mark.parametrize("config", ["llama3-8b", "llama3-70b", "mistral-7b", "qwen2.5-7b"])
+def test_deepspeed_model_states_are_its_own_estimators(config):
+    """Mixed-precision AdamW without offload, 8 to 1024 GPUs: ZeRO-2's and ZeRO-3's model
+    states per GPU as ``estimate_zero2_model_states_mem_needs`` and
+    ``estimate_zero3_model_states_mem_needs`` give them (ZeRO-3: 18 bytes a parameter over the
+    GPUs, 4 a parameter of the largest layer)."""
+    pytest.importorskip("transformers")
+    stage_1_and_2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    facts = model_buckets(f"hf:{config}", 25.0)[3]
+    for nodes, per_node in ((1, 8), (16, 8), (128, 8)):
+        n = nodes * per_node
+        _, zero3 = estimate_zero3_model_states_mem_needs(
+            facts.parameters, facts.largest_layer, per_node, nodes, cpu_offload=False,
+            cpu_offload_params=False)[:2]
+        _, zero2 = stage_1_and_2.estimate_zero2_model_states_mem_needs(
+            facts.parameters, per_node, nodes, cpu_offload=False)
+        ours = {stage: model_states(HOOKS.record(f"deepspeed_zero{stage}"), facts, n, per_node,
+                                    "bf16", "adamw")["model_states_bytes"] for stage in (2, 3)}
+        assert ours[3] == pytest.approx(zero3, rel=1e-6), (config, n)
+        assert ours[2] == pytest.approx(zero2, rel=1e-6), (config, n)
+
+
+def test_activations_are_what_a_forward_saves_for_backward_counted_by_hand():
+    """Linear(4, 8), ReLU, Linear(8, 2) at batch 3: the input (12 floats) and the ReLU's output
+    (24, saved by the ReLU and by the second layer, once); no weight nor its transpose. Alike on
+    the meta device, where nothing is allocated."""
+    network = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with SavedActivations() as saved:
+        network(torch.ones(3, 4))
+    assert saved.nbytes == (12 + 24) * 4
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    assert saved_activations_bytes(meta, (torch.ones(3, 4, device="meta"),)) == (12 + 24) * 4
+    assert saved_activations_bytes(meta, (torch.ones(3, 4, device="meta"),), "bf16") == (12 + 24) * 2
+
+
+def test_held_bytes_count_each_buffer_once():
+    """Views of one buffer (DDP's gradients in their bucket) count once, in the first group."""
+    bucket = torch.zeros(100)
+    counted = held_bytes({"parameters": [torch.zeros(10)], "gradients": [bucket[:50], bucket[50:]],
+                          "optimizer": [bucket]})
+    assert counted == {"parameters_bytes": 40, "gradients_bytes": 400, "optimizer_bytes": 0,
+                       "total_bytes": 440}
+
+
+def test_parse_memory():
+    assert parse_memory("80GB") == 80 * 10 ** 9
+    assert parse_memory("80GiB") == 80 * 2 ** 30
+    assert parse_memory("141 gb") == 141 * 10 ** 9
+    assert parse_memory("0.5TB") == 5 * 10 ** 11
+
+
+NO_RUN = ["predict", "--compute-ms", "forward=1,backward=2,optimizer=1", "--link", "10gbit",
+          "--batch-size", "2", "--trainers", "4"]
+
+
+@pytest.mark.parametrize("value", ["0", "80", "abc", "0GB", "80XB", "-"])
+def test_bad_gpu_memory_is_one_line_exit_2(value, capsys):
+    assert main([*NO_RUN, "--model", "DummyModelSmall", "--gpu-memory", value]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and "--gpu-memory" in captured.err
+
+
+def test_llama3_70b_on_16_nodes_of_8(tmp_path, capsys):
+    """The question as users ask it: Llama-3-70B on 16 nodes of 8 x 80 GB, bf16 AdamW. ZeRO-3's
+    model states within 5 % of DeepSpeed's estimator; all-reduce's whole model states do not
+    fit, and the table says so."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "p.json"
+    assert main(["predict", "--model", "hf:llama3-70b", "--nodes", "16", "--per-node", "8",
+                 "--hooks", "allreduce,fsdp,deepspeed_zero3", "--optimizer", "adamw",
+                 "--precision", "bf16", "--gpu-memory", "80GB", "--batch-size", "1",
+                 "--compute-ms", "forward=900,backward=1800,optimizer=50", "--link", "400gbit",
+                 "--link-kind", "infiniband", "--intra-link", "3600gbit",
+                 "--intra-link-kind", "nvlink", "--out", str(out)]) == 0
+    rows = {row["strategy"]: row for row in json.loads(out.read_text())["predictions"]}
+    parameters, largest = 70_553_706_496, 128_256 * 8192
+    estimate = 18 * parameters / 128 + 4 * largest
+    assert rows["deepspeed_zero3"]["model_states_bytes"] == pytest.approx(estimate, rel=0.05)
+    assert rows["allreduce"]["fits"] is False and rows["allreduce"]["model_states_bytes"] > 1e12
+    assert rows["deepspeed_zero3"]["activations_bytes"] > 0
+    printed = capsys.readouterr().out
+    assert "NO" in printed and "70.554 B parameters" in printed
