@@ -65,6 +65,14 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def storages(tensor: torch.Tensor) -> list:
+    """The storages behind a tensor: a sparse one's indices and values; a DTensor's shard's."""
+    tensor = local(tensor)
+    if tensor.is_sparse:
+        return [tensor._indices().untyped_storage(), tensor._values().untyped_storage()]
+    return [tensor.untyped_storage()] if tensor.layout == torch.strided else []
+
+
 def held_bytes(groups: dict[str, list[torch.Tensor]]) -> dict[str, int]:
     """Bytes of each group's tensors (``parameters``, ``gradients``, ``optimizer``), each storage
     counted once, in the first group that holds it (views of one buffer, and an optimizer state
@@ -73,8 +81,7 @@ def held_bytes(groups: dict[str, list[torch.Tensor]]) -> dict[str, int]:
     out: dict[str, int] = {}
     for name, tensors in groups.items():
         total = 0
-        for tensor in tensors:
-            storage = local(tensor).untyped_storage()
+        for storage in [storage for tensor in tensors for storage in storages(tensor)]:
             if storage.data_ptr() and storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
@@ -101,8 +108,8 @@ class SavedActivations:
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         base = tensor if tensor._base is None else tensor._base
         if not isinstance(base, torch.nn.Parameter):
-            storage = local(tensor).untyped_storage()
-            self.storages[storage._cdata] = storage.nbytes()
+            for storage in storages(tensor):
+                self.storages[storage._cdata] = storage.nbytes()
         return tensor
 
     @staticmethod

@@ -73,7 +73,8 @@ def floor_messages(strategy, buckets: list[dict], options: dict, slices: int = 1
             messages[bucket["index"]] = []
         elif bucket["sparse"]:
             messages[bucket["index"]] = [(elements, "float32")]
-        elif strategy.payload in ELEMENT_BYTES:
+        elif strategy.payload in ELEMENT_BYTES or strategy.payload == "compressed":
+            # a compressor's own floor is its all-gathers (its hook's floor_steps)
             messages[bucket["index"]] = [(length, dtype)
                                          for _, length in piece_ranges(elements, piece)]
         else:  # low-rank factors

@@ -2,7 +2,7 @@
 names users type (``--hook``). Importing the package registers every family."""
 
 from ps_bench.strategies import (  # noqa: F401 (each registers)
-    allreduce, deepspeed_zero, local, servers, sharded, stale, torchft_local)
+    allreduce, compressors, deepspeed_zero, local, servers, sharded, stale, torchft_local)
 from ps_bench.strategies.record import (COLLECTIVE, COLLECTIVE_BUCKETS, HOOKS, HOST_SERVER_BUCKETS,
                                         LOW_RANK_BUCKETS, RPC, SERVER_BUCKETS, SPARSE_ALLREDUCE,
                                         SPARSE_GLOO, SPARSE_SERVERS, Cost, Strategy)

@@ -14,7 +14,7 @@ from ps_bench.metrics.wire import collective_bytes
 from ps_bench.registry import Registry
 
 COLLECTIVE, RPC = "collective", "rpc"  # transports
-PAYLOADS = ("float32", "float16", "bfloat16", "low-rank factors", "nothing")
+PAYLOADS = ("float32", "float16", "bfloat16", "low-rank factors", "compressed", "nothing")
 # What a strategy does with a sparse bucket: all-reduce it as it is on the trainers' group
 # (NCCL cannot), all-reduce it through the CPU over gloo (needs gloo in the group: multi), or
 # send it to a parameter server.
@@ -126,6 +126,9 @@ class Strategy:
     # an engine that communicates in a dtype of its own choosing: --reduce-dtype sets it
     reduce_dtype: bool = False
     holds: Holds = Holds()  # what each trainer keeps of the model states (predict's memory)
+    # "compressed": its hook options -> its codec (``strategies.compressors.Codec``), whose
+    # ``message_bytes(elements, tensors)`` is what a trainer all-gathers of a bucket
+    compressor: Callable | None = None
 
     def __post_init__(self) -> None:
         if self.family is None:
@@ -148,6 +151,8 @@ class Strategy:
         if self.transport is not None and self.lossless == (self.uncompressed is not None):
             raise ValueError(f"a lossy strategy names the lossless one it compresses, "
                              f"and only it: {self}")
+        if (self.payload == "compressed") != (self.compressor is not None):
+            raise ValueError(f"a compressed strategy, and only it, names its compressor: {self}")
         if (self.payload == "low-rank factors") != (self.factors in ("tensor", "bucket")):
             raise ValueError(f"a low-rank strategy says what it factors, "
                              f"each tensor or the bucket: {self}")
