@@ -10,9 +10,11 @@ trainer still receives the global average.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed.rpc as rpc
@@ -39,7 +41,8 @@ class BucketState:
     # algorithm-specific: a received tensor, a running sum or a list of tensors
     accumulator: object = None
     # future, on device, wire dtype
-    waiting: list[tuple[Future, bool, torch.dtype]] = field(default_factory=list)
+    # (the trainer's answer, on its device, its dtype or what makes its answer)
+    waiting: list[tuple[Future, bool, torch.dtype | Callable]] = field(default_factory=list)
     first_ms: float = 0.0
     aggregate_ms: float = 0.0
     shape: torch.Size | None = None
@@ -143,6 +146,24 @@ class ParameterServer(Resident):
     @staticmethod
     @rpc.functions.async_execution
     @fatal_on_error
+    def average_compressed(server_rref: rpc.RRef, bucket_index: int, message: torch.Tensor,
+                           codec, layout: tuple[int, int, list[int]], compressed_answer: bool,
+                           iteration: int = 0) -> Future:
+        """A trainer's bucket as ``codec`` compressed it (``strategies.compressors``; ``layout``:
+        its values, the seed it was compressed with, its tensors' sizes), decoded and added as
+        ``average_gradient`` adds it; the answer is the average, compressed by ``codec`` where
+        ``compressed_answer`` (once for every trainer that asked)."""
+        server = server_rref.local_value()
+        maybe_inject(server.fault, "server", server.server_index, iteration)
+        n, seed, sizes = layout
+        answer = (functools.partial(encoded, codec, seed, sizes) if compressed_answer else None)
+        return server.contribute(bucket_index, codec.decode(message.to(server.device), n, seed,
+                                                            sizes),
+                                 received=message.numel(), answer=answer)
+
+    @staticmethod
+    @rpc.functions.async_execution
+    @fatal_on_error
     def combine_partial(server_rref: rpc.RRef, bucket_index: int, partial: torch.Tensor) -> Future:
         """Called by a group server on the bucket's root; completes with the global average."""
         server = server_rref.local_value()
@@ -228,13 +249,17 @@ class ParameterServer(Resident):
     def _new_future(self) -> Future:
         return Future(devices=[self.device] if self.device.type == "cuda" else None)
 
-    def contribute(self, bucket_index: int, tensor: torch.Tensor) -> Future:
+    def contribute(self, bucket_index: int, tensor: torch.Tensor, received: int | None = None,
+                   answer: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Future:
+        """Adds a trainer's bucket (``received``: the bytes it came as, where not the tensor's);
+        the future completes with the global average (``answer``: made into what it returns)."""
         future = self._new_future()
-        self.books.count("recv", tensor_bytes(tensor))
+        self.books.count("recv", tensor_bytes(tensor) if received is None else received)
         state = self._state(self._buckets, bucket_index)
         try:
             with state.lock:
-                state.waiting.append((future, tensor.device.type == "cuda", tensor.dtype))
+                state.waiting.append((future, tensor.device.type == "cuda",
+                                      answer or tensor.dtype))
                 complete, arrived = self._add(state, tensor, self.contributors)
                 if not complete:
                     return future
@@ -295,7 +320,7 @@ class ParameterServer(Resident):
             peer_future.set_result(average)
         return future
 
-    def _answer(self, waiting: list[tuple[Future, bool, torch.dtype]], result: Future,
+    def _answer(self, waiting: list[tuple[Future, bool, torch.dtype | Callable]], result: Future,
                 first_ms: float, straggler_ms: float, aggregate_ms: float) -> None:
         try:
             average = result.wait()
@@ -308,8 +333,10 @@ class ParameterServer(Resident):
         answers: dict[tuple[bool, torch.dtype], torch.Tensor] = {}  # each form computed once
         for future, on_device, dtype in waiting:
             form = (on_device, dtype)
-            if form not in answers:
-                answers[form] = average.to(device=self.device if on_device else "cpu", dtype=dtype)
+            if form not in answers:  # a dtype, or what makes the answer (a compressor's)
+                answers[form] = (dtype(average) if callable(dtype) else
+                                 average.to(device=self.device if on_device else "cpu",
+                                            dtype=dtype))
             self.books.count("sent", tensor_bytes(answers[form]))
             future.set_result(answers[form])
         self.books.record(straggler=straggler_ms, aggregate=aggregate_ms, round=now_ms() - first_ms)
@@ -321,3 +348,8 @@ class ParameterServer(Resident):
         for future, _, _ in waiting:
             if not future.done():
                 future.set_exception(error)
+
+
+def encoded(codec, seed: int, sizes: list[int], average: torch.Tensor) -> torch.Tensor:
+    """An average as ``codec`` compresses it (``average_compressed``'s compressed answer)."""
+    return codec.encode(average.reshape(-1), seed, 0, sizes)

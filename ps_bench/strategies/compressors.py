@@ -28,8 +28,7 @@ from torch.futures import Future
 from ps_bench.metrics import costs
 from ps_bench.strategies.allreduce import allreduce, gather_into
 from ps_bench.strategies.base import HookContext
-from ps_bench.strategies.record import (COLLECTIVE, HOOKS, SPARSE_ALLREDUCE, Cost, Nodes,
-                                        Strategy)
+from ps_bench.strategies.record import COLLECTIVE, HOOKS, SPARSE_ALLREDUCE, Cost, Nodes, Strategy
 
 BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)  # a byte's bits, first high
 SCALE = 4  # bytes: a float32 scale or norm
@@ -215,17 +214,27 @@ class Compressed:
     def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
         tensor = bucket.buffer()
         if tensor.is_sparse:
-            return allreduce(ctx, bucket)
+            return self.sparse(ctx, bucket)
         flat, index, codec = tensor.detach().reshape(-1).float(), bucket.index(), self.codec
         n, sizes = flat.numel(), [g.numel() for g in bucket.gradients()]
-        seed, rank, world = ctx.iteration * 4099 + index, dist.get_rank(ctx.process_group), \
-            ctx.process_group.size()
+        seed, rank = ctx.iteration * 4099 + index, dist.get_rank(ctx.process_group)
         residual = self.residuals.get(index)
         if self.error_feedback and residual is not None and residual.numel() == n:
             flat = flat + residual
         message = codec.encode(flat, seed, rank, sizes)
         if self.error_feedback:
             self.residuals[index] = flat - codec.decode(message, n, seed, sizes)
+        return self.exchange(ctx, bucket, message, (n, seed, sizes))
+
+    def sparse(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
+        """A sparse bucket, as it is."""
+        return allreduce(ctx, bucket)
+
+    def exchange(self, ctx: HookContext, bucket: dist.GradBucket, message: torch.Tensor,
+                 layout: tuple[int, int, list[int]]) -> Future:
+        """Every trainer's message all-gathered, each decoded, their average."""
+        (n, seed, sizes), codec, tensor = layout, self.codec, bucket.buffer()
+        world = ctx.process_group.size()
         gathered = message.new_empty(world * message.numel())
         work = gather_into(gathered, message, ctx.process_group)
 
@@ -328,3 +337,12 @@ class Int8Hook(Compressed):
     def __init__(self, ctx: HookContext, error_feedback: bool = False) -> None:
         super().__init__(ctx, error_feedback)
         self.codec = Int8()
+
+
+CODECS = {"topk": TopK, "randomk": RandomK, "signsgd": Signs, "qsgd": QSGD, "int8": Int8}
+
+
+def named_codec(options: dict) -> Codec:
+    """``ps_compressed``'s codec: the compressor its ``compressor`` option names, with its
+    options."""
+    return CODECS[options["compressor"]].of(options)

@@ -16,6 +16,7 @@ from ps_bench.metrics.timers import tensor_bytes
 from ps_bench.servers.base import ParameterServer
 from ps_bench.strategies.allreduce import allreduce, gather_into
 from ps_bench.strategies.base import HookContext, stateless
+from ps_bench.strategies.compressors import CODECS, Compressed, QSGDHook, check_ratio, named_codec
 from ps_bench.strategies.partitions import Partitioned
 from ps_bench.strategies.record import HOOKS, RPC, SERVERS, SPARSE_SERVERS, Cost, Strategy
 
@@ -202,3 +203,62 @@ class NodeAggregated(Partitioned):
                 self.gathered = 0 if closes else self.gathered + 1
                 self.summed_all = not closes
                 issue()
+
+
+@HOOKS.register("ps_compressed", record=Strategy(
+    RPC, "compressed", lossless=False, sparse_buckets=SPARSE_SERVERS, uncompressed="ps",
+    family=SERVERS, compressor=named_codec))
+class ServersCompressed(Compressed):
+    """The compressors through the parameter servers: each dense bucket compressed by the
+    ``compressor`` (topk, randomk, signsgd, qsgd or int8, with their options) and sent whole to
+    its server, which decodes and adds every trainer's and answers with the average, compressed
+    by the same compressor (``answer`` "compressed", the default: the signs of the sum back, as
+    signSGD with majority vote, Bernstein et al. 2018) or dense (``answer`` "dense"); sparse
+    buckets go as ``ps`` sends them; lossy."""
+
+    floor_steps = None  # no collective of its own: --limits floors its buckets' round trips
+
+    def __init__(self, ctx: HookContext, compressor: str = "topk", ratio: float = 0.01,
+                 levels: int = 127, per_tensor: bool = False,
+                 error_feedback: bool | None = None, answer: str = "compressed") -> None:
+        self.codec = named_codec({"compressor": compressor, "ratio": ratio,
+                                              "levels": levels, "per_tensor": per_tensor})
+        super().__init__(ctx, self.codec.error_feedback if error_feedback is None
+                         else error_feedback)
+        self.compressed_answer = answer == "compressed"
+
+    @staticmethod
+    def check(compressor: str, ratio: float, levels: int, per_tensor: bool,
+              error_feedback: bool | None, answer: str) -> None:
+        if compressor not in CODECS:
+            raise ValueError(f"hook option 'compressor' must be one of "
+                             f"{', '.join(CODECS)}; got {compressor!r}")
+        check_ratio(ratio)
+        QSGDHook.check(levels, False)
+        if answer not in ("compressed", "dense"):
+            raise ValueError(f"hook option 'answer' must be compressed or dense; got {answer!r}")
+
+    def exchange(self, ctx: HookContext, bucket: dist.GradBucket, message: torch.Tensor,
+                 layout: tuple[int, int, list[int]]) -> Future:
+        """The message to the bucket's server; its answer decoded where it is compressed."""
+        (key, _, _, server_index), = ctx.pieces(bucket)
+        server = ctx.servers[server_index]
+        peer = server.rref.owner().id
+        ctx.wire.add(sent=tensor_bytes(message), peer=peer)
+        reply = rpc.rpc_async(server.rref.owner(), ParameterServer.average_compressed,
+                              args=(server.rref, key, message.cpu(), self.codec, layout,
+                                    self.compressed_answer, ctx.iteration),
+                              timeout=ctx.rpc_timeout)
+        tensor, (n, seed, sizes) = bucket.buffer(), layout
+
+        def received(fut: Future) -> torch.Tensor:
+            average = fut.value()
+            ctx.wire.add(recv=tensor_bytes(average), peer=peer)
+            if self.compressed_answer:
+                average = self.codec.decode(average, n, seed, sizes)
+            return average.to(device=tensor.device, dtype=tensor.dtype).view_as(tensor)
+
+        return reply.then(received)
+
+    def sparse(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
+        return send_to_server(ctx, bucket)

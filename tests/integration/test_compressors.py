@@ -1,7 +1,9 @@
 """The compressors for real (``topk``, ``randomk``, ``signsgd``, ``qsgd``, ``int8``), on the runs
 ``test_strategies.py`` verifies (2 trainers, DummyModelSmall, --verify): the bytes a trainer
 sends an iteration are its record's formula to the byte, the sparse ones a few per cent of
-all-reduce's, and top-k of everything without error feedback trains as all-reduce does."""
+all-reduce's, and top-k of everything without error feedback trains as all-reduce does;
+through the parameter servers (``ps_compressed``) a trainer sends its messages and receives the
+average compressed alike."""
 
 from __future__ import annotations
 
@@ -21,11 +23,14 @@ def verified(bench_runs, hook: str, *options: str) -> dict:
 def formula_bytes(results: dict, hook: str) -> int:
     """What the record says a trainer sends an iteration: each dense bucket's message to each of
     the others (all-gather), DDP's buckets as the run built them."""
-    codec = HOOKS.record(hook).compressor(hook_options(hook, results["config"]["hook_options"]))
+    record = HOOKS.record(hook)
+    codec = record.compressor(hook_options(hook, results["config"]["hook_options"]))
     buckets = results["config"]["model_size"]["ddp_buckets"]
     assert buckets and not any(bucket["sparse"] for bucket in buckets)
-    return sum(allgather_bytes(codec.message_bytes(bucket["bytes"] // 4, len(bucket["shapes"])),
-                               TRAINERS) for bucket in buckets)
+    messages = [codec.message_bytes(bucket["bytes"] // 4, len(bucket["shapes"])) for bucket in buckets]
+    if record.needs_servers:  # each message once, to its server
+        return sum(messages)
+    return sum(allgather_bytes(message, TRAINERS) for message in messages)
 
 
 @pytest.mark.parametrize("hook", COMPRESSORS)
@@ -48,3 +53,12 @@ def test_topk_of_everything_without_error_feedback_is_allreduce(bench_runs):
     assert whole["replicas"]["param_norm"] == pytest.approx(
         verified(bench_runs, "allreduce")["replicas"]["param_norm"], rel=1e-5)
     assert whole["verify"]["grad_rel_error_max"] <= 1e-6
+
+
+def test_through_the_servers_signs_go_and_come_back_compressed(bench_runs):
+    """signsgd through a server: a trainer sends its signs and scale and receives the signs of
+    the sum and their scale (signSGD with majority vote), 104 bytes each way."""
+    signs = verified(bench_runs, "ps_compressed", "--hook-option", "compressor=signsgd")
+    assert signs["bytes"]["trainer_sent_per_iter"] == formula_bytes(signs, "ps_compressed") == 104
+    assert signs["bytes"]["trainer_recv_per_iter"] == 104
+    assert signs["replicas"]["identical"] is True

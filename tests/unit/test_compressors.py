@@ -78,6 +78,9 @@ def test_each_compressor_names_its_formula_in_its_record():
         record = HOOKS.record(name)
         assert record.payload == "compressed" and not record.lossless
         assert record.compressor(options).message_bytes(n) == expected
+        through_servers = HOOKS.record("ps_compressed").compressor(
+            {"compressor": name, "ratio": 0.01, "levels": 127, "per_tensor": False})
+        assert through_servers.message_bytes(n) == expected
 
 
 @pytest.mark.parametrize("hook, option, words", [
@@ -85,8 +88,11 @@ def test_each_compressor_names_its_formula_in_its_record():
     ("topk", "ratio=1.5", "hook option 'ratio' must be above 0 and at most 1; got 1.5"),
     ("randomk", "ratio=-0.1", "hook option 'ratio' must be above 0 and at most 1"),
     ("qsgd", "levels=0", "hook option 'levels' must be 1 to 32767; got 0"),
+    ("ps_compressed", "compressor=zip", "hook option 'compressor' must be one of topk, randomk"),
+    ("ps_compressed", "ratio=2", "hook option 'ratio' must be above 0 and at most 1; got 2.0"),
 ])
 def test_bad_compressor_options_are_one_line_exit_2(hook, option, words, capsys):
-    assert main(["--hook", hook, "--nserver", "0", "--hook-option", option, "--dry-run"]) == 2
+    servers = "1" if hook.startswith("ps_") else "0"
+    assert main(["--hook", hook, "--nserver", servers, "--hook-option", option, "--dry-run"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1 and words in captured.err, captured.err
