@@ -68,11 +68,15 @@ def low_rank_end(calibration: Calibration, strategy: Strategy, hook: str, nodes:
                               lambda nbytes: costs.flat_ring_ms(nodes, nbytes, steps_per_message=3))
 
 
-def server_bytes(calibration: Calibration, strategy: Strategy) -> list[tuple[float, float]]:
-    """``(ready ms, bytes on the wire)`` of each bucket a trainer pushes to the servers."""
+def server_bytes(calibration: Calibration, strategy: Strategy,
+                 hook: str | None = None) -> list[tuple[float, float]]:
+    """``(ready ms, bytes on the wire)`` of each bucket a trainer pushes to the servers (a
+    compressor's: its message at its default options, which its servers answer alike)."""
     factor = wire_factor(strategy)
+    codec = (strategy.compressor(hook_options(hook, {}))
+             if strategy.compressor is not None and hook is not None else None)
     return [(ready, nbytes if sparse and strategy.sparse_buckets == SPARSE_SERVERS else
-                    nbytes * factor)
+                    codec.message_bytes(int(nbytes // 4)) if codec else nbytes * factor)
             for ready, nbytes, sparse in calibration.buckets]
 
 
@@ -94,7 +98,7 @@ def servers_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: 
     ``k`` spread over the nodes (colocated)."""
     if k < 1:
         return None
-    pieces = pipelines.server_pieces(server_bytes(calibration, strategy), k,
+    pieces = pipelines.server_pieces(server_bytes(calibration, strategy, hook), k,
                                      piece_bytes(strategy, hook))
     if servers_on == "colocated":
         return pipelines.colocated_ps_pipeline(pieces, nodes, calibration.aggregate_bytes_per_ms,

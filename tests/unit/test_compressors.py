@@ -96,3 +96,23 @@ def test_bad_compressor_options_are_one_line_exit_2(hook, option, words, capsys)
     assert main(["--hook", hook, "--nserver", servers, "--hook-option", option, "--dry-run"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1 and words in captured.err, captured.err
+
+
+def test_predict_costs_the_compressed_messages_both_routes():
+    """All-gathered, a bucket costs the all-gather of its message; through the servers, its
+    message each way: both far below their dense counterparts on a slow link, and the
+    all-gather's cost grows with the trainers where the servers' per trainer does not."""
+    from ps_bench.metrics.costs import Link, allgather_ms
+    from ps_bench.predict.calibration import from_compute_ms
+    from ps_bench.predict.pipelines import Phases
+    from ps_bench.predict.predictor import predict
+
+    link = Link(0.05, 100e6 / 8 / 1e3)  # 100 Mbit/s, 50 us
+    mb = 2 ** 20
+    calibration = from_compute_ms("m", 8, Phases(1.0, 2.0, 0.5), [(4 * mb, False)], link, "test")
+    batch = {hook: predict(calibration, hook, 4, 1)["batch_ms"]
+             for hook in ("allreduce", "topk", "ps", "ps_compressed")}
+    assert batch["topk"] < batch["allreduce"] / 10 and batch["ps_compressed"] < batch["ps"] / 10
+    message = TopK(0.01).message_bytes(mb)
+    assert predict(calibration, "topk", 4, 1)["communication_end_ms"] == pytest.approx(
+        2.0 + allgather_ms(4, message, link), rel=1e-6)
