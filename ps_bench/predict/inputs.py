@@ -16,6 +16,7 @@ from ps_bench.models import DATA, DATA_PRESETS, MODELS, default_data, model_entr
 from ps_bench.models.entries import construct, load_entry
 from ps_bench.predict.memory import (ModelFacts, largest_layer, meta_friendly,
                                      saved_activations_bytes)
+from ps_bench.strategies.sharded import shard_units
 from ps_bench.runtime.network import parse_delay, parse_rate
 
 PHASES = ("forward", "backward", "optimizer")
@@ -194,6 +195,24 @@ def backward_shares(network: torch.nn.Module,
     return shares
 
 
+def fsdp_units(network: torch.nn.Module) -> tuple[int, int]:
+    """The parameters of FSDP2's root unit and of its largest other unit, as ``fsdp`` wraps the
+    model: each parameter belongs to the innermost unit that holds it, the rest to the root."""
+    owner: dict[int, int] = {}
+    units = shard_units(network)
+    for place, unit in enumerate(units):  # outer units come first: the innermost one wins
+        for parameter in unit.parameters():
+            owner[id(parameter)] = place
+    sizes = [0] * len(units)
+    root = 0
+    for parameter in network.parameters():
+        if id(parameter) in owner:
+            sizes[owner[id(parameter)]] += parameter.numel()
+        else:
+            root += parameter.numel()
+    return root, max(sizes, default=0)
+
+
 def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
                   batch_size: int | None = None, sequence_length: int | None = None,
                   precision: str = "fp32",
@@ -210,7 +229,7 @@ def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
     sizes = meta_buckets(network, bucket_cap_mb)
     parameters = sum(p.numel() for p in network.parameters())
     facts = ModelFacts(parameters, largest_layer(network), None, "no batch given",
-                       sum(1 for _ in network.parameters()))
+                       sum(1 for _ in network.parameters()), *fsdp_units(network))
     if batch_size is None:
         return sizes, None, "no batch given", facts
     data = load_entry(RunConfig().data_config_path, default_data(entry), "data_class", DATA, "data",

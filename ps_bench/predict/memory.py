@@ -15,9 +15,11 @@ Bytes a parameter, before any sharding:
   float32 gradients (4 more), as DeepSpeed's estimators count them
   (``estimate_zero2_model_states_mem_needs``: 2 bytes of 16-bit parameters on every GPU and 18
   over the GPUs; ``estimate_zero3_model_states_mem_needs``: 18 over the GPUs).
-- a strategy that gathers layers (FSDP2, ZeRO-3) holds the largest layer's parameters twice
-  whole besides its shard (the layer computing and the next, prefetched), in the type it
-  computes in: 4 bytes a parameter of the largest layer in 16 bits, DeepSpeed's figure.
+- ZeRO-3 holds the largest layer's parameters twice whole besides its shard (the layer
+  computing and the next, prefetched), in the type it computes in: 4 bytes a parameter of the
+  largest layer in 16 bits, DeepSpeed's figure. FSDP2 holds its root unit whole from forward to
+  backward (FSDP2 does not reshard the root after forward) and the largest other unit twice, as
+  ps_bench wraps the model (a Hugging Face model's blocks, the embeddings and head in the root).
 - DiLoCo keeps two more float32 copies (the start point and the outer momentum); a strategy
   whose servers own the parameters keeps no optimizer state on its trainers.
 
@@ -59,6 +61,10 @@ class ModelFacts:
     activations_bytes: int | None
     activations_from: str
     tensors: int = 0  # parameter tensors: AdamW keeps a float32 step count for each
+    # FSDP2's units as ps_bench wraps them (strategies.sharded.shard_units): the root's own
+    # parameters and the largest other unit's
+    root_unit: int = 0
+    largest_unit: int = 0
 
 
 def moments_bytes(optimizer: str, momentum: float) -> int:
@@ -91,9 +97,11 @@ def model_states(record: Strategy, facts: ModelFacts, trainers: int, per_node: i
     out = {"parameters_bytes": held(PARAMETERS, parameter_bytes) + p * 4 * holds.copies,
            "gradients_bytes": held(GRADIENTS, gradient_bytes),
            "optimizer_bytes": held(OPTIMIZER, optimizer_bytes) + 4 * steps,
-           # the layer computing and the next, whole, in the type it computes in
-           "gathered_bytes": (2 * facts.largest_layer * (2 if precision in HALF else 4)
-                              if holds.gathers else 0)}
+           # whole besides the shard, in the type it computes in: ZeRO-3 the layer computing and
+           # the next; FSDP2 its root unit from forward to backward, and a unit and the next
+           "gathered_bytes": (2 if precision in HALF else 4) * (
+               2 * facts.largest_layer if holds.gathers == "layer" else
+               facts.root_unit + 2 * facts.largest_unit if holds.gathers == "unit" else 0)}
     out["model_states_bytes"] = sum(out.values())
     return out
 

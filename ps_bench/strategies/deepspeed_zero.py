@@ -56,7 +56,7 @@ def deepspeed_record(stage: int) -> Strategy:
     return Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED,
                     wrap=ENGINE, identical=GATHERED if stage == 3 else EVERY_ITERATION, sends=sends,
                     engine="deepspeed", reduce_dtype=True,
-                    holds=Holds(sharded, gathers=stage == 3, master_copy=True,
+                    holds=Holds(sharded, gathers="layer" if stage == 3 else "", master_copy=True,
                                 half_gradients=stage < 3))
 
 

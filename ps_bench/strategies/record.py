@@ -58,8 +58,10 @@ class Holds:
     """What each trainer keeps of the model states, for predict's memory.
 
     ``sharded``: the states divided among the trainers (``over`` all of them, or ``"host"``: a
-    host's, as HSDP) instead of whole on each; ``gathers``: a layer's parameters are gathered
-    whole while it computes, and the next one's prefetched; ``master_copy``: an engine that
+    host's, as HSDP) instead of whole on each; ``gathers``: what it gathers whole besides its
+    shard, ``"layer"`` (the largest module's parameters, the one computing and the next,
+    prefetched: DeepSpeed's ZeRO-3) or ``"unit"`` (FSDP2's: the root unit's, kept gathered from
+    forward to backward, and the largest other unit's twice); ``master_copy``: an engine that
     keeps float32 master weights in its optimizer, and trained in 16 bits casts the model and
     keeps float32 gradient partitions there too (DeepSpeed's); ``half_gradients``: those 16-bit
     gradients stay until the step (False: each is reduced into its float32 partition as it is
@@ -68,7 +70,7 @@ class Holds:
 
     sharded: tuple[str, ...] = ()
     over: str = "trainers"
-    gathers: bool = False
+    gathers: str = ""  # "", "layer" or "unit"
     master_copy: bool = False
     half_gradients: bool = True
     copies: int = 0
@@ -146,7 +148,8 @@ class Strategy:
                        for c, per in self.sends)
                 or self.engine not in (None, *ENGINES)
                 or any(state not in MODEL_STATES for state in self.holds.sharded)
-                or self.holds.over not in ("trainers", "host")):
+                or self.holds.over not in ("trainers", "host")
+                or self.holds.gathers not in ("", "layer", "unit")):
             raise ValueError(f"bad strategy record {self}")
         if self.transport is not None and self.lossless == (self.uncompressed is not None):
             raise ValueError(f"a lossy strategy names the lossless one it compresses, "

@@ -46,7 +46,7 @@ def shard_units(network: nn.Module) -> list[nn.Module]:
 @HOOKS.register("fsdp", aliases=("fully_shard", "fsdp2"),
                 record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None,
                                 family=SHARDED, wrap=FSDP, identical=GATHERED, reduce_dtype=True,
-                                holds=Holds(MODEL_STATES, gathers=True),
+                                holds=Holds(MODEL_STATES, gathers="unit"),
                                 # --grad-accum: the parameters gathered for every micro-batch's
                                 # forward and backward, the gradients reduced on the step's last
                                 sends=(("all_gather", "micro-batch"), ("all_gather", "micro-batch"),
@@ -168,7 +168,7 @@ def corrupt(ctx: HookContext, model: nn.Module) -> None:
                 record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None,
                                 family=SHARDED, wrap=FSDP, identical=GATHERED, per_host=True,
                                 reduce_dtype=True,
-                                holds=Holds(MODEL_STATES, over="host", gathers=True),
+                                holds=Holds(MODEL_STATES, over="host", gathers="unit"),
                                 cost=Cost(COLLECTIVE_BUCKETS, bucket_ms=costs.hsdp_reduce_ms,
                                           iteration_ms=costs.hsdp_gather_ms)))
 class HybridShard(FullyShard):

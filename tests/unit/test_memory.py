@@ -16,8 +16,10 @@ from ps_bench.predict.memory import ModelFacts, model_states, parse_memory, save
 from ps_bench.strategies import HOOKS
 from ps_bench.strategies.stale import STALE_SYNCHRONOUS
 
-P = 1_000_000  # a model of a million parameters in 10 tensors, its largest layer 200,000
-FACTS = ModelFacts(P, 200_000, None, "by hand", tensors=10)
+# a model of a million parameters in 10 tensors, its largest layer 200,000; as FSDP2 wraps it,
+# 50,000 in the root unit and 100,000 in the largest other
+P = 1_000_000
+FACTS = ModelFacts(P, 200_000, None, "by hand", tensors=10, root_unit=50_000, largest_unit=100_000)
 
 
 def states(hook: str, n: int = 8, per_node: int = 1, precision: str = "fp32",
@@ -34,16 +36,17 @@ def test_each_record_says_what_its_trainers_hold():
     assert states("ps") == states("fp16") == whole
     assert states("allreduce", optimizer="sgd")["optimizer_bytes"] == 0
     assert states("allreduce", optimizer="sgd", momentum=0.9)["optimizer_bytes"] == 4 * P
-    fsdp = states("fsdp")  # everything over the 8, the largest layer twice whole besides
+    fsdp = states("fsdp")  # everything over the 8; the root unit and the largest twice whole
     assert (fsdp["parameters_bytes"], fsdp["gradients_bytes"], fsdp["gathered_bytes"]) == (
-        P // 2, P // 2, 2 * 4 * 200_000)
+        P // 2, P // 2, 4 * (50_000 + 2 * 100_000))
+    assert states("deepspeed_zero3")["gathered_bytes"] == 4 * 2 * 200_000  # the largest layer
     assert states("hsdp", n=64, per_node=8)["parameters_bytes"] == P // 2  # over a host's 8
     assert states("zero1")["optimizer_bytes"] == P + 4 * 2 and states("zero1")["gradients_bytes"] == 4 * P
     assert states("diloco")["parameters_bytes"] == 3 * 4 * P  # its start point and outer momentum
     stale = model_states(STALE_SYNCHRONOUS, FACTS, 8, 1, "fp32", "adamw")  # --staleness
     assert stale["optimizer_bytes"] == 0 and stale["parameters_bytes"] == 4 * P  # servers step
     assert states("fsdp", precision="bf16")["parameters_bytes"] == P // 2  # autocast: float32 kept
-    assert states("fsdp", precision="bf16")["gathered_bytes"] == 2 * 2 * 200_000
+    assert states("fsdp", precision="bf16")["gathered_bytes"] == 2 * (50_000 + 2 * 100_000)
 
 
 @pytest.mark.parametrize("config", ["llama3-8b", "llama3-70b", "mistral-7b", "qwen2.5-7b"])
@@ -131,3 +134,14 @@ def test_llama3_70b_on_16_nodes_of_8(tmp_path, capsys):
     assert rows["deepspeed_zero3"]["activations_bytes"] > 0
     printed = capsys.readouterr().out
     assert "NO" in printed and "70.554 B parameters" in printed
+
+
+def test_fsdp_units_as_ps_bench_wraps_a_llama():
+    """hf:llama-tiny (hidden 64, 2 layers, vocab 512, untied): the root unit holds the embedding,
+    the head and the final norm (2 x 512 x 64 + 64); a decoder block is the largest other unit
+    (attention 64 x 64 x 2 + 64 x 32 x 2, the MLP 3 x 64 x 128, two norms of 64)."""
+    pytest.importorskip("transformers")
+    facts = model_buckets("hf:llama-tiny", 25.0)[3]
+    block = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64
+    assert (facts.root_unit, facts.largest_unit) == (2 * 512 * 64 + 64, block)
+    assert facts.parameters == facts.root_unit + 2 * block == 139_584
