@@ -73,8 +73,12 @@ def floor_messages(strategy, buckets: list[dict], options: dict, slices: int = 1
             messages[bucket["index"]] = []
         elif bucket["sparse"]:
             messages[bucket["index"]] = [(elements, "float32")]
+        elif strategy.payload == "compressed" and strategy.transport == "rpc":
+            # through the servers: its message each way, in whole float32 elements (uint8 has
+            # no floor of its own); all-gathered, its floor is its hook's floor_steps
+            nbytes = strategy.compressor(options).message_bytes(elements, len(bucket["shapes"]))
+            messages[bucket["index"]] = [(-(-nbytes // 4), "float32")]
         elif strategy.payload in ELEMENT_BYTES or strategy.payload == "compressed":
-            # a compressor's own floor is its all-gathers (its hook's floor_steps)
             messages[bucket["index"]] = [(length, dtype)
                                          for _, length in piece_ranges(elements, piece)]
         else:  # low-rank factors

@@ -95,9 +95,12 @@ def efficiency(record: Any, floors: dict) -> dict | None:
     rows = {r.metric: r for r in record.rows() if r.role == "trainer" and r.unit == "ms"}
     if "comm" not in rows or (strategy.floor is None and own_steps is None):
         return None
+    # a hook whose own steps are the whole of what it sends: hierarchical's collectives on its
+    # groups, the compressors' all-gathers
+    steps_only = not strategy.needs_servers and (strategy.per_host
+                                                 or strategy.payload == "compressed")
     buckets = ((floors["own"] or floors.get(strategy.floor))
-               if strategy.hook_sends and (not strategy.per_host or strategy.needs_servers)
-               else None)
+               if strategy.hook_sends and not steps_only else None)
     periodic = own_steps is not None and any(entry["iterations"] > 1
                                              for entry in own_steps["collectives"].values())
     cost = rows["comm"].mean if periodic else rows["comm"].p50
@@ -115,7 +118,8 @@ def efficiency(record: Any, floors: dict) -> dict | None:
            "exposed_ms": exposed_ms, "exposed_value": measure.efficiency(floor_ms, exposed_ms),
            "float32_floor_ms": uncompressed["p50_ms"] if uncompressed else None,
            "gain_over_float32": (measure.efficiency(uncompressed["p50_ms"], cost)
-                                 if uncompressed and buckets else None)}
+                                 if uncompressed and (buckets or strategy.payload == "compressed")
+                                 else None)}
     if own_steps:
         spent = ({kind: ms / record.collective_iterations
                   for kind, ms in record.collective_ms.items()}

@@ -164,7 +164,7 @@ def render_limits(limits: dict, efficiency: dict | None) -> str:
                 lines.append(f"  {kind.replace('_', '-')}: {entry['value']:.3f} "
                              f"(floor {entry['floor_ms']:.3f} ms / open "
                              f"{entry['measured_ms']:.3f} ms an iteration)")
-        if (efficiency.get("floor_of") == "its own messages" and
+        if (efficiency.get("floor_of") in ("its own messages", "its own steps") and
                 efficiency.get("gain_over_float32") is not None):
             lines.append(f"gain over sending float32: {efficiency['gain_over_float32']:.3f} "
                          f"({efficiency['floor']} floor of the float32 buckets, "

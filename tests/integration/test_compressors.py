@@ -57,8 +57,22 @@ def test_topk_of_everything_without_error_feedback_is_allreduce(bench_runs):
 
 def test_through_the_servers_signs_go_and_come_back_compressed(bench_runs):
     """signsgd through a server: a trainer sends its signs and scale and receives the signs of
-    the sum and their scale (signSGD with majority vote), 104 bytes each way."""
-    signs = verified(bench_runs, "ps_compressed", "--hook-option", "compressor=signsgd")
+    the sum and their scale (signSGD with majority vote), 104 bytes each way; ``--limits``
+    floors those messages' round trips."""
+    signs = verified(bench_runs, "ps_compressed", "--hook-option", "compressor=signsgd", "--limits")
     assert signs["bytes"]["trainer_sent_per_iter"] == formula_bytes(signs, "ps_compressed") == 104
     assert signs["bytes"]["trainer_recv_per_iter"] == 104
     assert signs["replicas"]["identical"] is True
+    assert signs["limits"]["own"]["bytes_per_iter"] == 104
+    assert signs["efficiency"]["floor_of"] == "its own messages"
+
+
+def test_limits_floor_the_all_gathers_alone(bench_runs):
+    """All-gathered, a compressor's floor is its own all-gathers, not the float32 all-reduce it
+    avoids, which is what it gains over."""
+    results = bench_runs.ok("--hook", "topk", "--nserver", "0", "--limits", "--rounds", "2",
+                            timeout_s=120)
+    efficiency = results["efficiency"]
+    assert efficiency["floor_of"] == "its own steps" and "all_gather" in efficiency["collectives"]
+    assert efficiency["floor_ms"] == results["limits"]["steps"]["per_iter_ms"]
+    assert efficiency["gain_over_float32"] is not None
