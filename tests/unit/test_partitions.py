@@ -99,7 +99,7 @@ def on_cpu(cuda_trainer: bool = False, cuda_servers: tuple[bool, ...] = (False,)
 
 def test_pieces_are_4_mib_on_the_cpu_and_whole_buckets_over_device_maps():
     """Not given, ``partition_mb`` is 4 MiB where tensors cross RPC on the CPU and whole buckets
-    where a CUDA trainer sends to CUDA servers (each message a stream synchronisation); given, it
+    where a CUDA trainer sends to CUDA servers (each message a fixed cost there); given, it
     holds on both; a strategy without the option sends buckets whole."""
     assert piece_elements({"partition_mb": None}) == 2 ** 20
     assert piece_elements({"partition_mb": None}, on_device=True) is None
