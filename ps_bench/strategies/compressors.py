@@ -210,6 +210,7 @@ class Compressed:
     def __init__(self, ctx: HookContext, error_feedback: bool) -> None:
         self.error_feedback = error_feedback
         self.residuals: dict[int, torch.Tensor] = {}
+        self.group = ctx.process_group
 
     def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
         tensor = bucket.buffer()
@@ -248,9 +249,8 @@ class Compressed:
     def floor_steps(self, buckets: list[int]) -> list[tuple[str, dist.ProcessGroup, int]]:
         """``--limits``: each bucket's all-gather of its message (float32 elements of the whole
         gathered buffer)."""
-        group = dist.group.WORLD
-        world = dist.get_world_size(group)
-        return [("all_gather", group, -(-self.codec.message_bytes(n) // 4) * world)
+        world = self.group.size()
+        return [("all_gather", self.group, -(-self.codec.message_bytes(n) // 4) * world)
                 for n in buckets]
 
 
