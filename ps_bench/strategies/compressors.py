@@ -79,15 +79,19 @@ def check_ratio(ratio: float) -> None:
         raise ValueError(f"hook option 'ratio' must be above 0 and at most 1; got {ratio}")
 
 
-class TopK(Codec):
-    """The ``ratio`` of the values largest in magnitude: float32 values and int32 indices,
-    ``8k`` bytes for ``k = ceil(ratio x n)``."""
+class Sparse(Codec):
+    """A sparsifier: ``k = ceil(ratio x n)`` of a bucket's ``n`` values, at least one."""
 
     def __init__(self, ratio: float) -> None:
         self.ratio = ratio
 
     def k(self, n: int) -> int:
         return max(1, min(n, math.ceil(self.ratio * n)))
+
+
+class TopK(Sparse):
+    """The ``ratio`` of the values largest in magnitude: float32 values and int32 indices,
+    ``8k`` bytes."""
 
     def message_bytes(self, n: int, tensors: int = 1) -> int:
         return 8 * self.k(n)
@@ -102,15 +106,9 @@ class TopK(Codec):
         return torch.zeros(n, device=message.device).index_put_((indices.long(),), values)
 
 
-class RandomK(Codec):
-    """The values at ``k = ceil(ratio x n)`` places drawn from ``seed``, the same places on every
-    trainer, so only the float32 values travel: ``4k`` bytes."""
-
-    def __init__(self, ratio: float) -> None:
-        self.ratio = ratio
-
-    def k(self, n: int) -> int:
-        return max(1, min(n, math.ceil(self.ratio * n)))
+class RandomK(Sparse):
+    """The values at ``k`` places drawn from ``seed``, the same places on every trainer, so only
+    the float32 values travel: ``4k`` bytes."""
 
     def places(self, n: int, seed: int, device: torch.device) -> torch.Tensor:
         generator = torch.Generator().manual_seed(seed)
@@ -262,11 +260,13 @@ def gathered_ms(codec: Codec, nodes: Nodes, nbytes: float, gloo: bool) -> float:
                               link)
 
 
-def register(name: str, codec_of, defaults: dict):
+def register(name: str, codec_of):
     """Registers a compressor's hook; its record's ``compressor`` makes its codec from the hook's
-    options (the bytes of its messages), its cost the all-gather of its messages at its
+    options (the bytes of its messages), its cost the all-gather of its messages at the hook's
     default options."""
     def decorate(cls):
+        defaults = {option.name: option.default
+                    for option in list(inspect.signature(cls).parameters.values())[1:]}
         record = Strategy(COLLECTIVE, "compressed", lossless=False,
                           sparse_buckets=SPARSE_ALLREDUCE, uncompressed="allreduce",
                           cost=Cost(bucket_ms=functools.partial(gathered_ms, codec_of(defaults))),
@@ -275,35 +275,38 @@ def register(name: str, codec_of, defaults: dict):
     return decorate
 
 
-@register("topk", TopK.of, {"ratio": 0.01})
-class TopKHook(Compressed):
+class Sparsified(Compressed):
+    """A sparsifier's hook (``sparsifier``: its codec): the ``ratio`` of each bucket's values kept,
+    error feedback on by default."""
+
+    sparsifier: type[Sparse]
+
+    def __init__(self, ctx: HookContext, ratio: float = 0.01, error_feedback: bool = True) -> None:
+        super().__init__(ctx, error_feedback)
+        self.codec = self.sparsifier(ratio)
+
+    @staticmethod
+    def check(ratio: float, error_feedback: bool) -> None:
+        check_ratio(ratio)
+
+
+@register("topk", TopK.of)
+class TopKHook(Sparsified):
     """Top-k sparsification: the ``ratio`` of each bucket's values largest in magnitude, with
     their indices, all-gathered; error feedback on by default; lossy."""
 
-    def __init__(self, ctx: HookContext, ratio: float = 0.01, error_feedback: bool = True) -> None:
-        super().__init__(ctx, error_feedback)
-        self.codec = TopK(ratio)
-
-    @staticmethod
-    def check(ratio: float, error_feedback: bool) -> None:
-        check_ratio(ratio)
+    sparsifier = TopK
 
 
-@register("randomk", RandomK.of, {"ratio": 0.01})
-class RandomKHook(Compressed):
+@register("randomk", RandomK.of)
+class RandomKHook(Sparsified):
     """Random-k sparsification: the ``ratio`` of each bucket's values at places every trainer
     draws alike, the values alone all-gathered; error feedback on by default; lossy."""
 
-    def __init__(self, ctx: HookContext, ratio: float = 0.01, error_feedback: bool = True) -> None:
-        super().__init__(ctx, error_feedback)
-        self.codec = RandomK(ratio)
-
-    @staticmethod
-    def check(ratio: float, error_feedback: bool) -> None:
-        check_ratio(ratio)
+    sparsifier = RandomK
 
 
-@register("signsgd", Signs.of, {"per_tensor": False})
+@register("signsgd", Signs.of)
 class SignHook(Compressed):
     """signSGD with error feedback (EF-SignSGD): one bit a value and the mean magnitude of the
     bucket (``per_tensor``: of each tensor), all-gathered; lossy."""
@@ -314,7 +317,7 @@ class SignHook(Compressed):
         self.codec = Signs(per_tensor)
 
 
-@register("qsgd", QSGD.of, {"levels": 127})
+@register("qsgd", QSGD.of)
 class QSGDHook(Compressed):
     """QSGD: each value stochastically rounded to one of ``levels`` levels of the bucket's
     norm, a byte each, all-gathered; unbiased, error feedback off by default; lossy."""
@@ -329,7 +332,7 @@ class QSGDHook(Compressed):
             raise ValueError(f"hook option 'levels' must be 1 to 32767; got {levels}")
 
 
-@register("int8", Int8.of, {})
+@register("int8", Int8.of)
 class Int8Hook(Compressed):
     """int8: each value rounded to 255 levels of the bucket's largest magnitude, a byte each
     and a float32 scale, all-gathered; error feedback off by default; lossy."""

@@ -147,9 +147,9 @@ class DdpTrainer(FloorProbes, Resident):
         self.micro_step = self.synchroniser.micro_step
         self.autocast, self.scaler = mixed_precision(self.device, config.precision,
                                                      self.synchroniser)
-        self._compute_copy: nn.Module | None = None  # --limits: the model outside DDP, made once
         self.held: dict[str, int] | None = None  # model states, counted once (note_memory)
         self.activations = 0
+        self._compute_copy: nn.Module | None = None  # --limits: the model outside DDP, made once
         # --limits builds the compute-only copy from them
         self.entry, self.seed = model, config.torch_seed
 
