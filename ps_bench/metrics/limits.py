@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import statistics
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
@@ -79,17 +78,19 @@ def link_terms(method: str, peers: int) -> tuple[float, float]:
 
 
 def fit_link(points: list[tuple[int, float]], method: str, peers: int) -> dict:
-    """The link's latency α (µs) and bandwidth B (Gbit/s) from ``(bytes, ms)`` probe points, by
-    least squares on relative error (so small messages weigh as much as large ones) of the
-    probe's model (``link_terms``). Needs two sizes or more."""
+    """The link's latency α (µs) and bandwidth B (Gbit/s) from ``(bytes, ms)`` probe points of
+    the probe's model (``link_terms``), as the Hockney model is read off a ping-pong: B from the
+    slope between the two largest messages (what a large message gets, past the latency and
+    past a shaper's burst, which speeds a middle-sized message beyond the line rate), α from
+    what the smallest message takes beyond its bytes at B. Needs two sizes or more."""
     a, b = link_terms(method, peers)
-    sizes = np.array([size for size, _ in points], dtype=np.float64)
-    times = np.array([ms for _, ms in points], dtype=np.float64)
-    design = np.stack([np.full_like(sizes, a), b * sizes], axis=1) / times[:, None]
-    (alpha_ms, ms_per_byte), *_ = np.linalg.lstsq(design, np.ones_like(times), rcond=None)
-    alpha_ms = max(0.0, float(alpha_ms))
+    ordered = sorted(points)
+    (small, small_ms), (below, below_ms), (large, large_ms) = (
+        ordered[0], ordered[-2], ordered[-1])
+    ms_per_byte = (large_ms - below_ms) / (b * (large - below))
     if ms_per_byte <= 0:  # the sizes did not separate latency from bandwidth: all of it bandwidth
-        alpha_ms, ms_per_byte = 0.0, float(np.mean(times / (b * sizes)))
+        return {"latency_us": 0.0, "bandwidth_gbit_s": 8.0 * b * large / large_ms / 1e6}
+    alpha_ms = max(0.0, (small_ms - b * small * ms_per_byte) / a)
     return {"latency_us": alpha_ms * 1000.0, "bandwidth_gbit_s": 8.0 / ms_per_byte / 1e6}
 
 

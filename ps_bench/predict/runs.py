@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ps_bench.config import ConfigError
+from ps_bench.metrics.limits import fit_link
 from ps_bench.results.load import load_file
 from ps_bench.strategies import HOOKS
 
@@ -69,7 +70,8 @@ class Run:
             batch_size=cfg["batch_size"], model=cfg["model"], batch_ms=summary["batch"],
             forward_ms=summary["forward"], optimizer_ms=summary["optimizer"],
             backward_ms=summary.get("backward", 0.0),
-            compute_ms=(limits.get("compute") or {}).get("p50_ms"), link=limits.get("link"),
+            compute_ms=(limits.get("compute") or {}).get("p50_ms"),
+            link=refitted(limits.get("link")),
             memcpy_gbps=(limits.get("memcpy") or {}).get("gbps"), timeline=results.get("timeline"),
             buckets=(cfg.get("model_size") or {}).get("ddp_buckets") or [],
             trainer_sent_per_iter=results["bytes"]["trainer_sent_per_iter"],
@@ -81,6 +83,15 @@ class Run:
             training={key: cfg[key] for key in ("optimizer", "momentum", "precision",
                                                 "model_options") if key in cfg},
         )
+
+
+def refitted(link: dict | None) -> dict | None:
+    """A run's link probe fitted as this ps_bench fits it (``limits.fit_link``) from the points
+    it recorded, so that a results file of an earlier fit predicts as a new one does."""
+    if not link or len(link.get("points") or ()) < 2:
+        return link
+    points = [(point["bytes"], point["p50_ms"]) for point in link["points"]]
+    return {**link, **fit_link(points, link["method"], link["peers"])}
 
 
 def trainers_per_host(placement: list[list[int]] | None, trainers: int) -> int:

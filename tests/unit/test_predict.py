@@ -109,6 +109,18 @@ def test_the_link_fit_recovers_latency_and_bandwidth():
     assert link_summary({4096: [1.0]}, "allreduce", 2) is None  # one size cannot separate the two
 
 
+def test_the_link_fit_takes_the_rate_large_messages_get():
+    """A 1 Gbit/s shaped link's probe (two trainers, all-reduce): its burst speeds the 1 MiB
+    message and its 4 KiB one paid a stray 4 ms. The bandwidth is what the 16 MiB message got
+    (TCP's payload, 0.95 of the line), not a compromise pulled above the line by the others."""
+    points = [(4096, 3.98), (1 << 20, 8.65), (16 << 20, 141.69)]  # measured p50s, ms
+    fitted = fit_link(points, "allreduce", 2)
+    assert fitted["bandwidth_gbit_s"] == pytest.approx(0.946, abs=0.001)
+    assert fitted["latency_us"] == pytest.approx(1973, abs=2)  # the stray 4 KiB time, 2 steps
+    largest = 2 * fitted["latency_us"] / 1e3 + (16 << 20) * 8 / (fitted["bandwidth_gbit_s"] * 1e6)
+    assert largest == pytest.approx(141.69, rel=0.03)
+
+
 def results_file(tmp_path, name: str = "r.json", hook: str = "allreduce", trainers: int = 2, servers: int = 0,
                  batch_ms: float = 100.0, limits: bool = True, status: str = "ok", **extra) -> str:
     """A made-up results file: 10 ms forward, 2 ms optimizer, compute-only 52 ms, two 10 MB
