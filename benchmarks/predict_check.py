@@ -19,8 +19,14 @@ Prints predicted, measured and error per point, then the median and largest |err
 points the calibration did not see. Runs already in the output folder are reused (delete it to
 measure again).
 
+``--split RATE`` (a slower link, e.g. 500mbit) says where a miss is: every predicted point runs
+again with the links at RATE, and the model is asked again with its fitted bandwidth scaled
+alike; with r the ratio of the two rates, a batch time ``T = X + L`` at ``--link`` and ``X + r·L``
+at RATE splits into ``L`` (what scales with the link: transfers not hidden behind anything)
+and ``X`` (what does not: compute, and the steps inside a host), measured and predicted.
+
     sudo $(which python) benchmarks/predict_check.py [--case flat|hosts|all] [--link 1gbit]
-        [--out results/predict_check] [--plot FILE]
+        [--out results/predict_check] [--plot FILE] [--split 500mbit]
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ps_bench.results.load import load_file
+from ps_bench.runtime.network import parse_rate
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH, ITERATIONS = 32, 6  # per trainer and round: every trainer count runs the same iterations
@@ -115,27 +122,66 @@ def predict_args(case: str) -> list[str]:
             "--hooks", "allreduce,hierarchical,ps,ps_node"]
 
 
-def check(case: str, points: list[Point], out: Path, link: str, plot: str | None) -> list[float]:
-    print(f"predict_check ({case}): {len(points)} emulated runs at {link} (DummyModel, batch {BATCH})", flush=True)
-    paths = {point: run_point(out, link, point) for point in points}
-    prediction = out / f"prediction-{case}.json"
+def predictions(case: str, points: list[Point], paths: dict, prediction: Path, *extra: str) -> dict:
+    """predict's batch ms per point key, calibrated on the case's calibration runs (``extra``:
+    more flags to predict); writes ``prediction``."""
     calibration = [str(paths[point]) for point in points if point.calibration]
     compute = [str(paths[point]) for point in points if point.hook == "noop"]
     others = [str(paths[point]) for point in points if not point.calibration and point.hook != "noop"]
     subprocess.run([sys.executable, str(ROOT / "bench.py"), "predict", *calibration, "--compare", *others,
-                    *(["--compute", compute[0]] if compute else []), *predict_args(case), "--out", str(prediction), *(["--plot", plot] if plot else [])],
-                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+                    *(["--compute", compute[0]] if compute else []), *predict_args(case), "--out", str(prediction),
+                    *extra], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     rows = json.loads(prediction.read_text())["predictions"]
-    predicted = {(row["strategy"], row["trainers"], row["servers"] or 0, row.get("per_node", 1),
-                  row.get("servers_on")): row["batch_ms"] for row in rows}
+    return {(row["strategy"], row["trainers"], row["servers"] or 0, row.get("per_node", 1),
+             row.get("servers_on")): row["batch_ms"] for row in rows}
+
+
+def batch_p50(path: Path) -> float:
+    return next(row["p50"] for row in load_file(path)["summary"] if row["role"] == "trainer" and row["metric"] == "batch")
+
+
+def split(case: str, points: list[Point], paths: dict, out: Path, link: str, slower: str,
+          predicted: dict) -> None:
+    """``--split``: each predicted point again at the ``slower`` link, measured and predicted, and
+    both batch times split into what scales with the link and what does not."""
+    ratio = parse_rate(link) / parse_rate(slower)
+    if ratio <= 1:
+        sys.exit(f"predict_check: --split {slower} must be slower than --link {link}")
+    folder = out / f"split-{slower}"
+    folder.mkdir(exist_ok=True)
+    predicted_points = [point for point in points if not point.calibration and point.hook != "noop"]
+    print(f"predict_check ({case}): the {len(predicted_points)} predicted points again at {slower}", flush=True)
+    slow = {point: run_point(folder, slower, point) for point in predicted_points}
+    fitted = json.loads((out / f"prediction-{case}.json").read_text())["calibration"]["link"]
+    # the fitted link, slower by the ratio of the emulated rates; the calibration runs as they ran
+    slower_predicted = predictions(case, points, paths, folder / f"prediction-{case}.json",
+                                   "--link", f"{fitted['bandwidth_gbit_s'] / ratio:.6f}gbit",
+                                   "--link-efficiency", "1", "--latency", f"{fitted['latency_us']:.3f}us")
+    print(f"\nbatch ms = X + L at {link}, X + {ratio:g}L at {slower}: L scales with the link, X does not")
+    print(f"{'strategy':12} {'hosts x G':>9} {'servers':>13} {'L predicted':>11} {'L measured':>10} "
+          f"{'X predicted':>11} {'X measured':>10}")
+    for point in predicted_points:
+        if point.key() not in predicted or point.key() not in slower_predicted:
+            continue
+        lp = (slower_predicted[point.key()] - predicted[point.key()]) / (ratio - 1)
+        lm = (batch_p50(slow[point]) - batch_p50(paths[point])) / (ratio - 1)
+        servers = "-" if not point.servers else f"{point.servers} {point.servers_on}"
+        print(f"{point.hook:12} {f'{point.trainers // point.per_host} x {point.per_host}':>9} {servers:>13} "
+              f"{lp:>11.1f} {lm:>10.1f} {predicted[point.key()] - lp:>11.1f} {batch_p50(paths[point]) - lm:>10.1f}")
+
+
+def check(case: str, points: list[Point], out: Path, link: str, plot: str | None) -> list[float]:
+    print(f"predict_check ({case}): {len(points)} emulated runs at {link} (DummyModel, batch {BATCH})", flush=True)
+    paths = {point: run_point(out, link, point) for point in points}
+    predicted = predictions(case, points, paths, out / f"prediction-{case}.json",
+                            *(["--plot", plot] if plot else []))
     print(f"\n{'strategy':12} {'trainers':>8} {'hosts x G':>9} {'servers':>13} {'predicted ms':>12} "
           f"{'measured ms':>11} {'error %':>8}")
     errors = []
     for point in points:
         if point.key() not in predicted or point.hook == "noop":
             continue  # a calibration point of another shape (one host of two, two of one)
-        results = load_file(paths[point])
-        measured = next(row["p50"] for row in results["summary"] if row["role"] == "trainer" and row["metric"] == "batch")
+        measured = batch_p50(paths[point])
         error = (predicted[point.key()] - measured) / measured * 100.0
         if not point.calibration:
             errors.append(abs(error))
@@ -143,7 +189,7 @@ def check(case: str, points: list[Point], out: Path, link: str, plot: str | None
         hosts = f"{point.trainers // point.per_host} x {point.per_host}"
         print(f"{point.hook:12} {point.trainers:>8} {hosts:>9} {servers:>13} {predicted[point.key()]:>12.1f} "
               f"{measured:>11.1f} {error:>+8.1f}{'  (calibration)' if point.calibration else ''}")
-    return errors
+    return errors, paths, predicted
 
 
 def main() -> int:
@@ -152,6 +198,8 @@ def main() -> int:
     parser.add_argument("--link", default="1gbit", help="the emulated link (default 1gbit)")
     parser.add_argument("--out", default=str(ROOT / "results" / "predict_check"), help="folder for the runs")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw predicted and measured batch times (flat case)")
+    parser.add_argument("--split", metavar="RATE", help="run the predicted points again at this slower link and "
+                        "split each batch time into what scales with the link and what does not (e.g. 500mbit)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -160,12 +208,14 @@ def main() -> int:
     for case, points, (median_target, largest_target) in (("flat", FLAT, (15, 30)), ("hosts", HOSTS, (10, 15))):
         if args.case not in (case, "all"):
             continue
-        errors = check(case, points, out, args.link, args.plot if case == "flat" else None)
+        errors, paths, predicted = check(case, points, out, args.link, args.plot if case == "flat" else None)
         median, largest = statistics.median(errors), max(errors)
         verdict = "held" if median <= median_target and largest <= largest_target else "missed"
         held = held and verdict == "held"
         print(f"\n{case}: |error| over the {len(errors)} points the calibration did not see: median {median:.1f} %, "
               f"largest {largest:.1f} % (targets {median_target} % and {largest_target} %: {verdict})\n")
+        if args.split:
+            split(case, points, paths, out, args.link, args.split, predicted)
     return 0 if held else 1
 
 
