@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ps_bench.config import JSON_KEYS, ConfigError

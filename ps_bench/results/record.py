@@ -17,7 +17,6 @@ import torch
 
 from ps_bench.config import DEFAULT_MAX_ITERATIONS
 from ps_bench.job import Job
-from ps_bench.metrics import limits
 from ps_bench.metrics.costs import collective_bytes
 from ps_bench.metrics.memory import combine_peaks, peak_memory
 from ps_bench.metrics.stats import SMOOTHING, SummaryRow, smoothed_loss, summary_rows

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ps_bench.config import DEFAULT_MAX_ITERATIONS
-from ps_bench.metrics.stats import SMOOTHING, smoothed_loss
+from ps_bench.metrics.stats import smoothed_loss
 from ps_bench.metrics.wire import ByteCounter
 from ps_bench.models.base import Dataset
 
