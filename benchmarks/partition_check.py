@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from ps_bench.results.load import load_file
+from running import ROOT, bench
 
-ROOT = Path(__file__).resolve().parent.parent
 RUN = ["--model", "DummyModel", "--data", "DummyData", "--ntrainer", "4", "--per-host", "2",
        "--verify", "--warmup-rounds", "1", "--rounds", "2"]
 CONFIGS = {
@@ -48,11 +47,8 @@ BASELINE = {
 def run(checkout: Path, link: str, flags: list[str], out: Path) -> dict:
     if out.exists():  # kept from an earlier call (--keep)
         return load_file(out)
-    done = subprocess.run([sys.executable, str(checkout / "bench.py"), "emulate", "--link", link, "--",
-                           *RUN, *flags, "--out", str(out)], cwd=checkout, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"partition_check: {' '.join(flags)} failed: "
-                 f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+    bench("partition_check", " ".join(flags),
+          ["emulate", "--link", link, "--", *RUN, *flags, "--out", str(out)], checkout)
     return load_file(out)
 
 

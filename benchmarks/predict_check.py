@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -42,8 +41,8 @@ from pathlib import Path
 
 from ps_bench.results.load import load_file
 from ps_bench.runtime.network import parse_rate
+from running import ROOT, bench
 
-ROOT = Path(__file__).resolve().parent.parent
 BATCH, ITERATIONS = 32, 6  # per trainer and round: every trainer count runs the same iterations
 TRAINERS = (2, 3, 4)
 DUMMY_DATA = {"max_val": 1024, "sample_length": 1024, "sparsity_percentage": 20}
@@ -103,14 +102,11 @@ def run_point(out: Path, link: str, point: Point) -> Path:
     data = out / "data.json"
     data.write_text(json.dumps({f"Check{t}": {"data_class": "DummyData", "configurations": {
         **DUMMY_DATA, "sample_count": t * BATCH * ITERATIONS}} for t in TRAINERS}))
-    command = [sys.executable, str(ROOT / "bench.py"), "emulate", "--link", link, "--",
-               "--model", "DummyModel", "--data", f"Check{point.trainers}", "--data-config-path", str(data),
-               "--batch-size", str(BATCH), *point.flags(), "--warmup-rounds", "1", "--rounds", "2", "--out", str(path)]
     started = time.monotonic()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"predict_check: {point.name} failed (exit {done.returncode}): "
-                 f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+    bench("predict_check", point.name, [
+        "emulate", "--link", link, "--", "--model", "DummyModel", "--data", f"Check{point.trainers}",
+        "--data-config-path", str(data), "--batch-size", str(BATCH), *point.flags(), "--warmup-rounds", "1",
+        "--rounds", "2", "--out", str(path)])
     print(f"  ran {point.name} in {time.monotonic() - started:.0f} s", flush=True)
     return path
 
@@ -128,9 +124,9 @@ def predictions(case: str, points: list[Point], paths: dict, prediction: Path, *
     calibration = [str(paths[point]) for point in points if point.calibration]
     compute = [str(paths[point]) for point in points if point.hook == "noop"]
     others = [str(paths[point]) for point in points if not point.calibration and point.hook != "noop"]
-    subprocess.run([sys.executable, str(ROOT / "bench.py"), "predict", *calibration, "--compare", *others,
-                    *(["--compute", compute[0]] if compute else []), *predict_args(case), "--out", str(prediction),
-                    *extra], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    bench("predict_check", f"predict ({case})", [
+        "predict", *calibration, "--compare", *others, *(["--compute", compute[0]] if compute else []),
+        *predict_args(case), "--out", str(prediction), *extra])
     rows = json.loads(prediction.read_text())["predictions"]
     return {(row["strategy"], row["trainers"], row["servers"] or 0, row.get("per_node", 1),
              row.get("servers_on")): row["batch_ms"] for row in rows}

@@ -18,15 +18,14 @@ trainer sends per optimizer step.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
 from tabulate import tabulate
 
 from ps_bench.results.load import load_file
+from running import ROOT, bench
 
-ROOT = Path(__file__).resolve().parent.parent
 SHRUNK = ("num_hidden_layers=4,hidden_size=256,intermediate_size=688,num_attention_heads=4,"
           "num_key_value_heads=2,vocab_size=8192")
 MICRO = 2  # sequences a micro-batch
@@ -41,12 +40,9 @@ def run(out: Path, hook: str, accum: int, precision: str) -> Path:
     path = out / f"{hook}-ga{accum}-{precision}.json"
     if path.exists():
         return path
-    command = [sys.executable, str(ROOT / "bench.py"), *RUN, "--hook", hook, *HOOKS[hook],
-               "--grad-accum", str(accum), "--precision", precision, "--out", str(path)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"training_modes: {hook} --grad-accum {accum} --precision {precision} failed: "
-                 f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+    bench("training_modes", f"{hook} --grad-accum {accum} --precision {precision}",
+          [*RUN, "--hook", hook, *HOOKS[hook], "--grad-accum", str(accum), "--precision", precision,
+           "--out", str(path)])
     print(f"  ran {path.stem}", flush=True)
     return path
 
