@@ -11,9 +11,11 @@ Each configuration runs ``--runs`` times on 2 emulated hosts of 2 trainers joine
 - with ``--baseline DIR`` (a checkout of an earlier ps_bench), that ps_bench's ``ps_node`` with 2
   servers, dedicated and co-located.
 
-Prints each configuration's batch p50 (median over the runs, and the spread), whether its
-replicas ended with all-reduce's parameters (rel 1e-5) and its gradients with the exact mean
-(``--verify``), and how much the busiest server received against the mean of the servers.
+The runs go in turns (one of each configuration, then the next round), so that a drift in the
+machine's speed moves every configuration alike. Prints each configuration's batch p50 (median
+over the runs, and the spread), whether its replicas ended with all-reduce's parameters (rel
+1e-5) and its gradients with the exact mean (``--verify``), and how much the busiest server
+received against the mean of the servers.
 
     sudo $(which python) benchmarks/partition_check.py [--baseline DIR] [--runs 3] [--link 1gbit]
 """
@@ -80,9 +82,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.keep or Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)
-        results = {name: [run(checkout, args.link, flags, folder / f"{index}-{repeat}.json")
-                          for repeat in range(args.runs)]
-                   for index, (name, checkout, flags) in enumerate(configs)}
+        results: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
+        for repeat in range(args.runs):  # one run of each in turn: a drift moves them alike
+            for index, (name, checkout, flags) in enumerate(configs):
+                results[name].append(run(checkout, args.link, flags, folder / f"{index}-{repeat}.json"))
     reference = statistics.median(r["replicas"]["param_norm"] for r in results["allreduce"])
     print(f"{args.runs} runs each, 2 emulated hosts of 2 trainers at {args.link}, DummyModel\n")
     print(f"{'configuration':32} {'batch p50 ms':>14} {'spread':>16} {'norm = allreduce':>17} "
