@@ -121,6 +121,20 @@ def test_the_link_fit_takes_the_rate_large_messages_get():
     assert largest == pytest.approx(141.69, rel=0.03)
 
 
+def test_a_results_file_of_an_earlier_fit_is_refitted_from_its_points(tmp_path):
+    points = [(4096, 3.98), (1 << 20, 8.65), (16 << 20, 141.69)]
+    link = {"method": "allreduce", "peers": 2, "latency_us": 1804.0, "bandwidth_gbit_s": 1.234,
+            "points": [{"bytes": size, "p50_ms": ms} for size, ms in points]}
+    path = results_file(tmp_path)
+    results = json.loads(Path(path).read_text())
+    results["limits"]["link"] = link
+    Path(path).write_text(json.dumps(results))
+    run = Run.load(path)
+    assert run.link["bandwidth_gbit_s"] == pytest.approx(fit_link(points, "allreduce", 2)["bandwidth_gbit_s"])
+    assert run.link["bandwidth_gbit_s"] == pytest.approx(0.946, abs=0.001)
+    assert run.link["points"] == link["points"]  # what was measured stays as it was
+
+
 def results_file(tmp_path, name: str = "r.json", hook: str = "allreduce", trainers: int = 2, servers: int = 0,
                  batch_ms: float = 100.0, limits: bool = True, status: str = "ok", **extra) -> str:
     """A made-up results file: 10 ms forward, 2 ms optimizer, compute-only 52 ms, two 10 MB
