@@ -9,11 +9,13 @@ alone (``allreduce``, ``fp16`` and ``ps`` with 1 server, made with ``--limits``)
 link probe measures the host's local link) and on 2 hosts of 1 trainer each (``allreduce`` and
 ``ps`` with 1 server, ``--limits``; ``hierarchical``), it predicts 2 hosts x 2 trainers for
 ``allreduce``, ``hierarchical``, ``ps`` with servers dedicated (1 and 2) and co-located (one on
-each host), and ``ps_node`` (a host's gradients summed, pushed once) with 2 servers dedicated and
-co-located, and compares with emulated runs of them. The compute comes from the device the
-trainers will run on (``predict --compute``): here four trainers sharing this machine's cores, so
-a ``noop`` run of 2 hosts x 2 trainers gives the compute phases and bucket timeline (it moves no
-gradient: nothing of the network is in it).
+each host), and ``ps_node`` (a host's gradients summed, pushed once) with 2 and 4 servers
+dedicated and co-located, and compares with emulated runs of them; then ``ps_node`` again with
+its run of 2 dedicated servers among the calibration runs (its own compute from that run, the
+other layouts predicted). The compute comes from the device the trainers will run on
+(``predict --compute``): here four trainers sharing this machine's cores, so a ``noop`` run of
+2 hosts x 2 trainers gives the compute phases and bucket timeline (it moves no gradient:
+nothing of the network is in it).
 
 Prints predicted, measured and error per point, then the median and largest |error| over the
 points the calibration did not see. Runs already in the output folder are reused (delete it to
@@ -36,7 +38,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ps_bench.results.load import load_file
@@ -166,6 +168,27 @@ def split(case: str, points: list[Point], paths: dict, out: Path, link: str, slo
               f"{lp:>11.1f} {lm:>10.1f} {predicted[point.key()] - lp:>11.1f} {batch_p50(paths[point]) - lm:>10.1f}")
 
 
+def given_its_run(points: list[Point], paths: dict, out: Path, hook: str = "ps_node") -> None:
+    """The hosts case again with one run of ``hook`` (2 servers, dedicated) among the calibration
+    runs, as a user who has run it once asks about its other layouts: predict takes a strategy's
+    own compute from its run (without one, ``hook`` takes ``ps``'s)."""
+    own = Point(hook, 4, 2, per_host=2)
+    calibrated = {replace(point, calibration=point.calibration or point == own): path
+                  for point, path in paths.items()}
+    predicted = predictions("hosts", list(calibrated), calibrated, out / f"prediction-hosts-{hook}.json")
+    print(f"\n{hook} given a run of its own ({own.name}) among the calibration runs:")
+    errors = []
+    for point, path in calibrated.items():
+        if point.hook != hook or point.key() not in predicted:
+            continue
+        measured = batch_p50(path)
+        error = (predicted[point.key()] - measured) / measured * 100.0
+        errors += [] if point.calibration else [abs(error)]
+        print(f"{point.hook:12} {f'{point.servers} {point.servers_on}':>13} {predicted[point.key()]:>12.1f} "
+              f"{measured:>11.1f} {error:>+8.1f}{'  (calibration)' if point.calibration else ''}")
+    print(f"|error| over the other {len(errors)} layouts: largest {max(errors):.1f} %")
+
+
 def check(case: str, points: list[Point], out: Path, link: str, plot: str | None) -> list[float]:
     print(f"predict_check ({case}): {len(points)} emulated runs at {link} (DummyModel, batch {BATCH})", flush=True)
     paths = {point: run_point(out, link, point) for point in points}
@@ -210,6 +233,8 @@ def main() -> int:
         held = held and verdict == "held"
         print(f"\n{case}: |error| over the {len(errors)} points the calibration did not see: median {median:.1f} %, "
               f"largest {largest:.1f} % (targets {median_target} % and {largest_target} %: {verdict})\n")
+        if case == "hosts":
+            given_its_run(points, paths, out)
         if args.split:
             split(case, points, paths, out, args.link, args.split, predicted)
     return 0 if held else 1
