@@ -38,6 +38,8 @@ class Calibration:
     micro_batches: int = 1
     # --reduce-dtype: what the strategies that have one communicate in (None: their own)
     reduce_dtype: str | None = None
+    # what the calibration could not take as measured, said once where it is printed
+    notes: list[str] = field(default_factory=list)
 
     @property
     def gradient_bytes(self) -> float:
@@ -61,7 +63,7 @@ class Calibration:
             "aggregate_gbps": (self.aggregate_bytes_per_ms * 1000.0 / 1e9
                                if self.aggregate_bytes_per_ms else None),
             "own_ms": self.own_ms, "payload_ratio": self.payload_ratio,
-            "runs": [run.path for run in self.runs],
+            "runs": [run.path for run in self.runs], "notes": self.notes,
         }
 
 

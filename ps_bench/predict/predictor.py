@@ -138,7 +138,15 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
                            per_node=run.per_host, servers_on=run.servers_on)
         if modelled is not None:
             own.setdefault(run.hook, []).append(run.batch_ms - modelled["batch_ms"])
-    calibration.own_ms = {hook: statistics.median(values) for hook, values in own.items()}
+    for hook, values in own.items():
+        fitted = statistics.median(values)
+        if fitted < 0:  # its run was faster than its own compute and link allow
+            calibration.notes.append(
+                f"{hook}'s run took {-fitted:.1f} ms less than the model gives it with the run's "
+                "own compute and link: its compute-only iteration or link probe (--limits) ran "
+                "slower than its rounds (a machine whose speed changed during the run?); its own "
+                "compute is taken as 0 (a run on a quiet machine fits it)")
+        calibration.own_ms[hook] = max(0.0, fitted)
     return calibration
 
 

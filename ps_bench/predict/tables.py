@@ -62,7 +62,8 @@ def describe_calibration(calibration: Calibration) -> str:
                f"{c['intra_link']['bandwidth_gbit_s']:.3f} Gbit/s ({c['intra_link']['from']})\n"
                if c["intra_link"] else "")
             + f"  each strategy's own compute, from its run: {own} (a strategy without a run: that "
-            f"of the one it costs like, ps for ps_fp16 and ps_node; else 0)\n")
+            f"of the one it costs like, ps for ps_fp16 and ps_node; else 0)\n"
+            + "".join(f"  note: {note}\n" for note in c["notes"]))
 
 
 def render(rows: list[dict]) -> str:

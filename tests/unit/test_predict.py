@@ -21,7 +21,7 @@ from ps_bench.predict.calibration import from_compute_ms
 from ps_bench.predict.inputs import TargetLink
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.runs import Run
-from ps_bench.predict.tables import render_winners, winners
+from ps_bench.predict.tables import describe_calibration, render_winners, winners
 from ps_bench.strategies import COLLECTIVE, HOOKS, Cost, Strategy
 
 # 1 MB per ms (8 Gbit/s), 10 µs per message: round numbers to compute by hand
@@ -157,6 +157,18 @@ def results_file(tmp_path, name: str = "r.json", hook: str = "allreduce", traine
     path = tmp_path / name
     path.write_text(json.dumps(results))
     return str(path)
+
+
+def test_a_run_faster_than_its_own_compute_allows_gets_no_negative_own_compute(tmp_path):
+    # the model gives a 2-trainer all-reduce 62.02 ms with this run's compute and link (below);
+    # a batch of 40 ms means its compute-only iteration ran slower than its rounds
+    calibration = calibrate([Run.load(results_file(tmp_path, "ar.json", batch_ms=40.0))])
+    assert calibration.own_ms["allreduce"] == 0.0
+    assert predict(calibration, "allreduce", 2, 0)["batch_ms"] == pytest.approx(62.02)
+    note, = calibration.notes
+    assert note.startswith("allreduce's run took 22.0 ms less than the model gives it")
+    assert f"note: {note}" in describe_calibration(calibration)
+    assert calibration.to_dict()["notes"] == [note]
 
 
 def test_calibration_reads_phases_timeline_and_link_and_fits_each_strategys_own_compute(tmp_path):
