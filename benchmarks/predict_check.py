@@ -162,10 +162,11 @@ def split(case: str, points: list[Point], paths: dict, out: Path, link: str, slo
         if point.key() not in predicted or point.key() not in slower_predicted:
             continue
         lp = (slower_predicted[point.key()] - predicted[point.key()]) / (ratio - 1)
-        lm = (batch_p50(slow[point]) - batch_p50(paths[point])) / (ratio - 1)
+        measured = batch_p50(paths[point])
+        lm = (batch_p50(slow[point]) - measured) / (ratio - 1)
         servers = "-" if not point.servers else f"{point.servers} {point.servers_on}"
         print(f"{point.hook:12} {f'{point.trainers // point.per_host} x {point.per_host}':>9} {servers:>13} "
-              f"{lp:>11.1f} {lm:>10.1f} {predicted[point.key()] - lp:>11.1f} {batch_p50(paths[point]) - lm:>10.1f}")
+              f"{lp:>11.1f} {lm:>10.1f} {predicted[point.key()] - lp:>11.1f} {measured - lm:>10.1f}")
 
 
 def given_its_run(points: list[Point], paths: dict, out: Path, hook: str = "ps_node") -> None:
@@ -177,28 +178,26 @@ def given_its_run(points: list[Point], paths: dict, out: Path, hook: str = "ps_n
                   for point, path in paths.items()}
     predicted = predictions("hosts", list(calibrated), calibrated, out / f"prediction-hosts-{hook}.json")
     print(f"\n{hook} given a run of its own ({own.name}) among the calibration runs:")
-    errors = []
-    for point, path in calibrated.items():
-        if point.hook != hook or point.key() not in predicted:
-            continue
-        measured = batch_p50(path)
-        error = (predicted[point.key()] - measured) / measured * 100.0
-        errors += [] if point.calibration else [abs(error)]
-        print(f"{point.hook:12} {f'{point.servers} {point.servers_on}':>13} {predicted[point.key()]:>12.1f} "
-              f"{measured:>11.1f} {error:>+8.1f}{'  (calibration)' if point.calibration else ''}")
+    errors = compare(list(calibrated), calibrated, predicted, hook)
     print(f"|error| over the other {len(errors)} layouts: largest {max(errors):.1f} %")
 
 
-def check(case: str, points: list[Point], out: Path, link: str, plot: str | None) -> list[float]:
+def check(case: str, points: list[Point], out: Path, link: str, plot: str | None) -> tuple[list[float], dict, dict]:
     print(f"predict_check ({case}): {len(points)} emulated runs at {link} (DummyModel, batch {BATCH})", flush=True)
     paths = {point: run_point(out, link, point) for point in points}
     predicted = predictions(case, points, paths, out / f"prediction-{case}.json",
                             *(["--plot", plot] if plot else []))
+    return compare(points, paths, predicted), paths, predicted
+
+
+def compare(points: list[Point], paths: dict, predicted: dict, hook: str | None = None) -> list[float]:
+    """Prints each point's (``hook``'s alone, if given) predicted and measured batch ms and error;
+    returns the |error| of those the calibration did not see."""
     print(f"\n{'strategy':12} {'trainers':>8} {'hosts x G':>9} {'servers':>13} {'predicted ms':>12} "
           f"{'measured ms':>11} {'error %':>8}")
     errors = []
     for point in points:
-        if point.key() not in predicted or point.hook == "noop":
+        if point.key() not in predicted or point.hook == "noop" or hook not in (None, point.hook):
             continue  # a calibration point of another shape (one host of two, two of one)
         measured = batch_p50(paths[point])
         error = (predicted[point.key()] - measured) / measured * 100.0
@@ -208,7 +207,7 @@ def check(case: str, points: list[Point], out: Path, link: str, plot: str | None
         hosts = f"{point.trainers // point.per_host} x {point.per_host}"
         print(f"{point.hook:12} {point.trainers:>8} {hosts:>9} {servers:>13} {predicted[point.key()]:>12.1f} "
               f"{measured:>11.1f} {error:>+8.1f}{'  (calibration)' if point.calibration else ''}")
-    return errors, paths, predicted
+    return errors
 
 
 def main() -> int:
