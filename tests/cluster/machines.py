@@ -193,12 +193,25 @@ class Unavailable(Exception):
     """This machine cannot provide the engine; the message says why (the fixture skips with it)."""
 
 
+def remove_stale_hosts() -> list[str]:
+    """Deletes the namespaces of host pairs whose test session died before its teardown (killed:
+    ``psb<pid>a`` and ``psb<pid>b`` of a pid no longer running); the names deleted."""
+    stale = []
+    for path in Path("/run/netns").glob("psb*"):
+        pid = path.name[3:-1]
+        if pid.isdigit() and path.name[-1] in "ab" and not Path(f"/proc/{pid}").exists():
+            subprocess.run(["ip", "netns", "del", path.name], capture_output=True)
+            stale.append(path.name)
+    return stale
+
+
 def make_host_pair(folder: Path) -> HostPair:
     for tool in ("ip", "nsenter", "unshare"):
         if shutil.which(tool) is None:
             raise Unavailable(f"{tool} is not on PATH: {INSTALL_HINT}")
     if os.geteuid() != 0:
         raise Unavailable("network namespaces need root")
+    remove_stale_hosts()
     made: list[Host] = []
     try:
         for index, name in enumerate(("psb-a", "psb-b")):

@@ -11,7 +11,7 @@ import pytest
 
 from ps_bench.cluster.torchrun import NodeLayout, torchrun_command
 from tests.benchrun import ROOT, communicate
-from tests.cluster.machines import project_env
+from tests.cluster.machines import project_env, remove_stale_hosts
 
 QUICK = ("--warmup-rounds", "1", "--rounds", "2")
 
@@ -92,3 +92,17 @@ def test_with_tcp_rpc_crosses_the_link_at_its_rate(host_pair, tmp_path):
     limits = results["limits"]
     expected_ms = 2 * 2 * limits["bytes_per_iter"] * 8 / 200e6 * 1000
     assert limits["rpc"]["p50_ms"] == pytest.approx(expected_ms, rel=0.15), (limits["rpc"], expected_ms)
+
+
+def test_stale_hosts_of_a_dead_session_are_removed(host_pair):
+    """A session killed before its teardown leaves its namespaces; the next one deletes them, and
+    leaves a running session's alone."""
+    dead = "psb4194305a"  # above any pid_max: no such process can run
+    subprocess.run(["ip", "netns", "add", dead], check=True, capture_output=True)
+    try:
+        assert remove_stale_hosts() == [dead]
+        listed = subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True).stdout
+        assert dead not in listed
+        assert all(host.netns in listed for host in host_pair.hosts)
+    finally:
+        subprocess.run(["ip", "netns", "del", dead], capture_output=True)
