@@ -76,6 +76,12 @@ class Case:
     unit: str = "images/s"
     link_kind: str = "ethernet"  # the network: ethernet (TCP), roce or infiniband (RDMA)
     intra_kind: str = "pcie"  # a node's local link: pcie or nvlink
+    table: str = ""  # the table the source's row or column is in, where a table holds several cases
+    system: str = ""  # what the cluster's winner is called where two cases ran one strategy (default: hook)
+
+    @property
+    def table_name(self) -> str:
+        return self.table or self.source
 
     def t1_ms(self) -> float:
         """The batch time ps_bench is given: per GPU of a full node where the source measured
@@ -84,25 +90,27 @@ class Case:
         return self.batch / per_gpu * 1000.0
 
 
-HOROVOD_A = ("Horovod README, first benchmark table, 'TCP Horovod (allreduce on GPU with NCCL)' row "
-             "(github.com/horovod/horovod, commit d54e3a8, 2017-09-05)")
-HOROVOD_B = ("Horovod README, second benchmark table, 'TCP Horovod (allreduce on GPU with NCCL)' row "
-             "(github.com/horovod/horovod, commit d54e3a8, 2017-09-05)")
+HOROVOD = ("Horovod README, {table} benchmark table, '{row} Horovod (allreduce on GPU with NCCL)' row "
+           "(github.com/horovod/horovod, commit d54e3a8, 2017-09-05)")
 TF_K80 = ("TensorFlow r1 'Benchmarks' guide, 'Details for Amazon EC2 Distributed (NVIDIA Tesla K80)', "
           "'Training synthetic data' table (tensorflow/docs, site/en/r1/guide/performance/benchmarks.md; "
           "tested May 2017)")
-HOROVOD_SETUP = ("4 Pascal GPUs per server, NCCL 2 ring all-reduce over TCP, Tensor Fusion (64 MB buffer), "
-                 "fp32, batch 64 per GPU, synthetic data")
+HOROVOD_SETUP = ("4 Pascal GPUs per server, NCCL 2 ring all-reduce over {transport}, Tensor Fusion (64 MB "
+                 "buffer), fp32, batch 64 per GPU, synthetic data")
 TF_K80_NODE = ("the same guide, 'Details for Amazon EC2 (NVIDIA Tesla K80)', 'Training synthetic data' "
                "table, row '8' (one p2.8xlarge, no network; tested May 2017)")
 TF_SETUP = ("p2.8xlarge (8 K80 GPUs, 10 Gbit/s), distributed_replicated: each worker sums its 8 GPUs' "
             "gradients and pushes the sum to parameter servers run on the worker instances, one per instance")
 
-# Horovod's two tables: (source, line rate, servers' network, GPUs) and each model's (1-GPU, all-GPU) images/s
-HOROVOD_TABLES = [
-    (HOROVOD_A, 25.0, "4 servers, 25 Gbit/s RoCE-capable network", 16,
+# Horovod's two tables, the rows of all-reduce on the GPUs with NCCL: (table, row, line rate, link kind, the
+# servers' network, GPUs) and each model's (1-GPU, all-GPU) images/s. The first table's cluster ran NCCL both over
+# TCP sockets and over RDMA (RoCE); the second's network is plain Ethernet, TCP alone
+HOROVOD_ROWS = [
+    ("first", "TCP", 25.0, "ethernet", "4 servers, 25 Gbit/s RoCE-capable network", 16,
      {"vgg16": (130.9, 1308.7), "resnet101": (119.4, 1685.1), "inception_v3": (134.4, 1990.7)}),
-    (HOROVOD_B, 40.0, "16 servers, plain 40 Gbit/s network", 64,
+    ("first", "RDMA", 25.0, "roce", "4 servers, 25 Gbit/s RoCE-capable network", 16,
+     {"vgg16": (130.9, 1787.4), "resnet101": (119.4, 1746.2), "inception_v3": (134.4, 2022.6)}),
+    ("second", "TCP", 40.0, "ethernet", "16 servers, plain 40 Gbit/s network", 64,
      {"vgg16": (149.6, 6084.2), "resnet101": (136.0, 7741.6), "inception_v3": (148.8, 7932.1)}),
 ]
 SHORT = {"vgg16": "vgg16", "resnet101": "resnet101", "inception_v3": "inception3"}
@@ -127,9 +135,12 @@ BYTEPS_CHARTS = {
 }
 
 CASES = [
-    Case(f"horovod-{link:g}g-{SHORT[model]}", source, model, 64, 4, link, "allreduce", {1: one, gpus: many},
-         bucket_cap_mb=64.0, setup=f"{HOROVOD_SETUP}, {network}")
-    for source, link, network, gpus, models in HOROVOD_TABLES for model, (one, many) in models.items()
+    Case(f"horovod-{link:g}g-{'rdma-' if kind == 'roce' else ''}{SHORT[model]}", HOROVOD.format(table=table, row=row),
+         model, 64, 4, link, "allreduce", {1: one, gpus: many}, bucket_cap_mb=64.0,
+         setup=f"{HOROVOD_SETUP.format(transport=row)}, {network}", link_kind=kind,
+         table=HOROVOD.format(table=table, row="each"), cluster=f"horovod-{link:g}g-{SHORT[model]}",
+         system=f"allreduce, {row}")
+    for table, row, link, kind, network, gpus, models in HOROVOD_ROWS for model, (one, many) in models.items()
 ] + [
     Case("tf-k80-resnet50", TF_K80, "resnet50", 64, 8, 10.0, "ps_node",
          {1: 52.4, 8: 378, 16: 751, 32: 1388, 64: 2744}, servers_on="colocated", setup=TF_SETUP,
@@ -147,12 +158,12 @@ CASES = [
          {1: 119.60, 8: 921.32, 16: 1499.40, 32: 2885.81}, bucket_cap_mb=250e6 * 4 / 2 ** 20,
          setup=DLPERF_SETUP.format(system="NGC PyTorch 20.03, apex DDP (message_size 250,000,000), NCCL 2.5.6"),
          node=921.32, node_source=DLPERF_NODE, intra_gbit=NVLINK_V100_GBIT, unit="sentences/s",
-         link_kind="infiniband", intra_kind="nvlink"),
+         link_kind="infiniband", intra_kind="nvlink", table=DLPERF.format(column="each")),
     Case("dlperf-tensorflow-bert", DLPERF.format(column="NGC TensorFlow 1.x"), "hf:bert-base", 32, 8, 100.0,
          "allreduce", {1: 107.33, 8: 790.03, 16: 1404.04, 32: 2727.90}, bucket_cap_mb=64.0,
          setup=DLPERF_SETUP.format(system="NGC TensorFlow 20.03, Horovod 0.19.0 (Tensor Fusion, 64 MB)"),
          node=790.03, node_source=DLPERF_NODE, intra_gbit=NVLINK_V100_GBIT, unit="sentences/s",
-         link_kind="infiniband", intra_kind="nvlink"),
+         link_kind="infiniband", intra_kind="nvlink", table=DLPERF.format(column="each")),
 ] + [
     Case(f"byteps-20g-{model}-{system}", BYTEPS.format(model=model), model, 64, 8, 20.0, hook,
          {gpus: pair[index] for gpus, pair in BYTEPS_CHARTS[model].items()}, servers_on=place,
@@ -215,7 +226,7 @@ def predict_case(case: Case, scratch: Path) -> list[dict]:
                      "efficiency": measured / (gpus * per_gpu),
                      "communication_share": 1.0 - t1 / row["batch_ms"],
                      "given": f"{case.per_node}-GPU node" if case.node else "1 GPU", "given_ms": t1,
-                     "cluster": case.cluster, "strategy": case.hook})
+                     "cluster": case.cluster, "strategy": case.system or case.hook})
     return rows
 
 
@@ -264,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                    headers=["case", "GPUs", "nodes", "measured img/s", "predicted img/s", "error", "measured efficiency",
                             "predicted comm. share", "compute given"], tablefmt="github"))
     errors = [abs(row["error_pct"]) for row in rows]
-    tables = len({case.source for case in cases})
+    tables = len({case.table_name for case in cases})
     print(f"\n{len(rows)} points from {tables} tables: median |error| {statistics.median(errors):.1f} %, "
           f"largest {max(errors):.1f} %")
     compared = winners(rows)
