@@ -200,12 +200,13 @@ def node_ps_pipeline(buckets: list[tuple[float, float]], nodes: Nodes, k: int,
                      gloo: bool = False, piece: float | None = None, window: int = 0) -> float:
     """Parameter servers fed once per node (``ps_node``; BytePS's layout), as ps_bench runs it.
     A bucket of S bytes is summed within the node when it is ready and the previous sum is done
-    (a ring all-reduce of S on the local link, or NCCL's reduce-scatter, half of it); each of
-    the G trainers pushes its S/G slice in pieces of at most ``piece`` bytes dealt over the k
-    servers as the run deals them (``server_pieces``), at most ``window`` a trainer in flight
-    (0: all): the pushes cross each link (``piece_pushes``) after what it carried of the
-    previous buckets, arrive in waves (``pushed_in_waves``) and are answered (``exchange``);
-    then the slices are all-gathered within the node, after the previous bucket's and once the
+    (a ring all-reduce of S on the local link, or NCCL's reduce-scatter, half of it), a piece's
+    columns at a time; each of the G trainers pushes its S/G slice in pieces of at most
+    ``piece`` bytes dealt over the k servers as the run deals them (``server_pieces``), each
+    once its sum is done (the first after the first piece's share of the sum), at most
+    ``window`` a trainer in flight (0: all): the pushes cross each link (``piece_pushes``) after
+    what it carried of the previous buckets, arrive in waves (``pushed_in_waves``) and are
+    answered (``exchange``); then the slices are all-gathered within the node, after the previous bucket's and once the
     last bucket's sum has been issued (sums and gathers share the node's group: the iteration's
     sums, then its gathers). The node's link carries S each way where ``ps`` carries G copies,
     and server j receives and answers N copies of its pieces; ``colocated``: server j is on node
@@ -224,7 +225,7 @@ def node_ps_pipeline(buckets: list[tuple[float, float]], nodes: Nodes, k: int,
         own = [(size, server) for _, size, server in pieces[place:place + count]]
         place += count
         inside = within_node_ms(nodes, nbytes, 2 if gloo else 1) if g > 1 else 0.0
-        summed = max(ready, summed) + inside
+        began, summed = max(ready, summed), max(ready, summed) + inside
         back = summed
         push = piece_pushes(own, nodes, k, colocated)
         if push:
@@ -233,7 +234,11 @@ def node_ps_pipeline(buckets: list[tuple[float, float]], nodes: Nodes, k: int,
             each = count // g
             waves = pushed_in_waves([[server for _, server in own[part * each:(part + 1) * each]]
                                      for part in range(g)], window)
-            back = exchange(free, summed, push, network.latency_ms, added, waves)
+            # each piece's columns are summed on their own: the pushes start once the first
+            # piece's sum is done, and the last answer comes after the last sum
+            first = inside * min(1.0, g * own[0][0] / nbytes) if nbytes else 0.0
+            back = max(exchange(free, began + first, push, network.latency_ms, added, waves),
+                       summed + network.latency_ms)
         gathered = (max(back, gathered, last_handed) +
                     (within_node_ms(nodes, nbytes, 1) if g > 1 else 0.0))
     return gathered

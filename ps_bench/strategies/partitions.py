@@ -85,6 +85,14 @@ class PieceWindow:
         self.pump()
 
 
+def passed_on(target: Future, source: Future) -> None:
+    """``source``'s value, or its error, set on ``target``."""
+    try:
+        target.set_result(source.value())
+    except Exception as error:  # noqa: BLE001 - the piece's own failure, passed on
+        target.set_exception(error)
+
+
 def assembled(answers: list[Future], like: torch.Tensor) -> Future:
     """The pieces' answers, once all are back, as one tensor shaped like ``like``."""
     done = Future(devices=[like.device] if like.device.type == "cuda" else None)
@@ -146,8 +154,14 @@ class Partitioned:
         flat = tensor.reshape(-1)
         whole = len(pieces) == 1 and pieces[0][2] == flat.numel()
         answers = {
-            first: self.sender.submit(first_place + order, functools.partial(
-                send, ctx, flat if whole else flat[first:first + length].clone(), key, server,
-                self.wire_dtype), tensor.device)
+            first: self.submit(ctx, flat if whole else flat[first:first + length].clone(), key,
+                               server, first_place + order, send)
             for order, (key, first, length, server) in enumerate(pieces)}
         return assembled([answers[first] for first in sorted(answers)], tensor)
+
+    def submit(self, ctx: HookContext, piece: torch.Tensor, key: int, server: int, place: int,
+               send: Callable) -> Future:
+        """Sends one ``piece`` (a tensor of its own: RPC sends a view's whole storage) in its
+        reserved ``place``; the future of its answer."""
+        return self.sender.submit(place, functools.partial(send, ctx, piece, key, server,
+                                                           self.wire_dtype), piece.device)
