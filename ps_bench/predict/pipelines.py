@@ -206,9 +206,9 @@ def node_ps_pipeline(buckets: list[tuple[float, float]], nodes: Nodes, k: int,
     once its sum is done (the first after the first piece's share of the sum), at most
     ``window`` a trainer in flight (0: all): the pushes cross each link (``piece_pushes``) after
     what it carried of the previous buckets, arrive in waves (``pushed_in_waves``) and are
-    answered (``exchange``); then the slices are all-gathered within the node, after the previous bucket's and once the
-    last bucket's sum has been issued (sums and gathers share the node's group: the iteration's
-    sums, then its gathers). The node's link carries S each way where ``ps`` carries G copies,
+    answered (``exchange``); then the slices are all-gathered within the node, after the
+    previous bucket's and once the last bucket's sum has been issued (sums and gathers share the
+    node's group: the iteration's sums, then its gathers). The node's link carries S each way where ``ps`` carries G copies,
     and server j receives and answers N copies of its pieces; ``colocated``: server j is on node
     ``j mod N``, which keeps its own copy. Many buckets approach ``costs.byteps_bound_ms`` over
     the N nodes (k servers of their own: ``M/B`` once k reaches N), the next bucket's pushes
