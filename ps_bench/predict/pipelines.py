@@ -198,9 +198,9 @@ def iteration_ms(phases: Phases, communication_end: float, own_ms: float = 0.0) 
 def node_ps_pipeline(buckets: list[tuple[float, float]], nodes: Nodes, k: int,
                      aggregate_bytes_per_ms: float | None = None, colocated: bool = False,
                      gloo: bool = False, piece: float | None = None, window: int = 0) -> float:
-    """Parameter servers fed once per node (``ps_node``; BytePS's layout), as ps_bench runs it.
-    A bucket of S bytes is summed within the node when it is ready and the previous sum is done
-    (a ring all-reduce of S on the local link, or NCCL's reduce-scatter, half of it), a piece's
+    """Parameter servers fed once per node (``ps_node``; BytePS's layout), as ps_bench runs it. A
+    bucket of S bytes is summed within the node when it is ready and the previous sum is done (a
+    ring all-reduce of S on the local link, or NCCL's reduce-scatter, half of it), a piece's
     columns at a time; each of the G trainers pushes its S/G slice in pieces of at most
     ``piece`` bytes dealt over the k servers as the run deals them (``server_pieces``), each
     once its sum is done (the first after the first piece's share of the sum), at most
@@ -208,12 +208,12 @@ def node_ps_pipeline(buckets: list[tuple[float, float]], nodes: Nodes, k: int,
     what it carried of the previous buckets, arrive in waves (``pushed_in_waves``) and are
     answered (``exchange``); then the slices are all-gathered within the node, after the
     previous bucket's and once the last bucket's sum has been issued (sums and gathers share the
-    node's group: the iteration's sums, then its gathers). The node's link carries S each way where ``ps`` carries G copies,
-    and server j receives and answers N copies of its pieces; ``colocated``: server j is on node
-    ``j mod N``, which keeps its own copy. Many buckets approach ``costs.byteps_bound_ms`` over
-    the N nodes (k servers of their own: ``M/B`` once k reaches N), the next bucket's pushes
-    crossing while the previous one's answers come back. N = 1: the local steps and, with
-    dedicated servers, their links."""
+    node's group: the iteration's sums, then its gathers). The node's link carries S each way
+    where ``ps`` carries G copies, and server j receives and answers N copies of its pieces;
+    ``colocated``: server j is on node ``j mod N``, which keeps its own copy. Many buckets
+    approach ``costs.byteps_bound_ms`` over the N nodes (k servers of their own: ``M/B`` once k
+    reaches N), the next bucket's pushes crossing while the previous one's answers come back.
+    N = 1: the local steps and, with dedicated servers, their links."""
     g, network = nodes.per_node, nodes.network
     pieces = server_pieces(buckets, k, piece, parts=g)
     summed = gathered = 0.0  # when the local sums and the gathers are free
