@@ -52,7 +52,7 @@ class PieceWindow:
     def submit(self, place: int, send: Callable[[], Future], device: torch.device) -> Future:
         """The piece of a reserved ``place`` (``send`` starts its round trip); the future of its
         answer."""
-        answer = Future(devices=[device] if device.type == "cuda" else None)
+        answer = device_future(device)
         with self.lock:
             self.waiting[place] = (send, answer)
         self.pump()
@@ -85,6 +85,11 @@ class PieceWindow:
         self.pump()
 
 
+def device_future(device: torch.device) -> Future:
+    """A future whose value lives on ``device`` (a GPU's: its users' streams wait for it)."""
+    return Future(devices=[device] if device.type == "cuda" else None)
+
+
 def passed_on(target: Future, source: Future) -> None:
     """``source``'s value, or its error, set on ``target``."""
     try:
@@ -95,7 +100,7 @@ def passed_on(target: Future, source: Future) -> None:
 
 def assembled(answers: list[Future], like: torch.Tensor) -> Future:
     """The pieces' answers, once all are back, as one tensor shaped like ``like``."""
-    done = Future(devices=[like.device] if like.device.type == "cuda" else None)
+    done = device_future(like.device)
     remaining, lock = [len(answers)], threading.Lock()
 
     def arrived(_: Future) -> None:

@@ -19,7 +19,7 @@ from ps_bench.servers.base import ParameterServer
 from ps_bench.strategies.allreduce import allreduce, gather_into
 from ps_bench.strategies.base import HookContext, stateless
 from ps_bench.strategies.compressors import CODECS, Compressed, QSGDHook, check_ratio, named_codec
-from ps_bench.strategies.partitions import Partitioned, assembled, passed_on
+from ps_bench.strategies.partitions import Partitioned, assembled, device_future, passed_on
 from ps_bench.strategies.record import HOOKS, RPC, SERVERS, SPARSE_SERVERS, Cost, Strategy
 
 
@@ -192,8 +192,7 @@ class NodeAggregated(Partitioned):
         answers: dict[int, Future] = {}
         for order, (key, first, length, server) in enumerate(pieces):
             chunk = rows if len(pieces) == 1 else rows[:, first:first + length].clone()
-            answers[first] = answer = Future(
-                devices=[tensor.device] if tensor.device.type == "cuda" else None)
+            answers[first] = answer = device_future(tensor.device)
             summed = dist.all_reduce(chunk, group=self.intra, async_op=True).get_future()
             summed.add_done_callback(functools.partial(
                 self.piece_summed, ctx, chunk, key, server, first_place + order, answer,
