@@ -120,18 +120,20 @@ def predict_args(case: str) -> list[str]:
             "--hooks", "allreduce,hierarchical,ps,ps_node"]
 
 
-def predictions(case: str, points: list[Point], paths: dict, prediction: Path, *extra: str) -> dict:
+def predictions(case: str, points: list[Point], paths: dict, prediction: Path,
+                *extra: str) -> tuple[dict, dict]:
     """predict's batch ms per point key, calibrated on the case's calibration runs (``extra``:
-    more flags to predict); writes ``prediction``."""
+    more flags to predict), and the network link it fitted; writes ``prediction``."""
     calibration = [str(paths[point]) for point in points if point.calibration]
     compute = [str(paths[point]) for point in points if point.hook == "noop"]
     others = [str(paths[point]) for point in points if not point.calibration and point.hook != "noop"]
     bench("predict_check", f"predict ({case})", [
         "predict", *calibration, "--compare", *others, *(["--compute", compute[0]] if compute else []),
         *predict_args(case), "--out", str(prediction), *extra])
-    rows = json.loads(prediction.read_text())["predictions"]
-    return {(row["strategy"], row["trainers"], row["servers"] or 0, row.get("per_node", 1),
-             row.get("servers_on")): row["batch_ms"] for row in rows}
+    written = json.loads(prediction.read_text())
+    return ({(row["strategy"], row["trainers"], row["servers"] or 0, row.get("per_node", 1),
+              row.get("servers_on")): row["batch_ms"] for row in written["predictions"]},
+            written["calibration"]["link"])
 
 
 def batch_p50(path: Path) -> float:
@@ -139,7 +141,7 @@ def batch_p50(path: Path) -> float:
 
 
 def split(case: str, points: list[Point], paths: dict, out: Path, link: str, slower: str,
-          predicted: dict) -> None:
+          predicted: dict, fitted: dict) -> None:
     """``--split``: each predicted point again at the ``slower`` link, measured and predicted, and
     both batch times split into what scales with the link and what does not."""
     ratio = parse_rate(link) / parse_rate(slower)
@@ -150,9 +152,8 @@ def split(case: str, points: list[Point], paths: dict, out: Path, link: str, slo
     predicted_points = [point for point in points if not point.calibration and point.hook != "noop"]
     print(f"predict_check ({case}): the {len(predicted_points)} predicted points again at {slower}", flush=True)
     slow = {point: run_point(folder, slower, point) for point in predicted_points}
-    fitted = json.loads((out / f"prediction-{case}.json").read_text())["calibration"]["link"]
     # the fitted link, slower by the ratio of the emulated rates; the calibration runs as they ran
-    slower_predicted = predictions(case, points, paths, folder / f"prediction-{case}.json",
+    slower_predicted, _ = predictions(case, points, paths, folder / f"prediction-{case}.json",
                                    "--link", f"{fitted['bandwidth_gbit_s'] / ratio:.6f}gbit",
                                    "--link-efficiency", "1", "--latency", f"{fitted['latency_us']:.3f}us")
     print(f"\nbatch ms = X + L at {link}, X + {ratio:g}L at {slower}: L scales with the link, X does not")
@@ -176,18 +177,21 @@ def given_its_run(points: list[Point], paths: dict, out: Path, hook: str = "ps_n
     own = Point(hook, 4, 2, per_host=2)
     calibrated = {replace(point, calibration=point.calibration or point == own): path
                   for point, path in paths.items()}
-    predicted = predictions("hosts", list(calibrated), calibrated, out / f"prediction-hosts-{hook}.json")
+    predicted, _ = predictions("hosts", list(calibrated), calibrated, out / f"prediction-hosts-{hook}.json")
     print(f"\n{hook} given a run of its own ({own.name}) among the calibration runs:")
     errors = compare(list(calibrated), calibrated, predicted, hook)
     print(f"|error| over the other {len(errors)} layouts: largest {max(errors):.1f} %")
 
 
-def check(case: str, points: list[Point], out: Path, link: str, plot: str | None) -> tuple[list[float], dict, dict]:
+def check(case: str, points: list[Point], out: Path, link: str,
+          plot: str | None) -> tuple[list[float], dict, dict, dict]:
+    """The case's runs, predicted and compared: the |errors|, the runs' paths, predict's batch ms
+    per point and the link it fitted."""
     print(f"predict_check ({case}): {len(points)} emulated runs at {link} (DummyModel, batch {BATCH})", flush=True)
     paths = {point: run_point(out, link, point) for point in points}
-    predicted = predictions(case, points, paths, out / f"prediction-{case}.json",
-                            *(["--plot", plot] if plot else []))
-    return compare(points, paths, predicted), paths, predicted
+    predicted, fitted = predictions(case, points, paths, out / f"prediction-{case}.json",
+                                    *(["--plot", plot] if plot else []))
+    return compare(points, paths, predicted), paths, predicted, fitted
 
 
 def compare(points: list[Point], paths: dict, predicted: dict, hook: str | None = None) -> list[float]:
@@ -226,7 +230,8 @@ def main() -> int:
     for case, points, (median_target, largest_target) in (("flat", FLAT, (15, 30)), ("hosts", HOSTS, (10, 15))):
         if args.case not in (case, "all"):
             continue
-        errors, paths, predicted = check(case, points, out, args.link, args.plot if case == "flat" else None)
+        errors, paths, predicted, fitted = check(case, points, out, args.link,
+                                                 args.plot if case == "flat" else None)
         median, largest = statistics.median(errors), max(errors)
         verdict = "held" if median <= median_target and largest <= largest_target else "missed"
         held = held and verdict == "held"
@@ -235,7 +240,7 @@ def main() -> int:
         if case == "hosts":
             given_its_run(points, paths, out)
         if args.split:
-            split(case, points, paths, out, args.link, args.split, predicted)
+            split(case, points, paths, out, args.link, args.split, predicted, fitted)
     return 0 if held else 1
 
 
