@@ -84,8 +84,8 @@ class RunConfig:
         "optimizer and precision become the run's (\"auto\" takes the run's), and what conflicts "
         "with an option given here is refused", group=STRATEGY, metavar="FILE")
     verify: bool = option(False, "compare what the strategy delivered with the exact mean "
-                                 "gradient, on a few iterations per timed round (left out of the "
-                                 "timings)")
+                                 "gradient, on a few iterations per timed round (at most 4, and "
+                                 "never two in a row; left out of the timings)")
     server: str = option("average", "parameter-server aggregation algorithm", group=STRATEGY)
     trainer: str = option("ddp", "trainer loop", group=STRATEGY)
     mapping: str = option(

@@ -67,6 +67,9 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
         print(render_convergence(results["convergence"]))
     if "verify" in results:
         check = results["verify"]
+        if not any(row.role == "trainer" and row.metric == "batch" for row in rows):
+            print("no batch times: --verify checked every iteration, and checked iterations are "
+                  "left out of the timings (rounds of one iteration); give a round more")
         if check["buckets_checked"]:
             print(f"gradient error vs exact mean: p50 {check['grad_rel_error_p50']:.3g}, max "
                   f"{check['grad_rel_error_max']:.3g} over {check['iterations']} iterations "

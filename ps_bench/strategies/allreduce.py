@@ -13,7 +13,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import (debugging_hooks, defaul
 from torch.futures import Future
 
 from ps_bench.metrics import costs
-from ps_bench.strategies.base import Hook, HookContext, stateless
+from ps_bench.strategies.base import (Hook, HookContext, device_future, issuing_stream, settle,
+                                     stateless)
 from ps_bench.strategies.record import (COLLECTIVE, HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Cost,
                                         Strategy)
 
@@ -69,14 +70,6 @@ def bf16(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     return default_hooks.bf16_compress_hook(ctx.process_group, bucket)
 
 
-def settle(target: Future, source: Future) -> None:
-    """Completes ``target`` as ``source`` completed: with its value or its exception."""
-    try:
-        target.set_result(source.value())
-    except Exception as error:  # noqa: BLE001 - source's own failure, passed on
-        target.set_exception(error)
-
-
 def gather_into(output: torch.Tensor, chunk: torch.Tensor, group) -> dist.Work:
     """All-gathers every rank's ``chunk`` into the flat ``output``, in rank order: the single-tensor
     collective (gloo gathers a list of outputs through extra copies, 5 times slower for a 29 MB
@@ -90,7 +83,7 @@ class InOrder:
 
     previous: Future | None = None  # the last bucket's future
 
-    def after_previous(self, start: Callable[[], Future]) -> Future:
+    def after_previous(self, start: Callable[[], Future], device: torch.device) -> Future:
         """Starts a bucket's communication once the previous bucket's has finished.
 
         torch's PowerSGD issues its second and third all-reduce of a bucket from callbacks of
@@ -98,14 +91,17 @@ class InOrder:
         several buckets in flight two trainers could issue the next bucket's all-reduce and
         this bucket's in different orders, a collective mismatch (gloo aborts, or hangs). One
         bucket at a time keeps the order the same on every trainer; over NCCL a future
-        completes as soon as its kernel is queued, so the chain costs no overlap there.
+        completes as soon as its kernel is queued, so the chain costs no overlap there. On a
+        GPU the bucket is started on the stream DDP handed it over on, not the callback's.
         """
-        previous, done = self.previous, Future()
-        self.previous = done
+        previous, done = self.previous, device_future(device)
+        self.previous, issuing = done, issuing_stream(device)
 
         def launch(_: Future | None = None) -> None:
             try:
-                start().add_done_callback(lambda finished: settle(done, finished))
+                with issuing():
+                    started = start()
+                started.add_done_callback(lambda finished: settle(done, finished))
             except Exception as error:  # noqa: BLE001 - the trainer waits on this future
                 done.set_exception(error)
 
@@ -153,8 +149,8 @@ class PowerSGD(InOrder):
 
     def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
         if bucket.buffer().is_sparse:  # as dense_only does for the stateless hooks
-            return self.after_previous(lambda: allreduce(ctx, bucket))
-        return self.after_previous(lambda: self.hook(self.state, bucket))
+            return self.after_previous(lambda: allreduce(ctx, bucket), bucket.buffer().device)
+        return self.after_previous(lambda: self.hook(self.state, bucket), bucket.buffer().device)
 
 
 
@@ -221,8 +217,8 @@ class Hierarchical(InOrder):
 
     def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
         if bucket.buffer().is_sparse:
-            return self.after_previous(lambda: allreduce(ctx, bucket))
-        return self.after_previous(lambda: self.two_level(bucket.buffer()))
+            return self.after_previous(lambda: allreduce(ctx, bucket), bucket.buffer().device)
+        return self.after_previous(lambda: self.two_level(bucket.buffer()), bucket.buffer().device)
 
     def floor_steps(self, buckets: list[int]) -> list[tuple[str, dist.ProcessGroup, int]]:
         """``--limits``: each bucket's three steps on the groups it runs them on."""
@@ -232,7 +228,7 @@ class Hierarchical(InOrder):
             ("all_gather", self.intra, elements))]
 
     def two_level(self, tensor: torch.Tensor) -> Future:
-        numel, done = tensor.numel(), Future()
+        numel, done = tensor.numel(), device_future(tensor.device)
         padded = (torch.cat([tensor, tensor.new_zeros(-numel % self.per_host)])
                   if numel % self.per_host else tensor.clone())
         rows = padded.view(self.per_host, -1)

@@ -22,7 +22,7 @@ import torch
 from torch.futures import Future
 
 from ps_bench.metrics.messages import piece_elements
-from ps_bench.strategies.base import HookContext
+from ps_bench.strategies.base import HookContext, device_future, issuing_stream
 
 
 class PieceWindow:
@@ -38,7 +38,8 @@ class PieceWindow:
     def __init__(self, window: int) -> None:
         self.window = window
         self.lock = threading.Lock()
-        self.waiting: dict[int, tuple[Callable[[], Future], Future]] = {}
+        # place -> (what sends the piece, its answer, the stream to send it under)
+        self.waiting: dict[int, tuple[Callable[[], Future], Future, Callable]] = {}
         self.reserved = 0  # places handed out so far
         self.next = 0  # the next place to send
         self.in_flight = 0
@@ -53,8 +54,8 @@ class PieceWindow:
         """The piece of a reserved ``place`` (``send`` starts its round trip); the future of its
         answer."""
         answer = device_future(device)
-        with self.lock:
-            self.waiting[place] = (send, answer)
+        with self.lock:  # sent now, or later from a callback: on the stream that made the piece
+            self.waiting[place] = (send, answer, issuing_stream(device))
         self.pump()
         return answer
 
@@ -64,11 +65,13 @@ class PieceWindow:
             with self.lock:
                 if self.next not in self.waiting or (self.window and self.in_flight >= self.window):
                     return
-                send, answer = self.waiting.pop(self.next)
+                send, answer, issuing = self.waiting.pop(self.next)
                 self.next += 1
                 self.in_flight += 1
             try:
-                send().then(functools.partial(self.returned, answer))
+                with issuing():
+                    sent = send()
+                sent.then(functools.partial(self.returned, answer))
             except Exception as error:  # noqa: BLE001 - the trainer waits on the bucket's future
                 self.returned(answer, None, error)
 
@@ -83,19 +86,6 @@ class PieceWindow:
         except Exception as failure:  # noqa: BLE001 - the piece's own failure, passed on
             answer.set_exception(failure)
         self.pump()
-
-
-def device_future(device: torch.device) -> Future:
-    """A future whose value lives on ``device`` (a GPU's: its users' streams wait for it)."""
-    return Future(devices=[device] if device.type == "cuda" else None)
-
-
-def passed_on(target: Future, source: Future) -> None:
-    """``source``'s value, or its error, set on ``target``."""
-    try:
-        target.set_result(source.value())
-    except Exception as error:  # noqa: BLE001 - the piece's own failure, passed on
-        target.set_exception(error)
 
 
 def assembled(answers: list[Future], like: torch.Tensor) -> Future:

@@ -17,9 +17,10 @@ from ps_bench.metrics.timers import tensor_bytes
 from ps_bench.runtime.topology import piece_ranges, slice_size
 from ps_bench.servers.base import ParameterServer
 from ps_bench.strategies.allreduce import allreduce, gather_into
-from ps_bench.strategies.base import HookContext, stateless
+from ps_bench.strategies.base import (HookContext, device_future, issuing_stream, settle,
+                                     stateless)
 from ps_bench.strategies.compressors import CODECS, Compressed, QSGDHook, check_ratio, named_codec
-from ps_bench.strategies.partitions import Partitioned, assembled, device_future, passed_on
+from ps_bench.strategies.partitions import Partitioned, assembled
 from ps_bench.strategies.record import HOOKS, RPC, SERVERS, SPARSE_SERVERS, Cost, Strategy
 
 
@@ -159,7 +160,7 @@ class NodeAggregated(Partitioned):
                                                       self.per_host))
         place, self.handed = self.handed, 0 if bucket.is_last() else self.handed + 1
         tensor = bucket.buffer()
-        numel, done = tensor.numel(), Future()
+        numel, done = tensor.numel(), device_future(tensor.device)
         padded = (torch.cat([tensor, tensor.new_zeros(-numel % self.per_host)])
                   if numel % self.per_host else tensor.clone())
         rows = padded.view(self.per_host, -1)
@@ -168,15 +169,18 @@ class NodeAggregated(Partitioned):
             if not done.done():
                 done.set_exception(error)
 
-        def gather() -> None:
-            work = gather_into(padded, rows[self.local].clone(), self.intra).get_future()
+        def gather(issuing: Callable) -> None:
+            # issued from whichever thread's turn it is: on the stream that wrote this row
+            with issuing():
+                work = gather_into(padded, rows[self.local].clone(), self.intra).get_future()
             work.add_done_callback(lambda finished: settled(
                 finished, lambda: done.set_result(padded[:numel].view_as(tensor))))
 
         def pulled(answer: Future) -> None:
             def ready() -> None:
                 rows[self.local].copy_(answer.wait())
-                self.gather_in_order(place, gather, bucket.is_last())
+                issuing = issuing_stream(tensor.device)
+                self.gather_in_order(place, functools.partial(gather, issuing), bucket.is_last())
             settled(answer, ready)
 
         def settled(finished: Future, then: Callable[[], None]) -> None:
@@ -209,7 +213,7 @@ class NodeAggregated(Partitioned):
         piece's server (a tensor of its own), and its answer to ``answer``."""
         def push() -> None:
             sent = self.submit(ctx, chunk[self.local].clone(), key, server, place, send_tensor)
-            sent.add_done_callback(functools.partial(passed_on, answer))
+            sent.add_done_callback(functools.partial(settle, answer))
         settled(finished, push)
 
     def gather_in_order(self, place: int | None, gather: Callable[[], None] | None,

@@ -52,9 +52,9 @@ def mixed_precision(device: torch.device, precision: str,
 
 
 def verified_steps(iterations: int) -> set[int]:
-    """Which iterations of a round ``--verify`` checks: evenly spaced, at most
-    VERIFIED_PER_ROUND."""
-    stride = max(1, math.ceil(iterations / VERIFIED_PER_ROUND))
+    """Which iterations of a round ``--verify`` checks (left out of the timings): evenly spaced,
+    at most VERIFIED_PER_ROUND, never two in a row, so that a short round keeps timed ones."""
+    stride = max(2, math.ceil(iterations / VERIFIED_PER_ROUND))
     return set(range(0, iterations, stride))
 
 

@@ -85,6 +85,28 @@ def test_cuda_tensors_cross_rpc_through_device_maps(mapping, server, bench_runs)
     assert results["memory"]["server"]["peak_cuda_bytes"] > 0  # the server added on the GPU
 
 
+@pytest.mark.parametrize("hook, servers", [("ps_node", "2"), ("hierarchical", "0")])
+def test_host_strategies_hand_ddp_finished_buckets_on_the_gpu(hook, servers, bench_runs):
+    """4 trainers on the GPU, 2 a host, summing within the host over gloo on CUDA tensors (and,
+    ps_node, pushing to CUDA servers through device maps): what DDP copies back into a bucket is
+    the finished answer. A hook future that carried no CUDA events let DDP read buckets still
+    being written (resnet18's replicas 1e-3 apart). A round of two iterations keeps one timed."""
+    results = job(bench_runs, "--backend", "gloo", "--ntrainer", "0", "--ncudatrainer", "4",
+                  "--per-host", "2", "--nserver", "0", "--ncudaserver", servers, "--hook", hook,
+                  "--model", "resnet18", "--verify", *QUICK)
+    lossless(results)
+    assert 0 < results["verify"]["iterations"] < results["throughput"]["iterations"]
+    assert any(row["role"] == "trainer" and row["metric"] == "batch" for row in results["summary"])
+
+
+def test_pieces_sent_from_callbacks_on_the_gpu(bench_runs):
+    """resnet18's buckets in 4 MiB pieces, one in flight: each piece after a bucket's first
+    leaves from the callback of the one before, on the stream that cut it, not the callback's."""
+    results = job(bench_runs, *CUDA_RPC, "--hook", "ps", "--model", "resnet18", "--hook-option",
+                  "partition_mb=4", "--hook-option", "window=1", "--verify", *QUICK)
+    lossless(results)
+
+
 @pytest.mark.parametrize("hook, servers", [("hybrid", "0"), ("sparse_ps", "1")])
 def test_multi_backend_with_sparse_gradients(hook, servers, bench_runs):
     trainers = str(min(GPUS, 2))

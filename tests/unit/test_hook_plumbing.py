@@ -69,11 +69,12 @@ def test_powersgd_options_are_checked():
         check_hook_options("fp16", {"x": 1})
 
 
-@pytest.mark.parametrize("iterations", [1, 3, 4, 5, 32, 101])
+@pytest.mark.parametrize("iterations", [1, 2, 3, 4, 5, 32, 101])
 def test_verified_iterations_are_few_and_spread(iterations):
     steps = verified_steps(iterations)
     assert 1 <= len(steps) <= VERIFIED_PER_ROUND
     assert min(steps) == 0 and max(steps) < iterations
+    assert not any(step + 1 in steps for step in steps)  # a short round keeps timed iterations
 
 
 def test_each_strategy_has_its_floor():

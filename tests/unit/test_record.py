@@ -181,6 +181,18 @@ def test_the_printed_report_and_the_file_come_from_the_same_record(tmp_path, cap
     assert json.loads(write_results(results, tmp_path / "r.json").read_text()) == results
 
 
+def test_a_report_whose_every_iteration_was_verified_says_why_it_has_no_batch_times(capsys):
+    record = make_record()
+    two_rounds(record)
+    record.replicas = replica_summary([torch.ones(2), torch.ones(2)])
+    results = record.results("ok")
+    results["verify"] = {"buckets_checked": 0, "iterations": 2}
+    print_report(results, record.rows())
+    assert "no batch times" not in capsys.readouterr().out
+    print_report(results, [row for row in record.rows() if row.metric != "batch"])
+    assert "no batch times: --verify checked every iteration" in capsys.readouterr().out
+
+
 def progress(curve: list[tuple[int, float]], batch_ms: list[float], held_out=(), stopped=False, reached_at=None,
              diverged=False) -> dict:
     """What a --target-loss round adds on one trainer, made up."""
