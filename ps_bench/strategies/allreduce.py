@@ -78,13 +78,21 @@ def gather_into(output: torch.Tensor, chunk: torch.Tensor, group) -> dist.Work:
     return collective(output, chunk, group=group, async_op=True)
 
 
+def host_rows(tensor: torch.Tensor, per_host: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy of the flat ``tensor``, zero-padded to a multiple of ``per_host``, and the same
+    storage as ``per_host`` rows: a host's trainers each own one row of the bucket."""
+    pad = -tensor.numel() % per_host
+    padded = torch.cat([tensor, tensor.new_zeros(pad)]) if pad else tensor.clone()
+    return padded, padded.view(per_host, -1)
+
+
 class InOrder:
     """A stateful hook whose buckets communicate one at a time (``after_previous``)."""
 
     previous: Future | None = None  # the last bucket's future
 
-    def after_previous(self, start: Callable[[], Future], device: torch.device) -> Future:
-        """Starts a bucket's communication once the previous bucket's has finished.
+    def after_previous(self, bucket: dist.GradBucket, start: Callable[[], Future]) -> Future:
+        """Starts ``bucket``'s communication once the previous bucket's has finished.
 
         torch's PowerSGD issues its second and third all-reduce of a bucket from callbacks of
         the first. Over gloo those callbacks run whenever each CPU collective completes, so with
@@ -94,6 +102,7 @@ class InOrder:
         completes as soon as its kernel is queued, so the chain costs no overlap there. On a
         GPU the bucket is started on the stream DDP handed it over on, not the callback's.
         """
+        device = bucket.buffer().device
         previous, done = self.previous, device_future(device)
         self.previous, issuing = done, issuing_stream(device)
 
@@ -149,8 +158,8 @@ class PowerSGD(InOrder):
 
     def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
         if bucket.buffer().is_sparse:  # as dense_only does for the stateless hooks
-            return self.after_previous(lambda: allreduce(ctx, bucket), bucket.buffer().device)
-        return self.after_previous(lambda: self.hook(self.state, bucket), bucket.buffer().device)
+            return self.after_previous(bucket, lambda: allreduce(ctx, bucket))
+        return self.after_previous(bucket, lambda: self.hook(self.state, bucket))
 
 
 
@@ -217,8 +226,8 @@ class Hierarchical(InOrder):
 
     def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
         if bucket.buffer().is_sparse:
-            return self.after_previous(lambda: allreduce(ctx, bucket), bucket.buffer().device)
-        return self.after_previous(lambda: self.two_level(bucket.buffer()), bucket.buffer().device)
+            return self.after_previous(bucket, lambda: allreduce(ctx, bucket))
+        return self.after_previous(bucket, lambda: self.two_level(bucket.buffer()))
 
     def floor_steps(self, buckets: list[int]) -> list[tuple[str, dist.ProcessGroup, int]]:
         """``--limits``: each bucket's three steps on the groups it runs them on."""
@@ -229,9 +238,7 @@ class Hierarchical(InOrder):
 
     def two_level(self, tensor: torch.Tensor) -> Future:
         numel, done = tensor.numel(), device_future(tensor.device)
-        padded = (torch.cat([tensor, tensor.new_zeros(-numel % self.per_host)])
-                  if numel % self.per_host else tensor.clone())
-        rows = padded.view(self.per_host, -1)
+        padded, rows = host_rows(tensor, self.per_host)
 
         def step(run: Callable[[], Future], then: Callable[[], None]) -> None:
             def next_step(finished: Future) -> None:

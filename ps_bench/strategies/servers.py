@@ -16,7 +16,7 @@ from torch.futures import Future
 from ps_bench.metrics.timers import tensor_bytes
 from ps_bench.runtime.topology import piece_ranges, slice_size
 from ps_bench.servers.base import ParameterServer
-from ps_bench.strategies.allreduce import allreduce, gather_into
+from ps_bench.strategies.allreduce import allreduce, gather_into, host_rows
 from ps_bench.strategies.base import (HookContext, device_future, issuing_stream, settle,
                                      stateless)
 from ps_bench.strategies.compressors import CODECS, Compressed, QSGDHook, check_ratio, named_codec
@@ -161,9 +161,7 @@ class NodeAggregated(Partitioned):
         place, self.handed = self.handed, 0 if bucket.is_last() else self.handed + 1
         tensor = bucket.buffer()
         numel, done = tensor.numel(), device_future(tensor.device)
-        padded = (torch.cat([tensor, tensor.new_zeros(-numel % self.per_host)])
-                  if numel % self.per_host else tensor.clone())
-        rows = padded.view(self.per_host, -1)
+        padded, rows = host_rows(tensor, self.per_host)
 
         def failed(error: Exception) -> None:
             if not done.done():
