@@ -80,7 +80,8 @@ def main() -> int:
     if args.baseline:
         configs += [(name, args.baseline, flags) for name, flags in BASELINE.items()]
     with tempfile.TemporaryDirectory() as scratch:
-        folder = args.keep or Path(scratch)
+        # absolute: an earlier checkout's runs start in that checkout
+        folder = (args.keep or Path(scratch)).resolve()
         folder.mkdir(parents=True, exist_ok=True)
         results: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
         for repeat in range(args.runs):  # one run of each in turn: a drift moves them alike
