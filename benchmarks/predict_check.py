@@ -19,7 +19,9 @@ nothing of the network is in it).
 
 Prints predicted, measured and error per point, then the median and largest |error| over the
 points the calibration did not see. Runs already in the output folder are reused (delete it to
-measure again).
+measure again). ``--runs N`` runs each predicted point N times, in turns (one run of each, then
+the next round, so that a drift in the machine's speed moves them alike), and compares the
+prediction with the median of its batch times; the calibration runs once.
 
 ``--split RATE`` (a slower link, e.g. 500mbit) says where a miss is: every predicted point runs
 again with the links at RATE, and the model is asked again with its fitted bandwidth scaled
@@ -28,7 +30,7 @@ at RATE splits into ``L`` (what scales with the link: transfers not hidden behin
 and ``X`` (what does not: compute, and the steps inside a host), measured and predicted.
 
     sudo $(which python) benchmarks/predict_check.py [--case flat|hosts|all] [--link 1gbit]
-        [--out results/predict_check] [--plot FILE] [--split 500mbit]
+        [--out results/predict_check] [--plot FILE] [--split 500mbit] [--runs 3]
 """
 
 from __future__ import annotations
@@ -97,8 +99,8 @@ HOSTS = [
 ]
 
 
-def run_point(out: Path, link: str, point: Point) -> Path:
-    path = out / f"{point.name}.json"
+def run_point(out: Path, link: str, point: Point, repeat: int = 0) -> Path:
+    path = out / f"{point.name}{f'-run{repeat + 1}' if repeat else ''}.json"
     if path.exists():
         return path
     data = out / "data.json"
@@ -109,7 +111,7 @@ def run_point(out: Path, link: str, point: Point) -> Path:
         "emulate", "--link", link, "--", "--model", "DummyModel", "--data", f"Check{point.trainers}",
         "--data-config-path", str(data), "--batch-size", str(BATCH), *point.flags(), "--warmup-rounds", "1",
         "--rounds", "2", "--out", str(path)])
-    print(f"  ran {point.name} in {time.monotonic() - started:.0f} s", flush=True)
+    print(f"  ran {path.stem} in {time.monotonic() - started:.0f} s", flush=True)
     return path
 
 
@@ -140,6 +142,23 @@ def batch_p50(path: Path) -> float:
     return next(row["p50"] for row in load_file(path)["summary"] if row["role"] == "trainer" and row["metric"] == "batch")
 
 
+def predicted_points(points: list[Point]) -> list[Point]:
+    return [point for point in points if not point.calibration and point.hook != "noop"]
+
+
+def measure(out: Path, link: str, points: list[Point], runs: int) -> tuple[dict, dict]:
+    """Every point's first run (``paths``, what predict reads) and each point's measured batch
+    ms by name: the median over ``runs`` runs of the predicted points, run in turns."""
+    paths = {point: run_point(out, link, point) for point in points}
+    repeated = {point: [paths[point]] for point in predicted_points(points)}
+    for repeat in range(1, runs):
+        for point in repeated:
+            repeated[point].append(run_point(out, link, point, repeat))
+    measured = {point.name: statistics.median(batch_p50(path) for path in repeated.get(point, [paths[point]]))
+                for point in points}
+    return paths, measured
+
+
 def split(case: str, points: list[Point], paths: dict, out: Path, link: str, slower: str,
           predicted: dict, fitted: dict) -> None:
     """``--split``: each predicted point again at the ``slower`` link, measured and predicted, and
@@ -149,9 +168,9 @@ def split(case: str, points: list[Point], paths: dict, out: Path, link: str, slo
         sys.exit(f"predict_check: --split {slower} must be slower than --link {link}")
     folder = out / f"split-{slower}"
     folder.mkdir(exist_ok=True)
-    predicted_points = [point for point in points if not point.calibration and point.hook != "noop"]
-    print(f"predict_check ({case}): the {len(predicted_points)} predicted points again at {slower}", flush=True)
-    slow = {point: run_point(folder, slower, point) for point in predicted_points}
+    print(f"predict_check ({case}): the {len(predicted_points(points))} predicted points again at {slower}",
+          flush=True)
+    slow = {point: run_point(folder, slower, point) for point in predicted_points(points)}
     # the fitted link, slower by the ratio of the emulated rates; the calibration runs as they ran
     slower_predicted, _ = predictions(case, points, paths, folder / f"prediction-{case}.json",
                                    "--link", f"{fitted['bandwidth_gbit_s'] / ratio:.6f}gbit",
@@ -159,18 +178,18 @@ def split(case: str, points: list[Point], paths: dict, out: Path, link: str, slo
     print(f"\nbatch ms = X + L at {link}, X + {ratio:g}L at {slower}: L scales with the link, X does not")
     print(f"{'strategy':12} {'hosts x G':>9} {'servers':>13} {'L predicted':>11} {'L measured':>10} "
           f"{'X predicted':>11} {'X measured':>10}")
-    for point in predicted_points:
+    for point in predicted_points(points):
         if point.key() not in predicted or point.key() not in slower_predicted:
             continue
         lp = (slower_predicted[point.key()] - predicted[point.key()]) / (ratio - 1)
-        measured = batch_p50(paths[point])
+        measured = batch_p50(paths[point])  # one run at each rate
         lm = (batch_p50(slow[point]) - measured) / (ratio - 1)
         servers = "-" if not point.servers else f"{point.servers} {point.servers_on}"
         print(f"{point.hook:12} {f'{point.trainers // point.per_host} x {point.per_host}':>9} {servers:>13} "
               f"{lp:>11.1f} {lm:>10.1f} {predicted[point.key()] - lp:>11.1f} {measured - lm:>10.1f}")
 
 
-def given_its_run(points: list[Point], paths: dict, out: Path, hook: str = "ps_node") -> None:
+def given_its_run(points: list[Point], paths: dict, measured: dict, out: Path, hook: str = "ps_node") -> None:
     """The hosts case again with one run of ``hook`` (2 servers, dedicated) among the calibration
     runs, as a user who has run it once asks about its other layouts: predict takes a strategy's
     own compute from its run (without one, ``hook`` takes ``ps``'s)."""
@@ -179,31 +198,33 @@ def given_its_run(points: list[Point], paths: dict, out: Path, hook: str = "ps_n
                   for point, path in paths.items()}
     predicted, _ = predictions("hosts", list(calibrated), calibrated, out / f"prediction-hosts-{hook}.json")
     print(f"\n{hook} given a run of its own ({own.name}) among the calibration runs:")
-    errors = compare(list(calibrated), calibrated, predicted, hook)
+    errors = compare(list(calibrated), measured, predicted, hook)
     print(f"|error| over the other {len(errors)} layouts: largest {max(errors):.1f} %")
 
 
-def check(case: str, points: list[Point], out: Path, link: str,
-          plot: str | None) -> tuple[list[float], dict, dict, dict]:
-    """The case's runs, predicted and compared: the |errors|, the runs' paths, predict's batch ms
-    per point and the link it fitted."""
-    print(f"predict_check ({case}): {len(points)} emulated runs at {link} (DummyModel, batch {BATCH})", flush=True)
-    paths = {point: run_point(out, link, point) for point in points}
+def check(case: str, points: list[Point], out: Path, link: str, plot: str | None,
+          runs: int = 1) -> tuple[list[float], dict, dict, dict, dict]:
+    """The case's runs, predicted and compared: the |errors|, the runs' paths, the measured batch
+    ms by point name, predict's batch ms per point and the link it fitted."""
+    each = f", the {len(predicted_points(points))} predicted ones {runs} times each" if runs > 1 else ""
+    print(f"predict_check ({case}): {len(points)} emulated runs at {link}{each} (DummyModel, batch {BATCH})",
+          flush=True)
+    paths, measured = measure(out, link, points, runs)
     predicted, fitted = predictions(case, points, paths, out / f"prediction-{case}.json",
                                     *(["--plot", plot] if plot else []))
-    return compare(points, paths, predicted), paths, predicted, fitted
+    return compare(points, measured, predicted), paths, measured, predicted, fitted
 
 
-def compare(points: list[Point], paths: dict, predicted: dict, hook: str | None = None) -> list[float]:
-    """Prints each point's (``hook``'s alone, if given) predicted and measured batch ms and error;
-    returns the |error| of those the calibration did not see."""
+def compare(points: list[Point], measured_ms: dict, predicted: dict, hook: str | None = None) -> list[float]:
+    """Prints each point's (``hook``'s alone, if given) predicted and measured batch ms (by point
+    name) and error; returns the |error| of those the calibration did not see."""
     print(f"\n{'strategy':12} {'trainers':>8} {'hosts x G':>9} {'servers':>13} {'predicted ms':>12} "
           f"{'measured ms':>11} {'error %':>8}")
     errors = []
     for point in points:
         if point.key() not in predicted or point.hook == "noop" or hook not in (None, point.hook):
             continue  # a calibration point of another shape (one host of two, two of one)
-        measured = batch_p50(paths[point])
+        measured = measured_ms[point.name]
         error = (predicted[point.key()] - measured) / measured * 100.0
         if not point.calibration:
             errors.append(abs(error))
@@ -222,7 +243,11 @@ def main() -> int:
     parser.add_argument("--plot", metavar="FILE.png", help="also draw predicted and measured batch times (flat case)")
     parser.add_argument("--split", metavar="RATE", help="run the predicted points again at this slower link and "
                         "split each batch time into what scales with the link and what does not (e.g. 500mbit)")
+    parser.add_argument("--runs", type=int, default=1, help="runs of each predicted point, compared by their "
+                        "median (default 1)")
     args = parser.parse_args()
+    if args.runs < 1:
+        parser.error("--runs must be 1 or more")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     held = True
@@ -230,15 +255,15 @@ def main() -> int:
     for case, points, (median_target, largest_target) in (("flat", FLAT, (15, 30)), ("hosts", HOSTS, (10, 15))):
         if args.case not in (case, "all"):
             continue
-        errors, paths, predicted, fitted = check(case, points, out, args.link,
-                                                 args.plot if case == "flat" else None)
+        errors, paths, measured, predicted, fitted = check(case, points, out, args.link,
+                                                           args.plot if case == "flat" else None, args.runs)
         median, largest = statistics.median(errors), max(errors)
         verdict = "held" if median <= median_target and largest <= largest_target else "missed"
         held = held and verdict == "held"
         print(f"\n{case}: |error| over the {len(errors)} points the calibration did not see: median {median:.1f} %, "
               f"largest {largest:.1f} % (targets {median_target} % and {largest_target} %: {verdict})\n")
         if case == "hosts":
-            given_its_run(points, paths, out)
+            given_its_run(points, paths, measured, out)
         if args.split:
             split(case, points, paths, out, args.link, args.split, predicted, fitted)
     return 0 if held else 1
