@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from ps_bench.results.load import load_file
-from running import ROOT, bench
+from running import ROOT, batch_p50, bench
 
 RUN = ["--model", "DummyModel", "--data", "DummyData", "--ntrainer", "4", "--per-host", "2",
        "--verify", "--warmup-rounds", "1", "--rounds", "2"]
@@ -92,8 +92,7 @@ def main() -> int:
     print(f"{'configuration':32} {'batch p50 ms':>14} {'spread':>16} {'norm = allreduce':>17} "
           f"{'grad err max':>12} {'busiest server':>14}")
     for name, runs in results.items():
-        batch = [next(row["p50"] for row in r["summary"] if row["role"] == "trainer" and row["metric"] == "batch")
-                 for r in runs]
+        batch = [batch_p50(r) for r in runs]
         same = all(abs(r["replicas"]["param_norm"] - reference) <= 1e-5 * reference and r["replicas"]["identical"]
                    for r in runs)
         error = max(r["verify"]["grad_rel_error_max"] for r in runs)

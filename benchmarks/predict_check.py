@@ -45,7 +45,7 @@ from pathlib import Path
 
 from ps_bench.results.load import load_file
 from ps_bench.runtime.network import parse_rate
-from running import ROOT, bench
+from running import ROOT, batch_p50 as results_batch_p50, bench
 
 BATCH, ITERATIONS = 32, 6  # per trainer and round: every trainer count runs the same iterations
 TRAINERS = (2, 3, 4)
@@ -139,7 +139,7 @@ def predictions(case: str, points: list[Point], paths: dict, prediction: Path,
 
 
 def batch_p50(path: Path) -> float:
-    return next(row["p50"] for row in load_file(path)["summary"] if row["role"] == "trainer" and row["metric"] == "batch")
+    return results_batch_p50(load_file(path))
 
 
 def predicted_points(points: list[Point]) -> list[Point]:

@@ -24,7 +24,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from ps_bench.results.load import load_file
-from running import ROOT, bench
+from running import ROOT, batch_p50, bench
 
 SHRUNK = ("num_hidden_layers=4,hidden_size=256,intermediate_size=688,num_attention_heads=4,"
           "num_key_value_heads=2,vocab_size=8192")
@@ -61,8 +61,7 @@ def main() -> int:
         for precision in ("fp32", "bf16"):
             for accum in (1, 8):
                 results = load_file(run(out, hook, accum, precision))
-                step = next(row["p50"] for row in results["summary"]
-                            if row["role"] == "trainer" and row["metric"] == "batch")
+                step = batch_p50(results)
                 rows.append([hook, precision, accum, f"{step:.1f}", f"{step / (MICRO * accum):.2f}",
                              f"{results['bytes']['trainer_sent_per_iter'] / 1e6:.2f}",
                              f"{results['replicas'].get('param_norm', float('nan')):.4f}"])
