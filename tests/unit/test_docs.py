@@ -1,9 +1,12 @@
 """Documentation that cannot rot: every ``bench.py``/``ps-bench`` command line in README.md and
 docs/ parses and validates as ``bench.py`` would check it before starting anything, every
-relative link and image resolves (anchors too), and every ``--help`` names the page to read next."""
+``benchmarks/*.py`` command line names that script's own options (read from its source, not
+imported), every relative link and image resolves (anchors too), and every ``--help`` names the
+page to read next."""
 
 from __future__ import annotations
 
+import ast
 import re
 import shlex
 from dataclasses import dataclass
@@ -29,9 +32,10 @@ class Command:
     page: str
     line: int
     argv: tuple[str, ...]
+    program: str = "bench.py"
 
     def __str__(self) -> str:
-        return f"{self.page}:{self.line}: bench.py {' '.join(self.argv)}"
+        return f"{self.page}:{self.line}: {self.program} {' '.join(self.argv)}"
 
 
 def bench_argv(segment: str) -> list[str] | None:
@@ -48,9 +52,26 @@ def bench_argv(segment: str) -> list[str] | None:
     return None
 
 
-def commands_in(text: str, page: str, first_line: int, loops: dict[str, str]) -> list[Command]:
-    """The bench.py command lines of a piece of shell: continuations joined, each command of an
-    ``&&``/``;``/``|`` chain on its own, a ``for VAR in A B`` loop's variable given its first value."""
+def script_argv(segment: str) -> list[str] | None:
+    """``benchmarks/NAME.py`` and its arguments in one shell command run by python (or sudo), or
+    None."""
+    try:
+        words = shlex.split(segment, comments=True)
+    except ValueError:
+        return None
+    if words[:1] not in (["python"], ["python3"], ["sudo"]):
+        return None
+    for at, word in enumerate(words):
+        if re.fullmatch(r"benchmarks/\w+\.py", word):
+            return words[at:]
+    return None
+
+
+def commands_in(text: str, page: str, first_line: int, loops: dict[str, str],
+                argv_of=bench_argv) -> list[Command]:
+    """The bench.py command lines (``argv_of``: those it finds) of a piece of shell: continuations
+    joined, each command of an ``&&``/``;``/``|`` chain on its own, a ``for VAR in A B`` loop's
+    variable given its first value."""
     found = []
     joined, start = "", first_line
     for number, line in enumerate(text.splitlines(), start=first_line):
@@ -66,14 +87,14 @@ def commands_in(text: str, page: str, first_line: int, loops: dict[str, str]) ->
         for name, value in loops.items():
             joined = joined.replace(f"${name}", value)
         for segment in re.split(r"&&|;|\|", joined):
-            argv = bench_argv(segment)
+            argv = argv_of(segment)
             if argv is not None:
                 found.append(Command(page, start, tuple(argv)))
         joined = ""
     return found
 
 
-def documented_commands() -> list[Command]:
+def documented_commands(argv_of=bench_argv) -> list[Command]:
     found = []
     for path in PAGES:
         page = str(path.relative_to(ROOT))
@@ -86,13 +107,15 @@ def documented_commands() -> list[Command]:
                 continue
             if block is None:
                 for span in INLINE.findall(line):
-                    found += commands_in(span, page, number, {})
+                    found += commands_in(span, page, number, {}, argv_of)
             elif block in SHELL_BLOCKS:
-                found += commands_in(line, page, number, loops)
+                found += commands_in(line, page, number, loops, argv_of)
     return found
 
 
 COMMANDS = documented_commands()
+SCRIPT_COMMANDS = [Command(command.page, command.line, command.argv[1:], command.argv[0])
+                   for command in documented_commands(script_argv)]
 
 
 @pytest.fixture
@@ -146,6 +169,72 @@ def test_the_extractor_reads_shell_as_a_reader_would():
     found = [command.argv for command in commands_in(text, "x.md", 1, {})]
     assert found == [("--rounds", "2"), ("--hook", "allreduce", "--limits"),
                      ("emulate", "--link", "1gbit", "--", "--hook", "fp16"), ("--ntrainer", "2")]
+
+
+def script_options(script: Path) -> dict[str, tuple[str, ...] | None]:
+    """The options a benchmark script's argparse parser defines, read from its source: each flag
+    and its ``choices`` where the source spells them out (None where any value goes, or where
+    they are computed)."""
+    options = {}
+    for node in ast.walk(ast.parse(script.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "add_argument"):
+            continue
+        choices = next((keyword.value for keyword in node.keywords if keyword.arg == "choices"), None)
+        literal = isinstance(choices, (ast.Tuple, ast.List)) and all(
+            isinstance(element, ast.Constant) for element in choices.elts)
+        allowed = tuple(element.value for element in choices.elts) if literal else None
+        for argument in node.args:
+            if isinstance(argument, ast.Constant) and str(argument.value).startswith("-"):
+                options[argument.value] = allowed
+    return options
+
+
+def refused_script_words(command: Command) -> list[str]:
+    """The words of a documented benchmark command its script would refuse: a missing script, an
+    option it does not define, a value outside an option's choices (up to a ``--``, after which
+    some scripts pass the rest to bench.py)."""
+    script = ROOT / command.program
+    if not script.exists():
+        return [command.program]
+    options = {**script_options(script), "--help": None, "-h": None}
+    argv = list(command.argv)
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    refused = []
+    for at, word in enumerate(argv):
+        if not word.startswith("-") or word == "-":
+            continue
+        flag, _, value = word.partition("=")
+        if flag not in options:
+            refused.append(word)
+            continue
+        value = value or (argv[at + 1] if at + 1 < len(argv) else "")
+        if options[flag] is not None and value and not value.startswith("-") and value not in options[flag]:
+            refused.append(f"{flag} {value}")
+    return refused
+
+
+def test_the_docs_hold_the_commands_of_the_benchmark_scripts():
+    assert len(SCRIPT_COMMANDS) >= 20
+    assert {command.program for command in SCRIPT_COMMANDS} >= {
+        "benchmarks/published_check.py", "benchmarks/predict_check.py", "benchmarks/partition_check.py"}
+
+
+@pytest.mark.parametrize("command", SCRIPT_COMMANDS, ids=str)
+def test_each_documented_benchmark_command_names_its_scripts_options(command):
+    assert not refused_script_words(command), f"{command}\n  its script has no {refused_script_words(command)}"
+
+
+def test_a_renamed_benchmark_option_is_caught():
+    text = ("sudo $(which python) benchmarks/predict_check.py --cases hosts --runs 3\n"
+            "python benchmarks/predict_check.py --case everything\n"
+            "python benchmarks/no_such_check.py\n"
+            "python benchmarks/startup.py --rounds 2 -- --ntrainer 2\n"
+            "python benchmarks/predict_check.py --case=hosts --split 500mbit\n")
+    commands = [Command(c.page, c.line, c.argv[1:], c.argv[0])
+                for c in commands_in(text, "x.md", 1, {}, script_argv)]
+    assert [refused_script_words(command) for command in commands] == [
+        ["--cases"], ["--case everything"], ["benchmarks/no_such_check.py"], ["--rounds"], []]
 
 
 def slug(heading: str) -> str:
