@@ -13,8 +13,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import (debugging_hooks, defaul
 from torch.futures import Future
 
 from ps_bench.metrics import costs
-from ps_bench.strategies.base import (Hook, HookContext, device_future, issuing_stream, settle,
-                                     stateless)
+from ps_bench.strategies.base import (Hook, HookContext, Scratch, device_future, issuing_stream,
+                                     settle, stateless)
 from ps_bench.strategies.record import (COLLECTIVE, HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Cost,
                                         Strategy)
 
@@ -78,11 +78,15 @@ def gather_into(output: torch.Tensor, chunk: torch.Tensor, group) -> dist.Work:
     return collective(output, chunk, group=group, async_op=True)
 
 
-def host_rows(tensor: torch.Tensor, per_host: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A copy of the flat ``tensor``, zero-padded to a multiple of ``per_host``, and the same
-    storage as ``per_host`` rows: a host's trainers each own one row of the bucket."""
-    pad = -tensor.numel() % per_host
-    padded = torch.cat([tensor, tensor.new_zeros(pad)]) if pad else tensor.clone()
+def host_rows(tensor: torch.Tensor, per_host: int, scratch: Scratch,
+              key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy of the flat ``tensor`` in ``scratch``'s tensor for ``key``, zero-padded to a
+    multiple of ``per_host``, and the same storage as ``per_host`` rows: a host's trainers each
+    own one row of the bucket."""
+    numel = tensor.numel()
+    padded = scratch.empty(("rows", key), numel + -numel % per_host, tensor)
+    padded[:numel].copy_(tensor.reshape(-1))
+    padded[numel:].zero_()
     return padded, padded.view(per_host, -1)
 
 
@@ -223,11 +227,12 @@ class Hierarchical(InOrder):
         self.inter, _ = dist.new_subgroups_by_enumeration(
             [[host * per_host + local for host in range(hosts)] for local in range(per_host)])
         self.local, self.per_host, self.size = dist.get_rank() % per_host, per_host, size
+        self.scratch = Scratch()
 
     def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
         if bucket.buffer().is_sparse:
             return self.after_previous(bucket, lambda: allreduce(ctx, bucket))
-        return self.after_previous(bucket, lambda: self.two_level(bucket.buffer()))
+        return self.after_previous(bucket, lambda: self.two_level(bucket.buffer(), bucket.index()))
 
     def floor_steps(self, buckets: list[int]) -> list[tuple[str, dist.ProcessGroup, int]]:
         """``--limits``: each bucket's three steps on the groups it runs them on."""
@@ -236,9 +241,9 @@ class Hierarchical(InOrder):
             ("all_reduce", self.inter, -(-elements // self.per_host)),
             ("all_gather", self.intra, elements))]
 
-    def two_level(self, tensor: torch.Tensor) -> Future:
+    def two_level(self, tensor: torch.Tensor, index: int) -> Future:
         numel, done = tensor.numel(), device_future(tensor.device)
-        padded, rows = host_rows(tensor, self.per_host)
+        padded, rows = host_rows(tensor, self.per_host, self.scratch, index)
 
         def step(run: Callable[[], Future], then: Callable[[], None]) -> None:
             def next_step(finished: Future) -> None:
@@ -253,8 +258,8 @@ class Hierarchical(InOrder):
             done.set_result(padded[:numel].div_(self.size).view_as(tensor))
 
         def across() -> None:
-            step(lambda: gather_into(padded, rows[self.local].clone(), self.intra).get_future(),
-                 gathered)
+            step(lambda: gather_into(padded, self.scratch.copy(("row", index), rows[self.local]),
+                                     self.intra).get_future(), gathered)
 
         def within() -> None:
             step(lambda: dist.all_reduce(rows[self.local], group=self.inter,

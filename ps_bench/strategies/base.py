@@ -161,6 +161,30 @@ def device_future(device: torch.device) -> Future:
     return Future(devices=[device] if device.type == "cuda" else None)
 
 
+class Scratch:
+    """Tensors a hook keeps from one iteration to the next, one a use (a piece's copy, a bucket's
+    rows). On the CPU a new tensor of megabytes is new pages, zeroed by the kernel before the copy
+    writes them (docs/strategies.md: more CPU than the model's matrix products). A key's next use
+    comes after DDP has taken its last answer (it waits for every bucket before the step)."""
+
+    def __init__(self) -> None:
+        self.kept: dict[Any, torch.Tensor] = {}
+
+    def empty(self, key: Any, size: int, like: torch.Tensor) -> torch.Tensor:
+        """The flat tensor kept for ``key``: ``size`` elements of ``like``'s dtype and device,
+        whatever the last use left in it (a new one if it had another size: DDP rebuilds its
+        buckets after the first iteration)."""
+        kept = self.kept.get(key)
+        if (kept is None or kept.numel() != size or kept.dtype != like.dtype
+                or kept.device != like.device):
+            kept = self.kept[key] = torch.empty(size, dtype=like.dtype, device=like.device)
+        return kept
+
+    def copy(self, key: Any, source: torch.Tensor) -> torch.Tensor:
+        """A copy of ``source`` (contiguous, its shape) in the tensor kept for ``key``."""
+        return self.empty(key, source.numel(), source).view(source.shape).copy_(source)
+
+
 def issuing_stream(device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
     """The stream that work issued now on ``device`` would run on, to issue work under later,
     from a future's callback (a context manager; nothing on the CPU).

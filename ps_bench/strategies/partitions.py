@@ -22,7 +22,7 @@ import torch
 from torch.futures import Future
 
 from ps_bench.metrics.messages import piece_elements
-from ps_bench.strategies.base import HookContext, device_future, issuing_stream
+from ps_bench.strategies.base import HookContext, Scratch, device_future, issuing_stream
 
 
 class PieceWindow:
@@ -88,8 +88,9 @@ class PieceWindow:
         self.pump()
 
 
-def assembled(answers: list[Future], like: torch.Tensor) -> Future:
-    """The pieces' answers, once all are back, as one tensor shaped like ``like``."""
+def assembled(answers: list[Future], like: torch.Tensor, into: torch.Tensor) -> Future:
+    """The pieces' answers, once all are back, in order in ``into`` (as many elements as they
+    hold together, written in place), shaped like ``like``."""
     done = device_future(like.device)
     remaining, lock = [len(answers)], threading.Lock()
 
@@ -99,8 +100,12 @@ def assembled(answers: list[Future], like: torch.Tensor) -> Future:
             if remaining[0]:
                 return
         try:  # wait(): on a GPU, this stream waits for every piece's
-            parts = [answer.wait() for answer in answers]
-            done.set_result((torch.cat(parts) if len(parts) > 1 else parts[0]).view_as(like))
+            flat, first = into.reshape(-1), 0
+            for answer in answers:
+                part = answer.wait().reshape(-1)
+                flat[first:first + part.numel()].copy_(part)
+                first += part.numel()
+            done.set_result(into.view_as(like))
         except Exception as error:  # noqa: BLE001 - the trainer waits on ``done``
             done.set_exception(error)
 
@@ -124,6 +129,7 @@ class Partitioned:
         self.piece = piece_elements({"partition_mb": partition_mb}, on_device)
         self.sender = PieceWindow(window)
         self.priority = priority
+        self.scratch = Scratch()  # the pieces' copies, kept from one iteration to the next
 
     @staticmethod
     def check(partition_mb: float | None, window: int, priority: bool) -> None:
@@ -144,15 +150,17 @@ class Partitioned:
     def push(self, ctx: HookContext, tensor: torch.Tensor, reserved: tuple[int, list],
              send: Callable) -> Future:
         """Sends ``tensor``'s pieces in their ``reserved`` places with ``send(ctx, piece, key,
-        server, wire_dtype)``; the future of the whole answer."""
+        server, wire_dtype)``; the future of the whole answer, written into ``tensor`` (as DDP's
+        own all-reduce writes its bucket: every piece is a copy, or the whole tensor sent before
+        any answer comes back)."""
         first_place, pieces = reserved
         flat = tensor.reshape(-1)
         whole = len(pieces) == 1 and pieces[0][2] == flat.numel()
         answers = {
-            first: self.submit(ctx, flat if whole else flat[first:first + length].clone(), key,
-                               server, first_place + order, send)
+            first: self.submit(ctx, flat if whole else self.scratch.copy(
+                key, flat[first:first + length]), key, server, first_place + order, send)
             for order, (key, first, length, server) in enumerate(pieces)}
-        return assembled([answers[first] for first in sorted(answers)], tensor)
+        return assembled([answers[first] for first in sorted(answers)], tensor, flat)
 
     def submit(self, ctx: HookContext, piece: torch.Tensor, key: int, server: int, place: int,
                send: Callable) -> Future:

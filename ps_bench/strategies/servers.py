@@ -161,7 +161,7 @@ class NodeAggregated(Partitioned):
         place, self.handed = self.handed, 0 if bucket.is_last() else self.handed + 1
         tensor = bucket.buffer()
         numel, done = tensor.numel(), device_future(tensor.device)
-        padded, rows = host_rows(tensor, self.per_host)
+        padded, rows = host_rows(tensor, self.per_host, self.scratch, bucket.index())
 
         def failed(error: Exception) -> None:
             if not done.done():
@@ -170,13 +170,14 @@ class NodeAggregated(Partitioned):
         def gather(issuing: Callable) -> None:
             # issued from whichever thread's turn it is: on the stream that wrote this row
             with issuing():
-                work = gather_into(padded, rows[self.local].clone(), self.intra).get_future()
+                row = self.scratch.copy(("row", bucket.index()), rows[self.local])
+                work = gather_into(padded, row, self.intra).get_future()
             work.add_done_callback(lambda finished: settled(
                 finished, lambda: done.set_result(padded[:numel].view_as(tensor))))
 
         def pulled(answer: Future) -> None:
             def ready() -> None:
-                rows[self.local].copy_(answer.wait())
+                answer.wait()  # the pieces' answers, in this trainer's row
                 issuing = issuing_stream(tensor.device)
                 self.gather_in_order(place, functools.partial(gather, issuing), bucket.is_last())
             settled(answer, ready)
@@ -193,13 +194,14 @@ class NodeAggregated(Partitioned):
         # through the node's reduce and their push as a pipeline)
         answers: dict[int, Future] = {}
         for order, (key, first, length, server) in enumerate(pieces):
-            chunk = rows if len(pieces) == 1 else rows[:, first:first + length].clone()
+            chunk = (rows if len(pieces) == 1
+                     else self.scratch.copy(("columns", key), rows[:, first:first + length]))
             answers[first] = answer = device_future(tensor.device)
             summed = dist.all_reduce(chunk, group=self.intra, async_op=True).get_future()
             summed.add_done_callback(functools.partial(
                 self.piece_summed, ctx, chunk, key, server, first_place + order, answer,
                 settled))
-        assembled([answers[first] for first in sorted(answers)],
+        assembled([answers[first] for first in sorted(answers)], rows[self.local],
                   rows[self.local]).add_done_callback(pulled)
         if bucket.is_last():
             self.gather_in_order(None, None, False)
@@ -210,7 +212,8 @@ class NodeAggregated(Partitioned):
         """A piece's columns are summed within the host: this trainer's row of them goes to the
         piece's server (a tensor of its own), and its answer to ``answer``."""
         def push() -> None:
-            sent = self.submit(ctx, chunk[self.local].clone(), key, server, place, send_tensor)
+            sent = self.submit(ctx, self.scratch.copy(key, chunk[self.local]), key, server, place,
+                               send_tensor)
             sent.add_done_callback(functools.partial(settle, answer))
         settled(finished, push)
 

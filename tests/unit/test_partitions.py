@@ -91,6 +91,33 @@ def test_priority_sends_a_buckets_last_pieces_first():
     assert plain.reserve(pieces)[1] == pieces and first.reserve(pieces)[1] == pieces[::-1]
 
 
+def test_pieces_are_copies_kept_from_one_iteration_to_the_next_and_answers_land_in_the_bucket():
+    """Each piece travels as a tensor of its own (RPC sends a view's whole storage), the same
+    tensor every iteration (a new one is new pages for the kernel to zero); the answers are
+    written back into the bucket, in order, as DDP's own all-reduce writes its bucket."""
+    hook = Partitioned(on_cpu(), window=2)
+    pieces = [(7, 0, 4, 0), (8, 4, 4, 1), (9, 8, 2, 0)]
+    sent = []
+
+    def send(ctx, piece, key, server, wire_dtype):
+        sent.append((key, piece))
+        answer = Future()
+        answer.set_result(piece * 10)
+        return answer
+
+    pieces_of = []  # each iteration's pieces, held: a new tensor cannot take a held one's place
+    for iteration in range(2):
+        bucket = torch.arange(10, dtype=torch.float32) + iteration
+        expected = bucket * 10
+        done = hook.push(None, bucket, hook.reserve(pieces), send)
+        assert torch.equal(done.wait(), expected) and torch.equal(bucket, expected)
+        assert [key for key, _ in sent] == [7, 8, 9]
+        assert all(piece.untyped_storage().nbytes() == piece.numel() * 4 for _, piece in sent)
+        pieces_of.append([piece for _, piece in sent])
+        sent.clear()
+    assert [piece.data_ptr() for piece in pieces_of[0]] == [piece.data_ptr() for piece in pieces_of[1]]
+
+
 def on_cpu(cuda_trainer: bool = False, cuda_servers: tuple[bool, ...] = (False,)):
     """What ``Partitioned`` reads of a trainer's ``HookContext``: where its tensors cross RPC."""
     return SimpleNamespace(cuda_rpc=cuda_trainer,
