@@ -162,22 +162,23 @@ def device_future(device: torch.device) -> Future:
 
 
 class Scratch:
-    """Tensors a hook keeps from one iteration to the next, one a use (a piece's copy, a bucket's
-    rows). On the CPU a new tensor of megabytes is new pages, zeroed by the kernel before the copy
-    writes them (docs/strategies.md: more CPU than the model's matrix products). A key's next use
-    comes after DDP has taken its last answer (it waits for every bucket before the step)."""
+    """CPU tensors a hook keeps from one iteration to the next, one a use (a piece's copy, a
+    bucket's rows): a new one of megabytes is new pages, zeroed by the kernel before the copy
+    writes them (docs/strategies.md). A key's next use comes after DDP has taken its last answer.
+    On a GPU nothing is kept: the caching allocator reuses the blocks, and the memory is free
+    through the next forward."""
 
     def __init__(self) -> None:
         self.kept: dict[Any, torch.Tensor] = {}
 
     def empty(self, key: Any, size: int, like: torch.Tensor) -> torch.Tensor:
-        """The flat tensor kept for ``key``: ``size`` elements of ``like``'s dtype and device,
-        whatever the last use left in it (a new one if it had another size: DDP rebuilds its
-        buckets after the first iteration)."""
+        """``size`` elements of ``like``'s dtype and device, as the last use of ``key`` left
+        them (new if that had another size, as after DDP rebuilds its buckets; on a GPU, new)."""
+        if like.device.type != "cpu":
+            return torch.empty(size, dtype=like.dtype, device=like.device)
         kept = self.kept.get(key)
-        if (kept is None or kept.numel() != size or kept.dtype != like.dtype
-                or kept.device != like.device):
-            kept = self.kept[key] = torch.empty(size, dtype=like.dtype, device=like.device)
+        if kept is None or kept.numel() != size or kept.dtype != like.dtype:
+            kept = self.kept[key] = torch.empty(size, dtype=like.dtype)
         return kept
 
     def copy(self, key: Any, source: torch.Tensor) -> torch.Tensor:
