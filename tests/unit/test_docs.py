@@ -38,12 +38,17 @@ class Command:
         return f"{self.page}:{self.line}: {self.program} {' '.join(self.argv)}"
 
 
+def shell_words(segment: str) -> list[str]:
+    """One shell command's words as the shell splits them (none if it cannot: an open quote)."""
+    try:
+        return shlex.split(segment, comments=True)
+    except ValueError:
+        return []
+
+
 def bench_argv(segment: str) -> list[str] | None:
     """The arguments after ``bench.py`` (or ``ps-bench``) in one shell command, or None."""
-    try:
-        words = shlex.split(segment, comments=True)
-    except ValueError:
-        return None
+    words = shell_words(segment)
     if words[:1] == ["ps-bench"]:
         return words[1:]
     for at, word in enumerate(words):
@@ -55,10 +60,7 @@ def bench_argv(segment: str) -> list[str] | None:
 def script_argv(segment: str) -> list[str] | None:
     """``benchmarks/NAME.py`` and its arguments in one shell command run by python (or sudo), or
     None."""
-    try:
-        words = shlex.split(segment, comments=True)
-    except ValueError:
-        return None
+    words = shell_words(segment)
     if words[:1] not in (["python"], ["python3"], ["sudo"]):
         return None
     for at, word in enumerate(words):
@@ -114,8 +116,13 @@ def documented_commands(argv_of=bench_argv) -> list[Command]:
 
 
 COMMANDS = documented_commands()
-SCRIPT_COMMANDS = [Command(command.page, command.line, command.argv[1:], command.argv[0])
-                   for command in documented_commands(script_argv)]
+def script_commands(found: list[Command]) -> list[Command]:
+    """``script_argv``'s finds as commands of their script (its path the program)."""
+    return [Command(command.page, command.line, command.argv[1:], command.argv[0])
+            for command in found]
+
+
+SCRIPT_COMMANDS = script_commands(documented_commands(script_argv))
 
 
 @pytest.fixture
@@ -222,7 +229,8 @@ def test_the_docs_hold_the_commands_of_the_benchmark_scripts():
 
 @pytest.mark.parametrize("command", SCRIPT_COMMANDS, ids=str)
 def test_each_documented_benchmark_command_names_its_scripts_options(command):
-    assert not refused_script_words(command), f"{command}\n  its script has no {refused_script_words(command)}"
+    refused = refused_script_words(command)
+    assert not refused, f"{command}\n  its script has no {refused}"
 
 
 def test_a_renamed_benchmark_option_is_caught():
@@ -231,8 +239,7 @@ def test_a_renamed_benchmark_option_is_caught():
             "python benchmarks/no_such_check.py\n"
             "python benchmarks/startup.py --rounds 2 -- --ntrainer 2\n"
             "python benchmarks/predict_check.py --case=hosts --split 500mbit\n")
-    commands = [Command(c.page, c.line, c.argv[1:], c.argv[0])
-                for c in commands_in(text, "x.md", 1, {}, script_argv)]
+    commands = script_commands(commands_in(text, "x.md", 1, {}, script_argv))
     assert [refused_script_words(command) for command in commands] == [
         ["--cases"], ["--case everything"], ["benchmarks/no_such_check.py"], ["--rounds"], []]
 
