@@ -88,10 +88,10 @@ class PieceWindow:
         self.pump()
 
 
-def assembled(answers: list[Future], like: torch.Tensor, into: torch.Tensor) -> Future:
-    """The pieces' answers, once all are back, in order in ``into`` (as many elements as they
-    hold together, written in place), shaped like ``like``."""
-    done = device_future(like.device)
+def assembled(answers: list[Future], into: torch.Tensor) -> Future:
+    """The pieces' answers, once all are back, written in order into ``into`` (as many elements as
+    they hold together), and ``into`` as the result."""
+    done = device_future(into.device)
     remaining, lock = [len(answers)], threading.Lock()
 
     def arrived(_: Future) -> None:
@@ -105,7 +105,7 @@ def assembled(answers: list[Future], like: torch.Tensor, into: torch.Tensor) -> 
                 part = answer.wait().reshape(-1)
                 flat[first:first + part.numel()].copy_(part)
                 first += part.numel()
-            done.set_result(into.view_as(like))
+            done.set_result(into)
         except Exception as error:  # noqa: BLE001 - the trainer waits on ``done``
             done.set_exception(error)
 
@@ -160,7 +160,7 @@ class Partitioned:
             first: self.submit(ctx, flat if whole else self.scratch.copy(
                 key, flat[first:first + length]), key, server, first_place + order, send)
             for order, (key, first, length, server) in enumerate(pieces)}
-        return assembled([answers[first] for first in sorted(answers)], tensor, flat)
+        return assembled([answers[first] for first in sorted(answers)], tensor)
 
     def submit(self, ctx: HookContext, piece: torch.Tensor, key: int, server: int, place: int,
                send: Callable) -> Future:

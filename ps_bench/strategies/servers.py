@@ -201,7 +201,7 @@ class NodeAggregated(Partitioned):
             summed.add_done_callback(functools.partial(
                 self.piece_summed, ctx, chunk, key, server, first_place + order, answer,
                 settled))
-        assembled([answers[first] for first in sorted(answers)], rows[self.local],
+        assembled([answers[first] for first in sorted(answers)],
                   rows[self.local]).add_done_callback(pulled)
         if bucket.is_last():
             self.gather_in_order(None, None, False)
