@@ -171,19 +171,21 @@ class Scratch:
     def __init__(self) -> None:
         self.kept: dict[Any, torch.Tensor] = {}
 
-    def empty(self, key: Any, size: int, like: torch.Tensor) -> torch.Tensor:
-        """``size`` elements of ``like``'s dtype and device, as the last use of ``key`` left
-        them (new if that had another size, as after DDP rebuilds its buckets; on a GPU, new)."""
+    def empty(self, key: Any, size: int, like: torch.Tensor, dtype: Any = None) -> torch.Tensor:
+        """``size`` elements on ``like``'s device, of ``dtype`` (or ``like``'s), as ``key``'s last
+        use left them (new after another size or dtype, as DDP's rebuilt buckets; on a GPU)."""
+        dtype = dtype or like.dtype
         if like.device.type != "cpu":
-            return torch.empty(size, dtype=like.dtype, device=like.device)
+            return torch.empty(size, dtype=dtype, device=like.device)
         kept = self.kept.get(key)
-        if kept is None or kept.numel() != size or kept.dtype != like.dtype:
-            kept = self.kept[key] = torch.empty(size, dtype=like.dtype)
+        if kept is None or kept.numel() != size or kept.dtype != dtype:
+            kept = self.kept[key] = torch.empty(size, dtype=dtype)
         return kept
 
-    def copy(self, key: Any, source: torch.Tensor) -> torch.Tensor:
-        """A copy of ``source`` (contiguous, its shape) in the tensor kept for ``key``."""
-        return self.empty(key, source.numel(), source).view(source.shape).copy_(source)
+    def copy(self, key: Any, source: torch.Tensor, dtype: Any = None) -> torch.Tensor:
+        """A copy of ``source`` (contiguous, its shape; cast to ``dtype`` where given, in the one
+        pass) in the tensor kept for ``key``."""
+        return self.empty(key, source.numel(), source, dtype).view(source.shape).copy_(source)
 
 
 def issuing_stream(device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
@@ -301,8 +303,7 @@ class Synchroniser:
         return flat_parameters(model.parameters()).cpu()
 
     def full_parameters(self, model: nn.Module) -> torch.Tensor:
-        """This replica's whole parameters now, flattened on its device (every trainer calls it at
-        once)."""
+        """This replica's whole parameters now, flattened on its device (every trainer at once)."""
         return flat_parameters(model.parameters())
 
 
@@ -346,8 +347,7 @@ def build_synchroniser(name: str, ctx: HookContext, options: dict[str, Any]) -> 
 
 
 def timed_collective(ctx: HookContext, run: Callable[[], Any]) -> Any:
-    """Runs a collective that ``after_step`` issues and records its interval as the iteration's
-    comm."""
+    """Runs a collective that ``after_step`` issues; its interval is the iteration's comm."""
     start = time.perf_counter()
     try:
         return run()

@@ -155,10 +155,12 @@ class Partitioned:
         any answer comes back)."""
         first_place, pieces = reserved
         flat = tensor.reshape(-1)
-        whole = len(pieces) == 1 and pieces[0][2] == flat.numel()
+        # a piece is copied as it travels (``wire_dtype``), its answer cast back as it is written
+        whole = len(pieces) == 1 and pieces[0][2] == flat.numel() and self.wire_dtype is None
         answers = {
             first: self.submit(ctx, flat if whole else self.scratch.copy(
-                key, flat[first:first + length]), key, server, first_place + order, send)
+                key, flat[first:first + length], self.wire_dtype), key, server,
+                first_place + order, send)
             for order, (key, first, length, server) in enumerate(pieces)}
         return assembled([answers[first] for first in sorted(answers)], tensor)
 

@@ -17,6 +17,7 @@ from ps_bench.predict import pipelines
 from ps_bench.runtime.topology import PIECES, piece_owners, piece_ranges, slice_size
 from ps_bench.strategies.hook_options import hook_options
 from ps_bench.strategies.partitions import Partitioned, PieceWindow
+from ps_bench.strategies.servers import HalfPrecisionServers
 
 MB = 1e6
 NETWORK, LOCAL = Link(latency_ms=0.01, bytes_per_ms=1e6), Link(latency_ms=0.001, bytes_per_ms=1e7)
@@ -116,6 +117,32 @@ def test_pieces_are_copies_kept_from_one_iteration_to_the_next_and_answers_land_
         pieces_of.append([piece for _, piece in sent])
         sent.clear()
     assert [piece.data_ptr() for piece in pieces_of[0]] == [piece.data_ptr() for piece in pieces_of[1]]
+
+
+@pytest.mark.parametrize("pieces", [[(7, 0, 6, 0), (8, 6, 4, 1)], [(7, 0, 10, 0)]],
+                         ids=["pieces", "whole bucket"])
+def test_pieces_travel_in_their_wire_dtype_from_kept_tensors_and_answers_come_back_in_the_buckets(
+        pieces):
+    """``ps_fp16``: each piece is cast as it is copied, into a float16 tensor kept from one
+    iteration to the next (no float32 copy, no new tensor of the cast), a whole bucket too; the
+    float16 answers are written back into the float32 bucket."""
+    hook = HalfPrecisionServers(on_cpu())
+    sent = []
+
+    def send(ctx, piece, key, server, wire_dtype):
+        sent.append(piece)
+        answer = Future()
+        answer.set_result(piece.to(wire_dtype) / 4)  # what the server answers: its wire dtype
+        return answer
+
+    for iteration in range(2):
+        bucket = torch.linspace(-1, 1, 10) / 3 + iteration
+        expected = (bucket.half() / 4).float()
+        assert torch.equal(hook.push(None, bucket, hook.reserve(pieces), send).wait(), expected)
+        assert torch.equal(bucket, expected) and bucket.dtype == torch.float32
+    assert all(piece.dtype == torch.float16 for piece in sent)
+    first, second = sent[:len(pieces)], sent[len(pieces):]
+    assert [piece.data_ptr() for piece in first] == [piece.data_ptr() for piece in second]
 
 
 def on_cpu(cuda_trainer: bool = False, cuda_servers: tuple[bool, ...] = (False,)):
