@@ -1,12 +1,13 @@
 """Memory of this process: its peak resident set size, and CUDA memory where a GPU is used; the
-model states a trainer holds, counted from its tensors (``held_bytes``), and the activations a
-forward saves for backward (``SavedActivations``).
+model states a trainer holds, counted from its tensors (``held_bytes``), the activations a
+forward saves for backward (``SavedActivations``) and the communication buffers its strategy
+keeps from one iteration to the next (``buffers_bytes``: a parameter server's pieces' copies).
 
 On a GPU the peak is ``torch.cuda.max_memory_allocated`` over the timed rounds. On the CPU torch
 counts no allocation, so the peak given is the model states plus the activations one
-micro-batch's forward saved (``peak_from`` says which): the transient buffers (DDP's buckets,
-gathered layers, the optimizer's temporaries) are not in it, and torch's own few hundred MB of
-resident memory are not either."""
+micro-batch's forward saved plus the kept buffers (``peak_from`` says which): the transient
+buffers (DDP's buckets, gathered layers, the optimizer's temporaries) are not in it, and torch's
+own few hundred MB of resident memory are not either."""
 
 from __future__ import annotations
 
@@ -29,25 +30,28 @@ def peak_memory(device: torch.device | None = None) -> dict[str, int | None]:
     return {"peak_rss_bytes": int(rss), "peak_cuda_bytes": cuda}
 
 
-def trainer_memory(device: torch.device, held: dict[str, int] | None, activations: int) -> dict:
-    """A trainer's peaks, with the model states it holds and the activations it saved where it
-    has counted them (see the module)."""
+def trainer_memory(device: torch.device, held: dict[str, int] | None, activations: int,
+                   buffers: int = 0) -> dict:
+    """A trainer's peaks, with the model states it holds, the activations it saved and the
+    buffers its strategy kept, where it has counted them (see the module)."""
     peaks = peak_memory(device)
     if held is None:
         return peaks
     on_gpu = peaks["peak_cuda_bytes"] is not None
     return {**peaks, "model_states": held, "activations_bytes": activations,
+            "buffers_bytes": buffers,
             "peak_bytes": (peaks["peak_cuda_bytes"] if on_gpu
-                           else held["total_bytes"] + activations),
+                           else held["total_bytes"] + activations + buffers),
             "peak_from": ("torch.cuda.max_memory_allocated over the round" if on_gpu else
-                          "model states + activations saved for backward")}
+                          "model states + activations saved for backward + kept buffers")}
 
 
 def combine_peaks(peaks: list[dict]) -> dict:
     """The largest over the processes of one role of each peak and of the activations, and the
     model states of the process that holds the most (None where none of them had one)."""
     out: dict = {}
-    for key in ("peak_rss_bytes", "peak_cuda_bytes", "activations_bytes", "peak_bytes"):
+    for key in ("peak_rss_bytes", "peak_cuda_bytes", "activations_bytes", "buffers_bytes",
+                "peak_bytes"):
         values = [p[key] for p in peaks if p.get(key) is not None]
         if values or key in ("peak_rss_bytes", "peak_cuda_bytes"):
             out[key] = max(values) if values else None

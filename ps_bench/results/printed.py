@@ -98,19 +98,21 @@ def render_convergence(convergence: dict) -> str:
 
 
 def render_memory(memory: dict) -> str:
-    """Each role's peaks, and the model states and activations its processes counted (the
-    largest over them): MiB."""
+    """Each role's peaks, and the model states, activations and kept buffers its processes
+    counted (the largest over them): MiB."""
     rows = []
     for role, peaks in memory.items():
         if peaks:
-            states, activations = peaks.get("model_states"), peaks.get("activations_bytes")
+            states = peaks.get("model_states")
             rows.append([role, *[None if peaks.get(key) is None else peaks[key] / MIB
                                  for key in ("peak_rss_bytes", "peak_cuda_bytes")],
                          *[None if states is None else states[f"{kind}_bytes"] / MIB
                            for kind in ("parameters", "gradients", "optimizer")],
-                         None if activations is None else activations / MIB])
+                         *[None if peaks.get(key) is None else peaks[key] / MIB
+                           for key in ("activations_bytes", "buffers_bytes")]])
     return tabulate(rows, headers=["role", "peak RSS MiB", "peak CUDA MiB", "parameters MiB",
-                                   "gradients MiB", "optimizer MiB", "activations MiB"],
+                                   "gradients MiB", "optimizer MiB", "activations MiB",
+                                   "kept buffers MiB"],
                     floatfmt=".3f", missingval="-")
 
 

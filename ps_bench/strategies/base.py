@@ -39,6 +39,7 @@ from ps_bench.metrics.timers import IntervalTracker, tensor_bytes
 from ps_bench.metrics.wire import ByteCounter
 from ps_bench.runtime.topology import PIECES, piece_owners, piece_ranges, piece_root, slice_size
 from ps_bench.strategies.record import HOOKS, Strategy
+from ps_bench.strategies.scratch import Scratch
 
 Hook = Callable[["HookContext", dist.GradBucket], Future]
 
@@ -161,33 +162,6 @@ def device_future(device: torch.device) -> Future:
     return Future(devices=[device] if device.type == "cuda" else None)
 
 
-class Scratch:
-    """CPU tensors a hook keeps from one iteration to the next, one a use (a piece's copy, a
-    bucket's rows): a new one of megabytes is new pages, zeroed by the kernel before the copy
-    writes them (docs/strategies.md). A key's next use comes after DDP has taken its last answer.
-    On a GPU nothing is kept: the caching allocator reuses the blocks, and the memory is free
-    through the next forward."""
-
-    def __init__(self) -> None:
-        self.kept: dict[Any, torch.Tensor] = {}
-
-    def empty(self, key: Any, size: int, like: torch.Tensor, dtype: Any = None) -> torch.Tensor:
-        """``size`` elements on ``like``'s device, of ``dtype`` (or ``like``'s), as ``key``'s last
-        use left them (new after another size or dtype, as DDP's rebuilt buckets; on a GPU)."""
-        dtype = dtype or like.dtype
-        if like.device.type != "cpu":
-            return torch.empty(size, dtype=dtype, device=like.device)
-        kept = self.kept.get(key)
-        if kept is None or kept.numel() != size or kept.dtype != dtype:
-            kept = self.kept[key] = torch.empty(size, dtype=dtype)
-        return kept
-
-    def copy(self, key: Any, source: torch.Tensor, dtype: Any = None) -> torch.Tensor:
-        """A copy of ``source`` (contiguous, its shape; cast to ``dtype`` where given, in the one
-        pass) in the tensor kept for ``key``."""
-        return self.empty(key, source.numel(), source, dtype).view(source.shape).copy_(source)
-
-
 def issuing_stream(device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
     """The stream that work issued now on ``device`` would run on, to issue work under later,
     from a future's callback (a context manager; nothing on the CPU).
@@ -295,6 +269,11 @@ class Synchroniser:
                 "gradients": [p.grad for p in parameters if p.grad is not None],
                 "optimizer": [] if inner is None else state_tensors(inner.state)}
 
+    def kept_bytes(self) -> int:
+        """Bytes of the communication buffers it keeps from one iteration to the next
+        (``Scratch``): not model states, but held through the next forward all the same."""
+        return 0
+
     def end_round(self, ctx: HookContext, model: nn.Module) -> None:
         """After a round, outside the clock: whatever ``parameters_vector`` needs."""
 
@@ -312,6 +291,10 @@ class HookOnly(Synchroniser):
 
     def __init__(self, hook: Hook) -> None:
         self.hook = hook
+
+    def kept_bytes(self) -> int:
+        scratch = getattr(self.hook, "scratch", None)
+        return scratch.nbytes() if isinstance(scratch, Scratch) else 0
 
     def floor_steps(self, ctx: HookContext, sends: tuple[tuple[str, str], ...], elements: int,
                     buckets: list[int]) -> list[tuple[str, dist.ProcessGroup, int]]:

@@ -148,7 +148,7 @@ class DdpTrainer(FloorProbes, Resident):
         self.autocast, self.scaler = mixed_precision(self.device, config.precision,
                                                      self.synchroniser)
         self.held: dict[str, int] | None = None  # model states, counted once (note_memory)
-        self.activations = 0
+        self.activations = self.buffers = 0  # bytes, with ``held`` (note_memory)
         self._compute_copy: nn.Module | None = None  # --limits: the model outside DDP, made once
         # --limits builds the compute-only copy from them
         self.entry, self.seed = model, config.torch_seed
@@ -311,7 +311,7 @@ class DdpTrainer(FloorProbes, Resident):
             "grad_errors": self.gradient_errors(),
             **({"engine_counts": self.synchroniser.engine_counts(ctx.process_group.size())}
                if hasattr(self.synchroniser, "engine_counts") else {}),
-            "memory": trainer_memory(self.device, self.held, self.activations),
+            "memory": trainer_memory(self.device, self.held, self.activations, self.buffers),
             "timeline": timeline,
             # ms in the timed iterations
             "collectives": {kind: sum(covered_ms([timing[:3] for timing in timings
@@ -327,13 +327,13 @@ class DdpTrainer(FloorProbes, Resident):
         """A round that ran no iteration: training had stopped (``--target-loss``)."""
         return {"samples": {}, "iterations": 0, "samples_processed": 0, "bytes_sent": 0,
                 "bytes_recv": 0, "losses": [], "verified_iterations": 0, "grad_errors": [],
-                "memory": trainer_memory(self.device, self.held, self.activations), "timeline": {},
-                "convergence": self.convergence.take([])}
+                "memory": trainer_memory(self.device, self.held, self.activations, self.buffers),
+                "timeline": {}, "convergence": self.convergence.take([])}
 
     def note_memory(self, activations: int) -> None:
-        """The model states held before a step and the activations its forward saved."""
+        """The model states held before a step, its forward's activations, the kept buffers."""
         self.held = held_bytes(self.synchroniser.held_tensors(self.model, self.optimizer))
-        self.activations = activations
+        self.activations, self.buffers = activations, self.synchroniser.kept_bytes()
 
     @staticmethod
     def round_samples(phases: np.ndarray, moved: np.ndarray, comm: dict[int, float],

@@ -50,6 +50,12 @@ def test_lossy_strategy_costs_accuracy_and_saves_bytes(hook, bench_runs):
     if record.payload in HALF_WIDTH:  # 16 bits on the wire: exactly half of float32, to servers and back
         for key, moved in results["bytes"].items():
             assert moved * 2 == baseline["bytes"][key], key
+    memory = results["memory"]["trainer"]
+    assert memory["peak_bytes"] == (memory["model_states"]["total_bytes"] + memory["activations_bytes"]
+                                    + memory["buffers_bytes"])
+    if record.family == SERVERS and record.payload in HALF_WIDTH:
+        # every bucket copied as it travels, in 16 bits, and kept for the next iteration
+        assert memory["buffers_bytes"] * 2 == memory["model_states"]["gradients_bytes"]
 
 
 @pytest.mark.parametrize("hook", SILENT)

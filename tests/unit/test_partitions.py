@@ -12,9 +12,11 @@ from torch.futures import Future
 from ps_bench.cli import main
 from ps_bench.metrics import costs
 from ps_bench.metrics.costs import Link, Nodes
+from ps_bench.metrics.memory import trainer_memory
 from ps_bench.metrics.messages import piece_elements
 from ps_bench.predict import pipelines
 from ps_bench.runtime.topology import PIECES, piece_owners, piece_ranges, slice_size
+from ps_bench.strategies.base import HookOnly
 from ps_bench.strategies.hook_options import hook_options
 from ps_bench.strategies.partitions import Partitioned, PieceWindow
 from ps_bench.strategies.servers import HalfPrecisionServers
@@ -143,6 +145,16 @@ def test_pieces_travel_in_their_wire_dtype_from_kept_tensors_and_answers_come_ba
     assert all(piece.dtype == torch.float16 for piece in sent)
     first, second = sent[:len(pieces)], sent[len(pieces):]
     assert [piece.data_ptr() for piece in first] == [piece.data_ptr() for piece in second]
+    # what the trainer reports as kept between iterations (``buffers_bytes``): the 16-bit copies
+    assert HookOnly(hook).kept_bytes() == 10 * 2
+    assert HookOnly(Partitioned(on_cpu())).kept_bytes() == 0 == HookOnly(len).kept_bytes()
+
+
+def test_on_the_cpu_a_trainers_peak_counts_the_buffers_its_strategy_keeps():
+    held = {"parameters_bytes": 40, "gradients_bytes": 40, "optimizer_bytes": 0, "total_bytes": 80}
+    memory = trainer_memory(torch.device("cpu"), held, activations=7, buffers=20)
+    assert memory["buffers_bytes"] == 20 and memory["peak_bytes"] == 80 + 7 + 20
+    assert memory["peak_from"].endswith("kept buffers")
 
 
 def on_cpu(cuda_trainer: bool = False, cuda_servers: tuple[bool, ...] = (False,)):

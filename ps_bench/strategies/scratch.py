@@ -1,0 +1,40 @@
+"""The tensors a hook keeps from one iteration to the next, and what they hold between
+iterations (a trainer's ``buffers_bytes``, ``metrics.memory``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class Scratch:
+    """CPU tensors a hook keeps from one iteration to the next, one a use (a piece's copy, a
+    bucket's rows): a new one of megabytes is new pages, zeroed by the kernel before the copy
+    writes them (docs/strategies.md). A key's next use comes after DDP has taken its last answer.
+    On a GPU nothing is kept: the caching allocator reuses the blocks, and the memory is free
+    through the next forward."""
+
+    def __init__(self) -> None:
+        self.kept: dict[Any, torch.Tensor] = {}
+
+    def empty(self, key: Any, size: int, like: torch.Tensor, dtype: Any = None) -> torch.Tensor:
+        """``size`` elements on ``like``'s device, of ``dtype`` (or ``like``'s), as ``key``'s last
+        use left them (new after another size or dtype, as DDP's rebuilt buckets; on a GPU)."""
+        dtype = dtype or like.dtype
+        if like.device.type != "cpu":
+            return torch.empty(size, dtype=dtype, device=like.device)
+        kept = self.kept.get(key)
+        if kept is None or kept.numel() != size or kept.dtype != dtype:
+            kept = self.kept[key] = torch.empty(size, dtype=dtype)
+        return kept
+
+    def nbytes(self) -> int:
+        """Bytes kept now (a trainer's ``buffers_bytes``): each kept tensor has a storage of its
+        own."""
+        return sum(tensor.untyped_storage().nbytes() for tensor in self.kept.values())
+
+    def copy(self, key: Any, source: torch.Tensor, dtype: Any = None) -> torch.Tensor:
+        """A copy of ``source`` (contiguous, its shape; cast to ``dtype`` where given, in the one
+        pass) in the tensor kept for ``key``."""
+        return self.empty(key, source.numel(), source, dtype).view(source.shape).copy_(source)
