@@ -31,7 +31,7 @@ def peak_memory(device: torch.device | None = None) -> dict[str, int | None]:
 
 
 def trainer_memory(device: torch.device, held: dict[str, int] | None, activations: int,
-                   buffers: int = 0) -> dict:
+                   buffers: int) -> dict:
     """A trainer's peaks, with the model states it holds, the activations it saved and the
     buffers its strategy kept, where it has counted them (see the module)."""
     peaks = peak_memory(device)
