@@ -22,6 +22,7 @@ from torch.futures import Future
 
 from ps_bench.runtime.failures import fatal_on_error
 from ps_bench.runtime.faults import Fault, maybe_inject
+from ps_bench.runtime.futures import device_future
 from ps_bench.metrics.memory import held_bytes, peak_memory
 from ps_bench.metrics.timers import now_ms, tensor_bytes
 from ps_bench.registry import Registry
@@ -246,14 +247,11 @@ class ParameterServer(Resident):
             return torch.div(summed, self.num_trainers, out=state.buffer_like(summed))
         return summed.div_(self.num_trainers)
 
-    def _new_future(self) -> Future:
-        return Future(devices=[self.device] if self.device.type == "cuda" else None)
-
     def contribute(self, bucket_index: int, tensor: torch.Tensor, received: int | None = None,
                    answer: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Future:
         """Adds a trainer's bucket (``received``: the bytes it came as, where not the tensor's);
         the future completes with the global average (``answer``: made into what it returns)."""
-        future = self._new_future()
+        future = device_future(self.device)
         self.books.count("recv", tensor_bytes(tensor) if received is None else received)
         state = self._state(self._buckets, bucket_index)
         try:

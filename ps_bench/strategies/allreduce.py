@@ -13,8 +13,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import (debugging_hooks, defaul
 from torch.futures import Future
 
 from ps_bench.metrics import costs
-from ps_bench.strategies.base import (Hook, HookContext, device_future, issuing_stream, settle,
-                                     stateless)
+from ps_bench.runtime.futures import device_future, issuing_stream, settle
+from ps_bench.strategies.base import Hook, HookContext, stateless
 from ps_bench.strategies.record import (COLLECTIVE, HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Cost,
                                         Strategy)
 from ps_bench.strategies.scratch import Scratch

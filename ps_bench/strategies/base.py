@@ -154,35 +154,6 @@ def stateless(name: str, record: Strategy, aliases: tuple[str, ...] = ()) -> Cal
     return decorator
 
 
-def device_future(device: torch.device) -> Future:
-    """A future whose value lives on ``device``. On a GPU it carries CUDA events: whoever waits
-    on it (DDP, before it copies a bucket's answer back) waits for the streams that made the
-    value; a plain ``Future()`` carries none, and DDP could read a bucket that a collective or
-    an RPC is still writing."""
-    return Future(devices=[device] if device.type == "cuda" else None)
-
-
-def issuing_stream(device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    """The stream that work issued now on ``device`` would run on, to issue work under later,
-    from a future's callback (a context manager; nothing on the CPU).
-
-    A callback of a GPU future runs on a stream of torch's pool that waits for that future's
-    events and for nothing else: a collective or a send started there on a bucket the hook's
-    caller made (DDP, on its own stream) could read it before it is written."""
-    if device.type != "cuda":
-        return contextlib.nullcontext
-    stream = torch.cuda.current_stream(device)
-    return lambda: torch.cuda.stream(stream)
-
-
-def settle(target: Future, source: Future) -> None:
-    """Completes ``target`` as ``source`` completed: with its value or its exception."""
-    try:
-        target.set_result(source.value())
-    except Exception as error:  # noqa: BLE001 - source's own failure, passed on
-        target.set_exception(error)
-
-
 def build_hook(name: str, ctx: HookContext, options: dict[str, Any]) -> Hook:
     return HOOKS.get(name)(ctx, **options)
 

@@ -33,6 +33,16 @@ def check_period(period: int) -> None:
                          f"synchronisations); got {period}")
 
 
+def check_outer(period: int, outer_lr: float, outer_momentum: float) -> None:
+    """DiLoCo's options, as every DiLoCo here takes them: the period and the outer SGD's."""
+    check_period(period)
+    if not outer_lr > 0:
+        raise ValueError(f"hook option 'outer_lr' must be positive; got {outer_lr}")
+    if not 0 <= outer_momentum < 1:
+        raise ValueError(f"hook option 'outer_momentum' must be in [0, 1); "
+                         f"got {outer_momentum}")
+
+
 class Periodic(Synchroniser):
     """A strategy that synchronises every ``period`` iterations and keeps the parameters it
     synchronised to, for the replica check."""
@@ -109,12 +119,7 @@ class DiLoCo(Periodic):
 
     @staticmethod
     def check(period: int, outer_lr: float, outer_momentum: float) -> None:
-        check_period(period)
-        if not outer_lr > 0:
-            raise ValueError(f"hook option 'outer_lr' must be positive; got {outer_lr}")
-        if not 0 <= outer_momentum < 1:
-            raise ValueError(f"hook option 'outer_momentum' must be in [0, 1); "
-                             f"got {outer_momentum}")
+        check_outer(period, outer_lr, outer_momentum)
 
     def wrap(self, network: nn.Module, ctx: HookContext, ddp_options: dict[str, Any],
              optimizer: OptimizerSpec) -> tuple[nn.Module, torch.optim.Optimizer]:

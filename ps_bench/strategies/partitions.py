@@ -22,7 +22,8 @@ import torch
 from torch.futures import Future
 
 from ps_bench.metrics.messages import piece_elements
-from ps_bench.strategies.base import HookContext, device_future, issuing_stream
+from ps_bench.runtime.futures import device_future, issuing_stream
+from ps_bench.strategies.base import HookContext
 from ps_bench.strategies.scratch import Scratch
 
 

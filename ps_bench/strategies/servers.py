@@ -17,8 +17,8 @@ from ps_bench.metrics.timers import tensor_bytes
 from ps_bench.runtime.topology import piece_ranges, slice_size
 from ps_bench.servers.base import ParameterServer
 from ps_bench.strategies.allreduce import allreduce, gather_into, host_rows
-from ps_bench.strategies.base import (HookContext, device_future, issuing_stream, settle,
-                                     stateless)
+from ps_bench.runtime.futures import device_future, issuing_stream, settle
+from ps_bench.strategies.base import HookContext, stateless
 from ps_bench.strategies.compressors import CODECS, Compressed, QSGDHook, check_ratio, named_codec
 from ps_bench.strategies.partitions import Partitioned, assembled
 from ps_bench.strategies.record import HOOKS, RPC, SERVERS, SPARSE_SERVERS, Cost, Strategy

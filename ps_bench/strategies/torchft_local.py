@@ -34,7 +34,7 @@ from ps_bench.runtime.addresses import own_address
 from ps_bench.strategies.base import HookContext, OptimizerSpec, Synchroniser, flat_parameters
 from ps_bench.strategies.record import (AT_SYNCHRONISATION, COLLECTIVE, ENGINE, HOOKS, LOCAL,
                                         Strategy)
-from ps_bench.strategies.local import check_period
+from ps_bench.strategies.local import check_outer, check_period
 
 LIGHTHOUSE_KEY = "torchft/lighthouse"  # in the trainers' store: trainer 0's lighthouse
 
@@ -238,12 +238,7 @@ class TorchftDiLoCo(TorchftLocal):
     @staticmethod
     def check(period: int, outer_lr: float, outer_momentum: float, fragments: int,
               fragment_sync_delay: int) -> None:
-        check_period(period)
-        if not outer_lr > 0:
-            raise ValueError(f"hook option 'outer_lr' must be positive; got {outer_lr}")
-        if not 0 <= outer_momentum < 1:
-            raise ValueError(f"hook option 'outer_momentum' must be in [0, 1); "
-                             f"got {outer_momentum}")
+        check_outer(period, outer_lr, outer_momentum)
         if fragments < 1 or period % fragments:
             raise ValueError(f"hook option 'fragments' must divide the period ({period}); "
                              f"got {fragments}")
