@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import math
 import time
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
@@ -20,8 +17,7 @@ from ps_bench.runtime.faults import Fault, Straggling, maybe_inject
 from ps_bench.metrics import wire
 from ps_bench.metrics.memory import NO_COUNT, SavedActivations, held_bytes, trainer_memory
 from ps_bench.metrics.messages import DTYPES, PRECISIONS
-from ps_bench.metrics.timers import (StepTimer, bucket_offsets, covered_ms, cuda_bucket_offsets,
-                                     folded)
+from ps_bench.metrics.timers import StepTimer
 from ps_bench.models.base import Dataset, build_model
 from ps_bench.models.entries import Entry
 from ps_bench.registry import Registry
@@ -30,13 +26,11 @@ from ps_bench.strategies.base import (HookContext, ServerHandle, Synchroniser, b
                                       fingerprint, optimizer_spec)
 from ps_bench.trainers.convergence import Convergence
 from ps_bench.trainers.probes import FloorProbes, finish_profile, start_profiler
+from ps_bench.trainers.rounds import collective_ms, recorded, verified_steps
 from ps_bench.runtime.resident import Resident
 
 TRAINERS: Registry = Registry("trainer")
-VERIFIED_PER_ROUND = 4  # --verify checks at most this many evenly spaced iterations per round
 PROFILED_ITERATIONS = 3  # --profile traces this many iterations, from the second of the round on
-# the bucket timeline comes from this many timed iterations at the end of each round
-TIMELINE_ITERATIONS = 8
 
 
 def mixed_precision(device: torch.device, precision: str,
@@ -49,13 +43,6 @@ def mixed_precision(device: torch.device, precision: str,
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     return (lambda: torch.autocast(device.type, dtype=dtype)), scaler
-
-
-def verified_steps(iterations: int) -> set[int]:
-    """Which iterations of a round ``--verify`` checks (left out of the timings): evenly spaced,
-    at most VERIFIED_PER_ROUND, never two in a row, so that a short round keeps timed ones."""
-    stride = max(2, math.ceil(iterations / VERIFIED_PER_ROUND))
-    return set(range(0, iterations, stride))
 
 
 @TRAINERS.register("ddp", aliases=("DdpTrainer",))
@@ -275,31 +262,12 @@ class DdpTrainer(FloorProbes, Resident):
         if not records:
             return self.empty_round()
         iterations = len(records)  # fewer where a --target-loss round stopped early
-        readings = [record[0] for record in records]
-        phases = folded(timer.phases(readings), 1)
-        moved = np.diff([(sent_before, recv_before)] + [record[1:] for record in records], axis=0)
-        intervals, first_iteration, untimed = (
-            ctx.comm.drain(), iteration - iterations + 1, checked | traced)
-        # comm: while a bucket's hook or any collective was open (FSDP2, ZeRO and DeepSpeed have no
-        # hook)
+        first_iteration, untimed = iteration - iterations + 1, checked | traced
         timings = [timing for timing in wire.take_timings()
                    if timing[0] - first_iteration not in untimed]
-        opened = sorted(intervals + [timing[:3] for timing in timings]) if timings else intervals
-        samples = self.round_samples(phases, moved, covered_ms(opened), first_iteration,
-                                     untimed=untimed)
-        # when each bucket became ready and was done, after backward began, in the round's last
-        # timed iterations: on the CPU's clock, or on a GPU the device's (CUDA events)
-        timeline = {}
-        steps = [step for step in range(iterations) if step not in untimed][-TIMELINE_ITERATIONS:]
-        if steps and not timer.cuda:
-            tail = intervals[bisect.bisect_left(intervals, (first_iteration + steps[0],)):]
-            # the synchronised micro-batch's backward: the last
-            timeline = bucket_offsets(tail, {first_iteration + step: readings[step][-3]
-                                             for step in steps})
-        elif steps and ctx.ready_events:
-            timeline = cuda_bucket_offsets(ctx.ready_events,
-                                           {first_iteration + step: readings[step][-3:-1]
-                                            for step in steps})
+        phases, samples, timeline = recorded(timer, records, (sent_before, recv_before),
+                                             ctx.comm.drain(), timings, first_iteration, untimed,
+                                             ctx.ready_events)
         return {
             "samples": samples,
             "iterations": iterations,
@@ -313,10 +281,7 @@ class DdpTrainer(FloorProbes, Resident):
                if hasattr(self.synchroniser, "engine_counts") else {}),
             "memory": trainer_memory(self.device, self.held, self.activations, self.buffers),
             "timeline": timeline,
-            # ms in the timed iterations
-            "collectives": {kind: sum(covered_ms([timing[:3] for timing in timings
-                                                  if timing[3] == kind]).values())
-                            for kind in sorted({timing[3] for timing in timings})},
+            "collectives": collective_ms(timings),
             "host_traffic": [[source, destination, nbytes] for (source, destination), nbytes
                              in sorted(wire.take_crossing().items())],
             **({"convergence": convergence.take(phases.sum(axis=1).tolist())}
@@ -334,25 +299,6 @@ class DdpTrainer(FloorProbes, Resident):
         """The model states held before a step, its forward's activations, the kept buffers."""
         self.held = held_bytes(self.synchroniser.held_tensors(self.model, self.optimizer))
         self.activations, self.buffers = activations, self.synchroniser.kept_bytes()
-
-    @staticmethod
-    def round_samples(phases: np.ndarray, moved: np.ndarray, comm: dict[int, float],
-                      first_iteration: int, untimed: set[int]) -> dict[str, list]:
-        """A round's per-iteration samples from what its loop recorded: ``phases`` (forward,
-        backward, optimizer ms per iteration), ``moved`` (bytes sent and received per iteration)
-        and ``comm`` (iteration -> ms during which a bucket's communication was open). Bytes
-        count every iteration; times leave out ``untimed`` steps (captured or traced)."""
-        timed = [step for step in range(len(phases)) if step not in untimed]
-        phases = phases[timed]
-        return {
-            "batch": phases.sum(axis=1).tolist(),
-            "forward": phases[:, 0].tolist(),
-            "backward": phases[:, 1].tolist(),
-            "optimizer": phases[:, 2].tolist(),
-            "comm": [comm.get(first_iteration + step, 0.0) for step in timed],
-            "bytes_sent": moved[:, 0].tolist(),
-            "bytes_recv": moved[:, 1].tolist(),
-        }
 
     def gradient_errors(self) -> list[float]:
         """Relative error ``|delivered - exact| / |exact|`` per captured bucket, where ``exact``

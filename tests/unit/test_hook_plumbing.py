@@ -9,7 +9,7 @@ from ps_bench.metrics.wire import ByteCounter
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.job import validate
 from ps_bench.strategies import COLLECTIVE, HOOKS, RPC, SPARSE_ALLREDUCE, SPARSE_GLOO, Strategy, check_hook_options
-from ps_bench.trainers.trainer import VERIFIED_PER_ROUND, verified_steps
+from ps_bench.trainers.rounds import VERIFIED_PER_ROUND, verified_steps
 
 
 @pytest.mark.parametrize(

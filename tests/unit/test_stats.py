@@ -6,7 +6,7 @@ import pytest
 
 from ps_bench.metrics.stats import SummaryRow, summarize, summary_rows
 from ps_bench.metrics.timers import IntervalTracker, StepTimer, bucket_offsets, covered_ms, tensor_bytes, folded
-from ps_bench.trainers.trainer import DdpTrainer
+from ps_bench.trainers.rounds import collective_ms, round_samples
 
 import torch
 
@@ -77,12 +77,21 @@ def test_round_samples_leave_untimed_steps_out_of_times_but_not_bytes():
     phases = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
     moved = np.array([[100, 10], [200, 20], [300, 30]])
     comm = {11: 0.5, 13: 1.5}  # iteration 12 had no communication
-    samples = DdpTrainer.round_samples(phases, moved, comm, first_iteration=11, untimed={0})
+    samples = round_samples(phases, moved, comm, first_iteration=11, untimed={0})
     assert samples["forward"] == [4.0, 7.0] and samples["optimizer"] == [6.0, 9.0]
     assert samples["batch"] == [15.0, 24.0]
     assert samples["comm"] == [0.0, 1.5]
     assert samples["bytes_sent"] == [100, 200, 300] and samples["bytes_recv"] == [10, 20, 30]
     assert all(type(b) is int for b in samples["bytes_sent"])
+
+
+def test_collective_ms_counts_overlapping_collectives_of_a_kind_once_and_kinds_apart():
+    # (iteration, start s, end s, kind): two all-reduces overlapping in iteration 1
+    timings = [(1, 0.0, 0.004, "all_reduce"), (1, 0.002, 0.006, "all_reduce"),
+               (2, 0.010, 0.011, "all_reduce"), (1, 0.003, 0.005, "all_gather")]
+    assert collective_ms(timings) == pytest.approx({"all_gather": 2.0, "all_reduce": 7.0})
+    assert list(collective_ms(timings)) == ["all_gather", "all_reduce"]
+    assert collective_ms([]) == {}
 
 
 def test_tensor_bytes_dense_and_sparse():

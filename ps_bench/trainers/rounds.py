@@ -1,0 +1,80 @@
+"""What a trainer's round recorded, made into what it reports: the per-iteration samples, the
+bucket timeline and the time each kind of collective was open. The loop itself records only
+clock readings and byte counts (``DdpTrainer.run_round``); everything here runs after it."""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import numpy as np
+
+from ps_bench.metrics.timers import (StepTimer, bucket_offsets, covered_ms, cuda_bucket_offsets,
+                                     folded)
+
+VERIFIED_PER_ROUND = 4  # --verify checks at most this many evenly spaced iterations per round
+# the bucket timeline comes from this many timed iterations at the end of each round
+TIMELINE_ITERATIONS = 8
+
+
+def verified_steps(iterations: int) -> set[int]:
+    """Which iterations of a round ``--verify`` checks (left out of the timings): evenly spaced,
+    at most VERIFIED_PER_ROUND, never two in a row, so that a short round keeps timed ones."""
+    stride = max(2, math.ceil(iterations / VERIFIED_PER_ROUND))
+    return set(range(0, iterations, stride))
+
+
+def recorded(timer: StepTimer, records: list[tuple], before: tuple[int, int],
+             intervals: list[tuple], timings: list[tuple], first_iteration: int,
+             untimed: set[int], ready_events: list | None) -> tuple[np.ndarray, dict, dict]:
+    """A round's phases (forward, backward, optimizer ms an iteration), samples and bucket
+    timeline, from its loop's ``records`` (each iteration's clock readings and the bytes sent
+    and received so far, ``before`` the round's first), the hooks' open ``intervals`` and the
+    collectives' ``timings`` of the timed iterations. ``untimed`` steps (captured or traced)
+    count their bytes, not their times."""
+    readings = [record[0] for record in records]
+    phases = folded(timer.phases(readings), 1)
+    moved = np.diff([before] + [record[1:] for record in records], axis=0)
+    # comm: while a bucket's hook or any collective was open (FSDP2, ZeRO and DeepSpeed have no
+    # hook)
+    opened = sorted(intervals + [timing[:3] for timing in timings]) if timings else intervals
+    samples = round_samples(phases, moved, covered_ms(opened), first_iteration, untimed)
+    # when each bucket became ready and was done, after backward began, in the round's last
+    # timed iterations: on the CPU's clock, or on a GPU the device's (CUDA events)
+    timeline = {}
+    steps = [step for step in range(len(records)) if step not in untimed][-TIMELINE_ITERATIONS:]
+    if steps and not timer.cuda:
+        tail = intervals[bisect.bisect_left(intervals, (first_iteration + steps[0],)):]
+        # the synchronised micro-batch's backward: the last
+        timeline = bucket_offsets(tail, {first_iteration + step: readings[step][-3]
+                                         for step in steps})
+    elif steps and ready_events:
+        timeline = cuda_bucket_offsets(ready_events, {first_iteration + step: readings[step][-3:-1]
+                                                      for step in steps})
+    return phases, samples, timeline
+
+
+def round_samples(phases: np.ndarray, moved: np.ndarray, comm: dict[int, float],
+                  first_iteration: int, untimed: set[int]) -> dict[str, list]:
+    """A round's per-iteration samples: ``phases`` (forward, backward, optimizer ms per
+    iteration), ``moved`` (bytes sent and received per iteration) and ``comm`` (iteration -> ms
+    during which a bucket's communication was open). Bytes count every iteration; times leave
+    out ``untimed`` steps (captured or traced)."""
+    timed = [step for step in range(len(phases)) if step not in untimed]
+    phases = phases[timed]
+    return {
+        "batch": phases.sum(axis=1).tolist(),
+        "forward": phases[:, 0].tolist(),
+        "backward": phases[:, 1].tolist(),
+        "optimizer": phases[:, 2].tolist(),
+        "comm": [comm.get(first_iteration + step, 0.0) for step in timed],
+        "bytes_sent": moved[:, 0].tolist(),
+        "bytes_recv": moved[:, 1].tolist(),
+    }
+
+
+def collective_ms(timings: list[tuple]) -> dict[str, float]:
+    """Per kind of collective, the ms during which one of that kind was open in the timed
+    iterations (``timings``: iteration, start, end, kind)."""
+    return {kind: sum(covered_ms([timing[:3] for timing in timings if timing[3] == kind]).values())
+            for kind in sorted({timing[3] for timing in timings})}
