@@ -170,7 +170,8 @@ class Master:
         ready_at = time.time()
         total = cfg.warmup_rounds + cfg.rounds
         follow = (f"training until the averaged model's smoothed loss is at most {cfg.target_loss} "
-                  f"or {record.max_iterations} iterations are done" if cfg.target_loss is not None
+                  f"or {record.progress.max_iterations} iterations are done"
+                  if cfg.target_loss is not None
                   else f"{cfg.warmup_rounds} warmup and {cfg.rounds} timed rounds follow")
         print(f"ps_bench: ready after {ready_at - self.launched_at:.1f} s (every rank started, "
               f"servers created, DDP built on every trainer); {follow}", flush=True)
@@ -213,7 +214,7 @@ class Master:
             of = "" if converging else f"/{total}"
             print(f"[round {round_index + 1}{of}] {'timed' if timed else 'warmup':6} "
                   f"{elapsed:7.2f} s  (elapsed {time.perf_counter() - run_start:6.1f} s)  "
-                  f"loss {loss:.4f}{record.progress_line() if converging else ''}", flush=True)
+                  f"loss {loss:.4f}{record.progress.line() if converging else ''}", flush=True)
             if timed and cfg.limits:
                 self.measure_floors(trainers)
             if stopped:

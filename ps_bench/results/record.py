@@ -15,14 +15,14 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from ps_bench.config import DEFAULT_MAX_ITERATIONS
 from ps_bench.job import Job
 from ps_bench.metrics.costs import collective_bytes
 from ps_bench.metrics.memory import combine_peaks, peak_memory
-from ps_bench.metrics.stats import SMOOTHING, SummaryRow, smoothed_loss, summary_rows
+from ps_bench.metrics.stats import SummaryRow, summary_rows
 from ps_bench.metrics.wire import host_links
 from ps_bench.results import floors
 from ps_bench.results.files import SCHEMA, iso_now
+from ps_bench.results.progress import Progress
 from ps_bench.runtime.topology import Topology
 from ps_bench.strategies.base import parameter_norm
 from ps_bench.strategies.record import EVERY_ITERATION
@@ -120,14 +120,8 @@ class RunRecord:
         self.floor_samples: dict[str, list[float]] = defaultdict(list)
         # --limits: the memory-copy floor, measured once the rounds are over
         self.memcpy: dict | None = None
-        # --target-loss, from every round (warmup too): the averaged model's losses, every
-        # iteration's ms
-        self.curve: list[tuple[int, float]] = []  # (iterations done, training loss), from trainer 0
-        # (iterations done, held-out loss), from trainer 0
-        self.held_out: list[tuple[int, float]] = []
-        # trainer rank -> each iteration's ms
-        self.iteration_ms: dict[int, list[float]] = defaultdict(list)
-        self.training: dict = {"reached_at": None, "diverged": False, "stopped": False}
+        # --target-loss, from every round (warmup too)
+        self.progress = Progress(job.config, topology)
 
     # -- what the master hands in ------------------------------------------------------------
     def add_round(self, elapsed_s: float, rounds: list[dict], served: list[dict]) -> float:
@@ -173,70 +167,9 @@ class RunRecord:
         return loss
 
     def add_progress(self, rounds: list[dict]) -> bool:
-        """``--target-loss``: what every round (warmup too) adds to the loss curves and the
-        clock; returns whether training has stopped."""
-        for info, result in zip(self.topology.trainers, rounds):
-            self.iteration_ms[info.rank].extend(result["convergence"]["batch_ms"])
-            self.held_out.extend(result["convergence"]["held_out"])
-        progress = rounds[0]["convergence"]  # every trainer reached the same numbers
-        self.curve.extend(progress["curve"])
-        self.training = {key: progress[key] for key in self.training}
-        return progress["stopped"]
-
-    @property
-    def max_iterations(self) -> int:
-        return self.config.max_iterations or DEFAULT_MAX_ITERATIONS
-
-    def progress_line(self) -> str:
-        """Where a --target-loss run stands, for the round's line."""
-        if not self.curve:
-            return ""
-        iterations, loss = self.curve[-1][:2]
-        smoothed = smoothed_loss(self.curve)
-        shown = f"{smoothed:.4f}" if smoothed is not None else f"{loss:.4f} (not yet smoothed)"
-        return (f"  | {iterations}/{self.max_iterations} iterations, the model's loss {shown}, "
-                f"target {self.config.target_loss}")
-
-    def convergence(self) -> dict | None:
-        """``--target-loss``: whether, after how many iterations and seconds of training the
-        smoothed loss of the averaged model met the target, why training stopped, and both loss
-        curves as ``[iterations, seconds, loss]`` (a loss that is no longer finite is null)."""
-        cfg = self.config
-        if cfg.target_loss is None:
-            return None
-        clocks = [np.cumsum([0.0] + values) / 1000.0 for values in self.iteration_ms.values()]
-
-        # seconds of training after that many iterations, slowest trainer
-        def at(iterations: int) -> float:
-            return float(max(c[min(iterations, len(c) - 1)] for c in clocks)) if clocks else 0.0
-
-        # a point may carry its own seconds (--staleness)
-        def points(curve: list[tuple]) -> list[list]:
-            return [[point[0], point[2] if len(point) > 2 else at(point[0]),
-                     finite_or_none(point[1])]
-                    for point in curve]
-
-        reached_at, diverged = self.training["reached_at"], self.training["diverged"]
-        done = self.curve[-1][0] if self.curve else 0
-        iterations = reached_at if reached_at is not None else done
-        why = ("target" if reached_at is not None else "diverged" if diverged
-               else "max_iterations" if self.training["stopped"] else "unfinished")
-        loss_curve = points(self.curve)
-        return {
-            "target_loss": cfg.target_loss,
-            "reached": reached_at is not None,
-            "iterations": iterations,
-            "seconds": next((s for i, s, _ in reversed(loss_curve) if i == iterations),
-                            at(iterations)),
-            "stopped_by": why,
-            "diverged": diverged,
-            "final_loss": finite_or_none(smoothed_loss(self.curve)),
-            "smoothing": SMOOTHING,
-            "max_iterations": self.max_iterations,
-            "labels": cfg.labels,
-            "loss_curve": loss_curve,
-            "held_out": points(self.held_out),
-        }
+        """``--target-loss``: every round's (warmup too) losses and clock, ``Progress``'s; returns
+        whether training has stopped."""
+        return self.progress.add(rounds)
 
     def staleness_summary(self) -> dict:
         """--staleness: the bound, the observed staleness of every applied update (p50, p99, max)
@@ -316,7 +249,7 @@ class RunRecord:
             "timeline": self.timeline(),
             "replicas": self.replicas,
             "loss": {"first": self.losses[0], "last": self.losses[-1]} if self.losses else None,
-            **({"convergence": self.convergence()} if cfg.target_loss is not None else {}),
+            **({"convergence": self.progress.summary()} if cfg.target_loss is not None else {}),
             **({"staleness": self.staleness_summary()} if cfg.staleness is not None else {}),
             **({"verify": self.verify_summary()} if cfg.verify else {}),
             "memory": {
@@ -383,11 +316,6 @@ class RunRecord:
 
     def efficiency(self, measured: dict) -> dict | None:
         return floors.efficiency(self, measured)
-
-
-def finite_or_none(value: float | None) -> float | None:
-    """JSON has no NaN or infinity: a loss that diverged is null."""
-    return value if value is not None and np.isfinite(value) else None
 
 
 def mean_loss(rounds: list[dict]) -> float:

@@ -214,7 +214,7 @@ def test_time_to_target_counts_every_iteration_on_the_slowest_trainer():
     assert convergence["loss_curve"][10] == [10, pytest.approx(0.020), 1.0]
     assert convergence["held_out"] == [[0, 0.0, 2.5], [15, pytest.approx(0.035), 1.2]]
     assert convergence["final_loss"] == pytest.approx(sum(losses[6:16]) / 10)
-    assert "| 15/30 iterations" in record.progress_line()
+    assert "| 15/30 iterations" in record.progress.line()
 
 
 def test_a_diverged_run_is_not_reached_and_stays_plain_json():
