@@ -18,9 +18,10 @@ line rate a transfer achieves, the latency per message: ``bench.py predict --hel
 says of its own setup (its network's line rate and kind, GPUs per node and how they are linked,
 the strategy it ran, the fusion buffer it used) is from its source.
 
-Prints every point (predicted and measured images/s, the error, the measured scaling efficiency
-and the predicted communication share of the batch), then the median and largest |error| over
-every point beyond one GPU.
+Prints every point (predicted and measured images/s, the error, the measured scaling efficiency,
+the predicted communication share of the batch and the share of the line rate the measurement
+allows, ``line_share_allowed``), then the median and largest |error| over every point beyond one
+GPU.
 
     python benchmarks/published_check.py [--case NAME] [--out FILE.json]
 """
@@ -39,6 +40,10 @@ from pathlib import Path
 from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ps_bench.metrics.costs import Link, byteps_bound_ms, ring_share  # noqa: E402
+from ps_bench.predict.inputs import LINK_KINDS  # noqa: E402
 
 # One set of defaults for every case (docs/predict.md, "Checked against published measurements").
 DEFAULTS = {
@@ -226,8 +231,39 @@ def predict_case(case: Case, scratch: Path) -> list[dict]:
                      "efficiency": measured / (gpus * per_gpu),
                      "communication_share": 1.0 - t1 / row["batch_ms"],
                      "given": f"{case.per_node}-GPU node" if case.node else "1 GPU", "given_ms": t1,
-                     "cluster": case.cluster, "strategy": case.system or case.hook})
+                     "cluster": case.cluster, "strategy": case.system or case.hook,
+                     "link_kind": case.link_kind,
+                     "line_share_allowed": line_share_allowed(case, gpus, row["nodes"],
+                                                              row["gradients_bytes"])})
     return rows
+
+
+def line_share_allowed(case: Case, gpus: int, nodes: int, gradient_bytes: float) -> float | None:
+    """The largest share of the network's line rate a transfer can have achieved for the point's
+    measured throughput, had nothing overlapped backward at all: the least time a node's
+    network link needs at the full line rate for one iteration (each way: a ring over every GPU,
+    ``2(n-1)/n`` of the gradients; BytePS's bound over the nodes for the parameter servers) over
+    the measured batch time beyond the compute the case is given. Any overlap makes it smaller.
+    None on one node (no network crossed); infinity where the measured batch is no longer than
+    the compute."""
+    if nodes == 1:
+        return None
+    line = Link.of(0.0, case.link_gbit)
+    if case.hook == "allreduce":
+        least_ms = ring_share(gpus) * line.time(gradient_bytes)
+    else:
+        least_ms = byteps_bound_ms(nodes, nodes if case.servers_on == "dedicated" else 0,
+                                   gradient_bytes, line)
+    beyond_ms = case.batch * gpus / case.measured[gpus] * 1000.0 - case.t1_ms()
+    return least_ms / beyond_ms if beyond_ms > 0 else float("inf")
+
+
+def out_of_reach(row: dict) -> bool:
+    """Whether the measurement allows less of the line than the case's link kind achieves in
+    predict: with nothing overlapped, the bytes at predict's rate leave measured time that no
+    overlap or timeline term gives, only latency per message or a lower achieved rate."""
+    allowed = row["line_share_allowed"]
+    return allowed is not None and allowed < LINK_KINDS[row["link_kind"]].efficiency
 
 
 def winners(rows: list[dict]) -> list[dict]:
@@ -250,6 +286,13 @@ def winners(rows: list[dict]) -> list[dict]:
     return out
 
 
+def allowed(row: dict) -> str:
+    share = row["line_share_allowed"]
+    if share is None:
+        return "- (one node)"
+    return ("any" if share == float("inf") else f"{share:.2f}") + (" *" if out_of_reach(row) else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -270,14 +313,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"defaults: {DEFAULTS}")
     print(tabulate([[row["case"], row["gpus"], row["nodes"], f"{row['measured']:.1f}", f"{row['predicted']:.1f}",
                      f"{row['error_pct']:+.1f} %", f"{row['efficiency']:.1%}", f"{row['communication_share']:.0%}",
-                     f"{row['given']}, {row['given_ms']:.0f} ms"]
+                     f"{row['given']}, {row['given_ms']:.0f} ms", allowed(row)]
                     for row in rows],
                    headers=["case", "GPUs", "nodes", "measured img/s", "predicted img/s", "error", "measured efficiency",
-                            "predicted comm. share", "compute given"], tablefmt="github"))
+                            "predicted comm. share", "compute given", "line share allowed"], tablefmt="github"))
     errors = [abs(row["error_pct"]) for row in rows]
     tables = len({case.table_name for case in cases})
     print(f"\n{len(rows)} points from {tables} tables: median |error| {statistics.median(errors):.1f} %, "
           f"largest {max(errors):.1f} %")
+    beyond = [row for row in rows if out_of_reach(row)]
+    print("line share allowed: the most of the line rate the gradients' bytes can have crossed a node's link at for "
+          "the measured throughput, had nothing overlapped backward; (*) less than the link kind's share in predict: "
+          "those bytes at predict's rate leave part of the measured time that only per-message latency or a lower "
+          "achieved rate can fill, whatever the overlap: "
+          + (", ".join(f"{row['case']} at {row['gpus']} GPUs ({row['error_pct']:+.1f} %)" for row in beyond)
+             or "none"))
     compared = winners(rows)
     if compared:
         print("\nwhere two systems ran on one cluster, the measured and the predicted winner:")
@@ -287,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
                        headers=["cluster", "GPUs", "measured winner", "by", "predicted winner", "same"],
                        tablefmt="github"))
     if args.out:
-        Path(args.out).write_text(json.dumps({"defaults": DEFAULTS, "points": rows, "winners": compared},
+        # JSON has no infinity: a point measured no slower than its compute allows any share, "any"
+        points = [{**row, "line_share_allowed": "any"} if row["line_share_allowed"] == float("inf") else row
+                  for row in rows]
+        Path(args.out).write_text(json.dumps({"defaults": DEFAULTS, "points": points, "winners": compared},
                                              indent=2) + "\n")
     return 0
 
