@@ -198,7 +198,7 @@ class Master:
             served = [s.rpc_sync().take_metrics() for s in servers]
             for server in servers:
                 server.rpc_sync().reset_state()
-            stopped = converging and record.add_progress(rounds)
+            stopped = converging and record.progress.add(rounds)
             # the round training stopped in is kept even within warmup, so that every run has one
             timed = (round_index >= cfg.warmup_rounds or stopped) and rounds[0]["iterations"] > 0
             # DDP rebuilds its buckets in the first iteration

@@ -72,8 +72,9 @@ class RunRecord:
 
     The master calls ``add_round`` after each timed round (with what every trainer's
     ``run_round`` and every server's ``take_metrics`` returned), ``add_floors`` after it with
-    ``--limits``, and sets ``buckets`` and ``replicas`` once they are known; ``results`` builds
-    the results object at any point, ``rows`` the printed tables."""
+    ``--limits``, ``progress.add`` after every round with ``--target-loss``, and sets
+    ``buckets`` and ``replicas`` once they are known; ``results`` builds the results object at
+    any point, ``rows`` the printed tables."""
 
     def __init__(self, job: Job, topology: Topology, argv: list[str], environment: dict,
                  recovered: list[dict] | None = None) -> None:
@@ -165,11 +166,6 @@ class RunRecord:
         loss = mean_loss(rounds)
         self.losses.append(loss)
         return loss
-
-    def add_progress(self, rounds: list[dict]) -> bool:
-        """``--target-loss``: every round's (warmup too) losses and clock, ``Progress``'s; returns
-        whether training has stopped."""
-        return self.progress.add(rounds)
 
     def staleness_summary(self) -> dict:
         """--staleness: the bound, the observed staleness of every applied update (p50, p99, max)

@@ -204,9 +204,9 @@ def test_time_to_target_counts_every_iteration_on_the_slowest_trainer():
     record = make_record(target_loss=1.5, max_iterations=30)
     losses = [2.0] * 10 + [1.0] * 10  # the mean of the last 10 meets 1.5 first after 15 iterations
     curve = list(enumerate(losses))
-    assert not record.add_progress([progress(curve[:11], [1.0] * 10, held_out=[(0, 2.5)]),
+    assert not record.progress.add([progress(curve[:11], [1.0] * 10, held_out=[(0, 2.5)]),
                                     progress(curve[:11], [2.0] * 10)])  # a warmup round counts too
-    assert record.add_progress([progress(curve[11:16], [1.0] * 5, held_out=[(15, 1.2)], stopped=True, reached_at=15),
+    assert record.progress.add([progress(curve[11:16], [1.0] * 5, held_out=[(15, 1.2)], stopped=True, reached_at=15),
                                 progress(curve[11:16], [3.0] * 5, stopped=True, reached_at=15)])
     convergence = record.results("ok")["convergence"]
     assert convergence["reached"] and convergence["stopped_by"] == "target" and convergence["iterations"] == 15
@@ -219,7 +219,7 @@ def test_time_to_target_counts_every_iteration_on_the_slowest_trainer():
 
 def test_a_diverged_run_is_not_reached_and_stays_plain_json():
     record = make_record(target_loss=0.5)
-    record.add_progress([progress([(0, 2.0), (1, float("nan"))], [1.0], stopped=True, diverged=True)] * 2)
+    record.progress.add([progress([(0, 2.0), (1, float("nan"))], [1.0], stopped=True, diverged=True)] * 2)
     convergence = record.results("ok")["convergence"]
     assert not convergence["reached"] and convergence["stopped_by"] == "diverged"
     assert convergence["loss_curve"][1][2] is None and convergence["max_iterations"] == 1000
