@@ -4,10 +4,14 @@ callback: a strategy's hook, a parameter server's answer."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+import functools
+import inspect
+from typing import Callable, TypeVar
 
 import torch
 from torch.futures import Future
+
+F = TypeVar("F", bound=Callable)
 
 
 def device_future(device: torch.device) -> Future:
@@ -37,3 +41,32 @@ def settle(target: Future, source: Future) -> None:
         target.set_result(source.value())
     except Exception as error:  # noqa: BLE001 - source's own failure, passed on
         target.set_exception(error)
+
+
+def default_stream(device: torch.device) -> contextlib.AbstractContextManager:
+    """Work issued under it runs on ``device``'s default stream (nothing on the CPU).
+
+    TensorPipe runs each call that carries CUDA tensors on a stream of torch's pool, another at
+    each call. A trainer that built DDP under one (DDP holds autograd's gradient accumulators
+    from then on) and runs a round under another has its backward feed accumulators of another
+    stream: torch synchronises the two and warns. A trainer issues its work on the default
+    stream, as a training loop outside RPC does."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.default_stream(device))
+
+
+def on_default_stream(method: F) -> F:
+    """``method`` runs under ``default_stream`` of its object's ``device``; a constructor, which
+    sets that, under its ``device`` argument's."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        device = getattr(self, "device", None)
+        if device is None:
+            device = signature.bind(self, *args, **kwargs).arguments["device"]
+        with default_stream(torch.device(device)):
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]

@@ -13,6 +13,7 @@ from ps_bench.metrics import limits
 from ps_bench.metrics.messages import wire_dtype
 from ps_bench.models.base import build_model
 from ps_bench.runtime.failures import fatal_on_error
+from ps_bench.runtime.futures import on_default_stream
 from ps_bench.runtime.topology import PIECES, piece_owners, piece_ranges, slice_size
 from ps_bench.strategies import RPC
 
@@ -22,6 +23,7 @@ class FloorProbes:
     context, synchroniser and strategy record."""
 
     @fatal_on_error
+    @on_default_stream
     def measure_floors(self, messages: dict[int, list], own: dict[int, list] | None,
                        targets: list[list[rpc.RRef]], repeat: int,
                        piece: int | None = None) -> dict[str, list[float]]:

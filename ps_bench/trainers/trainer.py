@@ -14,6 +14,7 @@ from torch import nn
 from ps_bench.config import RunConfig
 from ps_bench.runtime.failures import fatal_on_error
 from ps_bench.runtime.faults import Fault, Straggling, maybe_inject
+from ps_bench.runtime.futures import on_default_stream
 from ps_bench.metrics import wire
 from ps_bench.metrics.memory import NO_COUNT, SavedActivations, held_bytes, trainer_memory
 from ps_bench.metrics.messages import DTYPES, PRECISIONS
@@ -53,6 +54,7 @@ class DdpTrainer(FloorProbes, Resident):
     with the parameters synchronised after some of them (``after_step``)."""
 
     @fatal_on_error
+    @on_default_stream
     def __init__(
         self,
         trainer_index: int,
@@ -144,6 +146,7 @@ class DdpTrainer(FloorProbes, Resident):
         return self.iterations_per_epoch * self.epochs
 
     @fatal_on_error
+    @on_default_stream
     def run_round(self, verify: bool = False, profile_path: str | None = None) -> dict:
         """Runs ``epochs`` passes over the shard; returns per-iteration samples (ms, bytes).
 
@@ -300,6 +303,7 @@ class DdpTrainer(FloorProbes, Resident):
         self.held = held_bytes(self.synchroniser.held_tensors(self.model, self.optimizer))
         self.activations, self.buffers = activations, self.synchroniser.kept_bytes()
 
+    @on_default_stream
     def gradient_errors(self) -> list[float]:
         """Relative error ``|delivered - exact| / |exact|`` per captured bucket, where ``exact``
         is the float64 mean of every trainer's local gradient (an all-reduce among trainers,
@@ -331,6 +335,7 @@ class DdpTrainer(FloorProbes, Resident):
         return [{"index": i, "bytes": nbytes, "sparse": sparse, "shapes": shapes}
                 for i, (nbytes, sparse, shapes) in sorted(self.hook_context.buckets.items())]
 
+    @on_default_stream
     def parameters_vector(self) -> torch.Tensor:
         """All parameters, flattened on the CPU, for the replica check (as the strategy's record
         says: at the end of the run, at the last synchronisation, or gathered from the shards)."""
@@ -341,6 +346,7 @@ class DdpTrainer(FloorProbes, Resident):
         return fingerprint(self.parameters_vector())
 
     @fatal_on_error
+    @on_default_stream
     def close(self) -> None:
         """Training is over (every trainer is asked at once): the strategy stops what it started."""
         self.synchroniser.close()

@@ -23,6 +23,7 @@ QUICK = ("--warmup-rounds", "1", "--rounds", "2")
 # Two trainers that all-reduce on the GPU: NCCL where there are two GPUs, else gloo on CUDA tensors.
 TWO_CUDA_TRAINERS = (("--backend", "nccl", "--ntrainer", "2") if GPUS >= 2 else
                      ("--backend", "gloo", "--ntrainer", "0", "--ncudatrainer", "2"))
+STREAM_MISMATCH = "The AccumulateGrad node's stream does not match"
 CUDA_RPC = ("--backend", "gloo", "--ntrainer", "0", "--ncudatrainer", "2", "--nserver", "0", "--ncudaserver", "1")
 
 
@@ -40,6 +41,8 @@ def job(bench_runs, *args: str) -> dict:
     results = bench_runs.ok(*args, timeout_s=300)
     check_contract(results)
     assert results["env"]["cuda_devices"], "the run did not see the GPU"
+    # every call to a trainer issues its work on one stream: backward feeds DDP's accumulators there
+    assert STREAM_MISMATCH not in bench_runs.get(*args, timeout_s=300).output
     return results
 
 
