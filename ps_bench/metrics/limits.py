@@ -6,7 +6,9 @@ moves floors and strategy alike), fewer of them where each is slow (``affordable
 
 - the raw RPC floor: every trainer sends each of its buckets to the bucket's server at once;
   the server adds it into a preallocated buffer and answers with that buffer (the round trip
-  a parameter server costs with nothing of ours around it);
+  a parameter server costs with nothing of ours around it); where the run's tensors cross RPC
+  on the GPU (every trainer and server over device maps), CUDA tensors both ways, each
+  repetition's clock stopped once the device is done;
 - the raw collective floor: the same bucket tensors all-reduced among the trainers;
 - the strategy's own floor, for a strategy that sends something else than its float32 buckets:
   the raw transfer of exactly what it puts on the wire (``floor_messages``: half-size buffers of
@@ -142,8 +144,9 @@ class RpcFloorTarget(Resident):
     index -> its ``(elements, dtype)`` messages, each sent on its own: a piece, or the bucket
     whole), nothing else."""
 
-    def __init__(self, messages: dict[int, list[tuple[int, str]]]) -> None:
-        self.buffers = {(index, place): torch.zeros(count, dtype=DTYPES[dtype])
+    def __init__(self, messages: dict[int, list[tuple[int, str]]], device: str = "cpu") -> None:
+        """``device``: where the run's tensors arrive (a CUDA server's GPU over device maps)."""
+        self.buffers = {(index, place): torch.zeros(count, dtype=DTYPES[dtype], device=device)
                         for index, parts in messages.items()
                         for place, (count, dtype) in enumerate(parts)}
 
@@ -187,17 +190,21 @@ def _timed(repeat: int, once, sync, agree=slowest(None)) -> list[float]:
 
 def rpc_floor_ms(messages: dict[int, list[tuple[int, str]]],
                  owners: dict[tuple[int, int], rpc.RRef], group: dist.ProcessGroup,
-                 device: torch.device, repeat: int = FLOOR_ITERATIONS) -> list[float]:
+                 device: torch.device, repeat: int = FLOOR_ITERATIONS,
+                 on_device: bool = False) -> list[float]:
     """Round trips of every message (``(bucket index, place)``: a piece, or a bucket whole) to its
-    owner's floor target, all sent at once, per iteration."""
-    tensors = {(index, place): torch.ones(count, dtype=DTYPES[dtype])
-               for index, parts in messages.items() for place, (count, dtype) in enumerate(parts)}
+    owner's floor target, all sent at once, per iteration; ``on_device``: CUDA tensors of
+    ``device``, over the run's device maps."""
+    place = device if on_device else torch.device("cpu")
+    tensors = {(index, part): torch.ones(count, dtype=DTYPES[dtype], device=place)
+               for index, parts in messages.items() for part, (count, dtype) in enumerate(parts)}
 
     def once() -> None:
         futures = [rpc.rpc_async(owners[i].owner(), RpcFloorTarget.add_and_answer,
                                  args=(owners[i], i, t))
                    for i, t in tensors.items()]
         torch.futures.wait_all(futures)
+        finished(place)
 
     return _timed(repeat, once, lambda: dist.barrier(group=group), slowest(group, device))
 
@@ -208,11 +215,25 @@ def echo(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def echo_ms(nbytes: int, target: rpc.RRef, group: dist.ProcessGroup, device: torch.device,
-            repeat: int = FLOOR_ITERATIONS) -> list[float]:
-    """Round trips of one ``nbytes`` message to ``target``'s process and back, per iteration."""
-    tensor = torch.ones(nbytes // 4)
-    return _timed(repeat, lambda: rpc.rpc_sync(target.owner(), echo, args=(tensor,)),
-                  lambda: dist.barrier(group=group), slowest(group, device))
+            repeat: int = FLOOR_ITERATIONS, on_device: bool = False) -> list[float]:
+    """Round trips of one ``nbytes`` message to ``target``'s process and back, per iteration
+    (``on_device``: as ``rpc_floor_ms``'s)."""
+    place = device if on_device else torch.device("cpu")
+    tensor = torch.ones(nbytes // 4, device=place)
+
+    def once() -> None:
+        rpc.rpc_sync(target.owner(), echo, args=(tensor,))
+        finished(place)
+
+    return _timed(repeat, once, lambda: dist.barrier(group=group), slowest(group, device))
+
+
+def finished(device: torch.device) -> None:
+    """Returns once ``device`` has done what was issued to it, on every stream (an answer over
+    device maps arrives on a stream of TensorPipe's; its future's ``wait`` does not wait for
+    the device)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def collective_floor_ms(messages: dict[int, list[tuple[int, str]]], device: torch.device,

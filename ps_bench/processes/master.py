@@ -271,13 +271,17 @@ class Master:
                                           slices=self.job.strategy.rpc_slices(cfg.per_host),
                                           on_device=on_device)
             record.own_messages = own if own != record.floor_messages else None
-            self.floor_targets = [[rpc.remote(info.name, limits.RpcFloorTarget, args=(sent,))
+            self.floor_targets = [[rpc.remote(info.name, limits.RpcFloorTarget, args=(
+                                       sent, device_name(self.device_of(info.rank))
+                                       if on_device else "cpu"))
                                    for info in self.topology.servers]
                                   for sent in (record.floor_messages, record.own_messages)
                                   if sent and self.topology.servers]
         repeat = limits.repeats_per_round(cfg.rounds)
         piece = messages.piece_elements(options, on_device)
         futures = [t.rpc_async(timeout=0).measure_floors(record.floor_messages, record.own_messages,
-                                                         self.floor_targets, repeat, piece)
+                                                         self.floor_targets, repeat, piece,
+                                                         on_device)
                    for t in trainers]
+        record.floors_on_device = on_device
         record.add_floors([f.wait() for f in futures])

@@ -45,8 +45,9 @@ def limits(record: Any) -> dict | None:
     return {
         "bytes_per_iter": per_iteration,
         "buckets": len(record.floor_messages),
-        "rpc": (measure.floor_summary(samples["rpc_ms"], per_iteration) if samples["rpc_ms"]
-                else None),
+        "rpc": ({**measure.floor_summary(samples["rpc_ms"], per_iteration),
+                 "tensors": "cuda" if record.floors_on_device else "cpu"}
+                if samples["rpc_ms"] else None),
         "collective": {**measure.floor_summary(samples["collective_ms"], per_iteration,
                                                world=trainers),
                        "backend": record.config.backend},

@@ -121,8 +121,9 @@ def render_limits(limits: dict, efficiency: dict | None) -> str:
     rows = []
     if limits.get("rpc"):
         floor = limits["rpc"]
-        rows.append(["raw RPC round trip", floor["p50_ms"], floor["p90_ms"], floor["algbw_gbps"],
-                     None])
+        on = " (CUDA tensors)" if floor.get("tensors") == "cuda" else ""
+        rows.append([f"raw RPC round trip{on}", floor["p50_ms"], floor["p90_ms"],
+                     floor["algbw_gbps"], None])
     collective = limits["collective"]
     rows.append([f"raw all-reduce ({collective['backend']})", collective["p50_ms"],
                  collective["p90_ms"], collective["algbw_gbps"], collective["busbw_gbps"]])

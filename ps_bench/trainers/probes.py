@@ -26,7 +26,8 @@ class FloorProbes:
     @on_default_stream
     def measure_floors(self, messages: dict[int, list], own: dict[int, list] | None,
                        targets: list[list[rpc.RRef]], repeat: int,
-                       piece: int | None = None) -> dict[str, list[float]]:
+                       piece: int | None = None, on_device: bool = False
+                       ) -> dict[str, list[float]]:
         """``--limits``: ``repeat`` repetitions of the raw RPC floor (to ``targets[0]``, one per
         server, when there are servers) and of the raw collective floor, moving ``messages`` (the
         float32 buckets); of the strategy's ``own`` floor, its own messages over its own transport
@@ -34,7 +35,8 @@ class FloorProbes:
         synchroniser's ``floor_steps``: each collective it issues, on its groups, as ``step_*``);
         of the link probe and of the compute-only iteration. ``piece``: the elements of a piece
         the strategy cuts what it pushes into (``metrics.messages.piece_elements``; None:
-        buckets whole). Nothing here counts as wire bytes.
+        buckets whole). ``on_device``: the run's tensors cross RPC on the GPU, and so do the
+        floors' (``targets`` hold their buffers there). Nothing here counts as wire bytes.
         Every trainer must call it at once (each repetition starts with a barrier)."""
         ctx = self.hook_context
         out: dict[str, list[float]] = {}
@@ -47,13 +49,14 @@ class FloorProbes:
             if targets:
                 out["rpc_ms"] = limits.rpc_floor_ms(messages,
                                                     self.floor_owners(messages, targets[0]),
-                                                    ctx.process_group, self.device, repeat)
+                                                    ctx.process_group, self.device, repeat,
+                                                    on_device)
             out["collective_ms"] = limits.collective_floor_ms(messages, self.device,
                                                               ctx.process_group, repeat)
             if own is not None and self.strategy.transport == RPC:
                 out["own_ms"] = limits.rpc_floor_ms(own, self.floor_owners(
                     messages, targets[-1], self.strategy.rpc_slices(ctx.per_host), piece),
-                    ctx.process_group, self.device, repeat)
+                    ctx.process_group, self.device, repeat, on_device)
             elif own is not None:
                 out["own_ms"] = limits.collective_floor_ms(own, self.device, ctx.process_group,
                                                            repeat)
@@ -63,7 +66,7 @@ class FloorProbes:
                         {0: [(nbytes // 4, "float32")]}, self.device, ctx.process_group, repeat)
                 elif targets:
                     out[f"link_{nbytes}"] = limits.echo_ms(nbytes, targets[0][0], ctx.process_group,
-                                                           self.device, repeat)
+                                                           self.device, repeat, on_device)
             steps = self.synchroniser.floor_steps(
                 ctx, self.strategy.sends, self.elements,
                 [nbytes // 4 for nbytes, _, _ in ctx.buckets.values()])

@@ -161,6 +161,7 @@ def test_limits_memory_profile_and_per_rank_tables_in_one_run(tmp_path):
     for floor in (limits["rpc"], limits["collective"]):  # sampled after each of the 2 timed rounds, 2 trainers
         assert floor["count"] == 2 * 2 * floor_repeats_per_round(2) and floor["p50_ms"] > 0 and floor["algbw_gbps"] > 0
     assert limits["collective"]["busbw_gbps"] == limits["collective"]["algbw_gbps"]  # 2 trainers: 2(n-1)/n = 1
+    assert limits["rpc"]["tensors"] == "cpu"  # the run's tensors cross RPC on the CPU
     assert limits["memcpy"]["gbps"] > 0 and limits["compute"]["p50_ms"] > 0
     efficiency = results["efficiency"]
     assert efficiency["floor"] == "rpc" and efficiency["floor_ms"] == limits["rpc"]["p50_ms"]
