@@ -213,8 +213,9 @@ class RunConfig:
         "trainer|server|master, INDEX among that role from 0, ITER from 1 (a training iteration; "
         "the master's round), KIND exit|raise|hang; a trailing :first fails only torchrun's first "
         "attempt, so --max-restarts can recover (default: none)")
-    limits: bool = option(False, "after the timed rounds, measure the floors with this run's bytes "
-                                 "and processes: raw RPC round trips to the servers, raw "
+    limits: bool = option(False, "after each timed round, measure a share of the floors with this "
+                                 "run's bytes and processes: raw RPC round trips to the servers "
+                                 "(CUDA tensors where the run's cross RPC on the GPU), raw "
                                  "all-reduce among the trainers, memory-copy bandwidth, a "
                                  "compute-only iteration; adds 'limits' and 'efficiency' (floor "
                                  "p50 / trainer comm p50) to the results")
