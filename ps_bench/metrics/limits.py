@@ -15,8 +15,10 @@ moves floors and strategy alike), fewer of them where each is slow (``affordable
   its dtype for 16-bit strategies; PowerSGD's uncompressed tensors, P and Q factors, per bucket,
   in its order), over its transport;
 - the memory-copy bandwidth of one process (the ceiling of one machine);
-- the compute-only iteration: forward, backward and optimizer step of a copy of the model with
-  no DDP and no hook, every trainer at once (what an iteration costs with no communication).
+- the compute-only iteration: the run's forwards, backwards (each micro-batch of
+  ``--grad-accum``, under ``--precision``'s autocast and scaler) and optimizer step on a copy of
+  the model with no DDP and no hook, every trainer at once (what an iteration costs with no
+  communication).
 - the link: one message at each of ``LINK_SIZES``, all-reduced among the trainers (a round trip
   to a server when there is one trainer), from which ``fit_link`` takes the link's latency α and
   bandwidth B (the calibration of ``bench.py predict``).
@@ -33,7 +35,9 @@ p50, is what communication adds to an iteration, and ``exposed_value`` is the fl
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -305,24 +309,42 @@ def steps_floor_ms(steps: list[tuple[str, dist.ProcessGroup, int]], device: torc
 
 
 def compute_floor_ms(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
-                     targets: torch.Tensor, batch_size: int, group: dist.ProcessGroup, lr: float,
-                     repeat: int = FLOOR_ITERATIONS) -> list[float]:
-    """Forward, loss, backward and SGD step of ``model`` (a copy, outside DDP) per iteration."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+                     targets: torch.Tensor, batch_size: int, group: dist.ProcessGroup | None,
+                     optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
+                     repeat: int = FLOOR_ITERATIONS, micro_batches: int = 1,
+                     autocast: Callable[[], contextlib.AbstractContextManager] =
+                     contextlib.nullcontext,
+                     scaler: torch.amp.GradScaler | None = None) -> list[float]:
+    """The run's compute with nothing synchronised, per iteration: ``micro_batches`` forwards
+    (under ``autocast``), losses and backwards of ``batch_size`` samples each (the loss a share
+    of the step's, scaled by ``scaler`` where fp16 has one), then the step of ``optimizer`` (what
+    builds the run's), on ``model`` (a copy, outside DDP). ``group``: the trainers, who start
+    each repetition together (None: this process alone)."""
+    stepper = optimizer(model.parameters())
     loss_fn = torch.nn.CrossEntropyLoss()
-    x, y = tuple(t[:batch_size] for t in inputs), targets[:batch_size]
+    step_size = batch_size * micro_batches
+    x, y = tuple(t[:step_size] for t in inputs), targets[:step_size]
+    micro = [(tuple(t[start:start + batch_size] for t in x), y[start:start + batch_size])
+             for start in range(0, step_size, batch_size)]
 
     def sync() -> None:
-        dist.barrier(group=group)
-        if y.is_cuda:
-            torch.cuda.synchronize(y.device)
+        if group is not None:
+            dist.barrier(group=group)
+        finished(y.device)
 
     def once() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(*x), y).backward()
-        optimizer.step()
-        if y.is_cuda:
-            torch.cuda.synchronize(y.device)
+        stepper.zero_grad(set_to_none=True)
+        for features, labels in micro:
+            with autocast():
+                loss = loss_fn(model(*features), labels)
+            share = loss / micro_batches if micro_batches > 1 else loss
+            (scaler.scale(share) if scaler is not None else share).backward()
+        if scaler is not None:
+            scaler.step(stepper)
+            scaler.update()
+        else:
+            stepper.step()
+        finished(y.device)
 
     return _timed(repeat, once, sync, slowest(group, y.device))
 

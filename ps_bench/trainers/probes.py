@@ -20,7 +20,7 @@ from ps_bench.strategies import RPC
 
 class FloorProbes:
     """The trainer's ``--limits`` measurements; it has the trainer's model entry, inputs, hook
-    context, synchroniser and strategy record."""
+    context, synchroniser and strategy record, optimizer spec, micro-batches and precision."""
 
     @fatal_on_error
     @on_default_stream
@@ -74,9 +74,10 @@ class FloorProbes:
                 out.update({f"step_{kind}_ms": values for kind, values in limits.steps_floor_ms(
                     steps, self.device, ctx.process_group, repeat,
                     wire_dtype(self.strategy.payload)).items()})
-            out["compute_ms"] = limits.compute_floor_ms(self._compute_copy, self.inputs,
-                                                        self.targets, self.batch_size,
-                                                        ctx.process_group, self.lr, repeat)
+            out["compute_ms"] = limits.compute_floor_ms(
+                self._compute_copy, self.inputs, self.targets, self.batch_size,
+                ctx.process_group, self.optimizer_spec.build, repeat, self.accum, self.autocast,
+                None if self.scaler is None else torch.amp.GradScaler(self.device.type))
         finally:
             ctx.wire.paused = False
         return out

@@ -121,10 +121,11 @@ class DdpTrainer(FloorProbes, Resident):
         # the whole model's, before wrap shards it (DeepSpeed's stage 3 leaves each parameter a
         # placeholder)
         self.elements = sum(p.numel() for p in network.parameters())
+        # the run's optimizer; --limits steps the compute-only copy with one of its own
+        self.optimizer_spec = optimizer_spec(config.optimizer, config.lr, config.momentum,
+                                             config.weight_decay)
         self.model, self.optimizer = self.synchroniser.wrap(
-            network, self.hook_context, ddp_options,
-            optimizer_spec(config.optimizer, config.lr, config.momentum, config.weight_decay))
-        self.lr = config.lr
+            network, self.hook_context, ddp_options, self.optimizer_spec)
         cast = self.synchroniser.input_dtype  # an engine's model in bf16: float inputs in bf16 too
         self.inputs = tuple(t.to(self.device,
                                  dtype=cast if cast and t.is_floating_point() else t.dtype)

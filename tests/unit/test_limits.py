@@ -157,3 +157,39 @@ def test_timed_runs_what_the_agreed_first_repetition_affords():
     calls = []
     samples = limits._timed(20, lambda: calls.append("once"), lambda: calls.append("sync"), lambda ms: 500.0)
     assert len(samples) == 4 and calls.count("once") == 5 and calls.count("sync") == 5  # 1 untimed, 4 timed
+
+
+class Counting(torch.nn.Module):
+    """A linear classifier that notes each forward's batch and whether autocast was on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.seen: list[tuple[int, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((len(x), torch.is_autocast_enabled("cpu")))
+        return self.linear(x)
+
+
+def test_the_compute_only_iteration_is_the_runs_micro_batches_precision_and_optimizer():
+    """--grad-accum 3, bf16 autocast, AdamW: each repetition is three forwards of a micro-batch
+    under autocast, then one step of the run's optimizer (an iteration of the run, unsynchronised)."""
+    model, built = Counting(), []
+
+    def adamw(parameters):
+        built.append(torch.optim.AdamW(parameters, lr=0.1))
+        return built[-1]
+
+    before = model.linear.weight.detach().clone()
+    samples = limits.compute_floor_ms(model, (torch.randn(12, 4),), torch.randint(0, 3, (12,)), 2, None,
+                                      adamw, repeat=2, micro_batches=3,
+                                      autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    repetitions = len(samples) + limits.FLOOR_WARMUP  # the untimed first one and the warm-up
+    assert model.seen == [(2, True)] * 3 * repetitions
+    assert len(built) == 1 and built[0].state[model.linear.weight]["step"] == repetitions
+    assert not torch.equal(model.linear.weight, before)
+    plain = Counting()
+    limits.compute_floor_ms(plain, (torch.randn(12, 4),), torch.randint(0, 3, (12,)), 4, None,
+                            lambda parameters: torch.optim.SGD(parameters, lr=0.1), repeat=2)
+    assert set(plain.seen) == {(4, False)}  # no --grad-accum, fp32: one batch, no autocast
