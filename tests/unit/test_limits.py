@@ -193,3 +193,7 @@ def test_the_compute_only_iteration_is_the_runs_micro_batches_precision_and_opti
     limits.compute_floor_ms(plain, (torch.randn(12, 4),), torch.randint(0, 3, (12,)), 4, None,
                             lambda parameters: torch.optim.SGD(parameters, lr=0.1), repeat=2)
     assert set(plain.seen) == {(4, False)}  # no --grad-accum, fp32: one batch, no autocast
+    scaled, scaler = Counting(), torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    limits.compute_floor_ms(scaled, (torch.randn(12, 4),), torch.randint(0, 3, (12,)), 4, None,
+                            lambda parameters: torch.optim.SGD(parameters, lr=0.1), repeat=2, scaler=scaler)
+    assert scaler._get_growth_tracker() == len(scaled.seen)  # fp16's scaler stepped every repetition
