@@ -150,11 +150,13 @@ def test_compression_on_the_gpu(hook, bench_runs):
 ], ids=["fp16-nccl", "bf16-cuda-rpc"])
 def test_autocast_and_micro_batches_on_the_gpu(args, bench_runs):
     """--precision under torch.autocast on the device (fp16 with its gradient scaler), with the
-    gradients of 2 micro-batches accumulated before they are synchronised."""
-    results = job(bench_runs, *args, "--grad-accum", "2", "--batch-size", "8", "--verify", *QUICK)
+    gradients of 2 micro-batches accumulated before they are synchronised; --limits's compute-only
+    iteration does the same (micro-batches, autocast, scaler) with nothing synchronised."""
+    results = job(bench_runs, *args, "--grad-accum", "2", "--batch-size", "8", "--verify", "--limits", *QUICK)
     assert results["replicas"]["identical"] is True, results["replicas"]
     assert results["config"]["grad_accum"] == 2 and results["throughput"]["samples_per_iteration"] == 16
     assert math.isfinite(results["loss"]["last"])  # the scaler kept fp16 from overflowing
+    assert results["limits"]["compute"]["p50_ms"] > 0
 
 
 def test_half_precision_to_a_cuda_server(bench_runs):
