@@ -175,6 +175,14 @@ def slowest(group: dist.ProcessGroup | None, device: torch.device | str = "cpu")
     return agree
 
 
+def finished(device: torch.device) -> None:
+    """Returns once ``device`` has done what was issued to it, on every stream (an answer over
+    device maps arrives on a stream of TensorPipe's; its future's ``wait`` does not wait for
+    the device)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _timed(repeat: int, once, sync, agree=slowest(None)) -> list[float]:
     """ms of each timed repetition of ``once``, each after ``sync``: ``affordable``'s share of
     ``repeat``, after a first untimed one (agreed among the trainers by ``agree``)."""
@@ -232,14 +240,6 @@ def echo_ms(nbytes: int, target: rpc.RRef, group: dist.ProcessGroup, device: tor
     return _timed(repeat, once, lambda: dist.barrier(group=group), slowest(group, device))
 
 
-def finished(device: torch.device) -> None:
-    """Returns once ``device`` has done what was issued to it, on every stream (an answer over
-    device maps arrives on a stream of TensorPipe's; its future's ``wait`` does not wait for
-    the device)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def collective_floor_ms(messages: dict[int, list[tuple[int, str]]], device: torch.device,
                         group: dist.ProcessGroup, repeat: int = FLOOR_ITERATIONS) -> list[float]:
     """All-reduces of every bucket's messages among the trainers, all launched at once (in bucket
@@ -249,15 +249,13 @@ def collective_floor_ms(messages: dict[int, list[tuple[int, str]]], device: torc
 
     def sync() -> None:
         dist.barrier(group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        finished(device)
 
     def once() -> None:
         works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
         for work in works:
             work.wait()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        finished(device)
 
     return _timed(repeat, once, sync, slowest(group, device))
 
@@ -296,8 +294,7 @@ def steps_floor_ms(steps: list[tuple[str, dist.ProcessGroup, int]], device: torc
         for kind, on, buffer in buffers:
             start = now_ms()
             run_collective(kind, buffer, on)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            finished(device)
             spent[-1][kind] = spent[-1].get(kind, 0.0) + now_ms() - start
 
     totals = _timed(repeat, once, lambda: dist.barrier(group=group), slowest(group, device))
