@@ -49,6 +49,8 @@ from ps_bench.metrics.messages import DTYPES
 from ps_bench.metrics.timers import now_ms
 from ps_bench.runtime.resident import Resident
 
+CPU = torch.device("cpu")  # where the RPC floors' tensors are unless the run's cross on the GPU
+
 FLOOR_WARMUP = 3  # untimed repetitions before each floor: connections, allocations, caches
 FLOOR_ITERATIONS = 20  # per floor and trainer, spread over the timed rounds
 FLOOR_MIN_PER_ROUND = 4
@@ -203,11 +205,10 @@ def _timed(repeat: int, once, sync, agree=slowest(None)) -> list[float]:
 def rpc_floor_ms(messages: dict[int, list[tuple[int, str]]],
                  owners: dict[tuple[int, int], rpc.RRef], group: dist.ProcessGroup,
                  device: torch.device, repeat: int = FLOOR_ITERATIONS,
-                 on_device: bool = False) -> list[float]:
+                 place: torch.device = CPU) -> list[float]:
     """Round trips of every message (``(bucket index, place)``: a piece, or a bucket whole) to its
-    owner's floor target, all sent at once, per iteration; ``on_device``: CUDA tensors of
-    ``device``, over the run's device maps."""
-    place = device if on_device else torch.device("cpu")
+    owner's floor target, all sent at once, per iteration; the tensors on ``place`` (``device``
+    where the run's cross RPC on the GPU, through its device maps)."""
     tensors = {(index, part): torch.ones(count, dtype=DTYPES[dtype], device=place)
                for index, parts in messages.items() for part, (count, dtype) in enumerate(parts)}
 
@@ -227,10 +228,9 @@ def echo(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def echo_ms(nbytes: int, target: rpc.RRef, group: dist.ProcessGroup, device: torch.device,
-            repeat: int = FLOOR_ITERATIONS, on_device: bool = False) -> list[float]:
+            repeat: int = FLOOR_ITERATIONS, place: torch.device = CPU) -> list[float]:
     """Round trips of one ``nbytes`` message to ``target``'s process and back, per iteration
-    (``on_device``: as ``rpc_floor_ms``'s)."""
-    place = device if on_device else torch.device("cpu")
+    (``place``: as ``rpc_floor_ms``'s)."""
     tensor = torch.ones(nbytes // 4, device=place)
 
     def once() -> None:

@@ -259,7 +259,7 @@ class Master:
         ``ps_bench.metrics.limits``). The buckets are trainer 0's of the first timed round's last
         iteration, the same for every trainer and every round."""
         record, cfg = self.record, self.config
-        on_device = all(info.cuda_rpc for info in self.topology.trainers + self.topology.servers)
+        on_device = self.topology.rpc_on_gpu
         options = hook_options(cfg.hook, cfg.hook_options)
         if record.floor_messages is None:
             # DDP's buckets; without them (FSDP2, an engine, torchft), the model's gradients as one
@@ -283,5 +283,4 @@ class Master:
                                                          self.floor_targets, repeat, piece,
                                                          on_device)
                    for t in trainers]
-        record.floors_on_device = on_device
         record.add_floors([f.wait() for f in futures])

@@ -46,7 +46,7 @@ def limits(record: Any) -> dict | None:
         "bytes_per_iter": per_iteration,
         "buckets": len(record.floor_messages),
         "rpc": ({**measure.floor_summary(samples["rpc_ms"], per_iteration),
-                 "tensors": "cuda" if record.floors_on_device else "cpu"}
+                 "tensors": "cuda" if record.topology.rpc_on_gpu else "cpu"}
                 if samples["rpc_ms"] else None),
         "collective": {**measure.floor_summary(samples["collective_ms"], per_iteration,
                                                world=trainers),

@@ -119,7 +119,6 @@ class RunRecord:
         self.floor_messages: dict[int, list[tuple[int, str]]] | None = None
         self.own_messages: dict[int, list[tuple[int, str]]] | None = None
         self.floor_samples: dict[str, list[float]] = defaultdict(list)
-        self.floors_on_device = False  # the RPC floors' tensors on the GPU, over device maps
         # --limits: the memory-copy floor, measured once the rounds are over
         self.memcpy: dict | None = None
         # --target-loss, from every round (warmup too)

@@ -147,6 +147,11 @@ class Topology:
     def master(self) -> RankInfo:
         return self.ranks[-1]
 
+    @property
+    def rpc_on_gpu(self) -> bool:
+        """Every trainer and server sends its tensors over RPC on the GPU (through device maps)."""
+        return all(info.cuda_rpc for info in self.trainers + self.servers)
+
     def info(self, rank: int) -> RankInfo:
         return self.ranks[rank]
 

@@ -40,6 +40,7 @@ class FloorProbes:
         Every trainer must call it at once (each repetition starts with a barrier)."""
         ctx = self.hook_context
         out: dict[str, list[float]] = {}
+        place = self.device if on_device else limits.CPU  # the RPC floors' tensors
         if self._compute_copy is None:  # the model whole, outside DDP, FSDP2 or an engine
             self._compute_copy = build_model(
                 self.entry.class_name, self.entry.kwargs, self.seed).to(
@@ -50,13 +51,13 @@ class FloorProbes:
                 out["rpc_ms"] = limits.rpc_floor_ms(messages,
                                                     self.floor_owners(messages, targets[0]),
                                                     ctx.process_group, self.device, repeat,
-                                                    on_device)
+                                                    place)
             out["collective_ms"] = limits.collective_floor_ms(messages, self.device,
                                                               ctx.process_group, repeat)
             if own is not None and self.strategy.transport == RPC:
                 out["own_ms"] = limits.rpc_floor_ms(own, self.floor_owners(
                     messages, targets[-1], self.strategy.rpc_slices(ctx.per_host), piece),
-                    ctx.process_group, self.device, repeat, on_device)
+                    ctx.process_group, self.device, repeat, place)
             elif own is not None:
                 out["own_ms"] = limits.collective_floor_ms(own, self.device, ctx.process_group,
                                                            repeat)
@@ -66,7 +67,7 @@ class FloorProbes:
                         {0: [(nbytes // 4, "float32")]}, self.device, ctx.process_group, repeat)
                 elif targets:
                     out[f"link_{nbytes}"] = limits.echo_ms(nbytes, targets[0][0], ctx.process_group,
-                                                           self.device, repeat, on_device)
+                                                           self.device, repeat, place)
             steps = self.synchroniser.floor_steps(
                 ctx, self.strategy.sends, self.elements,
                 [nbytes // 4 for nbytes, _, _ in ctx.buckets.values()])

@@ -98,3 +98,10 @@ def test_cpu_trainers_compute_on_gpu_only_with_cuda_collectives():
     assert gloo.device_index(0, 4, 2) is None
     assert nccl.device_index(1, 4, 2) == 1
     assert nccl.device_index(2, 4, 2) is None  # CPU server
+
+
+def test_rpc_is_on_the_gpu_only_where_every_trainer_and_server_sends_cuda_tensors():
+    assert Topology(0, 2, 0, 1).rpc_on_gpu  # --ncudatrainer 2 --ncudaserver 1
+    assert not Topology(1, 1, 0, 1).rpc_on_gpu  # one trainer on the CPU
+    assert not Topology(0, 2, 1, 1).rpc_on_gpu  # one server on the CPU
+    assert not Topology(2, 0, 1, 0, cuda_collectives=True).rpc_on_gpu  # NCCL trainers, RPC on the CPU
