@@ -204,6 +204,12 @@ class Synchroniser:
     def micro_step(self) -> None:
         """After each micro-batch but the step's last (an engine that counts them steps here)."""
 
+    def optimizer_for(self, ctx: HookContext, optimizer: OptimizerSpec) -> OptimizerSpec:
+        """The optimizer this strategy steps the model with, from the run's (an engine's config
+        may add arguments of its own); ``wrap`` builds it, and ``--limits`` steps its
+        compute-only copy with the same."""
+        return optimizer
+
     def wrap(self, network: nn.Module, ctx: HookContext, ddp_options: dict[str, Any],
              optimizer: OptimizerSpec | None) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """The model the loop trains and the optimizer that steps it."""

@@ -147,6 +147,11 @@ class DeepSpeedZero(Synchroniser):
                 "optimizer": master + [t.grad for t in master if t.grad is not None]
                 + state_tensors(zero.optimizer.state)}
 
+    def optimizer_for(self, ctx: HookContext, optimizer: OptimizerSpec) -> OptimizerSpec:
+        """The run's optimizer with the ds_config's own parameters of it (betas, eps, nesterov)."""
+        return OptimizerSpec(optimizer.kind,
+                             {**optimizer.options, **ctx.engine_config.get(OPTIMIZER_PARAMS, {})})
+
     def wrap(self, network: nn.Module, ctx: HookContext, ddp_options: dict[str, Any],
              optimizer: OptimizerSpec) -> tuple[nn.Module, EngineStep]:
         device = next(network.parameters()).device
@@ -164,8 +169,7 @@ class DeepSpeedZero(Synchroniser):
         deepspeed.utils.logger.setLevel(logging.ERROR)
         config = {**ctx.engine_config,
                   **({"comms_logger": {"prof_all": True}} if ctx.engine_bytes else {})}
-        optimizer = OptimizerSpec(optimizer.kind,
-                                  {**optimizer.options, **config.pop(OPTIMIZER_PARAMS, {})})
+        config.pop(OPTIMIZER_PARAMS, None)  # ps_bench's, in optimizer already (optimizer_for)
         precision = precision_of(config)
         # the engine casts the model
         self.input_dtype = getattr(torch, precision) if precision else None

@@ -122,8 +122,9 @@ class DdpTrainer(FloorProbes, Resident):
         # placeholder)
         self.elements = sum(p.numel() for p in network.parameters())
         # the run's optimizer; --limits steps the compute-only copy with one of its own
-        self.optimizer_spec = optimizer_spec(config.optimizer, config.lr, config.momentum,
-                                             config.weight_decay)
+        self.optimizer_spec = self.synchroniser.optimizer_for(
+            self.hook_context, optimizer_spec(config.optimizer, config.lr, config.momentum,
+                                              config.weight_decay))
         self.model, self.optimizer = self.synchroniser.wrap(
             network, self.hook_context, ddp_options, self.optimizer_spec)
         cast = self.synchroniser.input_dtype  # an engine's model in bf16: float inputs in bf16 too

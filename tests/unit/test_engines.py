@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ps_bench.cli import main
 from ps_bench.config import ConfigError, RunConfig, build_config
@@ -17,6 +18,7 @@ from ps_bench.job import validate
 from ps_bench.options import parse_run_options
 from ps_bench.strategies.deepspeed_config import OPTIMIZER_PARAMS, resolve_config
 from ps_bench.strategies import HOOKS
+from ps_bench.strategies.base import HookContext, Synchroniser, optimizer_spec
 from ps_bench.strategies.record import expected_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,6 +170,21 @@ def test_every_parameter_of_the_configs_optimizer_reaches_the_runs(tmp_path):
     sgd = written(tmp_path, {"optimizer": {"type": "SGD", "params": {"momentum": 0.9, "nesterov": True}}})
     assert job("--hook", "deepspeed_zero1", "--nserver", "0", "--ds-config", sgd).engine_config[OPTIMIZER_PARAMS] \
         == {"nesterov": True}
+
+
+def test_the_optimizer_the_engine_steps_is_the_one_limits_steps_its_compute_only_copy_with(tmp_path):
+    """The config's own optimizer parameters (betas, nesterov) join the run's in the strategy's
+    optimizer, which the trainer hands both to the engine and to --limits' compute-only copy; a
+    strategy without an engine steps the run's as it is."""
+    path = written(tmp_path, {"optimizer": {"type": "AdamW", "params": {"lr": 0.002, "betas": [0.5, 0.6]}}})
+    built = job("--hook", "deepspeed_zero2", "--nserver", "0", "--ds-config", path)
+    cfg = built.config
+    ctx = HookContext(None, [], "shard", None, False, 60.0, engine_config=built.engine_config)
+    run = optimizer_spec(cfg.optimizer, cfg.lr, cfg.momentum, cfg.weight_decay)
+    stepped = HOOKS.get("deepspeed_zero2")(ctx).optimizer_for(ctx, run).build([torch.nn.Parameter(torch.ones(2))])
+    assert type(stepped) is torch.optim.AdamW
+    assert stepped.param_groups[0]["betas"] == (0.5, 0.6) and stepped.param_groups[0]["lr"] == 0.002
+    assert Synchroniser().optimizer_for(ctx, run) is run
 
 
 def test_bf16_enabled_moves_bf16_and_batchnorm_needs_its_buffers_cast_on_the_cpu(tmp_path):
