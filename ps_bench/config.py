@@ -221,7 +221,9 @@ class RunConfig:
                                  "p50 / trainer comm p50) to the results")
     profile: str | None = option(None, "write torch.profiler Chrome traces of a few timed "
                                        "iterations of every trainer into this folder, one file "
-                                       "per rank (open in ui.perfetto.dev or chrome://tracing)",
+                                       "per rank (open in ui.perfetto.dev or chrome://tracing), "
+                                       "and beside each a .txt table of the operators by self "
+                                       "time",
                                  metavar="DIR")
     out: str | None = option(None, "results file (default: a new name under results/; never "
                                    "overwritten)", metavar="PATH")

@@ -7,7 +7,10 @@
 # pytest) and may have no network: nothing is installed. ps_bench runs from this checkout
 # (PYTHONPATH), over that torch. It runs every GPU test (python -m pytest tests/gpu -m gpu),
 # then every example of docs/gpus.md, and writes DIR/report.md: the GPU, driver,
-# torch and CUDA versions, and each command's exit status and batch p50. Exits 0 when the tests
+# torch and CUDA versions, and each command's exit status and batch p50. Each example also writes
+# its trainers' traces (--profile) to DIR/profile-N: Chrome traces and, beside each, the traced
+# operators by self time on the device and on the CPU (the traced iterations are left out of the
+# batch times). Exits 0 when the tests
 # pass and every example either ran or was refused for want of GPUs; 2, with one line, where
 # there is no GPU. Each command has a time limit (the tests 420 s, each example 40 s), so with the
 # page's four examples it ends within 10 minutes.
@@ -98,7 +101,7 @@ while IFS= read -r example; do
     log="$out/example-$index.log"
     echo "gpu_check: $example"
     # shellcheck disable=SC2086 # the page's words, as a user would type them
-    timeout 40 "$python" $example --out "$results" > "$log" 2>&1
+    timeout 40 "$python" $example --out "$results" --profile "$out/profile-$index" > "$log" 2>&1
     code=$?
     row "$example" "$code" "$results" "$log"
     # refused before anything starts for want of GPUs (exit 2) is what docs/gpus.md promises
@@ -108,6 +111,6 @@ while IFS= read -r example; do
 done < <(grep '^python bench.py' docs/gpus.md | sed 's/^python //; s/  *#.*$//')
 
 echo >> "$report"
-echo "$(( $(date +%s) - started )) s in all; logs and results files are in $out." >> "$report"
+echo "$(( $(date +%s) - started )) s in all; logs, results files and each example's traces (profile-N) are in $out." >> "$report"
 cat "$report"
 exit "$failed"

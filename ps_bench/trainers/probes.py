@@ -103,12 +103,24 @@ class FloorProbes:
                 for index, count in places.items() for place in range(count)}
 
 
+PROFILED_OPERATORS = 30  # rows of each table of --profile's summary
+
+
 def finish_profile(profiler: torch.profiler.profile, path: str) -> None:
-    """Stops ``profiler`` and writes its Chrome trace to ``path``; returns None, the profiler's new
-    state."""
+    """Stops ``profiler``, writes its Chrome trace to ``path`` and beside it (``.txt``) torch's
+    tables of the traced operators by self time, on the CPU and, where it traced one, on the
+    device; returns None, the profiler's new state."""
     profiler.stop()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    profiler.export_chrome_trace(path)
+    trace = Path(path)
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(str(trace))
+    averages = profiler.key_averages()
+    clocks = [("CPU", "self_cpu_time_total")]
+    if torch.profiler.ProfilerActivity.CUDA in profiler.activities:
+        clocks.insert(0, ("device", "self_device_time_total"))
+    trace.with_suffix(".txt").write_text("".join(
+        f"The traced iterations' operators by self {name} time (the trace: {trace.name})\n"
+        f"{averages.table(sort_by=key, row_limit=PROFILED_OPERATORS, max_name_column_width=90)}\n" for name, key in clocks))
 
 
 def start_profiler(device: torch.device) -> torch.profiler.profile:

@@ -174,7 +174,11 @@ def test_limits_memory_profile_and_per_rank_tables_in_one_run(tmp_path):
         assert results["memory"][role]["peak_cuda_bytes"] is None
     assert "samples taken after each timed round" in run.stdout and "efficiency: " in run.stdout
     assert "peak RSS MiB" in run.stdout
-    assert sorted(p.name for p in traces.iterdir()) == ["trainer0-rank0.json", "trainer1-rank1.json"]
+    assert sorted(p.name for p in traces.iterdir()) == ["trainer0-rank0.json", "trainer0-rank0.txt",
+                                                        "trainer1-rank1.json", "trainer1-rank1.txt"]
+    summary = (traces / "trainer0-rank0.txt").read_text()  # torch's table of the operators by self CPU time
+    assert summary.startswith("The traced iterations' operators by self CPU time") and "Self CPU time total" in summary
+    assert "aten::addmm" in summary or "aten::mm" in summary
     trace = json.loads((traces / "trainer0-rank0.json").read_text())
     names = {event.get("name") for event in trace["traceEvents"]}
     assert "autograd::engine::evaluate_function: AddmmBackward0" in names or any("Backward" in str(n) for n in names)
