@@ -118,9 +118,10 @@ def finish_profile(profiler: torch.profiler.profile, path: str) -> None:
     clocks = [("CPU", "self_cpu_time_total")]
     if torch.profiler.ProfilerActivity.CUDA in profiler.activities:
         clocks.insert(0, ("device", "self_device_time_total"))
-    trace.with_suffix(".txt").write_text("".join(
-        f"The traced iterations' operators by self {name} time (the trace: {trace.name})\n"
-        f"{averages.table(sort_by=key, row_limit=PROFILED_OPERATORS, max_name_column_width=90)}\n" for name, key in clocks))
+    tables = [f"The traced iterations' operators by self {name} time (the trace: {trace.name})\n"
+              + averages.table(sort_by=key, row_limit=PROFILED_OPERATORS, max_name_column_width=90)
+              for name, key in clocks]
+    trace.with_suffix(".txt").write_text("\n".join(tables))
 
 
 def start_profiler(device: torch.device) -> torch.profiler.profile:
