@@ -22,6 +22,22 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def sent_bytes(tensor: torch.Tensor) -> int:
+    """Payload bytes of a tensor as it is sent: a sparse tensor's indices and values once its
+    repeated indices are summed (gloo coalesces a sparse all-reduce's input before it gathers
+    it; the parameter servers' strategies coalesce before they send), counted without summing
+    them (an embedding's gradient holds a row per lookup, repeated rows many times over)."""
+    if not tensor.is_sparse or tensor.is_coalesced():
+        return tensor_bytes(tensor)
+    indices, values = tensor._indices(), tensor._values()
+    flat = indices[0]
+    for dim in range(1, indices.size(0)):  # one number per place
+        flat = flat * tensor.size(dim) + indices[dim]
+    per_place = (indices.size(0) * indices.element_size()
+                 + values[0].numel() * values.element_size() if values.size(0) else 0)
+    return torch.unique(flat).numel() * per_place
+
+
 class StepTimer:
     """Clock readings at the phase boundaries of each iteration, turned into milliseconds after
     the round, so the training loop pays only for the readings themselves.

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ps_bench.metrics.costs import allgather_bytes, allreduce_bytes, collective_bytes
-from ps_bench.metrics.timers import tensor_bytes
+from ps_bench.metrics.timers import sent_bytes, tensor_bytes
 
 
 class ByteCounter:
@@ -142,7 +142,7 @@ def install(counter: ByteCounter) -> None:
         group = kwargs.get("group", args[1] if len(args) > 1 else None)
         started = time.perf_counter()
         if _counter is not None:
-            _counter.add_ring(allreduce_bytes(tensor_bytes(tensor), _world(group),
+            _counter.add_ring(allreduce_bytes(sent_bytes(tensor), _world(group),
                                               tensor.is_sparse), group)
         return timed("all_reduce", started, all_reduce(tensor, *args, **kwargs))
 

@@ -37,7 +37,7 @@ def hybrid(ctx: HookContext, bucket: dist.GradBucket) -> Future:
     tensor = bucket.buffer()
     if not (tensor.is_sparse and tensor.is_cuda):
         return allreduce(ctx, bucket)
-    host = tensor.cpu()
+    host = tensor.coalesce().cpu()  # each row once across to the host, as gloo will send it
     host.div_(ctx.process_group.size())
     work = dist.all_reduce(host, group=ctx.process_group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0].to(tensor.device))

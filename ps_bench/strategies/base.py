@@ -35,7 +35,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from ps_bench.metrics.memory import state_tensors
-from ps_bench.metrics.timers import IntervalTracker, tensor_bytes
+from ps_bench.metrics.timers import IntervalTracker, sent_bytes
 from ps_bench.metrics.wire import ByteCounter
 from ps_bench.runtime.topology import PIECES, piece_owners, piece_ranges, piece_root, slice_size
 from ps_bench.strategies.record import HOOKS, Strategy
@@ -135,7 +135,7 @@ class HookContext:
         buffer = bucket.buffer()
         shapes = ([list(gradient.shape) for gradient in bucket.gradients()]
                   if not buffer.is_sparse else [])
-        self._filling[bucket.index()] = (tensor_bytes(buffer), buffer.is_sparse, shapes)
+        self._filling[bucket.index()] = (sent_bytes(buffer), buffer.is_sparse, shapes)
         if bucket.is_last():
             self.buckets, self._filling = self._filling, {}
 

@@ -39,9 +39,10 @@ def send_tensor(ctx: HookContext, tensor: torch.Tensor, key: int, server_index: 
     server = ctx.servers[server_index]
     # CUDA sparse tensors cannot cross RPC, and device maps exist only CUDA-RPC <-> CUDA servers.
     on_device = ctx.cuda_rpc and server.cuda_rpc and not tensor.is_sparse
-    payload = tensor if on_device else tensor.cpu()
-    if payload.is_sparse:
-        payload = payload.coalesce()
+    # a sparse gradient's repeated rows summed where it was made: on a GPU the copy to the host
+    # carries each row once (an embedding's gradient holds a row per lookup)
+    payload = tensor.coalesce() if tensor.is_sparse else tensor
+    payload = payload if on_device else payload.cpu()
     if wire_dtype is not None:
         payload = payload.to(wire_dtype)
     peer = server.rref.owner().id  # the server's rank in the job

@@ -67,6 +67,18 @@ def test_every_lossless_way_reaches_the_same_parameters(bench_runs):
         assert abs(norm - reference) / reference < 1e-5, norms
 
 
+def test_a_sparse_all_reduce_counts_what_gloo_sends(bench_runs):
+    """gloo sums a sparse gradient's repeated rows before it gathers it, as sparse_ps does before
+    it sends it to a server; the same seed makes the same lookups in both runs, so all-reduce's
+    extra bytes (each trainer's rows to 2 others, not to one server) are sparse_ps's rows at the
+    servers (mean per server of 2, from 3 trainers) times 2/3."""
+    allreduce = case_run(bench_runs, "allreduce", "average", "shard", ())["bytes"]
+    servers = case_run(bench_runs, "sparse_ps", "average", "shard", ())["bytes"]
+    rows = servers["server_recv_per_iter"]
+    assert rows > 0
+    assert allreduce["trainer_sent_per_iter"] - servers["trainer_sent_per_iter"] == pytest.approx(rows * 2 / 3)
+
+
 def test_default_run_prints_tables_and_results_path(bench_runs):
     run = bench_runs.get()  # the default run, shared
     assert run.returncode == 0, run.output

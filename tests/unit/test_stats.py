@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from ps_bench.metrics.stats import SummaryRow, summarize, summary_rows
-from ps_bench.metrics.timers import IntervalTracker, StepTimer, bucket_offsets, covered_ms, tensor_bytes, folded
+from ps_bench.metrics.timers import (IntervalTracker, StepTimer, bucket_offsets, covered_ms, folded, sent_bytes,
+                                     tensor_bytes)
 from ps_bench.trainers.rounds import collective_ms, round_samples
 
 import torch
@@ -99,6 +100,21 @@ def test_tensor_bytes_dense_and_sparse():
     assert tensor_bytes(torch.zeros(3, dtype=torch.float16)) == 6
     sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (5,), check_invariants=True)
     assert tensor_bytes(sparse) == 2 * 8 + 2 * 4  # int64 indices + fp32 values
+
+
+def test_a_sparse_tensor_is_sent_with_its_repeated_places_summed():
+    """What gloo's sparse all-reduce and the parameter servers send: each place once (an
+    embedding's gradient has a row per lookup), counted without coalescing."""
+    embedding = torch.nn.EmbeddingBag(50, 3, sparse=True)
+    embedding(torch.tensor([[1, 4, 4, 7], [4, 1, 9, 9]])).sum().backward()
+    rows = embedding.weight.grad
+    assert not rows.is_coalesced() and tensor_bytes(rows) == 8 * (8 + 3 * 4)
+    assert sent_bytes(rows) == tensor_bytes(rows.coalesce()) == 4 * (8 + 3 * 4)  # rows 1, 4, 7, 9
+    grid = torch.sparse_coo_tensor(torch.tensor([[0, 2, 0, 2, 1], [1, 3, 1, 0, 3]]), torch.ones(5, 2), (3, 4, 2),
+                                   check_invariants=True)
+    assert sent_bytes(grid) == tensor_bytes(grid.coalesce()) == 4 * (2 * 8 + 2 * 4)  # (0,1) twice
+    assert sent_bytes(grid.coalesce()) == tensor_bytes(grid.coalesce())
+    assert sent_bytes(torch.zeros(10)) == 40
 
 
 def test_micro_batches_fold_into_one_iterations_forward_and_backward():
