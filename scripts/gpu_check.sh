@@ -10,9 +10,9 @@
 # torch and CUDA versions, and each command's exit status and batch p50. Each example also writes
 # its trainers' traces (--profile) to DIR/profile-N: Chrome traces and, beside each, the traced
 # operators by self time on the device and on the CPU (the traced iterations are left out of the
-# batch times). Exits 0 when the tests
-# pass and every example either ran or was refused for want of GPUs; 2, with one line, where
-# there is no GPU. Each command has a time limit (the tests 420 s, each example 40 s), so with the
+# batch times); the report ends with the top of trainer 0's table for each example. Exits 0
+# when the tests pass and every example either ran or was refused for want of GPUs; 2, with one
+# line, where there is no GPU. Each command has a time limit (the tests 420 s, each example 40 s), so with the
 # page's four examples it ends within 10 minutes.
 # PYTHON chooses the interpreter (default: python3).
 set -uo pipefail
@@ -104,12 +104,18 @@ while IFS= read -r example; do
     timeout 40 "$python" $example --out "$results" --profile "$out/profile-$index" > "$log" 2>&1
     code=$?
     row "$example" "$code" "$results" "$log"
+    # where its time went: the top of trainer 0's table of operators (the device's first)
+    for table in "$out/profile-$index"/trainer0-rank*.txt; do
+        [ -f "$table" ] || continue
+        { echo; echo "Example $index, trainer 0 (\`$table\`):"; echo '```'; head -n 12 "$table"; echo '```'; } >> "$out/where.md"
+    done
     # refused before anything starts for want of GPUs (exit 2) is what docs/gpus.md promises
     if [ "$code" -ne 0 ] && ! { [ "$code" -eq 2 ] && grep -q "needs one GPU per trainer" "$log"; }; then
         failed=1
     fi
 done < <(grep '^python bench.py' docs/gpus.md | sed 's/^python //; s/  *#.*$//')
 
+[ -f "$out/where.md" ] && cat "$out/where.md" >> "$report"
 echo >> "$report"
 echo "$(( $(date +%s) - started )) s in all; logs, results files and each example's traces (profile-N) are in $out." >> "$report"
 cat "$report"
