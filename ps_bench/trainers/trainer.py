@@ -121,7 +121,8 @@ class DdpTrainer(FloorProbes, Resident):
         # the whole model's, before wrap shards it (DeepSpeed's stage 3 leaves each parameter a
         # placeholder)
         self.elements = sum(p.numel() for p in network.parameters())
-        # the run's optimizer; --limits steps the compute-only copy with one of its own
+        # the run's optimizer as the strategy steps it; --limits steps the compute-only copy with
+        # one of its own
         self.optimizer_spec = self.synchroniser.optimizer_for(
             self.hook_context, optimizer_spec(config.optimizer, config.lr, config.momentum,
                                               config.weight_decay))
