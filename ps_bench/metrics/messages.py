@@ -63,7 +63,8 @@ def floor_messages(strategy, buckets: list[dict], options: dict, slices: int = 1
     host's G trainers push a slice each of the host's sum); a partitioned parameter-server
     strategy (``partition_mb`` among its options) sends each slice in pieces, a message each
     (``on_device``: over device maps, see ``piece_elements``). Sparse buckets go as they are
-    (float32 at their size)."""
+    (float32 at their size); a strategy made for them (``for_sparse``) sends its dense buckets
+    as the strategy it is on a dense model, not through its transport: none here."""
     messages: dict[int, list[tuple[int, str]]] = {}
     piece = piece_elements(options, on_device) if strategy.transport == "rpc" else None
     for bucket in buckets:
@@ -73,6 +74,9 @@ def floor_messages(strategy, buckets: list[dict], options: dict, slices: int = 1
             messages[bucket["index"]] = []
         elif bucket["sparse"]:
             messages[bucket["index"]] = [(elements, "float32")]
+        elif strategy.for_sparse and strategy.transport == "rpc":
+            # made for sparse buckets: its dense ones go as for_sparse's, its floor_steps
+            messages[bucket["index"]] = []
         elif strategy.payload == "compressed" and strategy.transport == "rpc":
             # through the servers: its message each way, in whole float32 elements (uint8 has
             # no floor of its own); all-gathered, its floor is its hook's floor_steps

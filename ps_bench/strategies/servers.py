@@ -18,7 +18,7 @@ from ps_bench.runtime.topology import piece_ranges, slice_size
 from ps_bench.servers.base import ParameterServer
 from ps_bench.strategies.allreduce import allreduce, gather_into, host_rows
 from ps_bench.runtime.futures import device_future, issuing_stream, settle
-from ps_bench.strategies.base import HookContext, stateless
+from ps_bench.strategies.base import HookContext
 from ps_bench.strategies.compressors import CODECS, Compressed, QSGDHook, check_ratio, named_codec
 from ps_bench.strategies.partitions import Partitioned, assembled
 from ps_bench.strategies.record import HOOKS, RPC, SERVERS, SPARSE_SERVERS, Cost, Strategy
@@ -94,16 +94,27 @@ class BrainFloatServers(PartitionedServers):
     wire_dtype = torch.bfloat16
 
 
-# held against the RPC floor: its dense buckets are all-reduced, but what it is for is the servers
-@stateless("sparse_ps", Strategy(RPC, "float32", lossless=True, sparse_buckets=SPARSE_SERVERS,
-                                 family=SERVERS, for_sparse="allreduce"),
-           aliases=("sparse_rpc_hook",))
-def sparse_parameter_server(ctx: HookContext, bucket: dist.GradBucket) -> Future:
+@HOOKS.register("sparse_ps", aliases=("sparse_rpc_hook",),
+                record=Strategy(RPC, "float32", lossless=True, sparse_buckets=SPARSE_SERVERS,
+                                family=SERVERS, for_sparse="allreduce"))
+class SparseServers:
     """Sparse gradients to the parameter servers, dense ones all-reduced among trainers;
     lossless."""
-    if bucket.buffer().is_sparse:
-        return send_to_server(ctx, bucket)
-    return allreduce(ctx, bucket)
+
+    def __init__(self, ctx: HookContext) -> None:
+        self.ctx = ctx
+
+    def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
+        if bucket.buffer().is_sparse:
+            return send_to_server(ctx, bucket)
+        return allreduce(ctx, bucket)
+
+    def floor_steps(self, buckets: list[int]) -> list[tuple[str, dist.ProcessGroup, int]]:
+        """``--limits``: each dense bucket's all-reduce (the sparse ones' round trips are the
+        floor of its own messages, ``messages.floor_messages``); the same sizes on every trainer,
+        where a sparse bucket's rows differ."""
+        return [("all_reduce", self.ctx.process_group, nbytes // 4)
+                for _, (nbytes, sparse, _) in sorted(self.ctx.buckets.items()) if not sparse]
 
 
 @HOOKS.register("ps_node", aliases=("ps_host", "byteps"),

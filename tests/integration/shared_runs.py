@@ -18,7 +18,7 @@ PER_HOST = ("--ntrainer", "4", "--per-host", "2")  # two hosts of two trainers
 # (hook, options) held to the floor of its own collectives
 FLOORED = [("fsdp", ("--verify",)), ("zero1", ("--verify",)), ("local_sgd", ("--hook-option", "period=4")),
            ("diloco", DILOCO), ("hierarchical", (*PER_HOST, "--verify")), ("hsdp", PER_HOST),
-           ("deepspeed_zero2", ("--verify",)), ("torchft_diloco", DILOCO)]
+           ("deepspeed_zero2", ("--verify",)), ("torchft_diloco", DILOCO), ("sparse_ps", ("--nserver", "1"))]
 
 
 def quick_args(hook: str, *options: str) -> tuple[str, ...]:

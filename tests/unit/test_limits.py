@@ -76,7 +76,8 @@ HOOK_DEFAULTS = {"matrix_approximation_rank": 2, "min_compression_rate": 2.0}
 
 def test_each_strategys_floor_moves_what_it_sends_derived_by_hand():
     records = {name: HOOKS.record(name) for name in ("allreduce", "fp16", "bf16", "ps_fp16", "powersgd",
-                                                     "batched_powersgd", "noop", "ps", "ps_node", "hierarchical")}
+                                                     "batched_powersgd", "noop", "ps", "ps_node", "hierarchical",
+                                                     "sparse_ps")}
     float32 = messages.floor_messages(records["allreduce"], LAYOUT, {})
     assert float32 == {0: [(131072 + 512 + 1728, "float32")], 1: [(8000, "float32")], 2: [(300, "float32")]}
     half = messages.floor_messages(records["fp16"], LAYOUT, {})
@@ -97,6 +98,8 @@ def test_each_strategys_floor_moves_what_it_sends_derived_by_hand():
     assert messages.floor_messages(records["batched_powersgd"], LAYOUT, HOOK_DEFAULTS)[1] == [(180, "float32"),
                                                                                              (180, "float32")]
     assert messages.floor_messages(records["noop"], LAYOUT, {}) == {0: [], 1: [], 2: []}
+    # made for sparse buckets: they go to the servers, the dense ones are all-reduced (its own steps)
+    assert messages.floor_messages(records["sparse_ps"], LAYOUT, {}) == {0: [], 1: [], 2: [(300, "float32")]}
     # node-aggregated servers: each of a host's 3 trainers pushes a third of each bucket, rounded up
     slices = records["ps_node"].rpc_slices(3)
     assert slices == 3 and records["ps"].rpc_slices(3) == 1 and records["hierarchical"].rpc_slices(3) == 1
