@@ -4,12 +4,15 @@ low-rank factors), on a calibration's buckets and links."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ps_bench.metrics import costs
 from ps_bench.metrics.messages import ELEMENT_BYTES, piece_elements
 from ps_bench.predict import pipelines
 from ps_bench.predict.calibration import Calibration
-from ps_bench.strategies import (COLLECTIVE_BUCKETS, HOST_SERVER_BUCKETS, LOW_RANK_BUCKETS,
-                                 SERVER_BUCKETS, SPARSE_SERVERS, Strategy, hook_options)
+from ps_bench.strategies import (COLLECTIVE_BUCKETS, HOOKS, HOST_SERVER_BUCKETS, LOW_RANK_BUCKETS,
+                                 SERVER_BUCKETS, SPARSE_SERVER_BUCKETS, SPARSE_SERVERS, Strategy,
+                                 hook_options)
 
 
 def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n: int, k: int,
@@ -118,6 +121,23 @@ def host_servers_end(calibration: Calibration, strategy: Strategy, hook: str, no
                                       piece_window(hook))
 
 
+def sparse_servers_end(calibration: Calibration, strategy: Strategy, hook: str,
+                       nodes: costs.Nodes, k: int, mapping: str, servers_on: str) -> float | None:
+    """A strategy made for sparse buckets: those pushed to the servers, the dense ones combined
+    as the strategy it is on a dense model (``for_sparse``); the two go at once, over the
+    servers and among the trainers, and the later end is the strategy's (their sharing the
+    trainer's link is not modelled). None where there are sparse buckets and no servers."""
+    sparse = [bucket for bucket in calibration.buckets if bucket[2]]
+    dense = [bucket for bucket in calibration.buckets if not bucket[2]]
+    other = HOOKS.record(strategy.for_sparse)
+    ends = [collectives_end(replace(calibration, buckets=dense), other, strategy.for_sparse,
+                            nodes, k, mapping, servers_on) if dense else 0.0,
+            servers_end(replace(calibration, buckets=sparse), strategy, hook, nodes, k, mapping,
+                        servers_on) if sparse else 0.0]
+    return None if None in ends else max(ends)
+
+
 # the pipeline each Strategy.cost.pipeline names
 BUCKET_PIPELINES = {COLLECTIVE_BUCKETS: collectives_end, LOW_RANK_BUCKETS: low_rank_end,
-                    SERVER_BUCKETS: servers_end, HOST_SERVER_BUCKETS: host_servers_end}
+                    SERVER_BUCKETS: servers_end, HOST_SERVER_BUCKETS: host_servers_end,
+                    SPARSE_SERVER_BUCKETS: sparse_servers_end}

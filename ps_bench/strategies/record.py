@@ -42,10 +42,12 @@ FREQUENCIES = ("iteration", "micro-batch", "period")
 ENGINES = {"deepspeed": 'pip install -e ".[deepspeed]"', "torchft": 'pip install -e ".[torchft]"'}
 # The pipelines predict runs a strategy's buckets through (ps_bench.predict.pipelines): each
 # bucket combined by collectives among the trainers, pushed to parameter servers, pushed once
-# per host to them, or sent as low-rank factors whose size a run of the strategy gives.
-COLLECTIVE_BUCKETS, SERVER_BUCKETS, HOST_SERVER_BUCKETS, LOW_RANK_BUCKETS = (
-    "collectives", "servers", "servers per host", "low-rank factors")
-PIPELINES = (COLLECTIVE_BUCKETS, SERVER_BUCKETS, HOST_SERVER_BUCKETS, LOW_RANK_BUCKETS)
+# per host to them, sent as low-rank factors whose size a run of the strategy gives, or the
+# sparse ones pushed to the servers and the dense ones combined by collectives.
+COLLECTIVE_BUCKETS, SERVER_BUCKETS, HOST_SERVER_BUCKETS, LOW_RANK_BUCKETS, SPARSE_SERVER_BUCKETS = (
+    "collectives", "servers", "servers per host", "low-rank factors", "sparse to servers")
+PIPELINES = (COLLECTIVE_BUCKETS, SERVER_BUCKETS, HOST_SERVER_BUCKETS, LOW_RANK_BUCKETS,
+             SPARSE_SERVER_BUCKETS)
 
 
 # The model states a trainer holds (a run's ``memory.trainer.model_states``, predict's memory)
@@ -170,12 +172,14 @@ class Strategy:
         """``cost`` with what it leaves out taken from the rest of the record: a hook that sends
         its buckets goes through the pipeline of its transport (its host's servers where it
         pushes once per host, the low-rank one where it sends factors), its buckets combined by a
-        ring over every trainer; it costs like the strategy it compresses."""
+        ring over every trainer; one made for sparse buckets sends the others as the strategy it
+        is on a dense model; it costs like the strategy it compresses."""
         pipeline = cost.pipeline
         if pipeline is None and self.hook_sends:
             pipeline = (LOW_RANK_BUCKETS if self.payload == "low-rank factors"
                         else COLLECTIVE_BUCKETS if self.transport == COLLECTIVE
-                        else HOST_SERVER_BUCKETS if self.per_host else SERVER_BUCKETS)
+                        else HOST_SERVER_BUCKETS if self.per_host
+                        else SPARSE_SERVER_BUCKETS if self.for_sparse else SERVER_BUCKETS)
         return replace(cost, pipeline=pipeline, like=cost.like or self.uncompressed)
 
     @property

@@ -194,6 +194,25 @@ def test_calibration_reads_phases_timeline_and_link_and_fits_each_strategys_own_
     assert predict(calibration, "powersgd", 2, 0) is None  # its bytes are known only from a run of it
 
 
+def test_sparse_ps_pushes_its_sparse_buckets_and_all_reduces_its_dense_ones(tmp_path):
+    """As it sends them: on a dense model it is all-reduce; with a sparse bucket, that bucket's
+    push to the servers and the dense ones' ring run at once, and the later ends it."""
+    calibration = calibrate([Run.load(results_file(tmp_path, "ar.json", batch_ms=80.0))])
+    for trainers in (2, 8):
+        assert predict(calibration, "sparse_ps", trainers, 1)["communication_end_ms"] == pytest.approx(
+            predict(calibration, "allreduce", trainers, 0)["communication_end_ms"])
+    # bucket 1 sparse, pushed whole to the one server: its link carries 2 trainers' 10 MB in, 20 ms,
+    # then out, 20 ms, from 40 (and a latency each way); the dense bucket's ring ends at 15 + 10.02
+    mixed = replace(calibration, buckets=[(15.0, 10 * MB, False), (40.0, 10 * MB, True)])
+    assert predict(mixed, "sparse_ps", 2, 1)["communication_end_ms"] == pytest.approx(40 + 20 + 20 + 0.02)
+    assert predict(replace(mixed, buckets=mixed.buckets[:1]), "allreduce", 2, 0)["communication_end_ms"] \
+        == pytest.approx(25.02)
+    # a small sparse bucket first (1 MB: 2 ms in, 2 ms out, from 15): the dense ring, 40 to 50.02, ends it
+    small = replace(calibration, buckets=[(15.0, 1 * MB, True), (40.0, 10 * MB, False)])
+    assert predict(small, "sparse_ps", 2, 1)["communication_end_ms"] == pytest.approx(50.02)
+    assert predict(mixed, "sparse_ps", 2, 0) is None  # a sparse bucket and no server to push it to
+
+
 def test_a_target_link_replaces_the_fitted_one(tmp_path):
     run = Run.load(results_file(tmp_path, limits=False))
     calibration = calibrate([run], TargetLink("--link", 100e9, "ethernet", 1.0, 5e-6))
