@@ -12,8 +12,8 @@
 # operators by self time on the device and on the CPU (the traced iterations are left out of the
 # batch times); the report ends with the top of trainer 0's table for each example. Exits 0
 # when the tests pass and every example either ran or was refused for want of GPUs; 2, with one
-# line, where there is no GPU. Each command has a time limit (the tests 420 s, each example 40 s), so with the
-# page's four examples it ends within 10 minutes.
+# line, where there is no GPU. Each command has a time limit (the tests 420 s, each example
+# 40 s), so with the page's four examples it ends within 10 minutes.
 # PYTHON chooses the interpreter (default: python3).
 set -uo pipefail
 
@@ -95,6 +95,7 @@ echo "| \`python -m pytest tests/gpu -m gpu\` | $code | - | - | ${summary//|//} 
 echo "gpu_check: $summary"
 
 index=0
+rm -f "$out/where.md"  # this check's tables only, where DIR held an earlier one
 while IFS= read -r example; do
     index=$((index + 1))
     results="$out/example-$index.json"
