@@ -9,7 +9,8 @@ moves floors and strategy alike), fewer of them where each is slow (``affordable
   a parameter server costs with nothing of ours around it); where the run's tensors cross RPC
   on the GPU (every trainer and server over device maps), CUDA tensors both ways, each
   repetition's clock stopped once the device is done;
-- the raw collective floor: the same bucket tensors all-reduced among the trainers;
+- the raw collective floor: the same bucket tensors all-reduced among the trainers (a sparse
+  bucket all-gathered, as gloo's sparse all-reduce moves it: its rows differ between them);
 - the strategy's own floor, for a strategy that sends something else than its float32 buckets:
   the raw transfer of exactly what it puts on the wire (``floor_messages``: half-size buffers of
   its dtype for 16-bit strategies; PowerSGD's uncompressed tensors, P and Q factors, per bucket,
@@ -36,6 +37,7 @@ p50, is what communication adds to an iteration, and ``exposed_value`` is the fl
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 from typing import Callable, Iterable
 
@@ -241,18 +243,31 @@ def echo_ms(nbytes: int, target: rpc.RRef, group: dist.ProcessGroup, device: tor
 
 
 def collective_floor_ms(messages: dict[int, list[tuple[int, str]]], device: torch.device,
-                        group: dist.ProcessGroup, repeat: int = FLOOR_ITERATIONS) -> list[float]:
+                        group: dist.ProcessGroup, repeat: int = FLOOR_ITERATIONS,
+                        gathered: frozenset[int] = frozenset()) -> list[float]:
     """All-reduces of every bucket's messages among the trainers, all launched at once (in bucket
-    and message order), per iteration."""
-    tensors = [torch.ones(count, dtype=DTYPES[dtype], device=device)
-               for parts in messages.values() for count, dtype in parts]
+    and message order), per iteration; the buckets in ``gathered`` all-gathered instead, each
+    trainer's message to every other (a sparse bucket: its rows differ between the trainers, and
+    gloo's sparse all-reduce all-gathers them, ``costs.allgather_ms``)."""
+    size = group.size()
+    calls = []
+    for index, parts in messages.items():
+        for count, dtype in parts:
+            mine = torch.ones(count, dtype=DTYPES[dtype], device=device)
+            if index in gathered:
+                every = torch.empty(count * size, dtype=mine.dtype, device=device)
+                calls.append(functools.partial(dist.all_gather_into_tensor, every, mine,
+                                               group=group, async_op=True))
+            else:
+                calls.append(functools.partial(dist.all_reduce, mine, group=group,
+                                               async_op=True))
 
     def sync() -> None:
         dist.barrier(group=group)
         finished(device)
 
     def once() -> None:
-        works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
+        works = [call() for call in calls]
         for work in works:
             work.wait()
         finished(device)

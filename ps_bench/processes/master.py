@@ -271,6 +271,7 @@ class Master:
                                           slices=self.job.strategy.rpc_slices(cfg.per_host),
                                           on_device=on_device)
             record.own_messages = own if own != record.floor_messages else None
+            record.floor_gathered = [bucket["index"] for bucket in buckets if bucket["sparse"]]
             self.floor_targets = [[rpc.remote(info.name, limits.RpcFloorTarget, args=(
                                        sent, device_name(self.device_of(info.rank))
                                        if on_device else "cpu"))
@@ -281,6 +282,6 @@ class Master:
         piece = messages.piece_elements(options, on_device)
         futures = [t.rpc_async(timeout=0).measure_floors(record.floor_messages, record.own_messages,
                                                          self.floor_targets, repeat, piece,
-                                                         on_device)
+                                                         on_device, tuple(record.floor_gathered))
                    for t in trainers]
         record.add_floors([f.wait() for f in futures])

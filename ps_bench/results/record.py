@@ -118,6 +118,7 @@ class RunRecord:
         # floor moves, and the strategy's own where they differ (16-bit, low-rank)
         self.floor_messages: dict[int, list[tuple[int, str]]] | None = None
         self.own_messages: dict[int, list[tuple[int, str]]] | None = None
+        self.floor_gathered: list[int] = []  # the sparse buckets, all-gathered by collective floors
         self.floor_samples: dict[str, list[float]] = defaultdict(list)
         # --limits: the memory-copy floor, measured once the rounds are over
         self.memcpy: dict | None = None

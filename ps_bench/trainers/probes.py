@@ -26,8 +26,8 @@ class FloorProbes:
     @on_default_stream
     def measure_floors(self, messages: dict[int, list], own: dict[int, list] | None,
                        targets: list[list[rpc.RRef]], repeat: int,
-                       piece: int | None = None, on_device: bool = False
-                       ) -> dict[str, list[float]]:
+                       piece: int | None = None, on_device: bool = False,
+                       gathered: tuple[int, ...] = ()) -> dict[str, list[float]]:
         """``--limits``: ``repeat`` repetitions of the raw RPC floor (to ``targets[0]``, one per
         server, when there are servers) and of the raw collective floor, moving ``messages`` (the
         float32 buckets); of the strategy's ``own`` floor, its own messages over its own transport
@@ -36,7 +36,8 @@ class FloorProbes:
         of the link probe and of the compute-only iteration. ``piece``: the elements of a piece
         the strategy cuts what it pushes into (``metrics.messages.piece_elements``; None:
         buckets whole). ``on_device``: the run's tensors cross RPC on the GPU, and so do the
-        floors' (``targets`` hold their buffers there). Nothing here counts as wire bytes.
+        floors' (``targets`` hold their buffers there). ``gathered``: the sparse buckets, which
+        the collective floors all-gather (``limits.collective_floor_ms``). Nothing here counts as wire bytes.
         Every trainer must call it at once (each repetition starts with a barrier)."""
         ctx = self.hook_context
         out: dict[str, list[float]] = {}
@@ -53,14 +54,15 @@ class FloorProbes:
                                                     ctx.process_group, self.device, repeat,
                                                     place)
             out["collective_ms"] = limits.collective_floor_ms(messages, self.device,
-                                                              ctx.process_group, repeat)
+                                                              ctx.process_group, repeat,
+                                                              frozenset(gathered))
             if own is not None and self.strategy.transport == RPC:
                 out["own_ms"] = limits.rpc_floor_ms(own, self.floor_owners(
                     messages, targets[-1], self.strategy.rpc_slices(ctx.per_host), piece),
                     ctx.process_group, self.device, repeat, place)
             elif own is not None:
                 out["own_ms"] = limits.collective_floor_ms(own, self.device, ctx.process_group,
-                                                           repeat)
+                                                           repeat, frozenset(gathered))
             for nbytes in limits.LINK_SIZES:  # the link itself, one message at a time
                 if ctx.process_group.size() > 1:
                     out[f"link_{nbytes}"] = limits.collective_floor_ms(

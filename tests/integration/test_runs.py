@@ -27,6 +27,9 @@ CASES += [(hook, "average", "shard", ()) for hook in HOOKS.names() if hook not i
           and HOOKS.record(hook).takes_servers and (HOOKS.record(hook).lossless or HOOKS.record(hook).transport is None)
           and not HOOKS.record(hook).per_host]
 CASES += [("ps", "average", "shard", ("--bucket-cap-mb", "0.001"))]  # many buckets, owners balanced over servers
+# hybrid held to its floor: its sparse bucket all-gathered among the 3 trainers, as gloo sends it
+CASES = [(hook, server, mapping, ("--limits",) if hook == "hybrid" else extra)
+         for hook, server, mapping, extra in CASES]
 
 
 def case_run(bench_runs, hook: str, server: str, mapping: str, extra: tuple[str, ...]) -> dict:
@@ -47,6 +50,11 @@ def test_every_hook_server_and_mapping_on_gloo(hook, server, mapping, extra, ben
     else:
         assert metrics_of(results, "server") == set()
         assert moved["server_recv_per_iter"] == 0
+    if "--limits" in extra:  # one sparse bucket (the embedding's), one dense
+        floors = results["limits"]
+        assert floors["buckets"] == 2 and len(floors["collective"]["all_gathered"]) == 1
+        assert results["efficiency"]["floor_of"] == "its float32 buckets"
+        assert results["efficiency"]["value"] > 0
     if HOOKS.record(hook).transport is None:
         assert moved["trainer_sent_per_iter"] == 0
         assert results["replicas"]["identical"] is False  # no communication: replicas drift apart
