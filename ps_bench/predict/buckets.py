@@ -98,11 +98,13 @@ def piece_window(hook: str) -> int:
 def servers_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes,
                 k: int, mapping: str, servers_on: str) -> float | None:
     """Every trainer pushes each bucket, in pieces, to the servers: ``k`` dedicated ones, or
-    ``k`` spread over the nodes (colocated)."""
+    ``k`` spread over the nodes (colocated); a sparse bucket whole, as the run sends it."""
     if k < 1:
         return None
     pieces = pipelines.server_pieces(server_bytes(calibration, strategy, hook), k,
-                                     piece_bytes(strategy, hook))
+                                     piece_bytes(strategy, hook),
+                                     sparse=[place for place, (_, _, sparse)
+                                             in enumerate(calibration.buckets) if sparse])
     if servers_on == "colocated":
         return pipelines.colocated_ps_pipeline(pieces, nodes, calibration.aggregate_bytes_per_ms,
                                                piece_window(hook))

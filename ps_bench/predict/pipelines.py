@@ -14,6 +14,7 @@ its own compute and the last transfer have.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,17 +23,23 @@ from ps_bench.runtime.topology import PIECES, piece_owners, piece_ranges, slice_
 
 
 def server_pieces(buckets: list[tuple[float, float]], num_servers: int, piece: float | None = None,
-                  parts: int = 1) -> list[tuple[float, float, int]]:
+                  parts: int = 1, sparse: Iterable[int] = ()) -> list[tuple[float, float, int]]:
     """``(ready ms, bytes, server)`` of each piece a sender pushes, in the order it pushes them:
     each bucket (``(ready ms, bytes)``) cut into ``parts`` slices, each into pieces of at most
     ``piece`` bytes (None: whole), dealt over ``num_servers`` as the run deals them
-    (``topology.piece_owners``)."""
+    (``topology.piece_owners``); the ``sparse`` buckets (their places in ``buckets``) whole, once,
+    dealt after the others."""
+    sparse = set(sparse)
+    cut = None if piece is None else max(1, int(piece))
     sizes = {index: int(round(nbytes)) for index, (_, nbytes) in enumerate(buckets)}
-    owners = piece_owners(sizes, parts, num_servers, None if piece is None else max(1, int(piece)))
+    owners = piece_owners(sizes, parts, num_servers, cut, sparse)
     pieces = []
     for index, (ready, _) in enumerate(buckets):
+        if index in sparse:
+            pieces.append((ready, sizes[index], owners[index * parts * PIECES]))
+            continue
         for part in range(parts):
-            ranges = piece_ranges(slice_size(sizes[index], parts), piece and max(1, int(piece)))
+            ranges = piece_ranges(slice_size(sizes[index], parts), cut)
             pieces += [(ready, length, owners[(index * parts + part) * PIECES + place])
                        for place, (_, length) in enumerate(ranges)]
     return pieces

@@ -92,8 +92,10 @@ class HookContext:
     # size report, --limits
     buckets: dict[int, tuple[int, bool, list]] = field(default_factory=dict)
     _filling: dict[int, tuple[int, bool, list]] = field(default_factory=dict)
-    _layout: dict[int, int] = field(default_factory=dict)
-    _seen: dict[int, int] = field(default_factory=dict)
+    # bucket index -> (dense elements, sparse): the last whole iteration's, and this one's so far
+    _layout: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    _seen: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    _piece: int | None = None  # the elements of a piece of a dense bucket (None: whole)
     _owners: dict[int, int] = field(default_factory=dict)
 
     def pieces(self, bucket: dist.GradBucket, piece: int | None = None, part: int = 0,
@@ -106,13 +108,15 @@ class HookContext:
         ``group``: every piece to this trainer's group server. ``shard``: the pieces are dealt
         over every server from the bucket layout of the previous iteration (DDP rebuilds its
         buckets after the first one, and launches buckets in index order, so ``is_last`` closes
-        the layout). Sizes are dense sizes, identical on every trainer, so every trainer
-        computes the same owners without talking to the others. Every bucket passes here once
-        an iteration, in order.
+        the layout), a sparse bucket whole and after the dense pieces (``piece_owners``). Sizes
+        are dense sizes, identical on every trainer, so every trainer computes the same owners
+        without talking to the others. Every bucket passes here once an iteration, in order.
         """
         tensor = bucket.buffer()
         index, elements = bucket.index(), tensor.numel()
-        self._seen[index] = elements
+        self._seen[index] = (elements, tensor.is_sparse)
+        if not tensor.is_sparse:
+            self._piece = piece  # the strategy's, the same for every dense bucket
         first_key = (index * parts + part) * PIECES
         ranges = piece_ranges(slice_size(elements, parts), piece)
         owned = [(first_key + place, first, length) for place, (first, length) in enumerate(ranges)]
@@ -124,7 +128,10 @@ class HookContext:
         if bucket.is_last():
             if self._seen != self._layout:
                 self._layout = self._seen
-                self._owners = piece_owners(self._layout, parts, len(self.servers), piece)
+                self._owners = piece_owners(
+                    {index: size for index, (size, _) in self._layout.items()}, parts,
+                    len(self.servers), self._piece,
+                    sparse=[index for index, (_, sparse) in self._layout.items() if sparse])
             self._seen = {}
         return [(key, first, length, server)
                 for (key, first, length), server in zip(owned, servers)]

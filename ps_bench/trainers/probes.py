@@ -37,8 +37,9 @@ class FloorProbes:
         the strategy cuts what it pushes into (``metrics.messages.piece_elements``; None:
         buckets whole). ``on_device``: the run's tensors cross RPC on the GPU, and so do the
         floors' (``targets`` hold their buffers there). ``gathered``: the sparse buckets, which
-        the collective floors all-gather (``limits.collective_floor_ms``). Nothing here counts as wire bytes.
-        Every trainer must call it at once (each repetition starts with a barrier)."""
+        the collective floors all-gather (``limits.collective_floor_ms``) and the RPC floors
+        send whole. Nothing here counts as wire bytes. Every trainer must call it at once (each
+        repetition starts with a barrier)."""
         ctx = self.hook_context
         out: dict[str, list[float]] = {}
         place = self.device if on_device else limits.CPU  # the RPC floors' tensors
@@ -50,7 +51,8 @@ class FloorProbes:
         try:
             if targets:
                 out["rpc_ms"] = limits.rpc_floor_ms(messages,
-                                                    self.floor_owners(messages, targets[0]),
+                                                    self.floor_owners(messages, targets[0],
+                                                                      sparse=gathered),
                                                     ctx.process_group, self.device, repeat,
                                                     place)
             out["collective_ms"] = limits.collective_floor_ms(messages, self.device,
@@ -58,7 +60,8 @@ class FloorProbes:
                                                               frozenset(gathered))
             if own is not None and self.strategy.transport == RPC:
                 out["own_ms"] = limits.rpc_floor_ms(own, self.floor_owners(
-                    messages, targets[-1], self.strategy.rpc_slices(ctx.per_host), piece),
+                    messages, targets[-1], self.strategy.rpc_slices(ctx.per_host), piece,
+                    gathered),
                     ctx.process_group, self.device, repeat, place)
             elif own is not None:
                 out["own_ms"] = limits.collective_floor_ms(own, self.device, ctx.process_group,
@@ -86,22 +89,25 @@ class FloorProbes:
         return out
 
     def floor_owners(self, messages: dict[int, list], targets: list[rpc.RRef], slices: int = 1,
-                     piece: int | None = None) -> dict[tuple[int, int], rpc.RRef]:
+                     piece: int | None = None, sparse: tuple[int, ...] = ()
+                     ) -> dict[tuple[int, int], rpc.RRef]:
         """The server of each message (``(bucket index, place)``) this trainer sends, as the
         strategy deals them (``HookContext.pieces``): its group's, or its piece's owner among
         every server; ``messages`` are the float32 buckets whole (their sizes), ``slices`` the
         slices of a bucket (this trainer sends its own), ``piece`` the elements of a piece (None:
-        each slice whole)."""
+        each slice whole), ``sparse`` the buckets sent whole whatever ``piece`` is."""
         sizes = {index: sum(count for count, _ in parts) for index, parts in messages.items()}
         part = dist.get_rank() % slices
-        places = {index: len(piece_ranges(slice_size(size, slices), piece))
+        places = {index: 1 if index in sparse
+                  else len(piece_ranges(slice_size(size, slices), piece))
                   for index, size in sizes.items()}
         if self.hook_context.mapping == "group":
             server = targets[self.hook_context.group_server]
             return {(index, place): server
                     for index, count in places.items() for place in range(count)}
-        owners = piece_owners(sizes, slices, len(targets), piece)
-        return {(index, place): targets[owners[(index * slices + part) * PIECES + place]]
+        owners = piece_owners(sizes, slices, len(targets), piece, sparse)
+        return {(index, place): targets[owners[(index * slices + (0 if index in sparse else part))
+                                               * PIECES + place]]
                 for index, count in places.items() for place in range(count)}
 
 

@@ -240,3 +240,42 @@ def test_the_dummy_models_pieces_spread_evenly_over_more_servers_than_a_host_has
             for place, (_, length) in enumerate(piece_ranges(slice_size(size, 2), (4 << 20) // 4)):
                 load[owners[(index * 2 + part) * PIECES + place]] += length
     assert max(load) <= 1.1 * sum(load) / 4
+
+
+def sparse_embedding_gradient(rows: int, touched: list[int]) -> torch.Tensor:
+    """A sparse gradient of a ``rows`` x 4 embedding that touched ``touched`` rows."""
+    return torch.sparse_coo_tensor([touched], torch.ones(len(touched), 4), (rows, 4), check_invariants=True)
+
+
+def test_a_sparse_bucket_goes_whole_after_the_dense_pieces_whichever_bucket_closes_the_layout():
+    """DDP's last bucket holds the first layers, often an embedding's sparse gradient: the dense
+    pieces are dealt evenly over the servers as if it were not there, and it goes whole, once,
+    to the least loaded, on every iteration after the first (which learns the layout), whatever
+    the trainer touched; the same deal as ``piece_owners`` makes and predict takes."""
+    from ps_bench.strategies.base import HookContext
+    ctx = HookContext(process_group=None, servers=[None, None, None], mapping="shard",
+                      group_server=None, cuda_rpc=False, rpc_timeout=60)
+    dense = torch.zeros(10)
+    buckets = [lambda touched: dense, lambda touched: sparse_embedding_gradient(64, touched)]
+
+    def iteration(touched):
+        return [ctx.pieces(SimpleNamespace(buffer=lambda make=make: make(touched), index=lambda i=i: i,
+                                           is_last=lambda i=i: i == len(buckets) - 1), piece=None if i else 4)
+                for i, make in enumerate(buckets)]
+
+    iteration([1, 2])
+    dense_pieces, sparse_pieces = iteration([5])
+    assert [(key, first, length) for key, first, length, _ in dense_pieces] == [(0, 0, 4), (1, 4, 3), (2, 7, 3)]
+    assert sorted(server for *_, server in dense_pieces) == [0, 1, 2]  # one piece each
+    assert [(key, first, length) for key, first, length, _ in sparse_pieces] == [(PIECES, 0, 256)]  # its dense elements
+    owners = piece_owners({0: 10, 1: 256}, 1, 3, 4, sparse=[1])
+    assert sparse_pieces[0][3] == owners[PIECES] == 1  # least loaded: 3 elements, the first of two
+    assert [server for *_, server in dense_pieces] == [owners[key] for key in (0, 1, 2)]
+    assert iteration([7, 8, 9]) == [dense_pieces, sparse_pieces]  # other rows, the same deal
+
+
+def test_sparse_buckets_take_turns_from_the_least_loaded_server_and_predict_sends_them_whole():
+    owners = piece_owners({0: 9, 1: 100, 2: 100}, 1, 2, 5, sparse=[1, 2])
+    assert owners == {0: 0, 1: 1, PIECES: 1, 2 * PIECES: 0}  # dense 5 + 4; the sparse ones one each
+    pieces = pipelines.server_pieces([(1.0, 9.0), (2.0, 3.0), (3.0, 2.0)], 2, 5, sparse=[1, 2])
+    assert pieces == [(1.0, 5, 0), (1.0, 4, 1), (2.0, 3, 1), (3.0, 2, 0)]
