@@ -8,7 +8,10 @@ GPU (``gpu``). ``python -m pytest -m "not cluster"`` or ``-m cluster`` runs one 
 
 from __future__ import annotations
 
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchrun import BenchRun, descendants, run_bench
+from tests.benchrun import ROOT, BenchRun, descendants, run_bench, wait_session_gone
 
 TESTS = Path(__file__).resolve().parent
 FOLDER_MARKERS = {"integration": "integration", "cluster": "cluster", "gpu": "gpu"}
@@ -34,24 +37,85 @@ def results_path(tmp_path: Path) -> Path:
     return tmp_path / "results.json"
 
 
-class BenchRuns:
-    """Real runs shared by the tests that read them: one run per distinct command line, started
-    by the first test that asks for it. A run that failed fails every test that reads it, each
-    with its output."""
+class SharedLauncher:
+    """``tests/shared_launcher.py``, started once: runs a command line's job as ``bench.py
+    sweep`` runs a point, its ranks forked from the one forkserver it keeps (see there)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.runs: dict[tuple[str, ...], BenchRun] = {}
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> subprocess.Popen:
+        if self.process is None or self.process.poll() is not None:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tests.shared_launcher", str(self.folder / "ranks.log")],
+                cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                start_new_session=True)
+        return self.process
+
+    def run(self, args: tuple[str, ...], folder: Path, timeout_s: float) -> BenchRun | None:
+        """The run's outcome; None where the launcher would not take the command line (it is
+        then run with bench.py)."""
+        process = self.start()
+        process.stdin.write(json.dumps({"argv": list(args), "folder": str(folder),
+                                        "timeout_s": timeout_s}) + "\n")
+        process.stdin.flush()
+        # the run's own watchdog (run_point's) stops it at timeout_s: this is for the launcher
+        ready, _, _ = select.select([process.stdout], [], [], timeout_s + 120)
+        line = process.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            pytest.fail(f"the shared launcher did not answer for {' '.join(args)} within "
+                        f"{timeout_s + 120} s; its ranks' output: {self.folder / 'ranks.log'}")
+        outcome = json.loads(line)
+        if outcome["status"] == "refused":
+            return None
+        return BenchRun(0 if outcome["status"] == "ok" else 1, outcome["log"],
+                        outcome["error"] or "", outcome["elapsed_s"], outcome["results"])
+
+    def close(self) -> None:
+        if self.process is None:
+            return
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        if not wait_session_gone(self.process.pid, 10):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process = None
+
+
+class BenchRuns:
+    """Real runs shared by the tests that read them: one run per distinct command line, started
+    by the first test that asks for it. A run that failed fails every test that reads it, each
+    with its output.
+
+    ``ok`` (the results of a run that must succeed) runs the job through the shared launcher,
+    as ``bench.py sweep`` runs a point: the same validation, launcher code and ranks, but no
+    torch imported again for each run. ``get`` (what ``python bench.py`` prints, its exit
+    status) runs ``bench.py`` itself."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.runs: dict[tuple[str, ...], BenchRun] = {}  # bench.py's
+        self.results: dict[tuple[str, ...], BenchRun] = {}  # the shared launcher's
+        self.launcher = SharedLauncher(folder)
 
     def get(self, *args: str, timeout_s: float = 300) -> BenchRun:
         if args not in self.runs:
-            out = self.folder / f"run{len(self.runs)}.json"
+            out = self.folder / f"run{len(self.runs) + len(self.results)}.json"
             self.runs[args] = run_bench(*args, out=out, timeout_s=timeout_s)
         return self.runs[args]
 
     def ok(self, *args: str, timeout_s: float = 300) -> dict:
         """The results of a run that must have succeeded."""
-        run = self.get(*args, timeout_s=timeout_s)
+        run = self.runs.get(args) or self.results.get(args)
+        if run is None:
+            folder = self.folder / f"run{len(self.runs) + len(self.results)}"
+            run = self.launcher.run(args, folder, timeout_s) or self.get(*args, timeout_s=timeout_s)
+            self.results.setdefault(args, run)
         assert run.returncode == 0, run.output
         return run.results
 
@@ -70,7 +134,9 @@ def bare_import_s() -> float:
 
 @pytest.fixture(scope="session")
 def bench_runs(tmp_path_factory) -> BenchRuns:
-    return BenchRuns(tmp_path_factory.mktemp("shared-runs"))
+    runs = BenchRuns(tmp_path_factory.mktemp("shared-runs"))
+    yield runs
+    runs.launcher.close()
 
 
 @pytest.fixture(scope="session", autouse=True)
