@@ -23,13 +23,11 @@ QUICK = ("--warmup-rounds", "1", "--rounds", "2")
 SERVER_STRATEGIES = [name for name in HOOKS.names() if HOOKS.record(name).needs_servers and HOOKS.record(name).lossless
                      and not HOOKS.record(name).per_host]
 CASES = [(*case, ()) for case in itertools.product(SERVER_STRATEGIES, AVERAGING, ("shard", "group"))]
-CASES += [(hook, "average", "shard", ()) for hook in HOOKS.names() if hook not in SERVER_STRATEGIES
-          and HOOKS.record(hook).takes_servers and (HOOKS.record(hook).lossless or HOOKS.record(hook).transport is None)
-          and not HOOKS.record(hook).per_host]
-CASES += [("ps", "average", "shard", ("--bucket-cap-mb", "0.001"))]  # many buckets, owners balanced over servers
 # hybrid held to its floor: its sparse bucket all-gathered among the 3 trainers, as gloo sends it
-CASES = [(hook, server, mapping, ("--limits",) if hook == "hybrid" else extra)
-         for hook, server, mapping, extra in CASES]
+CASES += [(hook, "average", "shard", ("--limits",) if hook == "hybrid" else ()) for hook in HOOKS.names()
+          if hook not in SERVER_STRATEGIES and HOOKS.record(hook).takes_servers
+          and (HOOKS.record(hook).lossless or HOOKS.record(hook).transport is None) and not HOOKS.record(hook).per_host]
+CASES += [("ps", "average", "shard", ("--bucket-cap-mb", "0.001"))]  # many buckets, owners balanced over servers
 
 
 def case_run(bench_runs, hook: str, server: str, mapping: str, extra: tuple[str, ...]) -> dict:
