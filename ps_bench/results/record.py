@@ -99,7 +99,8 @@ class RunRecord:
         self.staleness: list[int] = []
         # --staleness: server rank -> updates applied
         self.server_updates: dict[int, int] = defaultdict(int)
-        self.timed_s = 0.0
+        self.timed_s = 0.0  # the timed rounds' wall time, less untimed_s
+        self.untimed_s = 0.0  # ... the iterations --verify checked and --profile traced
         self.losses: list[float] = []  # mean training loss of each timed round
         self.grad_errors: list[float] = []
         # --verify, an engine's own: calls, bytes
@@ -131,14 +132,19 @@ class RunRecord:
         round's mean training loss."""
         topo = self.topology
         self.rounds_done += 1
-        self.timed_s += elapsed_s
+        # less the iterations --verify checks and --profile traces, as the batch samples are:
+        # the trainers run them in step, so the round lost the slowest trainer's
+        untimed_s = min(elapsed_s, max(result.get("untimed_s", 0.0) for result in rounds))
+        self.timed_s += elapsed_s - untimed_s
+        self.untimed_s += untimed_s
         # per trainer (with --staleness each runs as many iterations as it can in the round: their
         # mean)
         self.iterations += round(sum(result["iterations"] for result in rounds) / len(rounds))
         self.verified_iterations += rounds[0]["verified_iterations"]
         for info, result in zip(topo.trainers, rounds):
             self.trainer_work[info.rank][0] += result["iterations"]
-            self.trainer_work[info.rank][1] += result["samples_processed"]
+            self.trainer_work[info.rank][1] += (result["samples_processed"]
+                                                - result.get("untimed_samples", 0))
             for metric, values in result["samples"].items():
                 self.trainer_samples[info.rank][metric].extend(values)
             self.trainer_bytes[info.rank][0] += result["bytes_sent"]
@@ -227,6 +233,7 @@ class RunRecord:
                 "samples_per_iteration": cfg.batch_size * cfg.grad_accum,
                 "iterations": self.iterations,
                 "timed_s": self.timed_s,
+                "untimed_s": self.untimed_s,
                 "per_trainer": [{"index": info.index, "rank": info.rank,
                                  "iterations": self.trainer_work[info.rank][0],
                                  "samples_per_s": (self.trainer_work[info.rank][1] / self.timed_s

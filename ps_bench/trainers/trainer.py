@@ -157,6 +157,9 @@ class DdpTrainer(FloorProbes, Resident):
         strategy returned; they are left out of the timing samples, and compared with the exact
         mean after the round, outside the timed region. With ``profile_path``, a few iterations
         are traced by torch.profiler into that Chrome trace file, also left out of the samples.
+        Both are left out of the throughput too: ``untimed_s`` is their wall time (the
+        profiler's start and its trace's writing, the gradient check's all-reduces included),
+        ``untimed_samples`` their samples.
         With ``--target-loss`` the round ends early once training stops (see ``Convergence``).
         """
         ctx, wire = self.hook_context, self.hook_context.wire
@@ -172,7 +175,9 @@ class DdpTrainer(FloorProbes, Resident):
         # iterations that capture, trace or note the bucket sizes (a --target-loss round may end
         # early)
         special = checked | traced | {last} | ({min(1, last)} if self.convergence else set())
-        profiler = None
+        untimed = checked | traced
+        profiler, untimed_s, untimed_steps, began = None, 0.0, 0, 0.0
+        wall = time.perf_counter
         # What every iteration pays on top of training: two clock reads and two more a
         # micro-batch, two byte-counter reads and two appends. Everything else waits for the end
         # of the round
@@ -212,6 +217,8 @@ class DdpTrainer(FloorProbes, Resident):
             counting = marked and step == last and self.held is None
             saved = SavedActivations() if counting else NO_COUNT
             if marked:
+                if step in untimed:
+                    began = wall()
                 ctx.capturing, ctx.noting = step in checked, step == last
                 ctx.batch = (x, y) if ctx.capturing else None
                 if step in traced and profiler is None:
@@ -257,6 +264,8 @@ class DdpTrainer(FloorProbes, Resident):
                 ctx.batch = None
                 if profiler is not None and step == max(traced):
                     profiler = finish_profile(profiler, profile_path)
+                if step in untimed:
+                    untimed_s, untimed_steps = untimed_s + wall() - began, untimed_steps + 1
         else:
             # where the round left the model, on the next round's first batch
             if convergence is not None:
@@ -268,12 +277,16 @@ class DdpTrainer(FloorProbes, Resident):
         if not records:
             return self.empty_round()
         iterations = len(records)  # fewer where a --target-loss round stopped early
-        first_iteration, untimed = iteration - iterations + 1, checked | traced
+        first_iteration = iteration - iterations + 1
         timings = [timing for timing in wire.take_timings()
                    if timing[0] - first_iteration not in untimed]
         phases, samples, timeline = recorded(timer, records, (sent_before, recv_before),
                                              ctx.comm.drain(), timings, first_iteration, untimed,
                                              ctx.ready_events)
+        began = wall()
+        grad_errors = self.gradient_errors()
+        if checked:
+            untimed_s += wall() - began
         return {
             "samples": samples,
             "iterations": iterations,
@@ -282,7 +295,9 @@ class DdpTrainer(FloorProbes, Resident):
             "bytes_recv": sum(samples["bytes_recv"]),
             "losses": torch.stack(losses).float().cpu().tolist(),
             "verified_iterations": len(checked & set(range(iterations))),
-            "grad_errors": self.gradient_errors(),
+            "grad_errors": grad_errors,
+            "untimed_s": untimed_s,
+            "untimed_samples": untimed_steps * self.batch_size * self.accum,
             **({"engine_counts": self.synchroniser.engine_counts(ctx.process_group.size())}
                if hasattr(self.synchroniser, "engine_counts") else {}),
             "memory": trainer_memory(self.device, self.held, self.activations, self.buffers),

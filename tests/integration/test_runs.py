@@ -200,8 +200,14 @@ def test_limits_memory_profile_and_per_rank_tables_in_one_run(tmp_path):
     trace = json.loads((traces / "trainer0-rank0.json").read_text())
     names = {event.get("name") for event in trace["traceEvents"]}
     assert "autograd::engine::evaluate_function: AddmmBackward0" in names or any("Backward" in str(n) for n in names)
-    # the traced iterations are left out of the samples
+    # the traced iterations are left out of the samples, and of the throughput: their samples and
+    # their wall time (the profiler's start and the trace's writing in it)
     assert batch["count"] == 2 * (2 * 32 - 3)
+    throughput = results["throughput"]
+    assert throughput["untimed_s"] > 0
+    timed_samples = batch["count"] * throughput["samples_per_iteration"]
+    assert throughput["samples_per_s"] * throughput["timed_s"] == pytest.approx(timed_samples)
+    assert throughput["timed_s"] * 1000 >= batch["mean"] * batch["count"] / 2  # each trainer's batches fit
 
 
 def test_the_gpu_check_without_a_gpu_is_one_line_exit_2(tmp_path):

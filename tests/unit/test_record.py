@@ -70,6 +70,7 @@ def test_an_ok_run_meets_the_contract_with_numbers_derived_from_the_rounds():
     each = {"iterations": 2 * ITERATIONS, "samples_per_s": 2 * ITERATIONS * BATCH / 0.75}
     assert results["throughput"] == {"samples_per_s": 2 * 2 * ITERATIONS * BATCH / 0.75,
                                      "samples_per_iteration": BATCH, "iterations": 2 * ITERATIONS, "timed_s": 0.75,
+                                     "untimed_s": 0.0,
                                      "per_trainer": [{"index": 0, "rank": 0, **each}, {"index": 1, "rank": 1, **each}]}
     assert results["bytes"] == {"trainer_sent_per_iter": 3200, "trainer_recv_per_iter": 3200,
                                 "server_recv_per_iter": 6400, "server_sent_per_iter": 6400}
@@ -84,6 +85,23 @@ def test_an_ok_run_meets_the_contract_with_numbers_derived_from_the_rounds():
     assert results["samples"][1]["metrics"]["comm"] == [2.5] * 2 * ITERATIONS
     assert "limits" not in results  # no --limits
     assert results["timeline"] is None  # the rounds had none (a GPU's clocks)
+
+
+def test_throughput_leaves_out_the_iterations_verify_checks_and_profile_traces():
+    """As the batch samples leave them out: their wall time comes off the round's, the slowest
+    trainer's (they run in step), and their samples off the samples processed."""
+    record = make_record(verify=True)
+    first, second = trainer_round(0.0, 3200, [1.0]), trainer_round(1.0, 3200, [1.0])
+    first.update(untimed_s=0.1, untimed_samples=BATCH)
+    second.update(untimed_s=0.2, untimed_samples=BATCH)
+    record.add_round(0.5, [first, second], [server_round(0)])
+    record.replicas = replica_summary([torch.ones(1), torch.ones(1)])
+    throughput = record.results("ok")["throughput"]
+    assert throughput["timed_s"] == pytest.approx(0.3) and throughput["untimed_s"] == 0.2
+    assert throughput["iterations"] == ITERATIONS  # every iteration ran; 3 of them timed
+    assert throughput["samples_per_s"] == pytest.approx(2 * (ITERATIONS - 1) * BATCH / 0.3)
+    assert [each["samples_per_s"] for each in throughput["per_trainer"]] == pytest.approx(
+        [(ITERATIONS - 1) * BATCH / 0.3] * 2)
 
 
 def test_the_bucket_timeline_is_p50_over_trainers_and_iterations_in_ready_order():
