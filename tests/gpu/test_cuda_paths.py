@@ -123,15 +123,20 @@ def test_pieces_sent_from_callbacks_on_the_gpu(bench_runs):
     lossless(results)
 
 
-@pytest.mark.parametrize("hook, servers", [("hybrid", "0"), ("sparse_ps", "1")])
+@pytest.mark.parametrize("hook, servers", [("hybrid", "0"), ("sparse_ps", "1"), ("ps", "2")])
 def test_multi_backend_with_sparse_gradients(hook, servers, bench_runs):
+    """Sparse gradients on ``multi``: gloo carries them, NCCL the dense ones. ``ps`` deals the
+    dense pieces over both servers and the sparse bucket whole; ``--limits``'s collective floor
+    all-gathers the sparse bucket, as gloo's sparse all-reduce does."""
     trainers = str(min(GPUS, 2))
     results = job(bench_runs, "--backend", "multi", "--ntrainer", trainers, "--nserver", servers, "--hook", hook,
-                  "--model", "DummyModelSparse", "--data", "DummyData", "--verify", *QUICK)
+                  "--model", "DummyModelSparse", "--data", "DummyData", "--verify", "--limits", *QUICK)
     lossless(results)
     assert results["config"]["model_size"]["sparse_gradient_bytes"] > 0
-    if hook == "sparse_ps":
-        assert results["bytes"]["server_recv_per_iter"] > 0  # the sparse buckets went to the server
+    sparse = [b["index"] for b in results["config"]["model_size"]["ddp_buckets"] if b["sparse"]]
+    assert results["limits"]["collective"]["all_gathered"] == sparse
+    if hook != "hybrid":
+        assert results["bytes"]["server_recv_per_iter"] > 0  # the buckets went to the server(s)
 
 
 @pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd", "batched_powersgd"])
