@@ -110,10 +110,14 @@ class HookContext:
         buckets after the first one, and launches buckets in index order, so ``is_last`` closes
         the layout), a sparse bucket whole and after the dense pieces (``piece_owners``). Sizes
         are dense sizes, identical on every trainer, so every trainer computes the same owners
-        without talking to the others. Every bucket passes here once an iteration, in order.
+        without talking to the others. Every bucket the strategy pushes passes here once an
+        iteration, in order; where the last is not among them (``sparse_ps`` all-reduces the
+        dense ones), the first bucket seen twice closes the layout.
         """
         tensor = bucket.buffer()
         index, elements = bucket.index(), tensor.numel()
+        if index in self._seen:  # a new iteration, and the last bucket did not pass here
+            self._close_layout(parts)
         self._seen[index] = (elements, tensor.is_sparse)
         if not tensor.is_sparse:
             self._piece = piece  # the strategy's, the same for every dense bucket
@@ -126,15 +130,20 @@ class HookContext:
             servers = [self._owners.get(key, piece_root(key, len(self.servers)))
                        for key, _, _ in owned]
         if bucket.is_last():
-            if self._seen != self._layout:
-                self._layout = self._seen
-                self._owners = piece_owners(
-                    {index: size for index, (size, _) in self._layout.items()}, parts,
-                    len(self.servers), self._piece,
-                    sparse=[index for index, (_, sparse) in self._layout.items() if sparse])
-            self._seen = {}
+            self._close_layout(parts)
         return [(key, first, length, server)
                 for (key, first, length), server in zip(owned, servers)]
+
+    def _close_layout(self, parts: int) -> None:
+        """The buckets seen since the last close are a whole iteration's: where they differ from
+        the layout the owners were dealt from, deal again."""
+        if self._seen != self._layout:
+            self._layout = self._seen
+            self._owners = piece_owners(
+                {index: size for index, (size, _) in self._layout.items()}, parts,
+                len(self.servers), self._piece,
+                sparse=[index for index, (_, sparse) in self._layout.items() if sparse])
+        self._seen = {}
 
     def note_bucket(self, bucket: dist.GradBucket) -> None:
         """Keeps the bucket sizes (and the shapes of its gradients) DDP hands the hook, one whole

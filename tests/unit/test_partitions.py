@@ -15,7 +15,7 @@ from ps_bench.metrics.costs import Link, Nodes
 from ps_bench.metrics.memory import trainer_memory
 from ps_bench.metrics.messages import piece_elements
 from ps_bench.predict import pipelines
-from ps_bench.runtime.topology import PIECES, piece_owners, piece_ranges, slice_size
+from ps_bench.runtime.topology import PIECES, piece_owners, piece_ranges, piece_root, slice_size
 from ps_bench.strategies.base import HookOnly
 from ps_bench.strategies.hook_options import hook_options
 from ps_bench.strategies.partitions import Partitioned, PieceWindow
@@ -272,6 +272,26 @@ def test_a_sparse_bucket_goes_whole_after_the_dense_pieces_whichever_bucket_clos
     assert sparse_pieces[0][3] == owners[PIECES] == 1  # least loaded: 3 elements, the first of two
     assert [server for *_, server in dense_pieces] == [owners[key] for key in (0, 1, 2)]
     assert iteration([7, 8, 9]) == [dense_pieces, sparse_pieces]  # other rows, the same deal
+
+
+def test_where_only_sparse_buckets_pass_the_first_one_seen_again_closes_the_layout():
+    """``sparse_ps`` pushes its sparse buckets and all-reduces the dense ones; where DDP's last
+    bucket is dense, ``is_last`` never passes, and the sparse buckets are still dealt as
+    ``piece_owners`` (and predict) deal them, from the second iteration on."""
+    from ps_bench.strategies.base import HookContext
+    ctx = HookContext(process_group=None, servers=[None, None, None], mapping="shard",
+                      group_server=None, cuda_rpc=False, rpc_timeout=60)
+
+    def iteration():  # buckets 1 and 2 sparse, pushed; 0 and 3 dense, all-reduced (3 the last)
+        return [ctx.pieces(SimpleNamespace(buffer=lambda: sparse_embedding_gradient(rows, [0]),
+                                           index=lambda i=i: i, is_last=lambda: False))[0][3]
+                for i, rows in ((1, 64), (2, 32))]
+
+    assert iteration() == [piece_root(PIECES, 3), piece_root(2 * PIECES, 3)] == [1, 2]  # learning the layout
+    owners = piece_owners({1: 256, 2: 128}, 1, 3, None, sparse=[1, 2])
+    assert iteration() == iteration() == [owners[PIECES], owners[2 * PIECES]] == [0, 1]
+    predicted = pipelines.server_pieces([(1.0, 256.0), (2.0, 128.0)], 3, sparse=[0, 1])
+    assert [server for *_, server in predicted] == [0, 1]
 
 
 def test_sparse_buckets_take_turns_from_the_least_loaded_server_and_predict_sends_them_whole():
