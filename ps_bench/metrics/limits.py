@@ -116,8 +116,12 @@ def link_summary(samples: dict[int, list[float]], method: str, peers: int) -> di
             **fit_link(points, method, peers)}
 
 
-def floor_summary(samples_ms: list[float], nbytes: int, world: int | None = None) -> dict:
-    """p50/p90 of a floor's samples, its algbw and, for collectives (``world``), busbw."""
+def floor_summary(samples_ms: list[float], nbytes: int, world: int | None = None,
+                  gathered_bytes: int = 0) -> dict:
+    """p50/p90 of a floor's samples, its algbw and, for collectives (``world``), busbw: what
+    each trainer's link carries over the time, ``2(n-1)/n`` of the all-reduced bytes and
+    ``n-1`` times the ``gathered_bytes`` (sparse buckets, all-gathered: each trainer's rows to
+    every other)."""
     ordered = sorted(samples_ms)
     p50 = statistics.median(ordered)
     out = {
@@ -127,7 +131,8 @@ def floor_summary(samples_ms: list[float], nbytes: int, world: int | None = None
         "algbw_gbps": algbw_gbps(nbytes, p50),
     }
     if world is not None:
-        out["busbw_gbps"] = busbw_gbps(out["algbw_gbps"], world)
+        out["busbw_gbps"] = (busbw_gbps(algbw_gbps(nbytes - gathered_bytes, p50), world)
+                             + algbw_gbps(gathered_bytes * (world - 1), p50))
     return out
 
 

@@ -48,8 +48,11 @@ def limits(record: Any) -> dict | None:
         "rpc": ({**measure.floor_summary(samples["rpc_ms"], per_iteration),
                  "tensors": "cuda" if record.topology.rpc_on_gpu else "cpu"}
                 if samples["rpc_ms"] else None),
-        "collective": {**measure.floor_summary(samples["collective_ms"], per_iteration,
-                                               world=trainers),
+        "collective": {**measure.floor_summary(
+                           samples["collective_ms"], per_iteration, world=trainers,
+                           gathered_bytes=message_bytes({index: parts for index, parts
+                                                         in record.floor_messages.items()
+                                                         if index in record.floor_gathered})),
                        "backend": record.config.backend,
                        "all_gathered": list(record.floor_gathered)},
         "own": own,

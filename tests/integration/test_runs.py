@@ -51,6 +51,11 @@ def test_every_hook_server_and_mapping_on_gloo(hook, server, mapping, extra, ben
     if "--limits" in extra:  # one sparse bucket (the embedding's), one dense
         floors = results["limits"]
         assert floors["buckets"] == 2 and len(floors["collective"]["all_gathered"]) == 1
+        gathered, = [bucket["bytes"] for bucket in results["config"]["model_size"]["ddp_buckets"]
+                     if bucket["index"] in floors["collective"]["all_gathered"]]
+        collective = floors["collective"]  # busbw: each trainer's link, 2(n-1)/n dense and n-1 gathered
+        link_bytes = 2 * 2 / 3 * (floors["bytes_per_iter"] - gathered) + 2 * gathered
+        assert collective["busbw_gbps"] == pytest.approx(link_bytes / collective["p50_ms"] / 1e6)
         assert results["efficiency"]["floor_of"] == "its float32 buckets"
         assert results["efficiency"]["value"] > 0
     if HOOKS.record(hook).transport is None:
