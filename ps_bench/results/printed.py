@@ -33,8 +33,13 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
     rate, config = throughput["samples_per_s"], results["config"]
     steps = (f" (optimizer steps of {config['grad_accum']} micro-batches of "
              f"{config['batch_size']})" if config.get("grad_accum", 1) > 1 else "")
+    untimed_s = throughput.get("untimed_s", 0.0)
+    untimed = " or ".join(word for flag, word in (("verify", "--verify checked"),
+                                                  ("profile", "--profile traced")) if config.get(flag))
+    left_out = (f", less the iterations {untimed} ({untimed_s:.2f} s)" if untimed_s > 0 and untimed
+                else "")
     print(f"\nthroughput: {rate:.1f} samples/s ({1000.0 / rate if rate else 0.0:.3f} ms a "
-          f"sample) over {throughput['iterations']} iterations{steps} per trainer")
+          f"sample) over {throughput['iterations']} iterations{steps} per trainer{left_out}")
     print(
         "bytes per iteration: trainer sent {trainer_sent_per_iter:.0f}, "
         "recv {trainer_recv_per_iter:.0f}; "

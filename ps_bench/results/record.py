@@ -132,9 +132,10 @@ class RunRecord:
         round's mean training loss."""
         topo = self.topology
         self.rounds_done += 1
-        # less the iterations --verify checks and --profile traces, as the batch samples are:
-        # the trainers run them in step, so the round lost the slowest trainer's
-        untimed_s = min(elapsed_s, max(result.get("untimed_s", 0.0) for result in rounds))
+        # less the iterations --verify checks and --profile traces, as the batch samples are. The
+        # trainers run them nearly in step, each its own time on them plus its wait for the
+        # others: less the least of them, so that every trainer's timed iterations still fit
+        untimed_s = min(elapsed_s, min(result.get("untimed_s", 0.0) for result in rounds))
         self.timed_s += elapsed_s - untimed_s
         self.untimed_s += untimed_s
         # per trainer (with --staleness each runs as many iterations as it can in the round: their

@@ -210,6 +210,7 @@ def test_limits_memory_profile_and_per_rank_tables_in_one_run(tmp_path):
     assert batch["count"] == 2 * (2 * 32 - 3)
     throughput = results["throughput"]
     assert throughput["untimed_s"] > 0
+    assert f"less the iterations --profile traced ({throughput['untimed_s']:.2f} s)" in run.stdout
     timed_samples = batch["count"] * throughput["samples_per_iteration"]
     assert throughput["samples_per_s"] * throughput["timed_s"] == pytest.approx(timed_samples)
     assert throughput["timed_s"] * 1000 >= batch["mean"] * batch["count"] / 2  # each trainer's batches fit
