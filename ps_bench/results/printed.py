@@ -35,7 +35,8 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
              f"{config['batch_size']})" if config.get("grad_accum", 1) > 1 else "")
     untimed_s = throughput.get("untimed_s", 0.0)
     untimed = " or ".join(word for flag, word in (("verify", "--verify checked"),
-                                                  ("profile", "--profile traced")) if config.get(flag))
+                                                  ("profile", "--profile traced"))
+                          if config.get(flag))
     left_out = (f", less the iterations {untimed} ({untimed_s:.2f} s)" if untimed_s > 0 and untimed
                 else "")
     print(f"\nthroughput: {rate:.1f} samples/s ({1000.0 / rate if rate else 0.0:.3f} ms a "
