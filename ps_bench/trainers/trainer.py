@@ -271,7 +271,9 @@ class DdpTrainer(FloorProbes, Resident):
             if convergence is not None:
                 convergence.check(iteration, [t[:batch_size] for t in inputs], targets[:batch_size])
         if profiler is not None:  # a --target-loss round that stopped amid the traced iterations
+            began = wall()
             finish_profile(profiler, profile_path)
+            untimed_s += wall() - began
         self.iteration = iteration
         self.synchroniser.end_round(ctx, model)
         if not records:
