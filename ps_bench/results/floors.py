@@ -39,7 +39,8 @@ def limits(record: Any) -> dict | None:
     if record.own_messages is not None and samples["own_ms"]:
         own_bytes = message_bytes(record.own_messages)
         own = {**measure.floor_summary(samples["own_ms"], own_bytes,
-                                       world=trainers if strategy.floor == "collective" else None),
+                                       world=trainers if strategy.floor == "collective" else None,
+                                       gathered_bytes=gathered_bytes(record, record.own_messages)),
                "transport": strategy.floor, "bytes_per_iter": own_bytes,
                "messages": {str(index): parts for index, parts in record.own_messages.items()}}
     return {
@@ -50,9 +51,7 @@ def limits(record: Any) -> dict | None:
                 if samples["rpc_ms"] else None),
         "collective": {**measure.floor_summary(
                            samples["collective_ms"], per_iteration, world=trainers,
-                           gathered_bytes=message_bytes({index: parts for index, parts
-                                                         in record.floor_messages.items()
-                                                         if index in record.floor_gathered})),
+                           gathered_bytes=gathered_bytes(record, record.floor_messages)),
                        "backend": record.config.backend,
                        "all_gathered": list(record.floor_gathered)},
         "own": own,
@@ -64,6 +63,12 @@ def limits(record: Any) -> dict | None:
         "compute": {"count": len(samples["compute_ms"]),
                     "p50_ms": float(np.median(samples["compute_ms"]))},
     }
+
+
+def gathered_bytes(record: Any, messages: dict[int, list[tuple[int, str]]]) -> int:
+    """The bytes of ``messages`` that collective floors all-gather: the sparse buckets'."""
+    return message_bytes({index: parts for index, parts in messages.items()
+                          if index in record.floor_gathered})
 
 
 def periods(record: Any) -> dict[str, float]:

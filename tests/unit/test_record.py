@@ -187,6 +187,24 @@ def test_a_compressing_strategy_is_held_against_its_own_bytes_and_gains_over_flo
     assert efficiency["float32_floor_ms"] == 4.0 and efficiency["gain_over_float32"] == 2.0
 
 
+def test_a_sparse_buckets_busbw_counts_it_once_for_each_other_trainer():
+    """3 trainers, fp16 on a model with a sparse bucket (0, all-gathered in float32 as gloo sends
+    it) and a dense one (1): each trainer's link carries 2(n-1)/n of the dense bytes and n-1
+    times the sparse ones, in the float32 floor and in the strategy's own alike."""
+    record = make_record(limits=True, hook="fp16", ntrainer=3, nserver=0)
+    rounds = [trainer_round(0.0, 3200, [1.0]) for _ in range(3)]
+    record.add_round(0.5, rounds, [])
+    record.floor_messages = {0: [(500, "float32")], 1: [(750, "float32")]}
+    record.own_messages = {0: [(500, "float32")], 1: [(750, "float16")]}
+    record.floor_gathered = [0]
+    record.add_floors([{"collective_ms": [1.0], "own_ms": [1.0], "compute_ms": [1.0]}] * 3)
+    record.memcpy = {"bytes": 5000, "count": 1, "p50_ms": 0.01, "gbps": 0.5}
+    limits = record.results("ok")["limits"]
+    assert limits["collective"]["all_gathered"] == [0]
+    assert limits["collective"]["busbw_gbps"] == pytest.approx((2 * 2000 + 4 / 3 * 3000) / 1e-3 / 1e9)
+    assert limits["own"]["busbw_gbps"] == pytest.approx((2 * 2000 + 4 / 3 * 1500) / 1e-3 / 1e9)
+
+
 def test_the_printed_report_and_the_file_come_from_the_same_record(tmp_path, capsys):
     record = make_record()
     two_rounds(record)
