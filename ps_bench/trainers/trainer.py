@@ -176,7 +176,7 @@ class DdpTrainer(FloorProbes, Resident):
         # early)
         special = checked | traced | {last} | ({min(1, last)} if self.convergence else set())
         untimed = checked | traced
-        profiler, untimed_s, untimed_steps, began = None, 0.0, 0, 0.0
+        profiler, untimed_s, began = None, 0.0, 0.0
         wall = time.perf_counter
         # What every iteration pays on top of training: two clock reads and two more a
         # micro-batch, two byte-counter reads and two appends. Everything else waits for the end
@@ -265,7 +265,7 @@ class DdpTrainer(FloorProbes, Resident):
                 if profiler is not None and step == max(traced):
                     profiler = finish_profile(profiler, profile_path)
                 if step in untimed:
-                    untimed_s, untimed_steps = untimed_s + wall() - began, untimed_steps + 1
+                    untimed_s += wall() - began
         else:
             # where the round left the model, on the next round's first batch
             if convergence is not None:
@@ -299,7 +299,8 @@ class DdpTrainer(FloorProbes, Resident):
             "verified_iterations": len(checked & set(range(iterations))),
             "grad_errors": grad_errors,
             "untimed_s": untimed_s,
-            "untimed_samples": untimed_steps * self.batch_size * self.accum,
+            "untimed_samples": (len(untimed & set(range(iterations)))
+                                * self.batch_size * self.accum),
             **({"engine_counts": self.synchroniser.engine_counts(ctx.process_group.size())}
                if hasattr(self.synchroniser, "engine_counts") else {}),
             "memory": trainer_memory(self.device, self.held, self.activations, self.buffers),
