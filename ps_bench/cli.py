@@ -22,12 +22,12 @@ from typing import NoReturn
 from tabulate import tabulate
 
 from ps_bench.runtime import preload
-from ps_bench.config import ConfigError, RunConfig, build_config
+from ps_bench.config import ConfigError, RunConfig, build_config, check_writable_folder
 from ps_bench.runtime.failures import Terminated, raise_terminated
 from ps_bench.job import cuda_device_count, validate
 from ps_bench.processes.launch import (JobFailed, LaunchSpec, run_torchrun_rank, spawn,
                                        under_torchrun)
-from ps_bench.results.files import default_results_path
+from ps_bench.results.files import results_path
 from ps_bench.options import (EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, HelpFormatter,
                               Parser, add_run_options, parse_run_options, plural, usage_error)
 from ps_bench.runtime.topology import Topology
@@ -197,8 +197,10 @@ def launch_spec(cfg: RunConfig, argv: list[str], launched_at: float, imported: f
     node = int(os.environ.get("GROUP_RANK", 0)) if torchrun else 0
     node_ranks = range(node * local_world_size, (node + 1) * local_world_size)
     job = validate(cfg, trainers_on_node=sum(r < cfg.num_trainers for r in node_ranks))
-    results_path = cfg.out or str(default_results_path(cfg.hook, cfg.num_trainers, cfg.num_servers))
-    return LaunchSpec(job, ["bench.py", *argv], "", results_path, local_world_size,
+    results = results_path(cfg.out, cfg.hook, cfg.num_trainers, cfg.num_servers)
+    if cfg.world_size - 1 in node_ranks:  # the master writes it: checked before any process starts
+        check_writable_folder(str(results.parent), "--out's folder")
+    return LaunchSpec(job, ["bench.py", *argv], "", str(results), local_world_size,
                       cuda_device_count(), torchrun, launched_at,
                       milestones={"imported": imported, "validated": time.time()})
 

@@ -226,7 +226,8 @@ class RunConfig:
                                        "time",
                                  metavar="DIR")
     out: str | None = option(None, "results file (default: a new name under results/; never "
-                                   "overwritten)", metavar="PATH")
+                                   "overwritten); a folder (one that exists, or ending in /): "
+                                   "the new name inside it", metavar="PATH")
     per_rank: bool = option(False, "also print one table row per rank")
     verbose: bool = option(False, "also print where the start-up time went, phase by phase "
                                   "(always in the results, env.startup_s)")

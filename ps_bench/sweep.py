@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ps_bench.config import JSON_KEYS, ConfigError, build_config, coerce, read_json
+from ps_bench.config import (JSON_KEYS, ConfigError, build_config, check_writable_folder, coerce,
+                             read_json)
 from ps_bench.job import Job, cuda_device_count, validate
 from ps_bench.options import typed
 from ps_bench.results.files import (RESULTS_NAME, append_line, config_hash, environment,
@@ -216,8 +217,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace, bench_argv: list[str]) -> None:
-    """The sweep file, every point of it validated (as on a machine that can run it)."""
+    """The sweep file, every point of it validated (as on a machine that can run it), and a
+    folder for its results."""
     load_sweep(args.file, machine=False)
+    check_writable_folder(args.out, "--out")
 
 
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
@@ -229,6 +232,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
 def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None,
               debug: bool = False) -> int:
     name, points = load_sweep(path)
+    check_writable_folder(out, "--out")
     out_dir = Path(out)
     (out_dir / "points").mkdir(parents=True, exist_ok=True)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)

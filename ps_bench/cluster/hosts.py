@@ -131,7 +131,7 @@ def check(args: argparse.Namespace,
           bench_argv: list[str]) -> tuple[list[Target], RunConfig, NodeLayout]:
     """The hosts (the hostfile read), the engine's options and the bench options, before any host
     is reached."""
-    targets = parse_hosts(args.hosts) if args.hosts else read_hostfile(args.hostfile)
+    targets = parse_hosts(args.hosts) if args.hostfile is None else read_hostfile(args.hostfile)
     parse_env(args.env)
     cfg, layout = cluster_job(args, bench_argv, len(targets), UNKNOWN_GPUS, hosts=True)
     check_targets(targets, layout)

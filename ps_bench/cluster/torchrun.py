@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ps_bench.config import ConfigError, RunConfig, build_config, check_port
-from ps_bench.job import validate
+from ps_bench.job import check_options, validate
 from ps_bench.options import parse_run_options, plural, typed
 from ps_bench.runtime.addresses import interface_env
 
@@ -123,6 +123,7 @@ def cluster_job(args: argparse.Namespace, bench_argv: list[str], nodes: int, gpu
         raise ConfigError("--emulate-link emulates a network of hosts on this one machine: run it "
                           "with bench.py (bench.py emulate), not across real nodes")
     cfg.iface = None
+    check_options(cfg)  # each option on its own, before the counts are laid out over the nodes
     layout = layout_for(cfg, nodes, hosts)
     wants_cuda = cfg.backend != "gloo" or cfg.ncudatrainer or cfg.ncudaserver
     if gpus_per_node == UNKNOWN_GPUS:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ps_bench.config import ConfigError
+from ps_bench.config import ConfigError, check_writable_folder
 from ps_bench.options import KeyValue
 from ps_bench.metrics import costs
 from ps_bench.predict import memory, pipelines
@@ -182,6 +183,11 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
     latency_s = parse_target_latency(args.latency) if args.latency is not None else None
     intra = (target_link("--intra-link", args.intra_link, args.intra_link_kind,
                          args.intra_link_efficiency, None) if args.intra_link is not None else None)
+    if not 0 < args.bucket_cap_mb < math.inf:
+        raise ConfigError(f"--bucket-cap-mb must be positive; got {args.bucket_cap_mb}")
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path is not None:
+            check_writable_folder(str(Path(path).absolute().parent), f"{flag}'s folder")
     if args.servers is not None:
         count_list(args.servers, "servers", allow_auto=True)
     places = [place.strip() for place in args.servers_on.split(",")]

@@ -4,6 +4,7 @@ meta device (sizes only), with when backward makes each ready, from the FLOPs of
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -131,8 +132,8 @@ def parse_phases(text: str) -> dict[str, float]:
             f"--compute-ms: "
             f"{'missing ' + ', '.join(missing) if missing else 'unknown ' + ', '.join(extra)}"
             f"; expected forward=F,backward=B,optimizer=O in ms")
-    if any(value < 0 for value in phases.values()):
-        raise ConfigError(f"--compute-ms: a phase cannot take less than 0 ms; got {text!r}")
+    if not all(0 <= value < math.inf for value in phases.values()):
+        raise ConfigError(f"--compute-ms: each phase takes a number of ms, 0 or more; got {text!r}")
     return phases
 
 

@@ -266,13 +266,17 @@ def host_store(cfg: RunConfig) -> tuple[dist.TCPStore, int]:
 
 def keep_finished_rounds(spec: LaunchSpec, error: str) -> Path | None:
     """Writes the failed run's results file from the master's last snapshot (or, if the master
-    never got going, what was asked)."""
+    never got going, what was asked); where its path cannot be written (checked when the run
+    began, but a disk fills, a folder goes), the same name under the system's temporary folder."""
     results = failed_results(read_snapshot(spec.run_dir), error, config=spec.config.to_dict(),
                              argv=spec.argv, env=environment(spec.config.backend))
-    try:
-        return write_results(results, spec.results_path)
-    except OSError:
-        return None
+    elsewhere = Path(tempfile.gettempdir()) / "ps_bench" / Path(spec.results_path).name
+    for path in (spec.results_path, elsewhere):
+        try:
+            return write_results(results, path)
+        except OSError:
+            continue
+    return None
 
 
 def spawn(spec: LaunchSpec, watchdog: tuple[float, str] | None = None) -> int:

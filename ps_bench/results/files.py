@@ -46,6 +46,18 @@ def default_results_path(hook: str, num_trainers: int, num_servers: int) -> Path
     return Path("results") / f"{stamp}-{hook}-{num_trainers}t{num_servers}s.json"
 
 
+def results_path(out: str | None, hook: str, num_trainers: int, num_servers: int) -> Path:
+    """Where a run's results file goes: ``--out``, or a new name under ``results/``; where
+    ``--out`` names a folder (one that exists, or a path ending in a separator), that new name
+    inside it."""
+    default = default_results_path(hook, num_trainers, num_servers)
+    if out is None:
+        return default
+    if out.endswith(("/", os.sep)) or Path(out).is_dir():
+        return Path(out) / default.name
+    return Path(out)
+
+
 def write_results(results: dict, path: str | os.PathLike) -> Path:
     """Writes atomically and never overwrites: an existing name gets a numbered suffix.
 

@@ -1,6 +1,7 @@
 """The command line in-process: parsing, precedence and one-line errors (no processes start)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -8,6 +9,7 @@ from ps_bench.cli import build_parser, main
 from ps_bench.models import DATA
 from ps_bench.models.dummy import DummyData
 from ps_bench.options import REGISTRIES
+from ps_bench.results.files import results_path
 
 
 def parse(*argv):
@@ -158,6 +160,25 @@ def test_profile_into_a_folder_that_cannot_be_made_is_one_line_and_exit_2(capsys
 def test_profile_folder_is_not_made_by_a_dry_run(capsys, tmp_path):
     assert main(["--profile", str(tmp_path / "new" / "traces"), "--dry-run"]) == 0
     assert not (tmp_path / "new").exists()
+
+
+def test_out_where_no_file_can_be_written_is_one_line_and_exit_2(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["--out", str(blocker / "r.json"), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out" in err and "is not a folder" in err, err
+
+
+def test_out_naming_a_folder_puts_the_new_name_inside_it(tmp_path):
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    inside = results_path(str(folder), "ps", 2, 1)
+    assert inside.parent == folder and inside.name.endswith("-ps-2t1s.json")
+    made_later = results_path(str(tmp_path / "later") + "/", "allreduce", 4, 0)
+    assert made_later.parent == tmp_path / "later" and made_later.name.endswith("-allreduce-4t0s.json")
+    assert results_path(str(tmp_path / "r.json"), "ps", 2, 1) == tmp_path / "r.json"
+    assert results_path(None, "ps", 2, 1).parent == Path("results")
 
 
 def test_new_options_explain_themselves(capsys):

@@ -64,6 +64,7 @@ def test_sbatch_script_expands_the_node_rank_in_each_task():
     (["--nodes", "2", "--", "--backend", "nccl"], "set --gpus-per-node"),
     (["--nodes", "2", "--port", "70000", "--"], "--port must be in 1..65535"),
     (["--", "--ntrainer", "2"], "the following arguments are required: --nodes"),
+    (["--nodes", "2", "--", "--ntrainer", "-1"], "--ntrainer must be 0 or more; got -1"),
 ])
 def test_slurm_refuses_bad_input_in_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exited:
@@ -107,6 +108,22 @@ def test_hostfile_takes_deepspeed_lines_and_comments(tmp_path):
     hostfile.write_text("node1 gpus=4\n")
     with pytest.raises(ConfigError, match=r"hosts:1: expected '\[user@\]host \[slots=N\]'"):
         read_hostfile(str(hostfile))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["launch", "--hosts", "", "--", "--ntrainer", "2"], "--hosts: expected [user@]host"),
+    (["sweep", str(EXAMPLES.parents[1] / "configs" / "sweeps" / "hooks.json"), "--out", "{file}"], "is not a folder"),
+])
+def test_empty_hosts_and_a_sweep_folder_that_is_a_file_are_refused_in_one_line(capsys, tmp_path, argv, message):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    argv = [str(blocker) if word == "{file}" else word for word in argv]
+    with pytest.raises(SystemExit) as exited:
+        raise SystemExit(main(argv))
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.err.count("\n") == 1, captured.err
+    assert blocker.read_text() == ""
 
 
 def test_each_host_runs_torchrun_under_ssh_with_a_terminal():

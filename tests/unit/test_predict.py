@@ -257,6 +257,10 @@ BAD_INPUTS = [
     (lambda p: [results_file(p, limits=False)], "no link to predict with: give runs made with --limits"),
     (lambda p: [str(p / "missing.json")], "missing.json' does not exist"),
     (lambda p: [results_file(p), "--hooks", "powersgd"], "give a run of powersgd to calibrate it"),
+    (lambda p: [results_file(p), "--bucket-cap-mb", "0"], "--bucket-cap-mb must be positive; got 0.0"),
+    (lambda p: ["--model", "resnet18", "--batch-size", "8", "--link", "10gbit",
+                "--compute-ms", "forward=nan,backward=2,optimizer=0"], "each phase takes a number of ms, 0 or more"),
+    (lambda p: [results_file(p), "--out", str(Path(results_file(p)) / "p.json")], "is not a folder"),
 ]
 
 

@@ -2,12 +2,16 @@
 read back through the one checked loader, whose refusal is the same one line from every command."""
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from ps_bench.cli import main
-from ps_bench.config import ConfigError
+from ps_bench.config import ConfigError, build_config
+from ps_bench.job import validate
+from ps_bench.options import parse_run_options
+from ps_bench.processes.launch import LaunchSpec, keep_finished_rounds
 from ps_bench.results.files import append_line, write_results
 from ps_bench.results.load import load_file, load_lines, load_source
 
@@ -24,6 +28,21 @@ def test_results_are_never_overwritten(tmp_path):
     assert (first, second, third) == (target, target.with_name("run-1.json"), target.with_name("run-2.json"))
     assert [json.loads(p.read_text())["n"] for p in (first, second, third)] == [1, 2, 3]
     assert sorted(p.name for p in target.parent.iterdir()) == ["run-1.json", "run-2.json", "run.json"]
+
+
+def test_a_failed_runs_results_go_to_the_temporary_folder_where_their_path_cannot_be_written(
+        tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"  # a file where the results' folder should be
+    blocker.write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    cfg = build_config(*parse_run_options(["--rounds", "3"]))
+    spec = LaunchSpec(validate(cfg), ["bench.py", "--rounds", "3"], str(tmp_path / "run"),
+                      str(blocker / "r.json"), cfg.world_size, 0)
+    kept = keep_finished_rounds(spec, "master 0 (rank 3, master) failed: OSError")
+    assert kept == tmp_path / "tmp" / "ps_bench" / "r.json"
+    results = json.loads(kept.read_text())
+    assert results["status"] == "failed" and "OSError" in results["error"]
+    assert results["config"]["rounds"] == 3
 
 
 def test_a_file_written_before_the_results_package_is_read_by_every_command(tmp_path, capsys):
