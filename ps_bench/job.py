@@ -73,7 +73,9 @@ def check_options(cfg: RunConfig) -> None:
         need(value is None or value >= 1, f"{flag(name)} must be at least 1; got {value}")
     for name in ("lr", "rpc_timeout", "bucket_cap_mb", "timeout"):
         value = getattr(cfg, name)
-        need(value is None or value > 0, f"{flag(name)} must be positive; got {value}")
+        need(value is None or 0 < value < math.inf,
+             f"{flag(name)} must be positive{' and finite' if value == math.inf else ''}; "
+             f"got {value}")
     if cfg.inject_fault is not None:
         try:
             fault = Fault.parse(cfg.inject_fault)
@@ -118,13 +120,14 @@ def check_options(cfg: RunConfig) -> None:
 
 def check_optimizer(cfg: RunConfig) -> None:
     """--optimizer and its options; the weight decay defaults to torch's for the optimizer."""
-    need(cfg.momentum >= 0, f"--momentum must be 0 or more; got {cfg.momentum}")
+    need(0 <= cfg.momentum < math.inf, f"--momentum must be 0 or more, finite; got {cfg.momentum}")
     need(cfg.momentum == 0 or cfg.optimizer == "sgd",
          f"--momentum is SGD's; --optimizer {cfg.optimizer} has its own "
          f"(leave --momentum out)")
     if cfg.weight_decay is None:
         cfg.weight_decay = DEFAULT_WEIGHT_DECAY.get(cfg.optimizer, 0.0)
-    need(cfg.weight_decay >= 0, f"--weight-decay must be 0 or more; got {cfg.weight_decay}")
+    need(0 <= cfg.weight_decay < math.inf,
+         f"--weight-decay must be 0 or more, finite; got {cfg.weight_decay}")
 
 
 def check_labels(cfg: RunConfig, dataset: SyntheticData) -> None:
