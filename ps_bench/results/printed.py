@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from tabulate import tabulate
 
 from ps_bench.metrics.stats import TABLE_HEADERS, SummaryRow
@@ -50,9 +52,12 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
         print(f"replicas: do not apply (--staleness: the servers hold the one model) "
               f"param_norm={replicas['param_norm']:.6f}")
     else:
+        diverged = ("" if math.isfinite(replicas["param_norm"])
+                    else " (parameters not finite: the training diverged; a smaller --lr?)")
         print(
             f"replicas: identical={str(replicas['identical']).lower()} "
             f"param_norm={replicas['param_norm']:.6f} max_abs_diff={replicas['max_abs_diff']:.3g}"
+            f"{diverged}"
         )
     per_trainer = throughput.get("per_trainer", [])
     if len({entry["iterations"] for entry in per_trainer}) > 1 or results.get("staleness"):

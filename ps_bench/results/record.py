@@ -43,6 +43,13 @@ def servers_model_summary(vectors: list[torch.Tensor]) -> dict:
             "max_abs_diff": None, "checked_at": None}
 
 
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element by element, NaN where the other is NaN: replicas that diverged alike are
+    alike (``torch.equal`` calls no NaN equal)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+
+
 def replica_summary(vectors: list[torch.Tensor], checked_at: str = EVERY_ITERATION) -> dict:
     """Whether every trainer holds the same parameters (flattened), and how far apart they are;
     ``checked_at`` says which parameters each trainer handed over (its strategy record's
@@ -50,7 +57,7 @@ def replica_summary(vectors: list[torch.Tensor], checked_at: str = EVERY_ITERATI
     from the shards)."""
     reference = vectors[0]
     return {
-        "identical": all(torch.equal(v, reference) for v in vectors),
+        "identical": all(same_values(v, reference) for v in vectors),
         "param_norm": parameter_norm(reference),
         "max_abs_diff": max((v - reference).abs().max().item() for v in vectors),
         "checked_at": checked_at,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -216,6 +217,20 @@ def test_the_printed_report_and_the_file_come_from_the_same_record(tmp_path, cap
     assert "replicas: identical=false" in printed and "max_abs_diff=0.5" in printed
     assert "bytes per iteration: trainer sent 3200, recv 3200; server recv 6400, sent 6400" in printed
     assert json.loads(write_results(results, tmp_path / "r.json").read_text()) == results
+
+
+def test_replicas_that_diverged_alike_are_identical_and_the_report_says_they_diverged(capsys):
+    nan = float("nan")
+    alike = replica_summary([torch.tensor([1.0, nan]), torch.tensor([1.0, nan])])
+    assert alike["identical"] is True and math.isnan(alike["param_norm"])
+    assert replica_summary([torch.tensor([1.0, nan]), torch.tensor([nan, 1.0])])["identical"] is False
+    assert replica_summary([torch.tensor([1.0, nan]), torch.tensor([2.0, nan])])["identical"] is False
+    record = make_record()
+    two_rounds(record)
+    record.replicas = alike
+    print_report(record.results("ok"), record.rows())
+    printed = capsys.readouterr().out
+    assert "identical=true param_norm=nan" in printed and "the training diverged; a smaller --lr?" in printed
 
 
 def test_a_report_whose_every_iteration_was_verified_says_why_it_has_no_batch_times(capsys):
