@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.job import Job
-from ps_bench.results.files import environment, failed_results, read_snapshot, write_results
+from ps_bench.results.files import environment, failed_results, keep_results, read_snapshot
 from ps_bench.processes import rendezvous
 from ps_bench.runtime import failures, network, preload
 from ps_bench.runtime.addresses import interface_env, loopback
@@ -207,10 +207,11 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
         # no launcher of ours to keep the finished rounds; a job torchrun restarts writes its file
         # later
         if master is not None and spec.torchrun and not rendezvous.restarts_left():
-            path = write_results(
+            path = keep_results(
                 master.record.results("failed", error=f"{info.describe()} failed: {error}"),
                 spec.results_path)
-            print(f"results (failed run): {path}", flush=True)
+            if path is not None:
+                print(f"results (failed run): {path}", flush=True)
         failures.fatal(error)
 
 
@@ -266,17 +267,10 @@ def host_store(cfg: RunConfig) -> tuple[dist.TCPStore, int]:
 
 def keep_finished_rounds(spec: LaunchSpec, error: str) -> Path | None:
     """Writes the failed run's results file from the master's last snapshot (or, if the master
-    never got going, what was asked); where its path cannot be written (checked when the run
-    began, but a disk fills, a folder goes), the same name under the system's temporary folder."""
+    never got going, what was asked), as ``keep_results`` does."""
     results = failed_results(read_snapshot(spec.run_dir), error, config=spec.config.to_dict(),
                              argv=spec.argv, env=environment(spec.config.backend))
-    elsewhere = Path(tempfile.gettempdir()) / "ps_bench" / Path(spec.results_path).name
-    for path in (spec.results_path, elsewhere):
-        try:
-            return write_results(results, path)
-        except OSError:
-            continue
-    return None
+    return keep_results(results, spec.results_path)
 
 
 def spawn(spec: LaunchSpec, watchdog: tuple[float, str] | None = None) -> int:

@@ -51,7 +51,7 @@ def results_path(out: str | None, hook: str, num_trainers: int, num_servers: int
     ``--out`` names a folder (one that exists, or a path ending in a separator), that new name
     inside it."""
     default = default_results_path(hook, num_trainers, num_servers)
-    if out is None:
+    if not out:
         return default
     if out.endswith(("/", os.sep)) or Path(out).is_dir():
         return Path(out) / default.name
@@ -85,6 +85,18 @@ def write_results(results: dict, path: str | os.PathLike) -> Path:
         raise FileExistsError(f"no free name next to {target}")
     finally:
         os.unlink(temporary)
+
+
+def keep_results(results: dict, path: str | os.PathLike) -> Path | None:
+    """``write_results`` at ``path``, or where that cannot be written (checked before the run
+    began, but a disk fills, a folder goes) the same name under the system's temporary folder;
+    None where neither can be."""
+    for where in (Path(path), Path(tempfile.gettempdir()) / "ps_bench" / Path(path).name):
+        try:
+            return write_results(results, where)
+        except OSError:
+            continue
+    return None
 
 
 def append_line(path: Path, entry: dict) -> None:

@@ -181,7 +181,7 @@ def test_out_naming_a_folder_puts_the_new_name_inside_it(tmp_path):
     made_later = results_path(str(tmp_path / "later") + "/", "allreduce", 4, 0)
     assert made_later.parent == tmp_path / "later" and made_later.name.endswith("-allreduce-4t0s.json")
     assert results_path(str(tmp_path / "r.json"), "ps", 2, 1) == tmp_path / "r.json"
-    assert results_path(None, "ps", 2, 1).parent == Path("results")
+    assert results_path(None, "ps", 2, 1).parent == Path("results") == results_path("", "ps", 2, 1).parent
 
 
 def test_new_options_explain_themselves(capsys):
