@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import socket
@@ -58,6 +59,18 @@ def results_path(out: str | None, hook: str, num_trainers: int, num_servers: int
     return Path(out)
 
 
+def strict(value: Any) -> Any:
+    """``value`` with every float that is not finite (a diverged run's loss and parameter norm)
+    as None: JSON has no NaN or infinity, and readers other than Python's refuse them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: strict(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(item) for item in value]
+    return value
+
+
 def write_results(results: dict, path: str | os.PathLike) -> Path:
     """Writes atomically and never overwrites: an existing name gets a numbered suffix.
 
@@ -70,7 +83,7 @@ def write_results(results: dict, path: str | os.PathLike) -> Path:
     handle, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=target.parent)
     try:
         with os.fdopen(handle, "w") as stream:
-            json.dump(results, stream, indent=2)
+            json.dump(strict(results), stream, indent=2, allow_nan=False)
             stream.write("\n")
             stream.flush()
             os.fsync(stream.fileno())
@@ -109,7 +122,8 @@ def append_line(path: Path, entry: dict) -> None:
             torn = stream.read(1) != b"\n"
         else:
             torn = False
-        stream.write((("\n" if torn else "") + json.dumps(entry) + "\n").encode())
+        stream.write((("\n" if torn else "") + json.dumps(strict(entry), allow_nan=False)
+                      + "\n").encode())
         stream.flush()
         os.fsync(stream.fileno())
 

@@ -45,6 +45,19 @@ def test_a_failed_runs_results_go_to_the_temporary_folder_where_their_path_canno
     assert results["config"]["rounds"] == 3
 
 
+def test_numbers_that_are_not_finite_are_written_as_null_so_that_any_json_reader_reads_the_file(tmp_path):
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    diverged = {"replicas": {"param_norm": float("nan"), "max_abs_diff": float("inf")},
+                "loss": {"first": 2.5, "last": float("-inf")}, "curve": [(1, float("nan")), (2, 0.5)]}
+    written = json.loads(write_results(diverged, tmp_path / "r.json").read_text(), parse_constant=refuse)
+    assert written == {"replicas": {"param_norm": None, "max_abs_diff": None},
+                       "loss": {"first": 2.5, "last": None}, "curve": [[1, None], [2, 0.5]]}
+    append_line(tmp_path / "results.jsonl", diverged)
+    assert json.loads((tmp_path / "results.jsonl").read_text(), parse_constant=refuse) == written
+
+
 def test_a_file_written_before_the_results_package_is_read_by_every_command(tmp_path, capsys):
     assert load_file(EARLIER)["schema"] == "ps_bench.result/1"
     assert main(["report", str(EARLIER)]) == 0
