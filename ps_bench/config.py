@@ -374,6 +374,20 @@ def check_writable_folder(path: str, option_name: str) -> None:
         raise ConfigError(f"{option_name} {path!r} is not writable; choose another folder")
 
 
+def check_output_file(path: str, option_name: str) -> None:
+    """A ConfigError unless a file can be written at ``path`` (not a folder; its folder writable,
+    or one that could be made), said before any work; creates nothing."""
+    if Path(path).is_dir():
+        raise ConfigError(f"{option_name} {path!r} is a folder; give a file name")
+    check_writable_folder(str(Path(path).absolute().parent), f"{option_name}'s folder")
+
+
+def in_its_folder(path: str) -> str:
+    """``path``, its folder made where it is not yet (``check_output_file`` before the work)."""
+    Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def check_port(flag: str, port: int) -> None:
     """Raises ConfigError unless ``port`` is a TCP port number."""
     if not 1 <= port <= 65535:

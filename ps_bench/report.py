@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from tabulate import tabulate
 
-from ps_bench.config import ConfigError
+from ps_bench.config import ConfigError, check_output_file, in_its_folder
 from ps_bench.metrics.costs import Link, byteps_bound_ms, ps_bound_ms
 from ps_bench.plots import pyplot
 from ps_bench.options import typed
@@ -160,7 +160,7 @@ def fixed(value: float | None, decimals: int) -> str | None:
 
 
 def write_csv(path: str, headers: list[str], body: list[list]) -> None:
-    with open(path, "w", newline="") as stream:
+    with open(in_its_folder(path), "w", newline="") as stream:
         writer = csv.writer(stream)
         writer.writerow(headers)
         writer.writerows([["" if v is None else v for v in line] for line in body])
@@ -233,7 +233,7 @@ def plot(path: str, rows: list[Row], metric: str, title: str) -> None:
     axes.set_title(title)
     axes.grid(axis="y", alpha=0.3)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(in_its_folder(path), dpi=120)
     plt.close(figure)
 
 
@@ -285,7 +285,7 @@ def plot_convergence(path: str, rows: list[Row], title: str) -> None:
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(in_its_folder(path), dpi=120)
     plt.close(figure)
 
 
@@ -386,7 +386,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
-    if args.link_gbps is not None and args.link_gbps <= 0:
+    if args.link_gbps is not None and not 0 < args.link_gbps < math.inf:
         raise ConfigError(f"--link-gbps must be positive; got {args.link_gbps}")
+    for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
+        if path is not None:
+            check_output_file(path, flag)
     return run_report(args.sources, args.baseline, args.metric, args.csv, args.plot, args.scaling,
                       args.link_gbps)

@@ -18,7 +18,7 @@ from ps_bench.compare.comparison import (COMPARISON_SCHEMA, DEFAULT_THRESHOLD_PC
                                          Comparison, Row, compare, trainer_samples)
 from ps_bench.compare.intervals import CONFIDENCE, MIN_RUNS, OPTIMISTIC
 from ps_bench.compare.sides import ENTRIES, ignored_fields
-from ps_bench.config import ConfigError
+from ps_bench.config import ConfigError, check_output_file, in_its_folder
 from ps_bench.options import typed
 from ps_bench.plots import pyplot
 
@@ -183,11 +183,14 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> None:
         if value is not None and (not math.isfinite(value) or value < 0):
             raise ConfigError(f"{flag} is a percentage, 0 or more; got {value:g}")
     ignored_fields(args.match)
+    for flag, path in (("--csv", args.csv), ("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            check_output_file(path, flag)
 
 
 def write(path: str, flag: str, writer: Callable[[str], None]) -> None:
     try:
-        writer(path)
+        writer(in_its_folder(path))
     except OSError as error:
         raise ConfigError(f"{flag} {path}: {error.strerror or error}") from None
 

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ps_bench.config import ConfigError, check_writable_folder
+from ps_bench.config import ConfigError, check_output_file
 from ps_bench.options import KeyValue
 from ps_bench.metrics import costs
 from ps_bench.predict import memory, pipelines
@@ -187,7 +187,7 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
         raise ConfigError(f"--bucket-cap-mb must be positive; got {args.bucket_cap_mb}")
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         if path is not None:
-            check_writable_folder(str(Path(path).absolute().parent), f"{flag}'s folder")
+            check_output_file(path, flag)
     if args.servers is not None:
         count_list(args.servers, "servers", allow_auto=True)
     places = [place.strip() for place in args.servers_on.split(",")]

@@ -96,6 +96,30 @@ def test_report_compare_and_predict_refuse_a_bad_file_with_the_same_line(case, t
     assert lines[0] == f"ps_bench: error: results file {str(path)!r} {words}" + lines[0].split(words, 1)[1]
 
 
+@pytest.mark.parametrize("flag", ["--csv", "--plot", "--json", "--out"])
+def test_report_compare_and_predict_refuse_an_output_they_cannot_write_before_reading_anything(
+        flag, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    commands = {"--csv": ("report", "compare"), "--plot": ("report", "compare", "predict"),
+                "--json": ("compare",), "--out": ("predict",)}[flag]
+    argvs = {"report": ["report", str(EARLIER)], "compare": ["compare", str(EARLIER), str(EARLIER)],
+             "predict": ["predict", str(EARLIER), "--trainers", "4"]}
+    for command in commands:
+        for target, words in ((blocker / "x.out", "is not a folder"), (tmp_path, "is a folder; give a file name")):
+            assert main([*argvs[command], flag, str(target)]) == 2, command
+            captured = capsys.readouterr()
+            assert captured.out == "" and captured.err.count("\n") == 1 and words in captured.err, captured.err
+            assert flag in captured.err
+
+
+def test_report_and_compare_make_the_folder_of_a_csv(tmp_path, capsys):
+    assert main(["report", str(EARLIER), "--csv", str(tmp_path / "new" / "r.csv")]) == 0
+    assert main(["compare", str(EARLIER), str(EARLIER), "--csv", str(tmp_path / "other" / "c.csv")]) == 0
+    assert (tmp_path / "new" / "r.csv").read_text().count("\n") >= 2
+    assert (tmp_path / "other" / "c.csv").read_text().count("\n") >= 2
+
+
 def test_a_sweeps_torn_line_is_passed_over_and_the_next_line_stays_whole(tmp_path):
     lines = tmp_path / "results.jsonl"
     earlier = load_file(EARLIER)
