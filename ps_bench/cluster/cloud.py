@@ -22,7 +22,7 @@ import torchvision
 import ps_bench
 from ps_bench.cluster.torchrun import (DEFAULT_PORT, NodeLayout, add_engine_arguments, cluster_job,
                                        export_line, summary, torchrun_command, with_iface)
-from ps_bench.config import PROJECT_ROOT, ConfigError, RunConfig
+from ps_bench.config import PROJECT_ROOT, ConfigError, RunConfig, check_output_file, in_its_folder
 from ps_bench.options import EXIT_OK, EXIT_USAGE, typed
 
 ACCELERATORS = re.compile(r"[A-Za-z0-9_-]+(:\d+)?")
@@ -158,6 +158,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace, bench_argv: list[str]) -> tuple[RunConfig, NodeLayout]:
     """The engine's options and the bench options, for the job as it will run on the nodes."""
+    check_output_file(args.output, "-o")
     return cluster_job(args, bench_argv, args.nodes, gpus_of(args.accelerators))
 
 
@@ -167,7 +168,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
                    accelerators=args.accelerators, cloud=args.cloud, use_spot=args.use_spot,
                    iface=args.iface, port=args.port, summary=summary(cfg))
     try:
-        Path(args.output).write_text(task_yaml(job))
+        Path(in_its_folder(args.output)).write_text(task_yaml(job))
     except OSError as error:
         sys.stderr.write(f"ps_bench: error: -o {args.output}: {error.strerror}\n")
         return EXIT_USAGE

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ps_bench.cluster.torchrun import (DEFAULT_PORT, NodeLayout, add_engine_arguments, cluster_job,
                                        export_line, summary, torchrun_command, with_iface)
-from ps_bench.config import ConfigError, RunConfig
+from ps_bench.config import ConfigError, RunConfig, check_output_file, in_its_folder
 from ps_bench.options import EXIT_OK, typed
 
 OUTPUT = "%x-%j.out"  # job name and id: one log per job, next to where it was submitted
@@ -108,7 +108,7 @@ def submit(script: str, path: str | None) -> int:
         raise ConfigError("--submit: sbatch is not on PATH; run this on a SLURM login node, or "
                           "write the script with -o FILE and submit it where SLURM is")
     if path is not None:
-        Path(path).write_text(script)
+        Path(in_its_folder(path)).write_text(script)
         return subprocess.run(["sbatch", "--wait", path]).returncode
     with tempfile.NamedTemporaryFile("w", prefix="ps_bench-", suffix=".sbatch") as stream:
         stream.write(script)  # sbatch keeps its own copy once the job is queued
@@ -120,7 +120,7 @@ def write_or_print(script: str, path: str | None) -> None:
     if path is None:
         sys.stdout.write(script)
         return
-    Path(path).write_text(script)
+    Path(in_its_folder(path)).write_text(script)
     print(f"ps_bench: wrote {path}; submit it with: sbatch {shlex.quote(path)}")
 
 
@@ -151,6 +151,8 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> tuple[RunConfig, N
     """The engine's options and the bench options, for the job as it will run on the nodes."""
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be 0 or more; got {args.max_restarts}")
+    if args.output is not None:
+        check_output_file(args.output, "-o")
     return cluster_job(args, bench_argv, args.nodes, args.gpus_per_node)
 
 

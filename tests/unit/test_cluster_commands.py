@@ -113,11 +113,13 @@ def test_hostfile_takes_deepspeed_lines_and_comments(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["launch", "--hosts", "", "--", "--ntrainer", "2"], "--hosts: expected [user@]host"),
     (["sweep", str(EXAMPLES.parents[1] / "configs" / "sweeps" / "hooks.json"), "--out", "{file}"], "is not a folder"),
+    (["slurm", "--nodes", "2", "-o", "{file}/job.sbatch", "--", "--ntrainer", "2"], "-o's folder"),
+    (["cloud", "--nodes", "2", "-o", "{file}/task.yaml", "--", "--ntrainer", "2"], "-o's folder"),
 ])
 def test_empty_hosts_and_a_sweep_folder_that_is_a_file_are_refused_in_one_line(capsys, tmp_path, argv, message):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    argv = [str(blocker) if word == "{file}" else word for word in argv]
+    argv = [word.replace("{file}", str(blocker)) for word in argv]
     with pytest.raises(SystemExit) as exited:
         raise SystemExit(main(argv))
     assert exited.value.code == 2
