@@ -16,6 +16,7 @@ from typing import Any
 import contextlib
 import copy
 import os
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -36,11 +37,23 @@ MESH_NAMES = ("replicate", "shard")  # a 2-D mesh replicates across its rows and
 def shard_units(network: nn.Module) -> list[nn.Module]:
     """The modules FSDP2 wraps one by one before the root: those the model names
     (``shard_units()``: a Hugging Face model's transformer blocks, as torchtitan and accelerate
-    wrap them), else every module with parameters of its own."""
+    wrap them), else every module with parameters of its own inside no other such module (one
+    unit gathers what its forward reads: ``nn.MultiheadAttention`` reads its ``out_proj``'s
+    weight without calling it) and sharing none with another module (a tied embedding and
+    output projection: a parameter is sharded by one unit only, so the root holds it)."""
     if hasattr(network, "shard_units"):
         return network.shard_units()
-    return [module for module in list(network.modules())[1:]
-            if any(True for _ in module.parameters(recurse=False))]
+    owning = {name: module for name, module in network.named_modules()
+              if name and any(True for _ in module.parameters(recurse=False))}
+    holders = Counter(id(parameter) for module in network.modules()
+                      for parameter in module.parameters(recurse=False))
+
+    def inside_another(name: str) -> bool:
+        parts = name.split(".")
+        return any(".".join(parts[:end]) in owning for end in range(1, len(parts)))
+
+    return [module for name, module in owning.items() if not inside_another(name)
+            and all(holders[id(parameter)] == 1 for parameter in module.parameters(recurse=False))]
 
 
 @HOOKS.register("fsdp", aliases=("fully_shard", "fsdp2"),
@@ -80,7 +93,8 @@ class FullyShard(Synchroniser):
         options = {"mesh": mesh}
         if ctx.reduce_dtype is not None:  # --reduce-dtype: gathered and reduced in it
             options["mp_policy"] = mixed_precision_policy(ctx.reduce_dtype)
-        for module in shard_units(network):
+        # innermost first: a unit wrapped before one inside it would take that one's parameters
+        for module in reversed(shard_units(network)):
             fully_shard(module, **options)
         fully_shard(network, **options)
         self.model = network

@@ -110,6 +110,18 @@ def test_local_sgd_averages_every_period_and_sends_a_period_th_of_the_bytes(peri
 ADAMW = ("--optimizer", "adamw", "--lr", "0.01")  # diloco's default period, 16, with AdamW inside
 
 
+def test_fsdp_trains_a_gpt_with_tied_weights_as_allreduce_does(bench_runs):
+    """FSDP2 on a GPT: its token embedding and output projection share one parameter, and its
+    attention reads a child's weight without calling the child; the run ends with all-reduce's
+    parameters and the exact mean gradient."""
+    gpt = ("--model", "gpt2_tiny", "--nserver", "0", "--rounds", "1", "--warmup-rounds", "0")
+    baseline = bench_runs.ok("--hook", "allreduce", *gpt, timeout_s=240)
+    results = bench_runs.ok("--hook", "fsdp", *gpt, "--verify", timeout_s=240)
+    check_contract(results)
+    assert_same_parameters(results, baseline)
+    assert results["verify"]["buckets_checked"] > 0 and results["verify"]["grad_rel_error_max"] < 1e-6
+
+
 @pytest.mark.parametrize("hook, options, period", [("fsdp", ("--verify",), 1), ("zero1", ("--verify",), 1),
                                                    ("local_sgd", ("--hook-option", "period=4"), 4),
                                                    ("local_sgd", ("--hook-option", "period=16"), 16),

@@ -121,3 +121,23 @@ def test_an_unknown_optimizer_exits_2_with_one_line_before_anything_starts():
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.count("\n") == 1 and "invalid choice: 'adam'" in run.stderr
+
+
+def test_fsdp_units_share_no_parameter_and_hold_what_their_forward_reads():
+    """A GPT's tied token embedding and output projection (one parameter, two modules) stay with
+    the root; ``nn.MultiheadAttention`` is one unit with its ``out_proj``, whose weight its forward
+    reads without calling it."""
+    from ps_bench.models.transformer import GPT
+    from ps_bench.strategies.sharded import shard_units
+
+    network = GPT(vocab_size=64, context_length=8, layers=2, heads=2, width=8)
+    units = shard_units(network)
+    held = [id(parameter) for unit in units for parameter in unit.parameters()]
+    assert len(held) == len(set(held))  # no parameter sharded by two units
+    assert network.token not in units and network.head not in units
+    assert id(network.token.weight) not in held
+    attention = [block.self_attn for block in network.blocks]
+    assert all(unit in units for unit in attention)
+    assert not any(block.self_attn.out_proj in units for block in network.blocks)
+    assert network.position in units and network.norm in units
+
