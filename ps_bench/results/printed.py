@@ -167,7 +167,10 @@ def render_limits(limits: dict, efficiency: dict | None) -> str:
         lines.append(f"link: latency {link['latency_us']:.1f} us, "
                      f"{link['bandwidth_gbit_s']:.3f} Gbit/s, fitted to {probe} of one message "
                      f"({sizes})")
-    if efficiency:
+    if efficiency and efficiency["value"] is None:  # nothing timed to hold the floor to
+        lines.append(f"efficiency: - ({efficiency['cost']} {efficiency['cost_ms'] or 0:.3f} ms: "
+                     f"no communication in the timed rounds; a period longer than the run?)")
+    elif efficiency:
         lines.append(f"efficiency: {efficiency['value']:.3f} ({efficiency['floor']} floor of "
                      f"{efficiency.get('floor_of', 'its float32 buckets')}, "
                      f"p50 {efficiency['floor_ms']:.3f} ms / "

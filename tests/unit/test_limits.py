@@ -126,6 +126,10 @@ def test_limits_render_after_the_tables():
                                   "value": 0.5, "exposed_ms": 2.5, "exposed_value": 0.8})
     assert "raw RPC round trip" in text and "raw all-reduce (gloo)" in text and "efficiency: 0.500" in text
     assert "compute only" in text and "exposed: 0.800" in text
+    # a periodic strategy whose period outlasts the run: nothing timed to hold its floor to
+    idle = render_limits(floors, {"floor": "collective", "floor_ms": 2.0, "cost": "trainer comm mean",
+                                  "cost_ms": 0.0, "value": None, "exposed_ms": 2.5, "exposed_value": 0.8})
+    assert "efficiency: - (trainer comm mean 0.000 ms: no communication in the timed rounds" in idle
 
 
 def test_scaling_view_puts_each_point_next_to_its_bound():
