@@ -111,9 +111,12 @@ def efficiency(record: Any, floors: dict) -> dict | None:
                                                  or strategy.payload == "compressed")
     buckets = ((floors["own"] or floors.get(strategy.floor))
                if strategy.hook_sends and not steps_only else None)
-    periodic = own_steps is not None and any(entry["iterations"] > 1
-                                             for entry in own_steps["collectives"].values())
+    period = max((entry["iterations"] for entry in (own_steps or {}).get("collectives", {}).values()),
+                 default=1)
+    periodic = period > 1
     cost = rows["comm"].mean if periodic else rows["comm"].p50
+    # fewer timed iterations a trainer than the period: its synchronisations are not amortised
+    timed = record.collective_iterations // max(1, record.topology.num_trainers)
     floor_ms = ((buckets["p50_ms"] if buckets else 0.0) +
                 (own_steps["per_iter_ms"] if own_steps else 0.0))
     uncompressed = floors.get(strategy.floor) if strategy.floor else None
@@ -124,12 +127,14 @@ def efficiency(record: Any, floors: dict) -> dict | None:
                         else "its own messages" if floors["own"] else "its float32 buckets"),
            "floor_ms": floor_ms, "cost": f"trainer comm {'mean' if periodic else 'p50'}",
            "cost_ms": cost,
-           "value": measure.efficiency(floor_ms, cost),
+           "value": measure.efficiency(floor_ms, cost) if timed >= period else None,
            "exposed_ms": exposed_ms, "exposed_value": measure.efficiency(floor_ms, exposed_ms),
            "float32_floor_ms": uncompressed["p50_ms"] if uncompressed else None,
            "gain_over_float32": (measure.efficiency(uncompressed["p50_ms"], cost)
                                  if uncompressed and (buckets or strategy.payload == "compressed")
                                  else None)}
+    if periodic:
+        out.update(period=period, timed_iterations=timed)
     if own_steps:
         spent = ({kind: ms / record.collective_iterations
                   for kind, ms in record.collective_ms.items()}

@@ -168,8 +168,11 @@ def render_limits(limits: dict, efficiency: dict | None) -> str:
                      f"{link['bandwidth_gbit_s']:.3f} Gbit/s, fitted to {probe} of one message "
                      f"({sizes})")
     if efficiency and efficiency["value"] is None:  # nothing timed to hold the floor to
-        lines.append(f"efficiency: - ({efficiency['cost']} {efficiency['cost_ms'] or 0:.3f} ms: "
-                     f"no communication in the timed rounds; a period longer than the run?)")
+        shorter = ("" if efficiency.get("timed_iterations", 1) >= efficiency.get("period", 1)
+                   else f" over {efficiency['timed_iterations']} timed iterations a trainer, fewer "
+                        f"than the period, {efficiency['period']:g}: run more rounds")
+        lines.append(f"efficiency: - ({efficiency['cost']} {efficiency['cost_ms'] or 0:.3f} ms"
+                     f"{shorter or ': no communication in the timed rounds'})")
     elif efficiency:
         lines.append(f"efficiency: {efficiency['value']:.3f} ({efficiency['floor']} floor of "
                      f"{efficiency.get('floor_of', 'its float32 buckets')}, "

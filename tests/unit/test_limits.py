@@ -130,6 +130,10 @@ def test_limits_render_after_the_tables():
     idle = render_limits(floors, {"floor": "collective", "floor_ms": 2.0, "cost": "trainer comm mean",
                                   "cost_ms": 0.0, "value": None, "exposed_ms": 2.5, "exposed_value": 0.8})
     assert "efficiency: - (trainer comm mean 0.000 ms: no communication in the timed rounds" in idle
+    short = render_limits(floors, {"floor": "collective", "floor_ms": 2.0, "cost": "trainer comm mean",
+                                   "cost_ms": 0.05, "value": None, "period": 16, "timed_iterations": 8})
+    assert ("efficiency: - (trainer comm mean 0.050 ms over 8 timed iterations a trainer, fewer than the "
+            "period, 16: run more rounds)") in short
 
 
 def test_scaling_view_puts_each_point_next_to_its_bound():
