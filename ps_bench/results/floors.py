@@ -111,8 +111,8 @@ def efficiency(record: Any, floors: dict) -> dict | None:
                                                  or strategy.payload == "compressed")
     buckets = ((floors["own"] or floors.get(strategy.floor))
                if strategy.hook_sends and not steps_only else None)
-    period = max((entry["iterations"] for entry in (own_steps or {}).get("collectives", {}).values()),
-                 default=1)
+    steps = (own_steps or {}).get("collectives", {}).values()
+    period = max((entry["iterations"] for entry in steps), default=1)
     periodic = period > 1
     cost = rows["comm"].mean if periodic else rows["comm"].p50
     # fewer timed iterations a trainer than the period: its synchronisations are not amortised
