@@ -22,7 +22,7 @@ from typing import NoReturn
 from tabulate import tabulate
 
 from ps_bench.runtime import preload
-from ps_bench.config import ConfigError, RunConfig, build_config, check_writable_folder
+from ps_bench.config import ConfigError, RunConfig, build_config, check_output_file
 from ps_bench.runtime.failures import Terminated, raise_terminated
 from ps_bench.job import cuda_device_count, validate
 from ps_bench.processes.launch import (JobFailed, LaunchSpec, run_torchrun_rank, spawn,
@@ -199,7 +199,7 @@ def launch_spec(cfg: RunConfig, argv: list[str], launched_at: float, imported: f
     job = validate(cfg, trainers_on_node=sum(r < cfg.num_trainers for r in node_ranks))
     results = results_path(cfg.out, cfg.hook, cfg.num_trainers, cfg.num_servers)
     if cfg.world_size - 1 in node_ranks:  # the master writes it: checked before any process starts
-        check_writable_folder(str(results.parent), "--out's folder")
+        check_output_file(str(results), "--out")
     return LaunchSpec(job, ["bench.py", *argv], "", str(results), local_world_size,
                       cuda_device_count(), torchrun, launched_at,
                       milestones={"imported": imported, "validated": time.time()})
