@@ -99,8 +99,8 @@ def test_a_failed_rank_ctrl_c_and_kill_leave_nothing_behind(tmp_path, nothing_le
     communicate(process, 60, "bench.py emulate after SIGKILL")
 
 
-MODEL_BYTES = 800 * 4  # the default model, DummyModelSmall: one bucket of 800 float32 gradients
 TWO_BY_TWO = ("--ntrainer", "4", "--per-host", "2", *QUICK)
+MODEL_BYTES = 800 * 4  # the default model, DummyModelSmall: one bucket of 800 float32 gradients
 
 
 def host_links(results: dict) -> dict[str, tuple[float, float]]:
@@ -116,18 +116,23 @@ def test_two_hosts_of_two_trainers_hierarchical_and_colocated_servers_cross_the_
     and dedicated servers every trainer's whole gradient, 2 M out of each trainer host; node-aggregated
     servers (ps_node) a host's sum once, M, whether dedicated or co-located. HSDP and ps_node, with
     --limits, cost no less than the floor of what they move on these links."""
-    runs = {}
-    for name, options in {"allreduce": ("--hook", "allreduce", "--nserver", "0"),
-                          "hierarchical": ("--hook", "hierarchical", "--nserver", "0"),
-                          "colocated": ("--hook", "ps", "--nserver", "2", "--servers-on", "colocated"),
-                          "dedicated": ("--hook", "ps", "--nserver", "2"),
-                          "node colocated": ("--hook", "ps_node", "--nserver", "2", "--servers-on", "colocated",
-                                             "--verify"),
-                          "node dedicated": ("--hook", "ps_node", "--nserver", "2", "--verify", "--limits"),
-                          "hsdp": ("--hook", "hsdp", "--nserver", "0", "--limits")}.items():
-        run = emulate("--link", "1gbit", "--", *TWO_BY_TWO, *options, "--out", str(tmp_path / f"{name}.json"))
-        assert run.returncode == 0, run.output
-        runs[name] = run.results
+    variants = {"allreduce": {"hook": "allreduce", "nserver": 0},
+                "hierarchical": {"hook": "hierarchical", "nserver": 0},
+                "colocated": {"hook": "ps", "nserver": 2, "servers_on": "colocated"},
+                "dedicated": {"hook": "ps", "nserver": 2},
+                "node colocated": {"hook": "ps_node", "nserver": 2, "servers_on": "colocated", "verify": True},
+                "node dedicated": {"hook": "ps_node", "nserver": 2, "verify": True, "limits": True},
+                "hsdp": {"hook": "hsdp", "nserver": 0, "limits": True}}
+    # one sweep: every point on its own emulated network, built and removed around it
+    sweep = tmp_path / "links.json"
+    sweep.write_text(json.dumps({"name": "links", "base": {
+        "emulate_link": "1gbit", "ntrainer": 4, "per_host": 2, "warmup_rounds": 1, "rounds": 2},
+        "variants": [{"name": name, **options} for name, options in variants.items()]}))
+    run = run_bench("sweep", str(sweep), "--out", str(tmp_path / "out"), timeout_s=400)
+    assert run.returncode == 0, run.output
+    lines = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    runs = {line["point"]["overrides"]["variant"]: line for line in lines}
+    assert sorted(runs) == sorted(variants) and all(line["status"] == "ok" for line in lines), run.output
     trainer_hosts = {"emulated-h0", "emulated-h1"}
     assert runs["colocated"]["env"]["emulated"]["placement"] == [[0, 1, 4], [2, 3, 5, 6]]
     assert runs["dedicated"]["env"]["emulated"]["placement"] == [[0, 1], [2, 3], [4], [5, 6]]
