@@ -276,7 +276,9 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
             row.update(held.row(HOOKS.record(row["strategy"]), row["trainers"], row["per_node"]))
     print(describe_calibration(calibration) + (held.describe() if held else ""))
     print(render(rows))
-    print(render_winners(winners(rows)))
+    synchronising = [hook for hook in hooks if HOOKS.record(hook).transport is not None]
+    print(render_winners(winners(rows), "no strategy fits --gpu-memory" if synchronising else
+                         f"{', '.join(hooks)} synchronises nothing (never a winner)"))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"schema": PREDICTION_SCHEMA,

@@ -9,6 +9,7 @@ from tabulate import tabulate
 
 from ps_bench.predict.calibration import Calibration
 from ps_bench.plots import pyplot
+from ps_bench.strategies import HOOKS
 
 
 GIB = 2 ** 30
@@ -18,9 +19,11 @@ TIE = 0.01  # strategies predicted within 1 % of the fastest tie with it
 def winners(rows: list[dict]) -> list[dict]:
     """The fastest strategy (and server count) at each trainer count, and the others that tie
     with it (``tied_with``: within ``TIE`` of its batch time, labelled as ``label`` does); with
-    ``--gpu-memory``, of those that fit."""
+    ``--gpu-memory``, of those that fit. A strategy that synchronises nothing (``noop``, the
+    compute-only headroom: its replicas drift apart) is shown but never wins."""
     best: dict[int, dict] = {}
-    rows = [row for row in rows if row.get("fits") is not False]  # one that does not fit: out
+    rows = [row for row in rows if row.get("fits") is not False  # one that does not fit: out
+            and HOOKS.record(row["strategy"]).transport is not None]
     for row in rows:
         if row["trainers"] not in best or row["batch_ms"] < best[row["trainers"]]["batch_ms"]:
             best[row["trainers"]] = row
@@ -35,7 +38,9 @@ def winners(rows: list[dict]) -> list[dict]:
 
 def label(row: dict) -> str:
     """A strategy with its servers, as the winner lines name it."""
-    return row["strategy"] + ("" if row["servers"] is None else f" ({servers_label(row)} servers)")
+    if row["servers"] is None:
+        return row["strategy"]
+    return f"{row['strategy']} ({servers_label(row)} server{'s' if row['servers'] != 1 else ''})"
 
 
 def servers_label(row: dict) -> str:
@@ -105,7 +110,7 @@ def memory_cells(row: dict) -> list[str]:
             *([] if "fits" not in row else ["yes" if row["fits"] else "NO"])]
 
 
-def render_winners(best: list[dict]) -> str:
+def render_winners(best: list[dict], why_none: str = "no strategy fits --gpu-memory") -> str:
     """The winner at each trainer count ("tie: a, b" within 1 %), and where the winners change:
     a crossover between two counts whose winners (and those tied with them) have none in common."""
     def named(w: dict) -> str:
@@ -116,7 +121,7 @@ def render_winners(best: list[dict]) -> str:
 
     lines = ["", "winner per trainer count: " +
              (", ".join(f"{w['trainers']}: {named(w)}" for w in best)
-              or "none: no strategy fits --gpu-memory")]
+              or f"none: {why_none}")]
     for before, after in zip(best, best[1:]):
         if not strategies(before) & strategies(after):
             lines.append(f"crossover: {' and '.join(sorted(strategies(before)))} "

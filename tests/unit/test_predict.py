@@ -287,6 +287,19 @@ def test_strategies_within_one_percent_tie_and_a_crossover_needs_different_winne
     assert "crossover: hierarchical and ps tie at 64 trainers, fp16 at 512" in text
 
 
+def test_a_strategy_that_synchronises_nothing_is_shown_but_never_wins():
+    """noop, the compute-only headroom, is always fastest: its replicas drift apart, so the
+    winner is the fastest strategy that trains one model (a server count named in the singular)."""
+    rows = [{"trainers": 8, "strategy": "noop", "servers": None, "batch_ms": 100.0},
+            {"trainers": 8, "strategy": "ps", "servers": 1, "batch_ms": 150.0},
+            {"trainers": 8, "strategy": "allreduce", "servers": None, "batch_ms": 151.0}]
+    best = winners(rows)
+    assert [(w["strategy"], w["tied_with"]) for w in best] == [("ps", ["allreduce"])]
+    assert "8: tie: ps (1 server), allreduce" in render_winners(best)
+    assert winners(rows[:1]) == []
+    assert "winner per trainer count: none: noop synchronises nothing" in render_winners([], "noop synchronises nothing")
+
+
 def declared_here(monkeypatch, name: str, record) -> None:
     """Registers a strategy for one test: the registry's tables are copies the test restores."""
     for table in ("_entries", "_records", "_canonical"):
