@@ -41,6 +41,7 @@ import torch
 
 from ps_bench.config import ConfigError
 from ps_bench.metrics.memory import SavedActivations
+from ps_bench.results.printed import format_bytes
 from ps_bench.strategies.record import (GRADIENTS, OPTIMIZER, PARAMETERS, SERVER_OWNED, Holds,
                                         Strategy)
 
@@ -234,13 +235,21 @@ class MemoryTarget:
     def describe(self) -> str:
         facts = self.facts
         activations = ("unknown" if facts.activations_bytes is None
-                       else f"{facts.activations_bytes / 2 ** 30:.2f} GiB")
-        return (f"  memory: {facts.parameters / 1e9:.3f} B parameters, the largest layer "
-                f"{facts.largest_layer / 1e6:.1f} M; {self.optimizer}"
+                       else format_bytes(facts.activations_bytes))
+        return (f"  memory: {count(facts.parameters)} parameters, the largest layer "
+                f"{count(facts.largest_layer)}; {self.optimizer}"
                 f"{f' (momentum {self.momentum:g})' if self.optimizer == 'sgd' else ''}, "
                 f"{self.precision}; activations {activations} ({facts.activations_from})"
                 + (f"; each GPU {self.gpu_memory / 2 ** 30:.1f} GiB" if self.gpu_memory else "")
                 + "\n")
+
+
+def count(number: float) -> str:
+    """A count in thousands, millions or billions, four figures: 124.4 M, 70.55 B, 512."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if number >= scale:
+            return f"{number / scale:.4g} {unit}"
+    return f"{number:g}"
 
 
 def check_arguments(args) -> int | None:

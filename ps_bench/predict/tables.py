@@ -102,11 +102,16 @@ def render(rows: list[dict]) -> str:
         "; NO: does not fit --gpu-memory (never the best)" if fits else "")
 
 
+def gib(nbytes: float) -> str:
+    """GiB to a tenth, or to three figures below a tenth (a small model's 0.000171, not 0.0)."""
+    value = nbytes / GIB
+    return f"{value:.1f}" if value >= 0.1 or value == 0 else f"{value:.3g}"
+
+
 def memory_cells(row: dict) -> list[str]:
     """A row's model states and memory, GiB, and whether it fits (where asked)."""
     total = row.get("memory_bytes")
-    return [f"{row['model_states_bytes'] / GIB:.1f}",
-            "-" if total is None else f"{total / GIB:.1f}",
+    return [gib(row["model_states_bytes"]), "-" if total is None else gib(total),
             *([] if "fits" not in row else ["yes" if row["fits"] else "NO"])]
 
 
