@@ -15,6 +15,7 @@ from ps_bench.metrics import costs
 from ps_bench.predict import memory, pipelines
 from ps_bench.predict.inputs import (LINK_KINDS, LOCAL_KINDS, NETWORK_KINDS, TargetLink, count_list,
                                      model_buckets, parse_phases, parse_target_latency, target_link)
+from ps_bench.predict.buckets import low_rank_ratios
 from ps_bench.predict.calibration import Calibration, from_compute_ms
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.runs import Run
@@ -227,6 +228,7 @@ def no_run_calibration(args: argparse.Namespace,
     if target.intra is not None:
         calibration.intra_link = target.intra.link()
         calibration.intra_from = target.intra.describe()
+    calibration.payload_ratio.update(low_rank_ratios(facts.bucket_shapes))
     return calibration, facts
 
 

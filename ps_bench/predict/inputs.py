@@ -230,7 +230,8 @@ def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
     sizes = meta_buckets(network, bucket_cap_mb)
     parameters = sum(p.numel() for p in network.parameters())
     facts = ModelFacts(parameters, largest_layer(network), None, "no batch given",
-                       sum(1 for _ in network.parameters()), *fsdp_units(network))
+                       sum(1 for _ in network.parameters()), *fsdp_units(network),
+                       [[list(p.shape) for p in bucket] for bucket in buckets])
     if batch_size is None:
         return sizes, None, "no batch given", facts
     data = load_entry(RunConfig().data_config_path, default_data(entry), "data_class", DATA, "data",

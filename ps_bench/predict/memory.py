@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,7 +55,8 @@ UNITS = {"": None, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10
 class ModelFacts:
     """What the memory model needs of a model: its parameters, its largest layer's (the most any
     one module holds itself, as DeepSpeed's estimators take it), and the activations one
-    micro-batch saves for backward (None where its forward cannot run on the meta device)."""
+    micro-batch saves for backward (None where its forward cannot run on the meta device); and,
+    for a low-rank strategy's payload, the shapes in DDP's buckets."""
 
     parameters: int
     largest_layer: int
@@ -66,6 +67,8 @@ class ModelFacts:
     # parameters and the largest other unit's
     root_unit: int = 0
     largest_unit: int = 0
+    # the gradient shapes in each of DDP's buckets (a low-rank strategy's factors follow them)
+    bucket_shapes: list[list[list[int]]] = field(default_factory=list)
 
 
 def moments_bytes(optimizer: str, momentum: float) -> int:

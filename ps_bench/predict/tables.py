@@ -55,6 +55,7 @@ def describe_calibration(calibration: Calibration) -> str:
     own = (", ".join(f"{hook} {ms:+.1f} ms" for hook, ms in sorted(c["own_ms"].items())) or
            "none (no matching run)")
     times = [f"{bucket['ready_ms']:.1f}" for bucket in c["buckets"]]
+    ratios = c["payload_ratio"]
     ready = ", ".join(times if len(times) <= 8 else [*times[:4], "...", *times[-2:]])
     return (f"calibration: {c['model']} at batch {c['batch_size']}, from {len(c['runs'])} run(s)\n"
             f"  compute: forward {phases['forward']:.1f} ms, backward {phases['backward']:.1f} ms, "
@@ -68,6 +69,10 @@ def describe_calibration(calibration: Calibration) -> str:
                if c["intra_link"] else "")
             + f"  each strategy's own compute, from its run: {own} (a strategy without a run: that "
             f"of the one it costs like, ps for ps_fp16 and ps_node; else 0)\n"
+            + (f"  low-rank payloads, of the float32 gradient's bytes: "
+               f"{', '.join(f'{hook} {ratio:.2%}' for hook, ratio in sorted(ratios.items()))} "
+               f"({'from its run' if c['runs'] else 'from the model, default options'})\n"
+               if ratios else "")
             + "".join(f"  note: {note}\n" for note in c["notes"]))
 
 

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from ps_bench.models import DATA_PRESETS, MODEL_PRESETS, PRESET_DATA, TEST_SIZED, build_model
+from ps_bench.predict.buckets import low_rank_ratios
+from ps_bench.predict.inputs import model_buckets
 
 SMALL = sorted(TEST_SIZED)  # every zoo model registered as a test-sized version of a full-size one
 QUICK = ("--warmup-rounds", "1", "--rounds", "1", "--batch-size", "4")
@@ -96,6 +98,9 @@ def test_powersgd_bytes_are_what_its_rule_predicts(bench_runs):
     expected = 4 * powersgd_elements(network, rank=2)  # float32; a 2-rank ring moves the buffer once each way
     assert results["bytes"]["trainer_sent_per_iter"] == expected
     assert expected < 4 * sum(p.numel() for p in network.parameters()) / 10  # it does compress
+    # predict --compute-ms knows the same payload from the model built on the meta device
+    facts = model_buckets(model, 2.0)[3]
+    assert low_rank_ratios(facts.bucket_shapes)["powersgd"] * 4 * facts.parameters == pytest.approx(expected)
     # PowerSGD computes in gloo's callback threads: they must round as the main thread does
     assert results["replicas"]["identical"] is True, results["replicas"]
     assert results["env"]["intra_op_threads"] == int(os.environ["OMP_NUM_THREADS"])  # ps_bench sets it

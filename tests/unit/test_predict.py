@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,13 +13,14 @@ import pytest
 
 from ps_bench.cli import main
 from ps_bench.metrics.limits import fit_link, link_summary
-from ps_bench.metrics import costs
+from ps_bench.metrics import costs, messages
 from ps_bench.predict import pipelines
 from ps_bench.predict import predictor as predictor_module
 from ps_bench.metrics.costs import Link
 from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.calibration import from_compute_ms
-from ps_bench.predict.inputs import TargetLink
+from ps_bench.predict.buckets import low_rank_ratios
+from ps_bench.predict.inputs import TargetLink, model_buckets
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.runs import Run
 from ps_bench.predict.tables import describe_calibration, render_winners, winners
@@ -356,3 +358,23 @@ def test_a_small_models_memory_reads_in_its_own_units(capsys):
     assert "memory: 43.9 K parameters, the largest layer 16.38 K" in printed
     states = next(line for line in printed.splitlines() if line.startswith("2 ")).split()[-2]
     assert states == f"{43_904 * 4 * 2 / 2 ** 30:.3g}"  # parameters and gradients, float32
+
+
+def test_low_rank_strategies_are_predicted_from_the_model_alone(capsys):
+    """With --compute-ms the model is built on the meta device: PowerSGD's factors follow from
+    its layers in DDP's buckets (per tensor; batched: each bucket as one square matrix), so no
+    run of it is needed. DummyModel's buckets hold 2-D layers that rank 2 compresses."""
+    facts = model_buckets("DummyModel", 25.0)[3]
+    ratios = low_rank_ratios(facts.bucket_shapes)
+    per_tensor = sum(sum(messages.low_rank_factors(shapes, 2, 2.0)) for shapes in facts.bucket_shapes)
+    side = [math.isqrt(sum(math.prod(s) for s in shapes) - 1) + 1 for shapes in facts.bucket_shapes]
+    assert ratios["powersgd"] == pytest.approx(per_tensor / facts.parameters) and ratios["powersgd"] < 0.5
+    assert ratios["batched_powersgd"] == pytest.approx(sum(2 * 2 * n for n in side) / facts.parameters)
+    assert main(["predict", "--model", "DummyModel", "--batch-size", "8", "--compute-ms",
+                 "forward=10,backward=20,optimizer=1", "--hooks", "allreduce,powersgd,batched_powersgd",
+                 "--trainers", "8", "--link", "1gbit"]) == 0
+    printed = capsys.readouterr().out
+    assert (f"low-rank payloads, of the float32 gradient's bytes: batched_powersgd "
+            f"{ratios['batched_powersgd']:.2%}, powersgd {ratios['powersgd']:.2%} (from the model") in printed
+    rows = {line.split()[1]: float(line.split()[3]) for line in printed.splitlines() if line.startswith("8 ")}
+    assert rows["powersgd"] < rows["allreduce"]  # a thirtieth of the bytes on a slow link
