@@ -89,7 +89,7 @@ def low_rank_ratios(bucket_shapes: list[list[list[int]]]) -> dict[str, float]:
         options = hook_options(hook, {})
         rank, rate = options["matrix_approximation_rank"], options["min_compression_rate"]
         sent = sum(sum(low_rank_factors(shapes, rank, rate) if strategy.factors == "tensor" else
-                       batched_low_rank_factors(sum(elements), rank, rate))
+                       batched_low_rank_factors(sum(elements), rank))
                    for shapes, elements in zip(bucket_shapes, sizes))
         ratios[hook] = sent / total
     return ratios

@@ -275,7 +275,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     if facts is not None:
         held = memory.target(args, facts, [run.training or {} for run in runs], gpu_memory)
         for row in rows:
-            row.update(held.row(HOOKS.record(row["strategy"]), row["trainers"], row["per_node"]))
+            row.update(held.row(row["strategy"], row["trainers"], row["per_node"]))
     print(describe_calibration(calibration) + (held.describe() if held else ""))
     print(render(rows))
     synchronising = [hook for hook in hooks if HOOKS.record(hook).transport is not None]

@@ -34,6 +34,7 @@ context, activation checkpointing (not modelled: every activation is kept)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -41,7 +42,9 @@ import torch
 
 from ps_bench.config import ConfigError
 from ps_bench.metrics.memory import SavedActivations
+from ps_bench.metrics.messages import batched_low_rank_factors, low_rank_factors
 from ps_bench.results.printed import format_bytes
+from ps_bench.strategies import HOOKS, hook_options
 from ps_bench.strategies.record import (GRADIENTS, OPTIMIZER, PARAMETERS, SERVER_OWNED, Holds,
                                         Strategy)
 
@@ -110,17 +113,45 @@ def model_states(record: Strategy, facts: ModelFacts, trainers: int, per_node: i
     return out
 
 
+def kept_bytes(hook: str, facts: ModelFacts) -> int:
+    """What the strategy keeps on the GPU between iterations besides the model states, at its
+    default options (a run's ``buffers_bytes``): error feedback's residual, a float32 copy of each
+    bucket (the compressors); PowerSGD's error of each bucket (``batched_powersgd``'s padded to a
+    square) and, with warm start, its P and Q. The CPU-only copies of the parameter servers are
+    not kept on a GPU."""
+    record, options = HOOKS.record(hook), hook_options(hook, {})
+    sizes = [sum(math.prod(shape) for shape in shapes) for shapes in facts.bucket_shapes]
+    if record.factors is not None:
+        rank, kept = options["matrix_approximation_rank"], 0
+        for shapes, elements in zip(facts.bucket_shapes, sizes):
+            side = math.isqrt(elements - 1) + 1 if elements else 0
+            factors = (low_rank_factors(shapes, rank, options["min_compression_rate"])
+                       if record.factors == "tensor" else
+                       batched_low_rank_factors(elements, rank))[1:]
+            kept += ((elements if record.factors == "tensor" else side * side)
+                     if options["use_error_feedback"] else 0)
+            kept += sum(factors) if options["warm_start"] else 0
+        return 4 * kept
+    feedback = options.get("error_feedback")
+    if feedback is None and record.compressor is not None:
+        feedback = record.compressor(options).error_feedback
+    return 4 * sum(sizes) if feedback else 0
+
+
 def memory(record: Strategy, facts: ModelFacts, trainers: int, per_node: int,
            precision: str, optimizer: str, momentum: float,
-           gpu_memory: int | None) -> dict:
-    """A prediction row's memory: the model states, the activations, their sum and, with
-    ``gpu_memory``, whether it fits."""
+           gpu_memory: int | None, kept: int = 0) -> dict:
+    """A prediction row's memory: the model states, the activations, what the strategy keeps
+    between iterations besides (``kept_bytes``), their sum and, with ``gpu_memory``, whether it
+    fits."""
     states = model_states(record, facts, trainers, per_node, precision, optimizer, momentum)
     total = (None if facts.activations_bytes is None
-             else states["model_states_bytes"] + facts.activations_bytes)
-    out = {**states, "activations_bytes": facts.activations_bytes, "memory_bytes": total}
+             else states["model_states_bytes"] + facts.activations_bytes + kept)
+    out = {**states, "activations_bytes": facts.activations_bytes, "kept_bytes": kept,
+           "memory_bytes": total}
     if gpu_memory is not None:
-        out["fits"] = (total if total is not None else states["model_states_bytes"]) <= gpu_memory
+        out["fits"] = (total if total is not None
+                       else states["model_states_bytes"] + kept) <= gpu_memory
     return out
 
 
@@ -231,9 +262,9 @@ class MemoryTarget:
     momentum: float
     gpu_memory: int | None
 
-    def row(self, record: Strategy, trainers: int, per_node: int) -> dict:
-        return memory(record, self.facts, trainers, per_node, self.precision, self.optimizer,
-                      self.momentum, self.gpu_memory)
+    def row(self, hook: str, trainers: int, per_node: int) -> dict:
+        return memory(HOOKS.record(hook), self.facts, trainers, per_node, self.precision,
+                      self.optimizer, self.momentum, self.gpu_memory, kept_bytes(hook, self.facts))
 
     def describe(self) -> str:
         facts = self.facts

@@ -103,7 +103,8 @@ def render(rows: list[dict]) -> str:
         "\nBytePS bound: the least any parameter-server layout with that many servers needs to "
         "move the gradients (communication only)") + (
         "\nstates: parameters, gradients, optimizer state and gathered layers a GPU holds; "
-        "memory: with the activations" if held else "") + (
+        "memory: with the activations and what the strategy keeps between iterations (error "
+        "feedback's residuals, PowerSGD's state)" if held else "") + (
         "; NO: does not fit --gpu-memory (never the best)" if fits else "")
 
 

@@ -17,7 +17,7 @@ from ps_bench.runtime.futures import device_future, issuing_stream, settle
 from ps_bench.strategies.base import Hook, HookContext, stateless
 from ps_bench.strategies.record import (COLLECTIVE, HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Cost,
                                         Strategy)
-from ps_bench.strategies.scratch import Scratch
+from ps_bench.strategies.scratch import Scratch, storages_nbytes
 
 
 @stateless("allreduce", Strategy(COLLECTIVE, "float32", lossless=True,
@@ -160,6 +160,13 @@ class PowerSGD(InOrder):
             raise ValueError("hook option 'start_powerSGD_iter' must be more than 1 with error "
                              "feedback or warm start (DDP rebuilds its buckets after the first "
                              "iteration)")
+
+    def kept_bytes(self) -> int:
+        """What torch's PowerSGD state keeps between iterations, on the buckets' device: error
+        feedback's error of each bucket (its size) and warm start's P and Q factors."""
+        state = self.state
+        return storages_nbytes([*state.error_dict.values(), *state.p_memory_dict.values(),
+                                *state.q_memory_dict.values()])
 
     def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
         if bucket.buffer().is_sparse:  # as dense_only does for the stateless hooks

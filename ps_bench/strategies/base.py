@@ -286,8 +286,12 @@ class HookOnly(Synchroniser):
         self.hook = hook
 
     def kept_bytes(self) -> int:
+        """Its ``Scratch``'s, and what else the hook says it keeps (``kept_bytes``: error
+        feedback's residuals, PowerSGD's error and factor memory)."""
         scratch = getattr(self.hook, "scratch", None)
-        return scratch.nbytes() if isinstance(scratch, Scratch) else 0
+        own = getattr(self.hook, "kept_bytes", None)
+        return ((scratch.nbytes() if isinstance(scratch, Scratch) else 0) +
+                (own() if callable(own) else 0))
 
     def floor_steps(self, ctx: HookContext, sends: tuple[tuple[str, str], ...], elements: int,
                     buckets: list[int]) -> list[tuple[str, dist.ProcessGroup, int]]:

@@ -29,6 +29,7 @@ from ps_bench.metrics import costs
 from ps_bench.strategies.allreduce import allreduce, gather_into
 from ps_bench.strategies.base import HookContext
 from ps_bench.strategies.record import COLLECTIVE, HOOKS, SPARSE_ALLREDUCE, Cost, Nodes, Strategy
+from ps_bench.strategies.scratch import storages_nbytes
 
 BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)  # a byte's bits, first high
 SCALE = 4  # bytes: a float32 scale or norm
@@ -224,6 +225,10 @@ class Compressed:
         if self.error_feedback:
             self.residuals[index] = flat - codec.decode(message, n, seed, sizes)
         return self.exchange(ctx, bucket, message, (n, seed, sizes))
+
+    def kept_bytes(self) -> int:
+        """Error feedback's residuals, a float32 copy of each dense bucket, kept on its device."""
+        return storages_nbytes(self.residuals.values())
 
     def sparse(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
         """A sparse bucket, as it is."""

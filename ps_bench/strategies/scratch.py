@@ -3,9 +3,15 @@ iterations (a trainer's ``buffers_bytes``, ``metrics.memory``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
+
+
+def storages_nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages under ``tensors``, each storage once."""
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 class Scratch:
@@ -32,7 +38,7 @@ class Scratch:
     def nbytes(self) -> int:
         """Bytes kept now (a trainer's ``buffers_bytes``): each kept tensor has a storage of its
         own."""
-        return sum(tensor.untyped_storage().nbytes() for tensor in self.kept.values())
+        return storages_nbytes(self.kept.values())
 
     def copy(self, key: Any, source: torch.Tensor, dtype: Any = None) -> torch.Tensor:
         """A copy of ``source`` (contiguous, its shape; cast to ``dtype`` where given, in the one

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from ps_bench.metrics.messages import batched_low_rank_factors
 from ps_bench.models import DATA_PRESETS, MODEL_PRESETS, PRESET_DATA, TEST_SIZED, build_model
 from ps_bench.predict.buckets import low_rank_ratios
 from ps_bench.predict.inputs import model_buckets
@@ -104,6 +105,18 @@ def test_powersgd_bytes_are_what_its_rule_predicts(bench_runs):
     # PowerSGD computes in gloo's callback threads: they must round as the main thread does
     assert results["replicas"]["identical"] is True, results["replicas"]
     assert results["env"]["intra_op_threads"] == int(os.environ["OMP_NUM_THREADS"])  # ps_bench sets it
+
+
+def test_batched_powersgd_sends_its_factors_whatever_a_bucket_holds(bench_runs):
+    """torch's batched PowerSGD has no min_compression_rate: every bucket goes as P and Q of
+    ceil(sqrt(n)) x rank, even where that is more than the bucket (8 elements send 12, 64 send
+    32), and predict and --limits count it so (``messages.batched_low_rank_factors``)."""
+    results = bench_runs.ok("--hook", "batched_powersgd", "--nserver", "0", "--rounds", "1",
+                            "--bucket-cap-mb", "0.00001", "--model-option", "dense_layers_count=1")
+    sizes = [bucket["bytes"] // 4 for bucket in results["config"]["model_size"]["ddp_buckets"]]
+    assert sizes == [8, 64, 512]
+    assert results["bytes"]["trainer_sent_per_iter"] == 4 * (2 * 3 * 2 + 2 * 8 * 2 + 2 * 23 * 2)
+    assert results["bytes"]["trainer_sent_per_iter"] == 4 * sum(sum(batched_low_rank_factors(n, 2)) for n in sizes)
 
 
 def test_zoo_data_entries_are_registered_for_every_model():

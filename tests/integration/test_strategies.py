@@ -5,9 +5,14 @@ strategy is tested here without editing a table). The sharded and local families
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from ps_bench.strategies import HOOKS
+from ps_bench.metrics.messages import low_rank_factors
+from ps_bench.predict.inputs import model_buckets
+from ps_bench.predict.memory import kept_bytes
+from ps_bench.strategies import HOOKS, hook_options
 from ps_bench.strategies.record import ALLREDUCE, SERVERS
 
 # hierarchical needs hosts of several trainers: its own test, tests/integration/test_families.py
@@ -53,9 +58,28 @@ def test_lossy_strategy_costs_accuracy_and_saves_bytes(hook, bench_runs):
     memory = results["memory"]["trainer"]
     assert memory["peak_bytes"] == (memory["model_states"]["total_bytes"] + memory["activations_bytes"]
                                     + memory["buffers_bytes"])
+    kept, gradients = memory["buffers_bytes"], memory["model_states"]["gradients_bytes"]
+    options = hook_options(hook, {})
+    feedback = options.get("error_feedback")
+    if feedback is None and record.compressor is not None:
+        feedback = record.compressor(options).error_feedback
     if record.family == SERVERS and record.payload in HALF_WIDTH:
         # every bucket copied as it travels, in 16 bits, and kept for the next iteration
-        assert memory["buffers_bytes"] * 2 == memory["model_states"]["gradients_bytes"]
+        assert kept * 2 == gradients
+    elif record.factors is not None:  # PowerSGD: each bucket's error, and its P and Q (warm start)
+        shapes = [bucket["shapes"] for bucket in results["config"]["model_size"]["ddp_buckets"]]
+        if record.factors == "tensor":
+            factors = sum(p + q for _, p, q in (low_rank_factors(bucket, 2, 2.0) for bucket in shapes))
+            assert kept == gradients + 4 * factors
+        else:  # the bucket as one square matrix, its error padded to the square
+            sides = [math.isqrt(sum(math.prod(shape) for shape in bucket) - 1) + 1 for bucket in shapes]
+            assert kept == 4 * sum(side * side + 2 * side * 2 for side in sides)
+    else:  # error feedback keeps a float32 residual of each bucket; without it nothing is kept
+        assert kept == (gradients if feedback else 0), (hook, feedback)
+    if not (record.family == SERVERS and record.payload in HALF_WIDTH):  # those copies: CPU only
+        # what predict adds to a GPU's memory for the strategy, from the model on the meta device
+        facts = model_buckets(results["config"]["model"], results["config"]["bucket_cap_mb"])[3]
+        assert kept_bytes(hook, facts) == kept
 
 
 @pytest.mark.parametrize("hook", SILENT)

@@ -12,7 +12,8 @@ import torch
 from ps_bench.cli import main
 from ps_bench.metrics.memory import SavedActivations, held_bytes
 from ps_bench.predict.inputs import model_buckets
-from ps_bench.predict.memory import ModelFacts, model_states, parse_memory, saved_activations_bytes
+from ps_bench.predict.memory import (ModelFacts, kept_bytes, model_states, parse_memory,
+                                     saved_activations_bytes)
 from ps_bench.strategies import HOOKS
 from ps_bench.strategies.stale import STALE_SYNCHRONOUS
 
@@ -145,3 +146,21 @@ def test_fsdp_units_as_ps_bench_wraps_a_llama():
     block = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64
     assert (facts.root_unit, facts.largest_unit) == (2 * 512 * 64 + 64, block)
     assert facts.parameters == facts.root_unit + 2 * block == 139_584
+
+
+def test_what_a_strategy_keeps_between_iterations_is_in_its_memory(capsys):
+    """Error feedback keeps a float32 residual of every bucket (topk by default; qsgd not), and
+    PowerSGD each bucket's error and its factors: on Llama-3-8B in fp32 that is 32 GB more a
+    GPU, which decides whether topk fits 80 GB where allreduce does."""
+    facts = model_buckets("hf:llama3-8b", 25.0)[3]
+    assert kept_bytes("topk", facts) == 4 * facts.parameters
+    assert kept_bytes("qsgd", facts) == kept_bytes("allreduce", facts) == kept_bytes("ps_fp16", facts) == 0
+    assert 4 * facts.parameters < kept_bytes("powersgd", facts) < 4.1 * facts.parameters
+    assert main(["predict", "--model", "hf:llama3-8b", "--batch-size", "1", "--sequence-length", "1024",
+                 "--compute-ms", "forward=100,backward=200,optimizer=5", "--hooks", "allreduce,topk",
+                 "--trainers", "8", "--link", "100gbit", "--gpu-memory", "80GB"]) == 0
+    rows = {line.split()[1]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("8 ")}
+    assert rows["allreduce"][-1] == "yes" and rows["topk"][-1] == "NO"
+    assert float(rows["topk"][-2]) - float(rows["allreduce"][-2]) == pytest.approx(
+        4 * facts.parameters / 2 ** 30, abs=0.1)
