@@ -6,6 +6,7 @@ import argparse
 import csv
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,8 +63,9 @@ def load_rows(sources: list[str]) -> list[Row]:
     """Points from sweep folders (their results.jsonl; a re-run point's latest line wins),
     .jsonl files, folders of results files and single results files, in the order given."""
     rows: list[Row] = []
-    for source in sources:
-        loaded = load_source(source)
+    sources_read = [load_source(source) for source in sources]
+    passed_over = [what for loaded in sources_read for what in loaded.passed_over()]
+    for source, loaded in zip(sources, sources_read):
         if loaded.kind in ("sweep folder", "sweep results"):
             latest: dict[str, dict] = {}
             for _, line in loaded.runs:
@@ -75,7 +77,10 @@ def load_rows(sources: list[str]) -> list[Row]:
         else:
             rows += [Row(Path(where).stem, results) for where, results in loaded.runs]
     if not rows:
-        raise ConfigError(f"report: no results in {', '.join(sources)}")
+        raise ConfigError(f"report: no results in {', '.join(sources)}"
+                          + (f" (passed over {'; '.join(passed_over)})" if passed_over else ""))
+    for what in passed_over:
+        print(f"ps_bench: report: passed over {what}", file=sys.stderr)
     return rows
 
 

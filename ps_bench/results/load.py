@@ -112,6 +112,12 @@ class Source:
     skipped: list[str] = field(default_factory=list)
     torn: int = 0  # lines of a results.jsonl that do not parse
 
+    def passed_over(self) -> list[str]:
+        """What of it was not read, in words (empty where it was all read)."""
+        return ([f"{len(self.skipped)} file(s) of {self.path} that are not results files "
+                 f"({', '.join(self.skipped)})"] if self.skipped else []) + (
+            [f"{self.torn} torn line(s) of {self.path}"] if self.torn else [])
+
 
 def load_source(source: str) -> Source:
     """A results file, a sweep folder, a ``.jsonl`` of a sweep's lines, or a folder of results

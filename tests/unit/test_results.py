@@ -120,6 +120,23 @@ def test_report_and_compare_make_the_folder_of_a_csv(tmp_path, capsys):
     assert (tmp_path / "other" / "c.csv").read_text().count("\n") >= 2
 
 
+def test_report_says_which_files_of_a_folder_it_passed_over(tmp_path, capsys):
+    """A folder's files that are not results files are left out of the table, and said so on
+    stderr (they were dropped without a word); a folder of nothing else says what it held."""
+    (tmp_path / "run.json").write_text(EARLIER.read_text())
+    (tmp_path / "notes.json").write_text("{}")
+    (tmp_path / "half.json").write_text(EARLIER.read_text()[:50])
+    assert main(["report", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == (f"ps_bench: report: passed over 2 file(s) of {tmp_path} that are not results "
+                            f"files (half.json, notes.json)\n")
+    assert captured.out.count(" ok") == 1
+    (tmp_path / "run.json").unlink()
+    assert main(["report", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"ps_bench: error: report: no results in {tmp_path} (passed over 2 "
+                                       f"file(s) of {tmp_path} that are not results files (half.json, notes.json))\n")
+
+
 def test_a_sweeps_torn_line_is_passed_over_and_the_next_line_stays_whole(tmp_path):
     lines = tmp_path / "results.jsonl"
     earlier = load_file(EARLIER)
