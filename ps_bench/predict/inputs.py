@@ -231,7 +231,8 @@ def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
     parameters = sum(p.numel() for p in network.parameters())
     facts = ModelFacts(parameters, largest_layer(network), None, "no batch given",
                        sum(1 for _ in network.parameters()), *fsdp_units(network),
-                       [[list(p.shape) for p in bucket] for bucket in buckets])
+                       [[list(p.shape) for p in bucket]
+                        for bucket, (_, sparse) in zip(buckets, sizes) if not sparse])
     if batch_size is None:
         return sizes, None, "no batch given", facts
     data = load_entry(RunConfig().data_config_path, default_data(entry), "data_class", DATA, "data",

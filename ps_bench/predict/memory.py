@@ -70,7 +70,8 @@ class ModelFacts:
     # parameters and the largest other unit's
     root_unit: int = 0
     largest_unit: int = 0
-    # the gradient shapes in each of DDP's buckets (a low-rank strategy's factors follow them)
+    # the gradient shapes in each of DDP's dense buckets (a low-rank strategy's factors follow
+    # them; a sparse bucket is all-reduced as it is, with no error feedback)
     bucket_shapes: list[list[list[int]]] = field(default_factory=list)
 
 
