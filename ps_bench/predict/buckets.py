@@ -4,12 +4,10 @@ low-rank factors), on a calibration's buckets and links."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from ps_bench.metrics import costs
-from ps_bench.metrics.messages import (ELEMENT_BYTES, batched_low_rank_factors, low_rank_factors,
-                                       piece_elements)
+from ps_bench.metrics.messages import ELEMENT_BYTES, piece_elements
 from ps_bench.predict import pipelines
 from ps_bench.predict.calibration import Calibration
 from ps_bench.strategies import (COLLECTIVE_BUCKETS, HOOKS, HOST_SERVER_BUCKETS, LOW_RANK_BUCKETS,
@@ -66,33 +64,12 @@ def low_rank_end(calibration: Calibration, strategy: Strategy, hook: str, nodes:
                  k: int, mapping: str, servers_on: str) -> float | None:
     """Low-rank factors all-reduced bucket by bucket (three collectives each): their size
     depends on the layers' shapes, so it is known from a run of the strategy, or from the model
-    (``low_rank_ratios``, with ``--compute-ms``)."""
+    (``calibration.low_rank_ratios``)."""
     ratio = calibration.payload_ratio.get(hook)
     if ratio is None:
         return None
     return pipelines.pipeline([(ready, nbytes * ratio) for ready, nbytes, _ in calibration.buckets],
                               lambda nbytes: costs.flat_ring_ms(nodes, nbytes, steps_per_message=3))
-
-
-def low_rank_ratios(bucket_shapes: list[list[list[int]]]) -> dict[str, float]:
-    """Each low-rank strategy's payload, at its default options, over the float32 gradient's
-    bytes, from the gradient shapes in DDP's buckets (``messages.low_rank_factors``, per tensor,
-    or ``batched_low_rank_factors``, per bucket): what a run of it measures, known from the model
-    alone."""
-    sizes = [[math.prod(shape) for shape in bucket] for bucket in bucket_shapes]
-    total = sum(map(sum, sizes))
-    ratios = {}
-    for hook in HOOKS.names():
-        strategy = HOOKS.record(hook)
-        if strategy.cost.pipeline != LOW_RANK_BUCKETS or not total:
-            continue
-        options = hook_options(hook, {})
-        rank, rate = options["matrix_approximation_rank"], options["min_compression_rate"]
-        sent = sum(sum(low_rank_factors(shapes, rank, rate) if strategy.factors == "tensor" else
-                       batched_low_rank_factors(sum(elements), rank))
-                   for shapes, elements in zip(bucket_shapes, sizes))
-        ratios[hook] = sent / total
-    return ratios
 
 
 def server_bytes(calibration: Calibration, strategy: Strategy,

@@ -5,12 +5,15 @@ alone (``from_compute_ms``)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ps_bench.metrics.costs import Link
+from ps_bench.metrics.messages import batched_low_rank_factors, low_rank_factors
 from ps_bench.predict.inputs import spread
 from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.runs import Run
+from ps_bench.strategies import HOOKS, LOW_RANK_BUCKETS, hook_options
 
 
 @dataclass
@@ -31,8 +34,9 @@ class Calibration:
     intra_from: str = "none"
     # strategy -> its own compute, from its run
     own_ms: dict[str, float] = field(default_factory=dict)
-    # low-rank strategies: bytes sent / dense
+    # low-rank strategies: bytes sent / dense, and where each came from
     payload_ratio: dict[str, float] = field(default_factory=dict)
+    payload_from: dict[str, str] = field(default_factory=dict)
     # micro-batches of batch_size an optimizer step (--grad-accum): the compute of each, the
     # hooks' buckets synchronised on the last, each record's sends as often as it says
     micro_batches: int = 1
@@ -63,8 +67,39 @@ class Calibration:
             "aggregate_gbps": (self.aggregate_bytes_per_ms * 1000.0 / 1e9
                                if self.aggregate_bytes_per_ms else None),
             "own_ms": self.own_ms, "payload_ratio": self.payload_ratio,
+            "payload_from": self.payload_from,
             "runs": [run.path for run in self.runs], "notes": self.notes,
         }
+
+
+def low_rank_ratios(bucket_shapes: list[list[list[int]]]) -> dict[str, float]:
+    """Each low-rank strategy's payload, at its default options, over the float32 gradient's
+    bytes, from the gradient shapes in DDP's buckets (``messages.low_rank_factors``, per tensor,
+    or ``batched_low_rank_factors``, per bucket): what a run of it measures, known from the model
+    alone."""
+    sizes = [[math.prod(shape) for shape in bucket] for bucket in bucket_shapes]
+    total = sum(map(sum, sizes))
+    ratios = {}
+    for hook in HOOKS.names():
+        strategy = HOOKS.record(hook)
+        if strategy.cost.pipeline != LOW_RANK_BUCKETS or not total:
+            continue
+        options = hook_options(hook, {})
+        rank, rate = options["matrix_approximation_rank"], options["min_compression_rate"]
+        sent = sum(sum(low_rank_factors(shapes, rank, rate) if strategy.factors == "tensor" else
+                       batched_low_rank_factors(sum(elements), rank))
+                   for shapes, elements in zip(bucket_shapes, sizes))
+        ratios[hook] = sent / total
+    return ratios
+
+
+def add_payloads(calibration: Calibration, bucket_shapes: list[list[list[int]]]) -> None:
+    """Each low-rank strategy's payload not measured by a run of it, counted from the gradient
+    shapes of the dense buckets (``low_rank_ratios``)."""
+    for hook, ratio in low_rank_ratios(bucket_shapes).items():
+        if hook not in calibration.payload_ratio:
+            calibration.payload_ratio[hook] = ratio
+            calibration.payload_from[hook] = "counted from the model's layers, default options"
 
 
 def bucket_sizes(buckets: list[dict]) -> dict[int, tuple[int, bool]]:

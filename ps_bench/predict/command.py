@@ -15,8 +15,7 @@ from ps_bench.metrics import costs
 from ps_bench.predict import memory, pipelines
 from ps_bench.predict.inputs import (LINK_KINDS, LOCAL_KINDS, NETWORK_KINDS, TargetLink, count_list,
                                      model_buckets, parse_phases, parse_target_latency, target_link)
-from ps_bench.predict.buckets import low_rank_ratios
-from ps_bench.predict.calibration import Calibration, from_compute_ms
+from ps_bench.predict.calibration import Calibration, add_payloads, from_compute_ms
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.runs import Run
 from ps_bench.predict.tables import describe_calibration, plot, render, render_winners, winners
@@ -228,7 +227,7 @@ def no_run_calibration(args: argparse.Namespace,
     if target.intra is not None:
         calibration.intra_link = target.intra.link()
         calibration.intra_from = target.intra.describe()
-    calibration.payload_ratio.update(low_rank_ratios(facts.bucket_shapes))
+    add_payloads(calibration, facts.bucket_shapes)
     return calibration, facts
 
 
@@ -311,7 +310,8 @@ def choose_hooks(text: str | None, runs: list[Run], calibration: Calibration,
         hook = HOOKS.canonical(name.strip())
         if predict(calibration, hook, 2, 1) is None:
             raise ConfigError(f"--hooks: {hook} sends low-rank factors whose size depends on the "
-                              f"layers' shapes: give a run of {hook} to calibrate it")
+                              f"layers' shapes, which these results files do not record: give "
+                              f"a run of {hook} to calibrate it")
         hooks.append(hook)
     return list(dict.fromkeys(hooks))
 

@@ -30,8 +30,8 @@ from ps_bench.metrics.costs import Link
 from ps_bench.metrics.messages import ELEMENT_BYTES, PRECISIONS
 from ps_bench.predict import pipelines
 from ps_bench.predict.buckets import communication_end
-from ps_bench.predict.calibration import (Calibration, backward_compute, bucket_sizes, own_terms,
-                                          ready_buckets)
+from ps_bench.predict.calibration import (Calibration, add_payloads, backward_compute,
+                                          bucket_sizes, own_terms, ready_buckets)
 from ps_bench.predict.inputs import TargetLink, spread
 from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.runs import Run
@@ -120,6 +120,12 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
             ring = 2 * (run.trainers - 1) / run.trainers
             calibration.payload_ratio.setdefault(run.hook, run.trainer_sent_per_iter / ring /
                                                  calibration.gradient_bytes)
+            calibration.payload_from[run.hook] = "measured by its run"
+    # the others from the layers in the runs' buckets (a results file older than their shapes:
+    # none, and a low-rank strategy needs its run)
+    if all("shapes" in bucket for bucket in first.buckets):
+        add_payloads(calibration, [bucket["shapes"] for bucket in first.buckets
+                                   if not bucket["sparse"]])
     # each strategy's own compute: its run against the model with the run's own compute phases and
     # timeline, on the network the run had (the fitted link; the target one for a run on an
     # emulated link of the target's rate)

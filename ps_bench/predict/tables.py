@@ -70,8 +70,8 @@ def describe_calibration(calibration: Calibration) -> str:
             + f"  each strategy's own compute, from its run: {own} (a strategy without a run: that "
             f"of the one it costs like, ps for ps_fp16 and ps_node; else 0)\n"
             + (f"  low-rank payloads, of the float32 gradient's bytes: "
-               f"{', '.join(f'{hook} {ratio:.2%}' for hook, ratio in sorted(ratios.items()))} "
-               f"({'from its run' if c['runs'] else 'from the model, default options'})\n"
+               + ", ".join(f"{hook} {ratio:.2%} ({c['payload_from'][hook]})"
+                           for hook, ratio in sorted(ratios.items())) + "\n"
                if ratios else "")
             + "".join(f"  note: {note}\n" for note in c["notes"]))
 

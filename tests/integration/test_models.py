@@ -10,7 +10,7 @@ import torch
 
 from ps_bench.metrics.messages import batched_low_rank_factors
 from ps_bench.models import DATA_PRESETS, MODEL_PRESETS, PRESET_DATA, TEST_SIZED, build_model
-from ps_bench.predict.buckets import low_rank_ratios
+from ps_bench.predict.calibration import low_rank_ratios
 from ps_bench.predict.inputs import model_buckets
 
 SMALL = sorted(TEST_SIZED)  # every zoo model registered as a test-sized version of a full-size one

@@ -19,7 +19,7 @@ from ps_bench.predict import predictor as predictor_module
 from ps_bench.metrics.costs import Link
 from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.calibration import from_compute_ms
-from ps_bench.predict.buckets import low_rank_ratios
+from ps_bench.predict.calibration import low_rank_ratios
 from ps_bench.predict.inputs import TargetLink, model_buckets
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.runs import Run
@@ -374,7 +374,23 @@ def test_low_rank_strategies_are_predicted_from_the_model_alone(capsys):
                  "forward=10,backward=20,optimizer=1", "--hooks", "allreduce,powersgd,batched_powersgd",
                  "--trainers", "8", "--link", "1gbit"]) == 0
     printed = capsys.readouterr().out
+    counted = "(counted from the model's layers, default options)"
     assert (f"low-rank payloads, of the float32 gradient's bytes: batched_powersgd "
-            f"{ratios['batched_powersgd']:.2%}, powersgd {ratios['powersgd']:.2%} (from the model") in printed
+            f"{ratios['batched_powersgd']:.2%} {counted}, powersgd {ratios['powersgd']:.2%} {counted}") in printed
     rows = {line.split()[1]: float(line.split()[3]) for line in printed.splitlines() if line.startswith("8 ")}
     assert rows["powersgd"] < rows["allreduce"]  # a thirtieth of the bytes on a slow link
+
+
+def test_a_run_that_records_its_buckets_shapes_predicts_the_low_rank_strategies_it_did_not_run(tmp_path, capsys):
+    """An all-reduce run whose two 10 MB buckets each hold one 2500 x 1000 gradient: powersgd
+    sends (2500 + 1000) x 2 elements a bucket, batched_powersgd 2 x 1582 x 2 (ceil(sqrt(2500 x
+    1000)) = 1582), with no run of either; a run of powersgd would have measured its own."""
+    shaped = [{"index": i, "bytes": 10 * MB, "sparse": False, "shapes": [[2500, 1000]]} for i in (0, 1)]
+    path = results_file(tmp_path, config={"hook": "allreduce", "ntrainer": 2, "nserver": 0, "batch_size": 32,
+                                          "model": "DummyModel", "model_size": {"ddp_buckets": shaped}})
+    assert main(["predict", path, "--hooks", "allreduce,powersgd,batched_powersgd", "--trainers", "8",
+                 "--out", str(tmp_path / "p.json")]) == 0
+    calibration = json.loads((tmp_path / "p.json").read_text())["calibration"]
+    assert calibration["payload_ratio"] == pytest.approx({"powersgd": 7000 / 2.5e6, "batched_powersgd": 6328 / 2.5e6})
+    assert set(calibration["payload_from"].values()) == {"counted from the model's layers, default options"}
+    assert "powersgd 0.28% (counted from the model's layers, default options)" in capsys.readouterr().out
