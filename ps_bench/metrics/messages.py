@@ -43,12 +43,29 @@ def low_rank_factors(shapes: list[list[int]], rank: int,
     return uncompressed, p_elements, q_elements
 
 
+def square_side(elements: int) -> int:
+    """The side of the square matrix batched PowerSGD views a bucket of ``elements`` as (padded
+    with zeros): ``ceil(sqrt(elements))``."""
+    return math.isqrt(elements - 1) + 1 if elements > 0 else 0
+
+
 def batched_low_rank_factors(elements: int, rank: int) -> tuple[int, int, int]:
     """Elements torch's batched PowerSGD all-reduces for one bucket of ``elements``: the bucket as
-    one square matrix of side ``ceil(sqrt(elements))``, P and Q of ``side × rank`` each, whatever
-    that saves (it has no ``min_compression_rate``: a bucket of 10 sends 16)."""
-    side = math.isqrt(elements - 1) + 1 if elements > 0 else 0
+    one square matrix (``square_side``), P and Q of ``side × rank`` each, whatever that saves (it
+    has no ``min_compression_rate``: a bucket of 10 sends 16)."""
+    side = square_side(elements)
     return 0, side * rank, side * rank
+
+
+def bucket_factors(factors: str, shapes: list[list[int]], elements: int,
+                   options: dict) -> tuple[int, int, int]:
+    """``(uncompressed, P, Q)`` elements a PowerSGD hook all-reduces for one bucket at the hook's
+    ``options``: per tensor (``factors`` "tensor", from the gradients' ``shapes``) or the bucket's
+    ``elements`` as one matrix ("bucket")."""
+    rank = options["matrix_approximation_rank"]
+    if factors == "tensor":
+        return low_rank_factors(shapes, rank, options["min_compression_rate"])
+    return batched_low_rank_factors(elements, rank)
 
 
 def floor_messages(strategy, buckets: list[dict], options: dict, slices: int = 1,
@@ -83,9 +100,7 @@ def floor_messages(strategy, buckets: list[dict], options: dict, slices: int = 1
             messages[bucket["index"]] = [(length, dtype)
                                          for _, length in piece_ranges(elements, piece)]
         else:  # low-rank factors
-            rank, rate = options["matrix_approximation_rank"], options["min_compression_rate"]
-            parts = (low_rank_factors(bucket["shapes"], rank, rate) if strategy.factors == "tensor"
-                     else batched_low_rank_factors(elements, rank))
+            parts = bucket_factors(strategy.factors, bucket["shapes"], elements, options)
             messages[bucket["index"]] = [(count, "float32") for count in parts if count]
     return messages
 

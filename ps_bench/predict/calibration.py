@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from ps_bench.metrics.costs import Link
-from ps_bench.metrics.messages import batched_low_rank_factors, low_rank_factors
+from ps_bench.metrics.messages import bucket_factors
 from ps_bench.predict.inputs import spread
 from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.runs import Run
@@ -74,9 +74,8 @@ class Calibration:
 
 def low_rank_ratios(bucket_shapes: list[list[list[int]]]) -> dict[str, float]:
     """Each low-rank strategy's payload, at its default options, over the float32 gradient's
-    bytes, from the gradient shapes in DDP's buckets (``messages.low_rank_factors``, per tensor,
-    or ``batched_low_rank_factors``, per bucket): what a run of it measures, known from the model
-    alone."""
+    bytes, from the gradient shapes in DDP's buckets (``messages.bucket_factors``): what a run of
+    it measures, known from the model alone."""
     sizes = [[math.prod(shape) for shape in bucket] for bucket in bucket_shapes]
     total = sum(map(sum, sizes))
     ratios = {}
@@ -85,9 +84,7 @@ def low_rank_ratios(bucket_shapes: list[list[list[int]]]) -> dict[str, float]:
         if strategy.cost.pipeline != LOW_RANK_BUCKETS or not total:
             continue
         options = hook_options(hook, {})
-        rank, rate = options["matrix_approximation_rank"], options["min_compression_rate"]
-        sent = sum(sum(low_rank_factors(shapes, rank, rate) if strategy.factors == "tensor" else
-                       batched_low_rank_factors(sum(elements), rank))
+        sent = sum(sum(bucket_factors(strategy.factors, shapes, sum(elements), options))
                    for shapes, elements in zip(bucket_shapes, sizes))
         ratios[hook] = sent / total
     return ratios

@@ -42,7 +42,7 @@ import torch
 
 from ps_bench.config import ConfigError
 from ps_bench.metrics.memory import SavedActivations
-from ps_bench.metrics.messages import batched_low_rank_factors, low_rank_factors
+from ps_bench.metrics.messages import bucket_factors, square_side
 from ps_bench.results.printed import format_bytes
 from ps_bench.strategies import HOOKS, hook_options
 from ps_bench.strategies.record import (GRADIENTS, OPTIMIZER, PARAMETERS, SERVER_OWNED, Holds,
@@ -123,15 +123,12 @@ def kept_bytes(hook: str, facts: ModelFacts) -> int:
     record, options = HOOKS.record(hook), hook_options(hook, {})
     sizes = [sum(math.prod(shape) for shape in shapes) for shapes in facts.bucket_shapes]
     if record.factors is not None:
-        rank, kept = options["matrix_approximation_rank"], 0
+        kept = 0
         for shapes, elements in zip(facts.bucket_shapes, sizes):
-            side = math.isqrt(elements - 1) + 1 if elements else 0
-            factors = (low_rank_factors(shapes, rank, options["min_compression_rate"])
-                       if record.factors == "tensor" else
-                       batched_low_rank_factors(elements, rank))[1:]
-            kept += ((elements if record.factors == "tensor" else side * side)
+            _, p, q = bucket_factors(record.factors, shapes, elements, options)
+            kept += ((elements if record.factors == "tensor" else square_side(elements) ** 2)
                      if options["use_error_feedback"] else 0)
-            kept += sum(factors) if options["warm_start"] else 0
+            kept += p + q if options["warm_start"] else 0
         return 4 * kept
     feedback = options.get("error_feedback")
     if feedback is None and record.compressor is not None:

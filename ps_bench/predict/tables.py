@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from ps_bench.options import plural
 from ps_bench.predict.calibration import Calibration
 from ps_bench.plots import pyplot
 from ps_bench.strategies import HOOKS
@@ -40,7 +41,8 @@ def label(row: dict) -> str:
     """A strategy with its servers, as the winner lines name it."""
     if row["servers"] is None:
         return row["strategy"]
-    return f"{row['strategy']} ({servers_label(row)} server{'s' if row['servers'] != 1 else ''})"
+    kind = "colocated server" if row.get("servers_on") == "colocated" else "server"
+    return f"{row['strategy']} ({plural(row['servers'], kind)})"
 
 
 def servers_label(row: dict) -> str:
@@ -69,7 +71,7 @@ def describe_calibration(calibration: Calibration) -> str:
                if c["intra_link"] else "")
             + f"  each strategy's own compute, from its run: {own} (a strategy without a run: that "
             f"of the one it costs like, ps for ps_fp16 and ps_node; else 0)\n"
-            + (f"  low-rank payloads, of the float32 gradient's bytes: "
+            + ("  low-rank payloads, of the float32 gradient's bytes: "
                + ", ".join(f"{hook} {ratio:.2%} ({c['payload_from'][hook]})"
                            for hook, ratio in sorted(ratios.items())) + "\n"
                if ratios else "")
