@@ -152,25 +152,20 @@ def test_dry_run_prints_the_layout(capsys):
     assert "group: trainer0, trainer1" in out
 
 
-def test_profile_into_a_folder_that_cannot_be_made_is_one_line_and_exit_2(capsys, tmp_path):
+@pytest.mark.parametrize("flag, name, words", [("--profile", "traces", "cannot be created"),
+                                              ("--out", "r.json", "is not a folder")])
+def test_an_output_under_a_file_is_one_line_and_exit_2(flag, name, words, capsys, tmp_path):
+    """--profile's folder, --out's file: under a path that is a file, refused before anything runs."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    assert main(["--profile", str(blocker / "traces"), "--dry-run"]) == 2
+    assert main([flag, str(blocker / name), "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--profile" in err and "cannot be created" in err, err
+    assert err.count("\n") == 1 and flag in err and words in err, err
 
 
 def test_profile_folder_is_not_made_by_a_dry_run(capsys, tmp_path):
     assert main(["--profile", str(tmp_path / "new" / "traces"), "--dry-run"]) == 0
     assert not (tmp_path / "new").exists()
-
-
-def test_out_where_no_file_can_be_written_is_one_line_and_exit_2(capsys, tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    assert main(["--out", str(blocker / "r.json"), "--dry-run"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--out" in err and "is not a folder" in err, err
 
 
 def test_out_naming_a_folder_puts_the_new_name_inside_it(tmp_path):
