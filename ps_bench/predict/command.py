@@ -11,15 +11,15 @@ from pathlib import Path
 
 from ps_bench.config import ConfigError, check_output_file
 from ps_bench.options import KeyValue
-from ps_bench.metrics import costs
 from ps_bench.predict import memory, pipelines
 from ps_bench.predict.inputs import (LINK_KINDS, LOCAL_KINDS, NETWORK_KINDS, TargetLink, count_list,
                                      model_buckets, parse_phases, parse_target_latency, target_link)
 from ps_bench.predict.calibration import Calibration, add_payloads, from_compute_ms
 from ps_bench.predict.predictor import calibrate, predict
+from ps_bench.predict.rows import prediction_rows, unplaced
 from ps_bench.predict.runs import Run
 from ps_bench.predict.tables import describe_calibration, plot, render, render_winners, winners
-from ps_bench.strategies import HOOKS, RPC
+from ps_bench.strategies import HOOKS
 
 PREDICTION_SCHEMA = "ps_bench.prediction/1"
 DEFAULT_HOOKS = ("allreduce", "ps", "fp16")
@@ -275,7 +275,10 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
         held = memory.target(args, facts, [run.training or {} for run in runs], gpu_memory)
         for row in rows:
             row.update(held.row(row["strategy"], row["trainers"], row["per_node"]))
-    print(describe_calibration(calibration) + (held.describe() if held else ""))
+    described = describe_calibration(calibration) + (held.describe() if held else "")
+    note = (unplaced(servers, trainers, target.per_node)
+            if args.servers is not None and "colocated" in target.servers_on else None)
+    print(described.rstrip("\n") + f"\n  {note}\n" if note else described)
     print(render(rows))
     synchronising = [hook for hook in hooks if HOOKS.record(hook).transport is not None]
     print(render_winners(winners(rows), "no strategy fits --gpu-memory" if synchronising else
@@ -314,83 +317,3 @@ def choose_hooks(text: str | None, runs: list[Run], calibration: Calibration,
                               f"a run of {hook} to calibrate it")
         hooks.append(hook)
     return list(dict.fromkeys(hooks))
-
-
-def server_counts(n: int) -> list[int]:
-    """The server counts ``auto`` tries at ``n`` trainers: powers of two up to n, and n."""
-    return sorted({2 ** i for i in range(n.bit_length())} | {n})
-
-
-def prediction_rows(calibration: Calibration, hooks: list[str], trainers: list[int],
-                    servers: list[int | str], mapping: str, link_bps: float | None,
-                    compared: list[Run] = (), per_node: int = 1,
-                    servers_on: list[str] = ("dedicated",)) -> list[dict]:
-    """One row per strategy, trainer count and (parameter-server strategies) server count; with
-    ``auto``, the server count of the shortest predicted batch is added, marked ``auto``; with
-    servers ``colocated``, a row for each server count given that the nodes can share evenly,
-    at least one a node (one a node when none is)."""
-    rows = []
-    explicit = [k for k in servers if k != "auto"]
-
-    def row(hook, n, k, place="dedicated"):
-        return row_of(calibration, hook, n, k, mapping, link_bps, compared, per_node, place)
-
-    for n in trainers:
-        for hook in hooks:
-            if HOOKS.record(hook).transport != RPC:
-                rows.append(row(hook, n, None))
-                continue
-            if "dedicated" in servers_on:
-                predicted = {k: row(hook, n, k) for k in explicit}
-                if "auto" in servers:
-                    best = min((row(hook, n, k) for k in server_counts(n)),
-                               key=lambda r: r["batch_ms"])
-                    if best["servers"] not in predicted:
-                        predicted[best["servers"]] = {**best, "auto": True}
-                rows.extend(r for _, r in sorted(predicted.items()))
-            if "colocated" in servers_on:
-                nodes = n // per_node
-                counts = sorted({k for k in explicit if k >= nodes and k % nodes == 0}) or [nodes]
-                rows.extend(row(hook, n, k, "colocated") for k in counts)
-    return rows
-
-
-def row_of(calibration: Calibration, hook: str, n: int, k: int | None, mapping: str,
-           link_bps: float | None, compared: list[Run], per_node: int = 1,
-           servers_on: str = "dedicated") -> dict:
-    predicted = predict(calibration, hook, n, k or 0, mapping, per_node=per_node,
-                        servers_on=servers_on)
-    row = {"strategy": hook, "trainers": n, "nodes": n // per_node, "per_node": per_node,
-           "servers": k, **({"servers_on": servers_on} if k else {}), **predicted,
-           **measured(calibration, compared, hook, n, k or 0, mapping, link_bps,
-                      predicted["batch_ms"], per_node, servers_on)}
-    # the best any parameter-server layout could do with its extra servers (BytePS sums within a
-    # node first)
-    if k:
-        row["byteps_bound_ms"] = costs.byteps_bound_ms(n // per_node,
-                                                        0 if servers_on == "colocated" else k,
-                                                        calibration.gradient_bytes,
-                                                        calibration.link)
-    return row
-
-
-def measured(calibration: Calibration, compared: list[Run], hook: str, n: int, k: int,
-             mapping: str, link_bps: float | None, predicted_ms: float, per_node: int = 1,
-             servers_on: str = "dedicated") -> dict:
-    """The given runs of this point (same strategy, trainers, trainers per host, servers and
-    their place, network): their batch p50, the prediction's error against it, and whether one
-    of them calibrated the strategy's own compute (then the error is about 0 by construction)."""
-    uses_servers = HOOKS.record(hook).transport == RPC
-    matches = [run for run in [*calibration.runs, *compared]
-               if run.hook == hook and run.trainers == n and run.per_host == per_node
-               and (not uses_servers or (run.servers == k and run.mapping == mapping
-                                         and run.servers_on == servers_on))
-               and (link_bps is None or run.link_rate_bps == link_bps)]
-    if not matches:
-        return {"measured_ms": None, "error_pct": None}
-    value = sorted(run.batch_ms for run in matches)[len(matches) // 2]
-    return {"measured_ms": value, "error_pct": (predicted_ms - value) / value * 100.0,
-            "runs": [run.path for run in matches],
-            "calibration": any(run in calibration.runs for run in matches)}
-
-

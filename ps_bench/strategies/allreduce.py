@@ -160,6 +160,9 @@ class PowerSGD(InOrder):
             raise ValueError("hook option 'start_powerSGD_iter' must be more than 1 with error "
                              "feedback or warm start (DDP rebuilds its buckets after the first "
                              "iteration)")
+        if not min_compression_rate >= 0:
+            raise ValueError(f"hook option 'min_compression_rate' must be 0 or more (0: factor "
+                             f"every matrix); got {min_compression_rate}")
 
     def kept_bytes(self) -> int:
         """What torch's PowerSGD state keeps between iterations, on the buckets' device: error

@@ -65,6 +65,10 @@ def test_powersgd_options_are_checked():
     with pytest.raises(ValueError, match="must be more than 1 with error feedback"):
         check_hook_options("powersgd", {"start_powerSGD_iter": 1})
     check_hook_options("powersgd", {"start_powerSGD_iter": 1, "use_error_feedback": False, "warm_start": False})
+    for rate in (-1.0, float("nan")):  # a JSON config's NaN is a float
+        with pytest.raises(ValueError, match="'min_compression_rate' must be 0 or more"):
+            check_hook_options("powersgd", {"min_compression_rate": rate})
+    assert check_hook_options("powersgd", {"min_compression_rate": 0}) == {"min_compression_rate": 0.0}
     with pytest.raises(ValueError, match="takes no options"):
         check_hook_options("fp16", {"x": 1})
 

@@ -18,6 +18,7 @@ from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.inputs import meta_buckets
 from ps_bench.predict.calibration import from_compute_ms
 from ps_bench.predict.predictor import calibrate, predict
+from ps_bench.predict.rows import colocated_counts, unplaced
 from ps_bench.predict.runs import Run
 from tests.unit.test_predict import results_file
 
@@ -295,3 +296,18 @@ def test_predict_with_micro_batches_computes_each_and_sends_as_each_engine_does(
     assert main(["predict", "--model", "resnet18", "--batch-size", "32", "--compute-ms",
                  "forward=30,backward=60,optimizer=5", "--link", "10gbit", "--grad-accum", "0"]) == 2
     assert "--grad-accum must be at least 1" in capsys.readouterr().err
+
+
+def test_server_counts_the_nodes_cannot_hold_colocated_are_named(tmp_path, capsys):
+    """Co-located servers sit as many on every node: a given count the nodes cannot share is
+    said to be left out, with what was predicted in its place (one a node where none fits)."""
+    assert colocated_counts([3, "auto", 4, 8], 4) == ([4, 8], [3])
+    assert colocated_counts([1], 2) == ([], [1])
+    assert unplaced([4, 8], [8, 16], 4) is None  # 2 and 4 nodes both hold 4 and 8
+    out = tmp_path / "predict.json"
+    assert main(["predict", "--model", "resnet18", "--batch-size", "8", "--compute-ms",
+                 "forward=10,backward=20,optimizer=1", "--link", "10gbit", "--hooks", "ps",
+                 "--servers", "3", "--servers-on", "colocated", "--nodes", "2,3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "2 node(s) cannot hold 3 (predicted with 2)" in printed and "3 node(s) cannot" not in printed
+    assert [(r["trainers"], r["servers"]) for r in json.loads(out.read_text())["predictions"]] == [(2, 2), (3, 3)]

@@ -1,0 +1,113 @@
+"""The rows of ``bench.py predict``: each strategy at each trainer count and, for parameter
+servers, each server count and place, with the given runs of the same point beside it."""
+
+from __future__ import annotations
+
+from ps_bench.metrics import costs
+from ps_bench.predict.calibration import Calibration
+from ps_bench.predict.predictor import predict
+from ps_bench.predict.runs import Run
+from ps_bench.strategies import HOOKS, RPC
+
+
+def server_counts(n: int) -> list[int]:
+    """The server counts ``auto`` tries at ``n`` trainers: powers of two up to n, and n."""
+    return sorted({2 ** i for i in range(n.bit_length())} | {n})
+
+
+def colocated_counts(servers: list[int | str], nodes: int) -> tuple[list[int], list[int]]:
+    """Of the server counts given, those ``nodes`` nodes can hold co-located (as many on each,
+    at least one), and those they cannot."""
+    explicit = [k for k in servers if k != "auto"]
+    fit = sorted({k for k in explicit if k >= nodes and k % nodes == 0})
+    return fit, sorted({k for k in explicit if k not in fit})
+
+
+def unplaced(servers: list[int | str], trainers: list[int], per_node: int) -> str | None:
+    """A line naming the node counts that cannot hold a given server count co-located, whose
+    rows predict one server a node (or the counts they can hold) instead; None where all can."""
+    left = {}
+    for n in trainers:
+        fit, dropped = colocated_counts(servers, n // per_node)
+        if dropped:
+            left[n // per_node] = (dropped, fit)
+    if not left:
+        return None
+    return "--servers-on colocated places as many servers on every node: " + "; ".join(
+        f"{nodes} node(s) cannot hold {', '.join(map(str, dropped))} "
+        f"(predicted with {', '.join(map(str, fit)) if fit else nodes})"
+        for nodes, (dropped, fit) in sorted(left.items()))
+
+
+def prediction_rows(calibration: Calibration, hooks: list[str], trainers: list[int],
+                    servers: list[int | str], mapping: str, link_bps: float | None,
+                    compared: list[Run] = (), per_node: int = 1,
+                    servers_on: list[str] = ("dedicated",)) -> list[dict]:
+    """One row per strategy, trainer count and (parameter-server strategies) server count; with
+    ``auto``, the server count of the shortest predicted batch is added, marked ``auto``; with
+    servers ``colocated``, a row for each server count given that the nodes can share evenly,
+    at least one a node (one a node when none is)."""
+    rows = []
+    explicit = [k for k in servers if k != "auto"]
+
+    def row(hook, n, k, place="dedicated"):
+        return row_of(calibration, hook, n, k, mapping, link_bps, compared, per_node, place)
+
+    for n in trainers:
+        for hook in hooks:
+            if HOOKS.record(hook).transport != RPC:
+                rows.append(row(hook, n, None))
+                continue
+            if "dedicated" in servers_on:
+                predicted = {k: row(hook, n, k) for k in explicit}
+                if "auto" in servers:
+                    best = min((row(hook, n, k) for k in server_counts(n)),
+                               key=lambda r: r["batch_ms"])
+                    if best["servers"] not in predicted:
+                        predicted[best["servers"]] = {**best, "auto": True}
+                rows.extend(r for _, r in sorted(predicted.items()))
+            if "colocated" in servers_on:
+                counts = colocated_counts(explicit, n // per_node)[0] or [n // per_node]
+                rows.extend(row(hook, n, k, "colocated") for k in counts)
+    return rows
+
+
+def row_of(calibration: Calibration, hook: str, n: int, k: int | None, mapping: str,
+           link_bps: float | None, compared: list[Run], per_node: int = 1,
+           servers_on: str = "dedicated") -> dict:
+    predicted = predict(calibration, hook, n, k or 0, mapping, per_node=per_node,
+                        servers_on=servers_on)
+    row = {"strategy": hook, "trainers": n, "nodes": n // per_node, "per_node": per_node,
+           "servers": k, **({"servers_on": servers_on} if k else {}), **predicted,
+           **measured(calibration, compared, hook, n, k or 0, mapping, link_bps,
+                      predicted["batch_ms"], per_node, servers_on)}
+    # the best any parameter-server layout could do with its extra servers (BytePS sums within a
+    # node first)
+    if k:
+        row["byteps_bound_ms"] = costs.byteps_bound_ms(n // per_node,
+                                                        0 if servers_on == "colocated" else k,
+                                                        calibration.gradient_bytes,
+                                                        calibration.link)
+    return row
+
+
+def measured(calibration: Calibration, compared: list[Run], hook: str, n: int, k: int,
+             mapping: str, link_bps: float | None, predicted_ms: float, per_node: int = 1,
+             servers_on: str = "dedicated") -> dict:
+    """The given runs of this point (same strategy, trainers, trainers per host, servers and
+    their place, network): their batch p50, the prediction's error against it, and whether one
+    of them calibrated the strategy's own compute (then the error is about 0 by construction)."""
+    uses_servers = HOOKS.record(hook).transport == RPC
+    matches = [run for run in [*calibration.runs, *compared]
+               if run.hook == hook and run.trainers == n and run.per_host == per_node
+               and (not uses_servers or (run.servers == k and run.mapping == mapping
+                                         and run.servers_on == servers_on))
+               and (link_bps is None or run.link_rate_bps == link_bps)]
+    if not matches:
+        return {"measured_ms": None, "error_pct": None}
+    value = sorted(run.batch_ms for run in matches)[len(matches) // 2]
+    return {"measured_ms": value, "error_pct": (predicted_ms - value) / value * 100.0,
+            "runs": [run.path for run in matches],
+            "calibration": any(run in calibration.runs for run in matches)}
+
+
