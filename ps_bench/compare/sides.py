@@ -55,8 +55,8 @@ class Side:
     def describe(self) -> str:
         torch = sorted({str((run.results.get("env") or {}).get("torch")) for run in self.runs})
         extra = [f"{len(self.failed)} failed run(s) left out"] if self.failed else []
-        extra += ([f"{len(self.skipped)} file(s) that are not results skipped"]
-                  if self.skipped else [])
+        extra += ([f"{len(self.skipped)} file(s) that are not results skipped "
+                   f"({', '.join(self.skipped)})"] if self.skipped else [])
         extra += [f"{self.torn} torn line(s) skipped"] if self.torn else []
         return (f"{self.role}: {self.path} ({self.kind}, {len(self.runs)} run(s), torch "
                 f"{', '.join(torch)}{''.join('; ' + e for e in extra)})")
@@ -75,8 +75,10 @@ def load_side(source: str, role: str) -> Side:
         latest[key] = Run(where, results)
     runs = list(latest.values())
     if not runs:
+        passed = "; ".join(loaded.passed_over())
         raise ConfigError(f"compare: {role} {source!r} holds no results (give a results file, a "
-                          f"sweep folder or a folder of results files)")
+                          f"sweep folder or a folder of results files)"
+                          + (f"; passed over {passed}" if passed else ""))
     ok = [run for run in runs if run.ok]
     if not ok:
         raise ConfigError(f"compare: {role} {source!r} holds no successful run "

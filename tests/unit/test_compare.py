@@ -214,7 +214,7 @@ def test_points_match_by_configuration_and_the_rest_is_listed(tmp_path, capsys):
     assert "1 point(s) matched by configuration: hook=ps" in out
     assert "unmatched, only in base: hook=allreduce (1 run(s))" in out
     assert "unmatched, only in new: hook=fp16 (1 run(s))" in out
-    assert "1 file(s) that are not results skipped" in out
+    assert "1 file(s) that are not results skipped (notes.json)" in out
 
 
 def test_match_ignores_a_field_and_shows_it(tmp_path, capsys):
@@ -269,7 +269,8 @@ def two_files(tmp_path) -> tuple[Path, Path]:
     ("missing", "'{tmp}/nothing.json' does not exist"),
     ("not json", "results file '{tmp}/text.json' is not JSON"),
     ("not results", "results file '{tmp}/other.json' is not a ps_bench results file"),
-    ("empty folder", "new '{tmp}/empty' holds no results"),
+    ("empty folder", "new '{tmp}/empty' holds no results (give a results file, a sweep folder or a folder of "
+                     "results files); passed over 1 file(s) of {tmp}/empty that are not results files (notes.json)"),
     ("other model", "base runs model DummyModelSmall and new runs resnet18"),
     ("newer schema", "has schema 'ps_bench.result/2', and this ps_bench reads ps_bench.result/1"),
     ("negative gate", "--fail-over is a percentage, 0 or more; got -5"),
@@ -291,6 +292,7 @@ def test_bad_input_exits_2_with_one_line(case, message, two_files, tmp_path, cap
     elif case == "empty folder":
         new = tmp_path / "empty"
         new.mkdir()
+        (new / "notes.json").write_text("{}")
     elif case == "other model":
         new.write_text(json.dumps(results(2, 2.0, model="resnet18")))
     elif case == "newer schema":
