@@ -61,8 +61,8 @@ class SyntheticTokens(SyntheticData):
 class GPT(BenchmarkModel):
     """Token and learned position embeddings, pre-norm causal self-attention blocks with GELU
     MLPs, a final LayerNorm and an output projection tied to the token embedding (GPT-2's
-    layout; the defaults are GPT-2 small, about 124 M parameters). No dropout, so replicas stay
-    comparable."""
+    layout and embedding initialisation, N(0, 0.02) and N(0, 0.01); the defaults are GPT-2
+    small, about 124 M parameters). No dropout, so replicas stay comparable."""
 
     takes = TOKENS
 
@@ -84,6 +84,10 @@ class GPT(BenchmarkModel):
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab_size, bias=False)
         self.head.weight = self.token.weight
+        # GPT-2's: torch's N(0, 1) embeddings, tied to the output layer, make the first logits
+        # so large that a fresh model's loss is several times a uniform guess's
+        nn.init.normal_(self.token.weight, std=0.02)
+        nn.init.normal_(self.position.weight, std=0.01)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]

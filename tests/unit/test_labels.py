@@ -3,6 +3,8 @@ random labels stay what they were, and held-out samples come from the same task.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ps_bench.models import DATA, build_data, build_held_out
@@ -87,6 +89,19 @@ def test_token_teacher_follows_one_seeded_cycle_through_the_vocabulary():
     other = build_data("SyntheticTokens", TOKENS, 7, "teacher")
     pairs = zip(other.inputs[0].flatten().tolist(), other.targets.flatten().tolist())
     assert any(successor[a] != b for a, b in pairs)  # another seed, another cycle
+
+
+def test_a_fresh_gpt_guesses_uniformly_as_gpt2_does():
+    """GPT-2's embeddings (N(0, 0.02), the token one tied to the output layer): a fresh model's
+    loss on the teacher's tokens is a uniform guess's, ln(vocabulary), not several times it."""
+    from ps_bench.models.transformer import GPT
+
+    torch.manual_seed(0)
+    network = GPT(vocab_size=TOKENS["vocab_size"], context_length=32, layers=2, heads=2, width=32)
+    data = build_data("SyntheticTokens", TOKENS, 6, "teacher")
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(network(data.inputs[0]), data.targets).item()
+    assert abs(loss - math.log(TOKENS["vocab_size"])) < 0.05 * math.log(TOKENS["vocab_size"]), loss
 
 
 def test_click_teacher_is_a_seeded_score_decided_by_a_margin():
