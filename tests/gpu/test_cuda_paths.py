@@ -15,6 +15,8 @@ import math
 import pytest
 
 from ps_bench.metrics.costs import allreduce_bytes
+from ps_bench.predict.inputs import model_buckets
+from ps_bench.predict.memory import kept_bytes
 from tests.benchrun import run_bench
 from tests.contract import check_contract
 from tests.gpu import GPUS
@@ -139,8 +141,11 @@ def test_multi_backend_with_sparse_gradients(hook, servers, bench_runs):
         assert results["bytes"]["server_recv_per_iter"] > 0  # the buckets went to the server(s)
 
 
-@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd", "batched_powersgd"])
+@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd", "batched_powersgd", "topk"])
 def test_compression_on_the_gpu(hook, bench_runs):
+    """Lossy on the device and measured as such; what the strategy keeps between iterations
+    (error feedback's residuals, PowerSGD's P and Q) counted from the hook's CUDA tensors, as
+    predict counts it from the model on the meta device."""
     results = job(bench_runs, *TWO_CUDA_TRAINERS, "--nserver", "0", "--hook", hook, "--verify", *QUICK)
     assert results["replicas"]["identical"] is True, results["replicas"]
     assert results["verify"]["grad_rel_error_p50"] > 1e-6  # lossy, and measured as such
@@ -149,6 +154,9 @@ def test_compression_on_the_gpu(hook, bench_runs):
         assert sent == allreduced(results, 2, halve=True)
     else:
         assert 0 < sent < allreduced(results, 2)
+    facts = model_buckets(results["config"]["model"], results["config"]["bucket_cap_mb"])[3]
+    kept = results["memory"]["trainer"]["buffers_bytes"]
+    assert kept == kept_bytes(hook, facts) and (kept > 0) == (hook not in ("fp16", "bf16")), kept
 
 
 @pytest.mark.parametrize("args", [
