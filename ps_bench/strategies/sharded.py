@@ -16,6 +16,7 @@ from typing import Any
 import contextlib
 import copy
 import os
+import warnings
 from collections import Counter
 
 import torch
@@ -91,6 +92,10 @@ class FullyShard(Synchroniser):
         mesh = self.mesh = init_device_mesh(device.type, shape,
                                             mesh_dim_names=MESH_NAMES[-len(shape):])
         options = {"mesh": mesh}
+        # torch's own modules return views (nn.Linear on 3-D input, nn.MultiheadAttention):
+        # harmless here, where every output is used out of place, as --verify checks
+        warnings.filterwarnings("ignore", category=UserWarning,
+                                message="FSDP2-wrapped module .* returned a view tensor")
         if ctx.reduce_dtype is not None:  # --reduce-dtype: gathered and reduced in it
             options["mp_policy"] = mixed_precision_policy(ctx.reduce_dtype)
         # innermost first: a unit wrapped before one inside it would take that one's parameters
