@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
 
+import torch
 import torch.distributed.rpc as rpc
 
 from ps_bench.job import Job
@@ -29,6 +31,9 @@ from ps_bench.trainers.convergence import HELD_OUT_SAMPLES
 from ps_bench.trainers.trainer import TRAINERS
 
 SNAPSHOT_CHEAP_S = 0.05
+# a round still running this long after it began prints a progress line, then every
+# PROGRESS_EVERY_S; each trainer has PROGRESS_ASK_S to say where it is
+PROGRESS_FIRST_S, PROGRESS_EVERY_S, PROGRESS_ASK_S = 10.0, 30.0, 5.0
 
 
 def device_name(index: int | None) -> str:
@@ -51,6 +56,44 @@ def describe_workload(model: Entry, data: Entry) -> str:
         if size["sparse_gradient_bytes"] else ""
     return (f"model {model.id}: {size['parameters']:,} parameters, gradients "
             f"{format_bytes(size['dense_gradient_bytes'])} dense{sparse}; data {data.id}")
+
+
+def wait_round(futures: list, trainers: list, label: str) -> list[dict]:
+    """The trainers' rounds, once every one has ended; while they run, a progress line after
+    ``PROGRESS_FIRST_S`` and every ``PROGRESS_EVERY_S`` after that (``round_progress``)."""
+    ended = threading.Event()
+    torch.futures.collect_all(futures).then(lambda _: ended.set())
+    began, wait_s = time.perf_counter(), PROGRESS_FIRST_S
+    while not ended.wait(wait_s):
+        print(f"{label} {round_progress(trainers, time.perf_counter() - began)}", flush=True)
+        wait_s = PROGRESS_EVERY_S
+    return [future.wait() for future in futures]
+
+
+def round_progress(trainers: list, elapsed_s: float) -> str:
+    """Where the trainers are in the running round, asked of each at once: the slowest's
+    iteration and the fastest's, and the time left at the slowest's pace so far."""
+    asked = [t.rpc_async(timeout=PROGRESS_ASK_S).round_progress() for t in trainers]
+    at = {}
+    for index, future in enumerate(asked):
+        try:
+            at[index] = future.wait()
+        except RuntimeError:  # it did not answer in time: said below
+            pass
+    silent = [str(index) for index in range(len(trainers)) if index not in at]
+    quiet = (f"; trainer(s) {', '.join(silent)} did not say where they are within "
+             f"{PROGRESS_ASK_S:g} s" if silent else "")
+    if not at:
+        return f"{elapsed_s:.0f} s so far{quiet}"
+    slowest = min(at, key=lambda index: at[index][0])
+    low, high, total = at[slowest][0], max(k for k, _ in at.values()), at[slowest][1]
+    text = (f"{elapsed_s:.0f} s so far: trainers at iteration {low}"
+            + (f" to {high} (the slowest: trainer {slowest})" if high > low else "")
+            + f" of {total}")
+    done = low - 1
+    if done > 0:
+        text += f", about {elapsed_s * (total - done) / done:.0f} s left"
+    return text + quiet
 
 
 def compare_replicas(trainers: list, checked_at: str) -> dict:
@@ -193,7 +236,9 @@ class Master:
                            verify=round_index >= cfg.warmup_rounds and cfg.verify,
                            profile_path=self.trace_path(info) if profiled else None)
                        for t, info in zip(trainers, self.topology.trainers)]
-            rounds = [f.wait() for f in futures]
+            of = "" if converging else f"/{total}"
+            rounds = wait_round(futures, trainers, f"[round {round_index + 1}{of}] "
+                                f"{'timed' if round_index >= cfg.warmup_rounds else 'warmup':6}")
             elapsed = time.perf_counter() - start
             served = [s.rpc_sync().take_metrics() for s in servers]
             for server in servers:
@@ -211,7 +256,6 @@ class Master:
                 self.snapshot()
             else:
                 loss = mean_loss(rounds)
-            of = "" if converging else f"/{total}"
             print(f"[round {round_index + 1}{of}] {'timed' if timed else 'warmup':6} "
                   f"{elapsed:7.2f} s  (elapsed {time.perf_counter() - run_start:6.1f} s)  "
                   f"loss {loss:.4f}{record.progress.line() if converging else ''}", flush=True)

@@ -65,6 +65,7 @@ class StaleSynchronousTrainer(Resident):
         self.iterations_per_round = self.per_epoch * config.epochs
         self.num_trainers = config.num_trainers
         self.clock = 0  # iterations pushed so far
+        self.round_began = 0  # the clock when the running round began
         self.updates = 0  # updates the servers had applied at the last read, every trainer's
         self.fresh = True  # parameters read for the current clock (False at the start of a round)
         self.trained_s = 0.0  # this trainer's training time so far (its iterations' clocks)
@@ -77,6 +78,11 @@ class StaleSynchronousTrainer(Resident):
     def ready(self) -> int:
         return self.iterations_per_round
 
+    def round_progress(self) -> tuple[int, int]:
+        """The iteration the running round is at and its budget, as ``Trainer.round_progress``."""
+        budget = self.iterations_per_round
+        return min(self.clock - self.round_began + 1, budget), budget
+
     @fatal_on_error
     def run_round(self, verify: bool = False, profile_path: str | None = None) -> dict:
         """Iterations until the round's budget is spent or training stops: per-iteration samples
@@ -84,7 +90,7 @@ class StaleSynchronousTrainer(Resident):
         ``optimizer``) and bytes."""
         readings, moved, losses = [], [], []
         clock = time.perf_counter
-        status = GO
+        status, self.round_began = GO, self.clock
         if not self.fresh:
             status = self.read(self.ask("pull", self.clock))
         accum, size = self.accum, self.batch_size

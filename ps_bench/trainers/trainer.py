@@ -148,6 +148,11 @@ class DdpTrainer(FloorProbes, Resident):
     def ready(self) -> int:
         return self.iterations_per_epoch * self.epochs
 
+    def round_progress(self) -> tuple[int, int]:
+        """The iteration the running round is at (0 before its first) and its iterations: the
+        master asks while ``run_round`` runs, for its progress line."""
+        return self.hook_context.iteration - self.iteration, self.ready()
+
     @fatal_on_error
     @on_default_stream
     def run_round(self, verify: bool = False, profile_path: str | None = None) -> dict:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ps_bench.processes.master import PROGRESS_FIRST_S
 from tests.benchrun import (ROOT, communicate, descendants, is_loopback, listening_sockets, rank_pids, read_until,
                             run_bench, start_bench)
 
@@ -151,15 +152,20 @@ def stack_reports(stderr: str) -> dict[str, str]:
 
 
 def test_hang_with_timeout_dumps_stacks_and_ends(results_path, startup_s):
-    # long enough that every rank is up and trainer 1 is hanging when the watchdog fires,
-    # however busy the machine is while this runs
-    timeout = max(10, round(3 * startup_s) + 5)
+    """A hung trainer: the master's progress line says where the round stopped while the job
+    waits, then the watchdog ends it with every rank's stacks."""
+    # long enough that every rank is up, trainer 1 is hanging and the round has run for
+    # PROGRESS_FIRST_S when the watchdog fires, however busy the machine is while this runs
+    timeout = round(3 * startup_s + PROGRESS_FIRST_S) + 3
     # the peers of the hung trainer wait in RPC calls: those must not time out before the watchdog
     run = run_bench("--inject-fault", "trainer:1:3:hang", "--timeout", str(timeout), "--rpc-timeout",
                     str(3 * timeout), out=results_path, timeout_s=timeout + 120)
     assert run.returncode == 1
     assert run.elapsed_s > timeout
     assert ready_after(run.stdout) < timeout, "start-up outlasted the budget derived from it"
+    # the round's first warmup iterations ran; trainer 1 stopped in its third, the others wait there
+    assert re.search(r"^\[round 1/\d+\] warmup +\d+ s so far: trainers at iteration 3 of 32, about \d+ s left$",
+                     run.stdout, re.MULTILINE), run.stdout
     assert last_line(run.stderr) == (f"ps_bench: error: the job did not finish within --timeout {timeout} s; "
                                      f"every rank's Python stacks are above")
     assert set(stack_reports(run.stderr).values()) == {"stacks"}
