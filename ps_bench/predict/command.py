@@ -48,10 +48,11 @@ examples:
       --per-node 8 --intra-link 900gbit --nodes 1,16,128               # no run at all
   python benchmarks/predict_check.py    # predictions against emulated runs (needs root)
 
---servers auto picks, at each trainer count, the server count (1, 2, 4, ... up to the trainers)
-with the shortest predicted batch. A strategy with no run given takes the own compute of the
-one it costs like (ps_fp16 and ps_node that of ps), else 0 (JSON: calibration.own_ms lists the
-ones measured); PowerSGD needs a run of it for its bytes.
+--servers auto picks, at each trainer count, the server count (1, 2, 4, ... up to the trainers;
+co-located, 1, 2, 4, ... on each node, up to its trainers) with the shortest predicted batch. A
+strategy with no run given takes the own compute of the one it costs like (ps_fp16 and ps_node
+that of ps), else 0 (JSON: calibration.own_ms lists the ones measured); PowerSGD's factors
+are counted from the layers' shapes where no run of it is given.
 
 Nodes of several GPUs (--per-node G, trainers = nodes x G): a node's G trainers share its local
 link (--intra-link, or fitted from a run whose trainers all shared one emulated host) and one

@@ -24,8 +24,9 @@ def colocated_counts(servers: list[int | str], nodes: int) -> tuple[list[int], l
 
 
 def unplaced(servers: list[int | str], trainers: list[int], per_node: int) -> str | None:
-    """A line naming the node counts that cannot hold a given server count co-located, whose
-    rows predict one server a node (or the counts they can hold) instead; None where all can."""
+    """A line naming the node counts that cannot hold a given server count co-located, and what
+    their rows predict instead (the counts they can hold, else auto's best, else one server a
+    node); None where all can."""
     left = {}
     for n in trainers:
         fit, dropped = colocated_counts(servers, n // per_node)
@@ -33,9 +34,10 @@ def unplaced(servers: list[int | str], trainers: list[int], per_node: int) -> st
             left[n // per_node] = (dropped, fit)
     if not left:
         return None
+    instead = "auto's best" if "auto" in servers else None
     return "--servers-on colocated places as many servers on every node: " + "; ".join(
-        f"{nodes} node(s) cannot hold {', '.join(map(str, dropped))} "
-        f"(predicted with {', '.join(map(str, fit)) if fit else nodes})"
+        f"{nodes} node(s) cannot hold {', '.join(map(str, dropped))} (predicted with "
+        f"{', '.join(map(str, fit)) if fit else instead or nodes})"
         for nodes, (dropped, fit) in sorted(left.items()))
 
 
@@ -44,9 +46,10 @@ def prediction_rows(calibration: Calibration, hooks: list[str], trainers: list[i
                     compared: list[Run] = (), per_node: int = 1,
                     servers_on: list[str] = ("dedicated",)) -> list[dict]:
     """One row per strategy, trainer count and (parameter-server strategies) server count; with
-    ``auto``, the server count of the shortest predicted batch is added, marked ``auto``; with
-    servers ``colocated``, a row for each server count given that the nodes can share evenly,
-    at least one a node (one a node when none is)."""
+    ``auto``, the server count of the shortest predicted batch is added, marked ``auto`` (1, 2,
+    4, ... up to the trainers; co-located, 1, 2, 4, ... up to the trainers a node on each node);
+    with servers ``colocated``, a row for each server count given that the nodes can share
+    evenly (one a node when none is and no ``auto``)."""
     rows = []
     explicit = [k for k in servers if k != "auto"]
 
@@ -58,17 +61,21 @@ def prediction_rows(calibration: Calibration, hooks: list[str], trainers: list[i
             if HOOKS.record(hook).transport != RPC:
                 rows.append(row(hook, n, None))
                 continue
-            if "dedicated" in servers_on:
-                predicted = {k: row(hook, n, k) for k in explicit}
+            for place in servers_on:
+                nodes = n // per_node
+                if place == "dedicated":
+                    counts, tried = explicit, server_counts(n)
+                else:  # as many on each node: one a node where no count given fits, or auto
+                    counts = (colocated_counts(explicit, nodes)[0]
+                              or ([] if "auto" in servers else [nodes]))
+                    tried = [nodes * m for m in server_counts(per_node)]
+                predicted = {k: row(hook, n, k, place) for k in counts}
                 if "auto" in servers:
-                    best = min((row(hook, n, k) for k in server_counts(n)),
+                    best = min((row(hook, n, k, place) for k in tried),
                                key=lambda r: r["batch_ms"])
                     if best["servers"] not in predicted:
                         predicted[best["servers"]] = {**best, "auto": True}
                 rows.extend(r for _, r in sorted(predicted.items()))
-            if "colocated" in servers_on:
-                counts = colocated_counts(explicit, n // per_node)[0] or [n // per_node]
-                rows.extend(row(hook, n, k, "colocated") for k in counts)
     return rows
 
 

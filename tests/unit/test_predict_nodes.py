@@ -311,3 +311,19 @@ def test_server_counts_the_nodes_cannot_hold_colocated_are_named(tmp_path, capsy
     printed = capsys.readouterr().out
     assert "2 node(s) cannot hold 3 (predicted with 2)" in printed and "3 node(s) cannot" not in printed
     assert [(r["trainers"], r["servers"]) for r in json.loads(out.read_text())["predictions"]] == [(2, 2), (3, 3)]
+
+
+def test_auto_servers_on_the_nodes_are_the_best_of_1_2_4_a_node(tmp_path, capsys):
+    """``--servers auto`` co-located tries 1, 2, 4, ... servers on every node, up to its trainers,
+    and keeps the shortest, as the rows of those counts predict them."""
+    out = tmp_path / "predict.json"
+    common = ["predict", "--model", "resnet18", "--batch-size", "8", "--compute-ms", "forward=10,backward=20,optimizer=1",
+              "--link", "10gbit", "--per-node", "4", "--intra-link", "1000gbit", "--nodes", "2", "--hooks", "ps",
+              "--servers-on", "colocated", "--out", str(out)]
+    assert main([*common, "--servers", "2,4,8"]) == 0
+    each = {r["servers"]: r["batch_ms"] for r in json.loads(out.read_text())["predictions"]}
+    assert main([*common, "--servers", "auto"]) == 0
+    auto, = json.loads(out.read_text())["predictions"]
+    assert auto["auto"] is True and auto["servers_on"] == "colocated"
+    assert auto["servers"] == min(each, key=each.get) and auto["batch_ms"] == each[auto["servers"]]
+    capsys.readouterr()
