@@ -83,7 +83,7 @@ class FloorProbes:
             out["compute_ms"] = limits.compute_floor_ms(
                 self._compute_copy, self.inputs, self.targets, self.batch_size,
                 ctx.process_group, self.optimizer_spec.build, repeat, self.accum, self.autocast,
-                None if self.scaler is None else torch.amp.GradScaler(self.device.type))
+                None if self.scaler is None else scaler_like(self.scaler, self.device.type))
         finally:
             ctx.wire.paused = False
         return out
@@ -109,6 +109,17 @@ class FloorProbes:
         return {(index, place): targets[owners[(index * slices + (0 if index in sparse else part))
                                                * PIECES + place]]
                 for index, count in places.items() for place in range(count)}
+
+
+def scaler_like(scaler: torch.amp.GradScaler, device_type: str) -> torch.amp.GradScaler:
+    """A gradient scaler of its own for the compute-only copy, at the run's scale and growth
+    tracker: a fresh one starts at 2**16, where fp16 gradients overflow and its first steps are
+    skipped, cheaper than the run's."""
+    own = torch.amp.GradScaler(device_type)
+    state = scaler.state_dict()
+    if state:  # empty where the run's scaler is disabled
+        own.load_state_dict(state)
+    return own
 
 
 PROFILED_OPERATORS = 30  # rows of each table of --profile's summary

@@ -208,3 +208,21 @@ def test_the_compute_only_iteration_is_the_runs_micro_batches_precision_and_opti
     limits.compute_floor_ms(scaled, (torch.randn(12, 4),), torch.randint(0, 3, (12,)), 4, None,
                             lambda parameters: torch.optim.SGD(parameters, lr=0.1), repeat=2, scaler=scaler)
     assert scaler._get_growth_tracker() == len(scaled.seen)  # fp16's scaler stepped every repetition
+
+
+def test_the_compute_only_iterations_scaler_starts_where_the_runs_is():
+    """fp16: the compute-only copy steps a gradient scaler of its own, from the run's scale and
+    growth tracker (a fresh one's 2**16 overflows fp16 gradients and skips its first steps)."""
+    from ps_bench.trainers.probes import scaler_like
+
+    run = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=5)
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    for factor in (float("inf"), 1.0, 1.0):  # one overflow (the scale halves), two good steps
+        optimizer.zero_grad()
+        run.scale((weight * factor).sum()).backward()
+        run.step(optimizer)
+        run.update()
+    own = scaler_like(run, "cpu")
+    assert own is not run and own.get_scale() == run.get_scale() == 2.0 ** 15
+    assert own._get_growth_tracker() == run._get_growth_tracker() == 2
