@@ -10,6 +10,7 @@ from tabulate import tabulate
 from ps_bench.options import plural
 from ps_bench.predict.calibration import Calibration
 from ps_bench.plots import pyplot
+from ps_bench.results.printed import format_bytes
 from ps_bench.strategies import HOOKS
 
 
@@ -62,7 +63,7 @@ def describe_calibration(calibration: Calibration) -> str:
     return (f"calibration: {c['model']} at batch {c['batch_size']}, from {len(c['runs'])} run(s)\n"
             f"  compute: forward {phases['forward']:.1f} ms, backward {phases['backward']:.1f} ms, "
             f"optimizer {phases['optimizer']:.1f} ms; {len(c['buckets'])} bucket(s), "
-            f"{calibration.gradient_bytes / 1e6:.2f} MB, "
+            f"{format_bytes(calibration.gradient_bytes)}, "
             f"ready at {ready} ms ({c['overlap_from']})\n"
             f"  link: latency {link['latency_us']:.1f} us, {link['bandwidth_gbit_s']:.3f} Gbit/s "
             f"({link['from']})\n"

@@ -349,13 +349,15 @@ def test_predict_compares_no_strategy_name():
 
 
 def test_a_small_models_memory_reads_in_its_own_units(capsys):
-    """A test-sized model's memory line and cells are not rounded to nothing (0.000 B
-    parameters, 0.0 GiB): its 43.9 K parameters, its states in three figures."""
+    """A test-sized model's memory line, gradient bytes and cells are not rounded to nothing
+    (0.000 B parameters, 0.00 MB, 0.0 GiB): its 43.9 K parameters, its 171.5 KiB of gradients,
+    its states in three figures."""
     assert main(["predict", "--model", "gpt2_tiny", "--batch-size", "8", "--compute-ms",
                  "forward=10,backward=20,optimizer=1", "--hooks", "allreduce", "--trainers", "2",
                  "--link", "10gbit"]) == 0
     printed = capsys.readouterr().out
     assert "memory: 43.9 K parameters, the largest layer 16.38 K" in printed
+    assert f"bucket(s), {43_904 * 4 / 1024:.1f} KiB, ready at" in printed
     states = next(line for line in printed.splitlines() if line.startswith("2 ")).split()[-2]
     assert states == f"{43_904 * 4 * 2 / 2 ** 30:.3g}"  # parameters and gradients, float32
 
