@@ -11,8 +11,7 @@ from ps_bench.metrics.messages import ELEMENT_BYTES, piece_elements
 from ps_bench.predict import pipelines
 from ps_bench.predict.calibration import Calibration
 from ps_bench.strategies import (COLLECTIVE_BUCKETS, HOOKS, HOST_SERVER_BUCKETS, LOW_RANK_BUCKETS,
-                                 SERVER_BUCKETS, SPARSE_SERVER_BUCKETS, SPARSE_SERVERS, Strategy,
-                                 hook_options)
+                                 SERVER_BUCKETS, SPARSE_SERVER_BUCKETS, SPARSE_SERVERS, Strategy)
 
 
 def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n: int, k: int,
@@ -45,9 +44,12 @@ def wire_factor(strategy: Strategy) -> float:
 def collectives_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes,
                     k: int, mapping: str, servers_on: str) -> float:
     """Each bucket combined by collectives among the trainers: a dense one as its record's
-    ``cost.bucket_ms`` says (default: a ring over every trainer), a sparse one all-gathered."""
-    bucket_ms = (strategy.cost.bucket_ms or
-                 (lambda nodes, nbytes, gloo: costs.flat_ring_ms(nodes, nbytes)))
+    ``cost.bucket_ms`` says at the options it is predicted at (default: a ring over every
+    trainer), a sparse one all-gathered."""
+    cost = strategy.cost
+    bucket_ms = ((cost.bucket_ms_at(calibration.options_of(hook)) if cost.bucket_ms_at
+                  else cost.bucket_ms)
+                 or (lambda nodes, nbytes, gloo: costs.flat_ring_ms(nodes, nbytes)))
     slowest = nodes.within() if nodes.count == 1 and nodes.per_node > 1 else calibration.link
     factor = wire_factor(strategy)
 
@@ -75,25 +77,26 @@ def low_rank_end(calibration: Calibration, strategy: Strategy, hook: str, nodes:
 def server_bytes(calibration: Calibration, strategy: Strategy,
                  hook: str | None = None) -> list[tuple[float, float]]:
     """``(ready ms, bytes on the wire)`` of each bucket a trainer pushes to the servers (a
-    compressor's: its message at its default options, which its servers answer alike)."""
+    compressor's: its message at the options it is predicted at, which its servers answer
+    alike)."""
     factor = wire_factor(strategy)
-    codec = (strategy.compressor(hook_options(hook, {}))
+    codec = (strategy.compressor(calibration.options_of(hook))
              if strategy.compressor is not None and hook is not None else None)
     return [(ready, nbytes if sparse and strategy.sparse_buckets == SPARSE_SERVERS else
                     codec.message_bytes(int(nbytes // 4)) if codec else nbytes * factor)
             for ready, nbytes, sparse in calibration.buckets]
 
 
-def piece_bytes(strategy: Strategy, hook: str) -> float | None:
-    """The bytes on the wire of a piece the strategy cuts what it pushes into (its
-    ``partition_mb`` default, of the float32 gradient); None: it sends buckets whole."""
-    piece = piece_elements(hook_options(hook, {}))
+def piece_bytes(strategy: Strategy, options: dict) -> float | None:
+    """The bytes on the wire of a piece the strategy cuts what it pushes into (``partition_mb``
+    of its ``options``, of the float32 gradient); None: it sends buckets whole."""
+    piece = piece_elements(options)
     return None if piece is None else piece * ELEMENT_BYTES["float32"] * wire_factor(strategy)
 
 
-def piece_window(hook: str) -> int:
-    """Pieces a trainer keeps in flight (its ``window`` default; 0: no bound)."""
-    return int(hook_options(hook, {}).get("window", 0))
+def piece_window(options: dict) -> int:
+    """Pieces a trainer keeps in flight (``window`` of its ``options``; 0: no bound)."""
+    return int(options.get("window", 0))
 
 
 def servers_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes,
@@ -102,13 +105,14 @@ def servers_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: 
     ``k`` spread over the nodes (colocated); a sparse bucket whole, as the run sends it."""
     if k < 1:
         return None
+    options = calibration.options_of(hook)
     pieces = pipelines.server_pieces(server_bytes(calibration, strategy, hook), k,
-                                     piece_bytes(strategy, hook),
+                                     piece_bytes(strategy, options),
                                      sparse=[place for place, (_, _, sparse)
                                              in enumerate(calibration.buckets) if sparse])
     if servers_on == "colocated":
         return pipelines.colocated_ps_pipeline(pieces, nodes, calibration.aggregate_bytes_per_ms,
-                                               piece_window(hook))
+                                               piece_window(options))
     return pipelines.ps_pipeline(pieces, nodes.trainers, k, calibration.link, mapping,
                                  calibration.aggregate_bytes_per_ms, nodes.per_node)
 
@@ -120,8 +124,9 @@ def host_servers_end(calibration: Calibration, strategy: Strategy, hook: str, no
         return None
     return pipelines.node_ps_pipeline(server_bytes(calibration, strategy), nodes, k,
                                       calibration.aggregate_bytes_per_ms, servers_on == "colocated",
-                                      calibration.gloo, piece_bytes(strategy, hook),
-                                      piece_window(hook))
+                                      calibration.gloo,
+                                      piece_bytes(strategy, calibration.options_of(hook)),
+                                      piece_window(calibration.options_of(hook)))
 
 
 def sparse_servers_end(calibration: Calibration, strategy: Strategy, hook: str,

@@ -42,8 +42,15 @@ class Calibration:
     micro_batches: int = 1
     # --reduce-dtype: what the strategies that have one communicate in (None: their own)
     reduce_dtype: str | None = None
+    # strategy -> the hook options it is predicted at where not its defaults: those every run of
+    # it was given (``run_options``)
+    options: dict[str, dict] = field(default_factory=dict)
     # what the calibration could not take as measured, said once where it is printed
     notes: list[str] = field(default_factory=list)
+
+    def options_of(self, hook: str) -> dict:
+        """The options ``hook`` is predicted at: its defaults, then the runs' (``options``)."""
+        return hook_options(hook, self.options.get(hook, {}))
 
     @property
     def gradient_bytes(self) -> float:
@@ -67,15 +74,16 @@ class Calibration:
             "aggregate_gbps": (self.aggregate_bytes_per_ms * 1000.0 / 1e9
                                if self.aggregate_bytes_per_ms else None),
             "own_ms": self.own_ms, "payload_ratio": self.payload_ratio,
-            "payload_from": self.payload_from,
+            "payload_from": self.payload_from, "options": self.options,
             "runs": [run.path for run in self.runs], "notes": self.notes,
         }
 
 
-def low_rank_ratios(bucket_shapes: list[list[list[int]]]) -> dict[str, float]:
-    """Each low-rank strategy's payload, at its default options, over the float32 gradient's
-    bytes, from the gradient shapes in DDP's buckets (``messages.bucket_factors``): what a run of
-    it measures, known from the model alone."""
+def low_rank_ratios(bucket_shapes: list[list[list[int]]],
+                    given: dict[str, dict] | None = None) -> dict[str, float]:
+    """Each low-rank strategy's payload, at its default options (then those ``given`` it), over
+    the float32 gradient's bytes, from the gradient shapes in DDP's buckets
+    (``messages.bucket_factors``): what a run of it measures, known from the model alone."""
     sizes = [[math.prod(shape) for shape in bucket] for bucket in bucket_shapes]
     total = sum(map(sum, sizes))
     ratios = {}
@@ -83,7 +91,7 @@ def low_rank_ratios(bucket_shapes: list[list[list[int]]]) -> dict[str, float]:
         strategy = HOOKS.record(hook)
         if strategy.cost.pipeline != LOW_RANK_BUCKETS or not total:
             continue
-        options = hook_options(hook, {})
+        options = hook_options(hook, (given or {}).get(hook, {}))
         sent = sum(sum(bucket_factors(strategy.factors, shapes, sum(elements), options))
                    for shapes, elements in zip(bucket_shapes, sizes))
         ratios[hook] = sent / total
@@ -92,11 +100,32 @@ def low_rank_ratios(bucket_shapes: list[list[list[int]]]) -> dict[str, float]:
 
 def add_payloads(calibration: Calibration, bucket_shapes: list[list[list[int]]]) -> None:
     """Each low-rank strategy's payload not measured by a run of it, counted from the gradient
-    shapes of the dense buckets (``low_rank_ratios``)."""
-    for hook, ratio in low_rank_ratios(bucket_shapes).items():
+    shapes of the dense buckets (``low_rank_ratios``) at the options it is predicted at."""
+    for hook, ratio in low_rank_ratios(bucket_shapes, calibration.options).items():
         if hook not in calibration.payload_ratio:
             calibration.payload_ratio[hook] = ratio
-            calibration.payload_from[hook] = "counted from the model's layers, default options"
+            calibration.payload_from[hook] = ("counted from the model's layers, "
+                                              + ("the runs' options" if hook in calibration.options
+                                                 else "default options"))
+
+
+def run_options(runs: list[Run]) -> tuple[dict[str, dict], list[str]]:
+    """The hook options each strategy is predicted at, from its runs: those every run of it was
+    given (none: its defaults); where its runs differ, its defaults, and a note that says so."""
+    given: dict[str, list[dict]] = {}
+    for run in runs:
+        given.setdefault(run.hook, []).append(hook_options(run.hook, run.hook_options))
+    options, notes = {}, []
+    for hook, each in given.items():
+        if any(other != each[0] for other in each[1:]):
+            notes.append(f"the runs of {hook} ran with different hook options: it is predicted "
+                         f"at its defaults, and compared with its runs at those alone")
+            continue
+        default = hook_options(hook, {})
+        changed = {key: value for key, value in each[0].items() if default.get(key) != value}
+        if changed:
+            options[hook] = changed
+    return options, notes
 
 
 def bucket_sizes(buckets: list[dict]) -> dict[int, tuple[int, bool]]:

@@ -274,6 +274,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     held = None
     if facts is not None:
         held = memory.target(args, facts, [run.training or {} for run in runs], gpu_memory)
+        held.options = calibration.options
         for row in rows:
             row.update(held.row(row["strategy"], row["trainers"], row["per_node"]))
     described = describe_calibration(calibration) + (held.describe() if held else "")

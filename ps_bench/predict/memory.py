@@ -114,13 +114,14 @@ def model_states(record: Strategy, facts: ModelFacts, trainers: int, per_node: i
     return out
 
 
-def kept_bytes(hook: str, facts: ModelFacts) -> int:
+def kept_bytes(hook: str, facts: ModelFacts, given: dict | None = None) -> int:
     """What the strategy keeps on the GPU between iterations besides the model states, at its
-    default options (a run's ``buffers_bytes``): error feedback's residual, a float32 copy of each
+    default options, then those ``given`` (a run's ``buffers_bytes``): error feedback's
+    residual, a float32 copy of each
     bucket (the compressors); PowerSGD's error of each bucket (``batched_powersgd``'s padded to a
     square) and, with warm start, its P and Q. The CPU-only copies of the parameter servers are
     not kept on a GPU."""
-    record, options = HOOKS.record(hook), hook_options(hook, {})
+    record, options = HOOKS.record(hook), hook_options(hook, given or {})
     sizes = [sum(math.prod(shape) for shape in shapes) for shapes in facts.bucket_shapes]
     if record.factors is not None:
         kept = 0
@@ -259,10 +260,13 @@ class MemoryTarget:
     optimizer: str
     momentum: float
     gpu_memory: int | None
+    # strategy -> the hook options it is predicted at, where not its defaults
+    options: dict[str, dict] = field(default_factory=dict)
 
     def row(self, hook: str, trainers: int, per_node: int) -> dict:
         return memory(HOOKS.record(hook), self.facts, trainers, per_node, self.precision,
-                      self.optimizer, self.momentum, self.gpu_memory, kept_bytes(hook, self.facts))
+                      self.optimizer, self.momentum, self.gpu_memory,
+                      kept_bytes(hook, self.facts, self.options.get(hook)))
 
     def describe(self) -> str:
         facts = self.facts

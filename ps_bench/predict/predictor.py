@@ -31,7 +31,7 @@ from ps_bench.metrics.messages import ELEMENT_BYTES, PRECISIONS
 from ps_bench.predict import pipelines
 from ps_bench.predict.buckets import communication_end
 from ps_bench.predict.calibration import (Calibration, add_payloads, backward_compute,
-                                          bucket_sizes, own_terms, ready_buckets)
+                                          bucket_sizes, own_terms, ready_buckets, run_options)
 from ps_bench.predict.inputs import TargetLink, spread
 from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.runs import Run
@@ -114,8 +114,11 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
                               statistics.median(memcpy) * 1e9 / 1000.0 if memcpy else None,
                               overlap_from, runs, intra_link=intra_link, intra_from=intra_from,
                               gloo=all(run.backend == "gloo" for run in runs))
-    # payloads first: a low-rank strategy's own compute is fitted with its payload known
-    for run in runs:
+    calibration.options, notes = run_options(runs)
+    calibration.notes.extend(notes)
+    # payloads first: a low-rank strategy's own compute is fitted with its payload known (from
+    # its runs at the options it is predicted at)
+    for run in at_options(runs, calibration):
         if HOOKS.record(run.hook).cost.pipeline == LOW_RANK_BUCKETS and run.trainers > 1:
             ring = 2 * (run.trainers - 1) / run.trainers
             calibration.payload_ratio.setdefault(run.hook, run.trainer_sent_per_iter / ring /
@@ -130,7 +133,7 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
     # timeline, on the network the run had (the fitted link; the target one for a run on an
     # emulated link of the target's rate)
     own: dict[str, list[float]] = {}
-    for run in runs:
+    for run in at_options(runs, calibration):
         if measured_link is not None:
             network = measured_link
         elif run.link_rate_bps is not None and target and run.link_rate_bps == target.line_bps:
@@ -156,6 +159,13 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
     return calibration
 
 
+def at_options(runs: list[Run], calibration: Calibration) -> list[Run]:
+    """The runs made at the hook options their strategy is predicted at (``run_options``): those
+    its payload, its own compute and its measured column come from."""
+    return [run for run in runs
+            if hook_options(run.hook, run.hook_options) == calibration.options_of(run.hook)]
+
+
 def own_compute(calibration: Calibration, hook: str) -> float:
     """The strategy's own compute from its run; without one, that of the strategy its record says
     it costs like (``cost.like``: the lossless one it compresses, ps_fp16 that of ps; ps_node that
@@ -168,12 +178,12 @@ def sends_ms(calibration: Calibration, strategy: Strategy, hook: str, n: int,
              per_node: int = 1) -> float:
     """What a strategy's collectives over the whole model (its record's ``sends``: FSDP2's and
     ZeRO's gathers and scatters, local SGD's and DiLoCo's all-reduce once a period) cost an
-    iteration, amortised over the period (its default, ``hook_options``), taken as not hidden
+    iteration, amortised over the period (``Calibration.options_of``), taken as not hidden
     behind compute (FSDP2 prefetches some of its gathers: an upper bound)."""
     if not strategy.sends:
         return 0.0
     nodes = costs.Nodes(n // per_node, per_node, calibration.link, calibration.intra_link)
-    period = hook_options(hook, {}).get("period", 1)
+    period = calibration.options_of(hook).get("period", 1)
     factor = (ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"]
               if strategy.payload in ELEMENT_BYTES else 1.0)
     return sum(costs.collective_ms(collective, nodes, calibration.gradient_bytes * factor,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ps_bench.metrics import costs
 from ps_bench.predict.calibration import Calibration
-from ps_bench.predict.predictor import predict
+from ps_bench.predict.predictor import at_options, predict
 from ps_bench.predict.runs import Run
 from ps_bench.strategies import HOOKS, RPC
 
@@ -101,11 +101,12 @@ def row_of(calibration: Calibration, hook: str, n: int, k: int | None, mapping: 
 def measured(calibration: Calibration, compared: list[Run], hook: str, n: int, k: int,
              mapping: str, link_bps: float | None, predicted_ms: float, per_node: int = 1,
              servers_on: str = "dedicated") -> dict:
-    """The given runs of this point (same strategy, trainers, trainers per host, servers and
-    their place, network): their batch p50, the prediction's error against it, and whether one
-    of them calibrated the strategy's own compute (then the error is about 0 by construction)."""
+    """The given runs of this point (same strategy and hook options, trainers, trainers per
+    host, servers and their place, network): their batch p50, the prediction's error against
+    it, and whether one of them calibrated the strategy's own compute (then the error is about
+    0 by construction)."""
     uses_servers = HOOKS.record(hook).transport == RPC
-    matches = [run for run in [*calibration.runs, *compared]
+    matches = [run for run in at_options([*calibration.runs, *compared], calibration)
                if run.hook == hook and run.trainers == n and run.per_host == per_node
                and (not uses_servers or (run.servers == k and run.mapping == mapping
                                          and run.servers_on == servers_on))

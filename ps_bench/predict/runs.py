@@ -3,7 +3,7 @@ its compute phases and bucket timeline, its ``--limits`` link probe, and the net
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ps_bench.config import ConfigError
 from ps_bench.metrics.limits import fit_link
@@ -40,6 +40,7 @@ class Run:
     grad_accum: int = 1  # micro-batches an optimizer step
     # what predict's memory takes from it: optimizer, momentum, precision, model_options
     training: dict | None = None
+    hook_options: dict = field(default_factory=dict)  # --hook-option, as given
 
     @property
     def communicates_nothing(self) -> bool:
@@ -82,6 +83,7 @@ class Run:
             grad_accum=cfg.get("grad_accum", 1),
             training={key: cfg[key] for key in ("optimizer", "momentum", "precision",
                                                 "model_options") if key in cfg},
+            hook_options=dict(cfg.get("hook_options") or {}),
         )
 
 

@@ -72,6 +72,10 @@ def describe_calibration(calibration: Calibration) -> str:
                if c["intra_link"] else "")
             + f"  each strategy's own compute, from its run: {own} (a strategy without a run: that "
             f"of the one it costs like, ps for ps_fp16 and ps_node; else 0)\n"
+            + ("  hook options, as every run of the strategy had them: "
+               + "; ".join(f"{hook} " + ", ".join(f"{key}={value}" for key, value in given.items())
+                           for hook, given in sorted(c["options"].items())) + "\n"
+               if c["options"] else "")
             + ("  low-rank payloads, of the float32 gradient's bytes: "
                + ", ".join(f"{hook} {ratio:.2%} ({c['payload_from'][hook]})"
                            for hook, ratio in sorted(ratios.items())) + "\n"

@@ -268,13 +268,15 @@ def gathered_ms(codec: Codec, nodes: Nodes, nbytes: float, gloo: bool) -> float:
 def register(name: str, codec_of):
     """Registers a compressor's hook; its record's ``compressor`` makes its codec from the hook's
     options (the bytes of its messages), its cost the all-gather of its messages at the hook's
-    default options."""
+    default options, or at the options given (``bucket_ms_at``)."""
     def decorate(cls):
         defaults = {option.name: option.default
                     for option in list(inspect.signature(cls).parameters.values())[1:]}
         record = Strategy(COLLECTIVE, "compressed", lossless=False,
                           sparse_buckets=SPARSE_ALLREDUCE, uncompressed="allreduce",
-                          cost=Cost(bucket_ms=functools.partial(gathered_ms, codec_of(defaults))),
+                          cost=Cost(bucket_ms=functools.partial(gathered_ms, codec_of(defaults)),
+                                    bucket_ms_at=lambda options: functools.partial(
+                                        gathered_ms, codec_of(options))),
                           compressor=codec_of)
         return HOOKS.register(name, record=record)(cls)
     return decorate

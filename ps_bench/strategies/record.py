@@ -85,7 +85,9 @@ class Cost:
     ``pipeline``: which of ``PIPELINES`` its buckets go through, None where no bucket is sent
     (the strategy's cost is then its record's ``sends``). ``bucket_ms(nodes, nbytes, gloo)``:
     with the collectives pipeline, what combining one dense bucket of ``nbytes`` takes on the
-    nodes' links (default ``costs.flat_ring_ms``, a ring over every trainer);
+    nodes' links (default ``costs.flat_ring_ms``, a ring over every trainer), and
+    ``bucket_ms_at(options)`` the same at a hook's options where they change it (a
+    compressor's ratio or levels; default: ``bucket_ms`` whatever the options);
     ``iteration_ms(nodes, nbytes)``: what it pays once an iteration over the whole gradient's
     ``nbytes`` besides, not hidden behind compute. ``like``: with no run of its own, the
     strategy whose own compute (what its transfers do not account for) it takes (default: the
@@ -93,6 +95,7 @@ class Cost:
 
     pipeline: str | None = None
     bucket_ms: Callable[[Nodes, float, bool], float] | None = None
+    bucket_ms_at: Callable[[dict], Callable[[Nodes, float, bool], float]] | None = None
     iteration_ms: Callable[[Nodes, float], float] | None = None
     like: str | None = None
 

@@ -156,6 +156,9 @@ def test_what_a_strategy_keeps_between_iterations_is_in_its_memory(capsys):
     assert kept_bytes("topk", facts) == 4 * facts.parameters
     assert kept_bytes("qsgd", facts) == kept_bytes("allreduce", facts) == kept_bytes("ps_fp16", facts) == 0
     assert 4 * facts.parameters < kept_bytes("powersgd", facts) < 4.1 * facts.parameters
+    # at the options a run had: no error feedback, nothing kept; PowerSGD without warm start, its error alone
+    assert kept_bytes("topk", facts, {"error_feedback": False}) == 0
+    assert kept_bytes("powersgd", facts, {"warm_start": False}) == 4 * facts.parameters
     buckets, _, _, dlrm = model_buckets("dlrm_small", 25.0)  # its embeddings' sparse buckets: none kept
     assert kept_bytes("topk", dlrm) == sum(nbytes for nbytes, sparse in buckets if not sparse) == 7624
     assert main(["predict", "--model", "hf:llama3-8b", "--batch-size", "1", "--sequence-length", "1024",

@@ -22,6 +22,7 @@ from ps_bench.predict.calibration import from_compute_ms
 from ps_bench.predict.calibration import low_rank_ratios
 from ps_bench.predict.inputs import TargetLink, model_buckets
 from ps_bench.predict.predictor import calibrate, predict
+from ps_bench.predict.rows import prediction_rows
 from ps_bench.predict.runs import Run
 from ps_bench.predict.tables import describe_calibration, render_winners, winners
 from ps_bench.strategies import COLLECTIVE, HOOKS, Cost, Strategy
@@ -396,3 +397,41 @@ def test_a_run_that_records_its_buckets_shapes_predicts_the_low_rank_strategies_
     assert calibration["payload_ratio"] == pytest.approx({"powersgd": 7000 / 2.5e6, "batched_powersgd": 6328 / 2.5e6})
     assert set(calibration["payload_from"].values()) == {"counted from the model's layers, default options"}
     assert "powersgd 0.28% (counted from the model's layers, default options)" in capsys.readouterr().out
+
+
+def with_options(path: str, options: dict) -> str:
+    """The results file at ``path``, run with these ``--hook-option``s."""
+    results = json.loads(Path(path).read_text())
+    results["config"]["hook_options"] = options
+    Path(path).write_text(json.dumps(results))
+    return path
+
+
+def test_each_strategy_is_predicted_at_the_hook_options_its_runs_had(tmp_path):
+    """A run of topk at ratio 0.1 and one of local_sgd averaging every 8 iterations: predicted at
+    those, not at the defaults (0.01, 4); where a strategy's runs differ, its defaults, and only
+    its runs at those calibrate it and stand beside it."""
+    allreduce = results_file(tmp_path, "ar.json", batch_ms=80.0)
+    topk = with_options(results_file(tmp_path, "topk.json", hook="topk", batch_ms=90.0), {"ratio": 0.1})
+    local = with_options(results_file(tmp_path, "ls.json", hook="local_sgd", batch_ms=60.0), {"period": 8})
+    calibration = calibrate([Run.load(path) for path in (allreduce, topk, local)])
+    assert calibration.options == {"topk": {"ratio": 0.1}, "local_sgd": {"period": 8}}
+    assert "hook options, as every run of the strategy had them: local_sgd period=8; topk ratio=0.1" in \
+        describe_calibration(calibration)
+    # each 10 MB bucket (2.5 M values): 10 % kept, 8 bytes each, all-gathered among 4; the last
+    # bucket is ready at 40 ms
+    for options, kept in ((calibration.options, 250_000), ({}, 25_000)):
+        at = replace(calibration, options=options)
+        assert predict(at, "topk", 4, 0)["communication_end_ms"] == pytest.approx(
+            40.0 + costs.allgather_ms(4, 8 * kept, LINK))
+    assert predict(calibration, "local_sgd", 4, 0)["sends_ms"] == pytest.approx(
+        predict(replace(calibration, options={}), "local_sgd", 4, 0)["sends_ms"] / 2)
+    default = results_file(tmp_path, "topk-default.json", hook="topk", batch_ms=95.0)
+    mixed = calibrate([Run.load(path) for path in (allreduce, topk, default)])
+    assert mixed.options == {}
+    assert mixed.notes == ["the runs of topk ran with different hook options: it is predicted at its defaults, "
+                           "and compared with its runs at those alone"]
+    alone = calibrate([Run.load(path) for path in (allreduce, default)])
+    assert mixed.own_ms["topk"] == pytest.approx(alone.own_ms["topk"])  # the default run's alone
+    row = prediction_rows(mixed, ["topk"], [2], [1], "shard", None)[0]
+    assert row["runs"] == [default] and row["measured_ms"] == 95.0
