@@ -265,6 +265,12 @@ def gathered_ms(codec: Codec, nodes: Nodes, nbytes: float, gloo: bool) -> float:
                               link)
 
 
+def gathered_at(codec_of, options: dict):
+    """``gathered_ms`` with the codec the hook's ``options`` make (``Cost.bucket_ms_at``; a
+    function of the module, so that the record pickles into the ranks)."""
+    return functools.partial(gathered_ms, codec_of(options))
+
+
 def register(name: str, codec_of):
     """Registers a compressor's hook; its record's ``compressor`` makes its codec from the hook's
     options (the bytes of its messages), its cost the all-gather of its messages at the hook's
@@ -275,8 +281,7 @@ def register(name: str, codec_of):
         record = Strategy(COLLECTIVE, "compressed", lossless=False,
                           sparse_buckets=SPARSE_ALLREDUCE, uncompressed="allreduce",
                           cost=Cost(bucket_ms=functools.partial(gathered_ms, codec_of(defaults)),
-                                    bucket_ms_at=lambda options: functools.partial(
-                                        gathered_ms, codec_of(options))),
+                                    bucket_ms_at=functools.partial(gathered_at, codec_of)),
                           compressor=codec_of)
         return HOOKS.register(name, record=record)(cls)
     return decorate

@@ -1,5 +1,7 @@
 """Strategy plumbing that needs no processes: byte accounting, hook options, sampling."""
 
+import pickle
+
 import pytest
 import torch
 
@@ -130,3 +132,11 @@ def test_validation_reads_a_new_strategys_record(made_up_strategies):
     with pytest.raises(ConfigError, match="--hook gloo_sparse all-reduces sparse gradients over gloo"):
         validate(RunConfig(hook="gloo_sparse", backend="nccl", ntrainer=1, model="DummyModelSmallSparse"), gpus=1)
     validate(RunConfig(hook="gloo_sparse", backend="multi", ntrainer=1, model="DummyModelSmallSparse"), gpus=1)
+
+
+def test_every_strategy_record_pickles_as_it_travels_into_the_ranks():
+    """The job's spec, its strategy's record among it, is pickled into every spawned rank: a
+    record may hold module functions and partials of them, not lambdas."""
+    for name in HOOKS.names():
+        record = pickle.loads(pickle.dumps(HOOKS.record(name)))
+        assert record.transport == HOOKS.record(name).transport, name
