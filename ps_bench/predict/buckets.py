@@ -122,11 +122,11 @@ def host_servers_end(calibration: Calibration, strategy: Strategy, hook: str, no
     """Each bucket summed within the node, one push per node: each trainer a slice, in pieces."""
     if k < 1:
         return None
+    options = calibration.options_of(hook)
     return pipelines.node_ps_pipeline(server_bytes(calibration, strategy), nodes, k,
                                       calibration.aggregate_bytes_per_ms, servers_on == "colocated",
-                                      calibration.gloo,
-                                      piece_bytes(strategy, calibration.options_of(hook)),
-                                      piece_window(calibration.options_of(hook)))
+                                      calibration.gloo, piece_bytes(strategy, options),
+                                      piece_window(options))
 
 
 def sparse_servers_end(calibration: Calibration, strategy: Strategy, hook: str,

@@ -273,8 +273,8 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
                            target.per_node, target.servers_on)
     held = None
     if facts is not None:
-        held = memory.target(args, facts, [run.training or {} for run in runs], gpu_memory)
-        held.options = calibration.options
+        held = memory.target(args, facts, [run.training or {} for run in runs], gpu_memory,
+                             calibration.options)
         for row in rows:
             row.update(held.row(row["strategy"], row["trainers"], row["per_node"]))
     described = describe_calibration(calibration) + (held.describe() if held else "")

@@ -297,12 +297,13 @@ def check_arguments(args) -> int | None:
     return None if args.gpu_memory is None else parse_memory(args.gpu_memory)
 
 
-def target(args, facts: ModelFacts, run_configs: list[dict], gpu_memory: int | None
-           ) -> MemoryTarget:
+def target(args, facts: ModelFacts, run_configs: list[dict], gpu_memory: int | None,
+           options: dict[str, dict] | None = None) -> MemoryTarget:
     """The options the memory is counted with: the command line's, else the runs' (the first
-    run's), else fp32 SGD without momentum."""
+    run's), else fp32 SGD without momentum; each strategy's kept memory at its hook ``options``
+    (those its runs had, ``Calibration.options``)."""
     first = run_configs[0] if run_configs else {}
     return MemoryTarget(facts, args.precision or first.get("precision", "fp32"),
                         args.optimizer or first.get("optimizer", "sgd"),
                         args.momentum if args.momentum is not None
-                        else first.get("momentum", 0.0), gpu_memory)
+                        else first.get("momentum", 0.0), gpu_memory, dict(options or {}))

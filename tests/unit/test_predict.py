@@ -435,3 +435,18 @@ def test_each_strategy_is_predicted_at_the_hook_options_its_runs_had(tmp_path):
     assert mixed.own_ms["topk"] == pytest.approx(alone.own_ms["topk"])  # the default run's alone
     row = prediction_rows(mixed, ["topk"], [2], [1], "shard", None)[0]
     assert row["runs"] == [default] and row["measured_ms"] == 95.0
+
+
+def test_the_memory_predict_adds_is_at_the_options_the_runs_had(tmp_path, capsys):
+    """A topk run without error feedback keeps no residual: predict's memory row says 0 for it,
+    where at topk's defaults it keeps a float32 copy of every bucket."""
+    out = tmp_path / "predict.json"
+    kept = {}
+    for options in ({"error_feedback": False}, {}):
+        run = with_options(results_file(tmp_path, "topk.json", hook="topk", batch_ms=90.0), options)
+        assert main(["predict", run, "--trainers", "2", "--hooks", "topk", "--gpu-memory", "80GB",
+                     "--out", str(out)]) == 0
+        row, = json.loads(out.read_text())["predictions"]
+        kept[bool(options)] = row["kept_bytes"]
+    assert kept[True] == 0 < kept[False]
+    capsys.readouterr()
