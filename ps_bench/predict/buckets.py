@@ -35,7 +35,7 @@ def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n
 
 def wire_factor(strategy: Strategy) -> float:
     """Bytes on the wire per float32 byte of gradient (a compressor's cost compresses them
-    itself: its record's ``cost.bucket_ms``)."""
+    itself: its record's ``cost.bucket_ms_at``)."""
     if strategy.payload not in ELEMENT_BYTES:
         return 1.0
     return ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"]

@@ -258,7 +258,7 @@ class Compressed:
 
 
 def gathered_ms(codec: Codec, nodes: Nodes, nbytes: float, gloo: bool) -> float:
-    """predict's cost of a bucket (``Cost.bucket_ms``, with the codec bound): the all-gather of
+    """predict's cost of a bucket (with the codec bound, ``gathered_at``): the all-gather of
     its message, from each trainer to every other, over the nodes' slowest link."""
     link = nodes.within() if nodes.count == 1 else nodes.network
     return costs.allgather_ms(nodes.count * nodes.per_node, codec.message_bytes(int(nbytes // 4)),
@@ -273,15 +273,12 @@ def gathered_at(codec_of, options: dict):
 
 def register(name: str, codec_of):
     """Registers a compressor's hook; its record's ``compressor`` makes its codec from the hook's
-    options (the bytes of its messages), its cost the all-gather of its messages at the hook's
-    default options, or at the options given (``bucket_ms_at``)."""
+    options (the bytes of its messages), its cost the all-gather of its messages at the options
+    predict costs the hook at (``bucket_ms_at``)."""
     def decorate(cls):
-        defaults = {option.name: option.default
-                    for option in list(inspect.signature(cls).parameters.values())[1:]}
         record = Strategy(COLLECTIVE, "compressed", lossless=False,
                           sparse_buckets=SPARSE_ALLREDUCE, uncompressed="allreduce",
-                          cost=Cost(bucket_ms=functools.partial(gathered_ms, codec_of(defaults)),
-                                    bucket_ms_at=functools.partial(gathered_at, codec_of)),
+                          cost=Cost(bucket_ms_at=functools.partial(gathered_at, codec_of)),
                           compressor=codec_of)
         return HOOKS.register(name, record=record)(cls)
     return decorate

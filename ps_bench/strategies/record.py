@@ -86,8 +86,8 @@ class Cost:
     (the strategy's cost is then its record's ``sends``). ``bucket_ms(nodes, nbytes, gloo)``:
     with the collectives pipeline, what combining one dense bucket of ``nbytes`` takes on the
     nodes' links (default ``costs.flat_ring_ms``, a ring over every trainer), and
-    ``bucket_ms_at(options)`` the same at a hook's options where they change it (a
-    compressor's ratio or levels; default: ``bucket_ms`` whatever the options);
+    ``bucket_ms_at(options)``, in its place, that cost at the hook's options where they change
+    it (a compressor's ratio or levels);
     ``iteration_ms(nodes, nbytes)``: what it pays once an iteration over the whole gradient's
     ``nbytes`` besides, not hidden behind compute. ``like``: with no run of its own, the
     strategy whose own compute (what its transfers do not account for) it takes (default: the
