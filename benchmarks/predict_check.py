@@ -1,9 +1,14 @@
 """Checks ``bench.py predict`` against emulated runs (``bench.py emulate``, needs root),
-upstream's ``DummyModel`` behind 1 Gbit/s links. Two cases:
+upstream's ``DummyModel`` behind 1 Gbit/s links. Three cases:
 
 ``flat``: every trainer and server on a host of its own. ``allreduce`` and ``fp16`` at 2, 3 and 4
 trainers, ``ps`` at 2, 3 and 4 trainers with 1 and 2 servers; calibrated on the 2-trainer runs
 alone (``allreduce``, ``fp16`` and ``ps`` with 1 server, made with ``--limits``).
+
+``compressed``: as ``flat``, ``allreduce``, ``topk`` and ``powersgd`` (compressors that encode on
+backward's thread before their collectives go off: the timeline's ``held_ms``), calibrated on
+their 2-trainer runs; besides the errors, the strategies' order measured and predicted at each
+trainer count.
 
 ``hosts``: hosts of several trainers. Calibrated on one host of 2 trainers (``allreduce``, its
 link probe measures the host's local link) and on 2 hosts of 1 trainer each (``allreduce`` and
@@ -29,7 +34,7 @@ alike; with r the ratio of the two rates, a batch time ``T = X + L`` at ``--link
 at RATE splits into ``L`` (what scales with the link: transfers not hidden behind anything)
 and ``X`` (what does not: compute, and the steps inside a host), measured and predicted.
 
-    sudo $(which python) benchmarks/predict_check.py [--case flat|hosts|all] [--link 1gbit]
+    sudo $(which python) benchmarks/predict_check.py [--case flat|compressed|hosts|all] [--link 1gbit]
         [--out results/predict_check] [--plot FILE] [--split 500mbit] [--runs 3]
 """
 
@@ -81,6 +86,10 @@ class Point:
 
 FLAT = [Point(hook, n, 0, calibration=n == 2, limits=n == 2) for hook in ("allreduce", "fp16") for n in TRAINERS] + [
     Point("ps", n, k, calibration=(n, k) == (2, 1), limits=(n, k) == (2, 1)) for k in (1, 2) for n in TRAINERS]
+# compressors whose hooks encode on backward's thread (held_ms), beside the all-reduce they
+# compress: calibrated on their 2-trainer runs, predicted at 3 and 4, and ranked
+COMPRESSED = [Point(hook, n, 0, calibration=n == 2, limits=n == 2)
+              for hook in ("allreduce", "topk", "powersgd") for n in TRAINERS]
 HOSTS = [
     Point("allreduce", 2, 0, per_host=2, calibration=True, limits=True),  # one host of two: the local link
     Point("allreduce", 2, 0, calibration=True, limits=True),  # two hosts of one: the network link
@@ -118,6 +127,8 @@ def run_point(out: Path, link: str, point: Point, repeat: int = 0) -> Path:
 def predict_args(case: str) -> list[str]:
     if case == "flat":
         return ["--trainers", ",".join(map(str, TRAINERS)), "--servers", "1,2", "--hooks", "allreduce,fp16,ps"]
+    if case == "compressed":
+        return ["--trainers", ",".join(map(str, TRAINERS)), "--hooks", "allreduce,topk,powersgd"]
     return ["--trainers", "4", "--per-node", "2", "--servers", "1,2,4", "--servers-on", "dedicated,colocated",
             "--hooks", "allreduce,hierarchical,ps,ps_node"]
 
@@ -242,9 +253,52 @@ def compare(points: list[Point], measured_ms: dict, predicted: dict, hook: str |
     return errors
 
 
+def ranked(points: list[Point], measured_ms: dict, predicted: dict) -> bool:
+    """Prints, per trainer count, the strategies fastest first as measured and as predicted;
+    whether every pair measured more than 10 % apart is predicted in the measured order."""
+    agreed = True
+    for trainers in sorted({point.trainers for point in points}):
+        at = [point for point in points if point.trainers == trainers and point.key() in predicted]
+        by_measured = sorted(at, key=lambda point: measured_ms[point.name])
+        by_predicted = sorted(at, key=lambda point: predicted[point.key()])
+        agreed = agreed and all(
+            predicted[faster.key()] < predicted[slower.key()]
+            for i, faster in enumerate(by_measured) for slower in by_measured[i + 1:]
+            if measured_ms[slower.name] > 1.1 * measured_ms[faster.name])
+        print(f"{trainers} trainers: measured {' < '.join(point.hook for point in by_measured)}, "
+              f"predicted {' < '.join(point.hook for point in by_predicted)}")
+    return agreed
+
+
+def compressed_verdict(points: list[Point], paths: dict, measured_ms: dict, predicted: dict) -> bool:
+    """The compressed case's verdict: each calibration point within 2 % (a strategy's own compute,
+    what its hooks held backward for among it, fitted to its run) and the ranking (``ranked``).
+    Its errors at 3 and 4 trainers have no target: those trainers share this machine's cores, and
+    the compressors' own compute, most of their batch, slows with them where the model holds it
+    at the calibration's; printed, the forward pass's slowdown on the same runs says by how much."""
+    calibrated = all(abs(predicted[point.key()] / measured_ms[point.name] - 1) <= 0.02
+                     for point in points if point.calibration)
+    for trainers in sorted({point.trainers for point in points} - {min(TRAINERS)}):
+        slowed = statistics.median(
+            forward_p50(paths[point]) / forward_p50(paths[replace(point, trainers=min(TRAINERS), calibration=True,
+                                                                  limits=True)])
+            for point in points if point.trainers == trainers)
+        print(f"{trainers} trainers: forward {slowed:.1f} times its 2-trainer time (the cores shared)")
+    agreed = ranked(points, measured_ms, predicted)
+    print(f"compressed: calibration points within 2 %: {'held' if calibrated else 'missed'}; every two "
+          f"strategies measured over 10 % apart predicted in that order: {'held' if agreed else 'missed'}\n")
+    return calibrated and agreed
+
+
+def forward_p50(path: Path) -> float:
+    return next(row["p50"] for row in load_file(path)["summary"]
+                if row["role"] == "trainer" and row["metric"] == "forward")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--case", choices=("flat", "hosts", "all"), default="all", help="which check (default all)")
+    parser.add_argument("--case", choices=("flat", "compressed", "hosts", "all"), default="all",
+                        help="which check (default all)")
     parser.add_argument("--link", default="1gbit", help="the emulated link (default 1gbit)")
     parser.add_argument("--out", default=str(ROOT / "results" / "predict_check"), help="folder for the runs")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw predicted and measured batch times (flat case)")
@@ -258,17 +312,25 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     held = True
-    # targets: flat, median 15 % and largest 30 %; hosts, median 10 % and each within 15 %
-    for case, points, (median_target, largest_target) in (("flat", FLAT, (15, 30)), ("hosts", HOSTS, (10, 15))):
+    # targets: flat and compressed, median 15 % and largest 30 %; hosts, median 10 % and each
+    # within 15 %
+    # compressed: no target on the errors (below), its calibration points and its ranking
+    for case, points, targets in (("flat", FLAT, (15, 30)), ("compressed", COMPRESSED, None),
+                                  ("hosts", HOSTS, (10, 15))):
         if args.case not in (case, "all"):
             continue
         errors, paths, measured, predicted, fitted, repeated = check(case, points, out, args.link,
                                                            args.plot if case == "flat" else None, args.runs)
         median, largest = statistics.median(errors), max(errors)
-        verdict = "held" if median <= median_target and largest <= largest_target else "missed"
+        if targets is None:
+            print(f"\n{case}: |error| over the {len(errors)} points the calibration did not see: median {median:.1f} "
+                  f"%, largest {largest:.1f} %")
+            held = compressed_verdict(points, paths, measured, predicted) and held
+            continue
+        verdict = "held" if median <= targets[0] and largest <= targets[1] else "missed"
         held = held and verdict == "held"
         print(f"\n{case}: |error| over the {len(errors)} points the calibration did not see: median {median:.1f} %, "
-              f"largest {largest:.1f} % (targets {median_target} % and {largest_target} %: {verdict})\n")
+              f"largest {largest:.1f} % (targets {targets[0]} % and {targets[1]} %: {verdict})\n")
         if case == "hosts":
             given_its_run(points, paths, measured, repeated, out)
         if args.split:

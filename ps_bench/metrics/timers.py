@@ -101,18 +101,23 @@ def covered_ms(intervals: list[tuple[int, float, float]]) -> dict[int, float]:
 
 
 def bucket_offsets(intervals: list[tuple[int, float, float]],
-                   backward_started: dict[int, float]) -> dict[int, list[tuple[float, float]]]:
-    """Per bucket, ``(ready, done)`` ms after its iteration's backward began, for the iterations
-    in ``backward_started`` (iteration -> perf_counter seconds): when DDP handed the bucket to
-    the hook, and when the hook's future completed. ``intervals`` are sorted, so an iteration's
-    k-th is the k-th bucket DDP handed over: bucket k (DDP hands them over in index order)."""
-    offsets: dict[int, list[tuple[float, float]]] = {}
+                   backward_started: dict[int, float],
+                   held: list[tuple[int, float, float]] = ()) -> dict[int, list[tuple]]:
+    """Per bucket, ``(ready, done, held)`` ms for the iterations in ``backward_started``
+    (iteration -> perf_counter seconds): when DDP handed the bucket to the hook and when the
+    hook's future completed, after its iteration's backward began, and how long the hook held
+    backward's thread (from the sorted ``held`` intervals, handed over -> returned; 0 without
+    them). ``intervals`` are sorted, so an iteration's k-th is the k-th bucket DDP handed over:
+    bucket k (DDP hands them over in index order)."""
+    returned = {(iteration, start): end for iteration, start, end in held}
+    offsets: dict[int, list[tuple]] = {}
     for iteration, group in itertools.groupby(intervals, key=operator.itemgetter(0)):
         began = backward_started.get(iteration)
         if began is not None:
             for bucket, (_, start, end) in enumerate(group):
+                holding = returned.get((iteration, start), start) - start
                 offsets.setdefault(bucket, []).append((1000.0 * (start - began),
-                                                       1000.0 * (end - began)))
+                                                       1000.0 * (end - began), 1000.0 * holding))
     return offsets
 
 

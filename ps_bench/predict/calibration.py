@@ -133,6 +133,18 @@ def bucket_sizes(buckets: list[dict]) -> dict[int, tuple[int, bool]]:
     return {bucket["index"]: (bucket["bytes"], bucket.get("sparse", False)) for bucket in buckets}
 
 
+def compute_ready(timeline: list[dict]) -> dict[int, float]:
+    """Bucket index -> when backward's own compute had made it: its ``ready_ms`` less how long
+    the hooks of the buckets handed over before it held backward's thread (``held_ms``: a CPU
+    compressor's encoding delays every later bucket; none on a GPU or in older results files).
+    What a hook holds is its strategy's own compute, not the model's."""
+    ready, held = {}, 0.0
+    for row in sorted(timeline, key=lambda row: (row["ready_ms"], row["index"])):
+        ready[row["index"]] = row["ready_ms"] - held
+        held += row.get("held_ms", 0.0)
+    return ready
+
+
 def ready_buckets(ready: dict[int, float],
                   sizes: dict[int, tuple[int, bool]]) -> list[tuple[float, int, bool]]:
     """``(ready ms, bytes, sparse)`` per bucket, in the order the buckets became ready."""
@@ -150,8 +162,9 @@ def backward_compute(buckets: list[tuple[float, int, bool]], compute_ms: float |
 def own_terms(run: Run, calibration: Calibration) -> dict:
     """The compute phases and bucket timeline of one run alone (the calibration's pooled ones
     where the run lacks them), so that its slower or faster compute is not taken for its
-    strategy's own cost."""
-    ready = {row["index"]: row["ready_ms"] for row in run.timeline or []}
+    strategy's own cost; the timeline without what its hooks held backward for
+    (``compute_ready``), which is."""
+    ready = compute_ready(run.timeline or [])
     buckets = ready_buckets(ready, bucket_sizes(run.buckets)) if ready else calibration.buckets
     backward = (backward_compute(buckets, run.compute_ms, run.forward_ms, run.optimizer_ms)
                 if run.compute_ms is not None or ready else calibration.phases.backward)

@@ -5,14 +5,17 @@ Calibration (``calibrate``), from one or more results files of the same model an
 
 - forward and optimizer p50 (trainer summary), backward's own compute (the ``--limits``
   compute-only iteration minus forward and optimizer, at least the last bucket's ready time);
-- when each DDP bucket became ready (``timeline``, p50 over the runs): overlap is computed from
-  it; without one (a GPU run) every bucket is taken as ready when backward's compute ends;
+- when each DDP bucket became ready (``timeline``, p50 over the runs), less what the hooks of the
+  buckets before it held backward for (``held_ms``: their strategy's own compute, below):
+  overlap is computed from it; without one (a GPU run) every bucket is taken as ready when
+  backward's compute ends;
 - the link: α and B fitted to the ``--limits`` link probe (median over the runs), unless the
   target network is given (``--link``, ``--latency``); the probe of a run whose trainers all
   shared one emulated host measured that host's local link instead (``--intra-link`` gives it);
 - the server's aggregation throughput: the ``--limits`` memory-copy bandwidth;
-- each strategy's own compute (casts, reductions, serialisation, PowerSGD's matrix products:
-  whatever of its cost the transfers do not account for): its run's measured batch p50 minus the
+- each strategy's own compute (casts, encodings, reductions, serialisation, PowerSGD's matrix
+  products: whatever of its cost the transfers do not account for, what its hooks held
+  backward for among it): its run's measured batch p50 minus the
   model's with that run's own compute phases and timeline, on the network the run had (the
   fitted link), a constant at every n, k and target network; for a strategy with no run given, that
   of the strategy it costs like (the one it compresses; ps_node, ps), else 0 (``own_ms`` lists the
@@ -31,7 +34,8 @@ from ps_bench.metrics.messages import ELEMENT_BYTES, PRECISIONS
 from ps_bench.predict import pipelines
 from ps_bench.predict.buckets import communication_end
 from ps_bench.predict.calibration import (Calibration, add_payloads, backward_compute,
-                                          bucket_sizes, own_terms, ready_buckets, run_options)
+                                          bucket_sizes, compute_ready, own_terms, ready_buckets,
+                                          run_options)
 from ps_bench.predict.inputs import TargetLink, spread
 from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.runs import Run
@@ -93,8 +97,8 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
     elif timelines:
         ready: dict[int, list[float]] = {}
         for timeline in timelines:
-            for row in timeline:
-                ready.setdefault(row["index"], []).append(row["ready_ms"])
+            for index, made in compute_ready(timeline).items():
+                ready.setdefault(index, []).append(made)
         buckets = ready_buckets({index: statistics.median(times) for index, times in ready.items()},
                                 dense)
         backward = backward_compute(buckets, statistics.median(computes) if computes else None,

@@ -290,13 +290,17 @@ class RunRecord:
         """Each DDP bucket in the order it became ready: its payload bytes, and p50 over every
         trainer's sampled timed iterations (the last few of each round) of when backward handed
         it to the strategy (``ready_ms``) and when the strategy delivered it (``done_ms``; on a GPU,
-        the end of backward), in ms after backward began; None before the buckets are known."""
+        the end of backward), in ms after backward began, and on the CPU how long the strategy's
+        hook held backward's thread before it returned (``held_ms``: what it did before its
+        collective or RPC went off on their own); None before the buckets are known."""
         if not self.bucket_offsets or self.buckets is None:
             return None
         sizes = {bucket["index"]: bucket["bytes"] for bucket in self.buckets}
         rows = [{"index": index, "bytes": sizes.get(index),
-                 "ready_ms": float(np.median([ready for ready, _ in offsets])),
-                 "done_ms": float(np.median([done for _, done in offsets]))}
+                 "ready_ms": float(np.median([offset[0] for offset in offsets])),
+                 "done_ms": float(np.median([offset[1] for offset in offsets])),
+                 **({"held_ms": float(np.median([offset[2] for offset in offsets]))}
+                    if all(len(offset) > 2 for offset in offsets) else {})}
                 for index, offsets in self.bucket_offsets.items()]
         return sorted(rows, key=lambda row: (row["ready_ms"], row["index"]))
 

@@ -72,6 +72,9 @@ class HookContext:
     rpc_timeout: float
     per_host: int | None = None  # --per-host: trainers per host (hsdp's shard group)
     comm: IntervalTracker = field(default_factory=IntervalTracker)
+    # per bucket, (iteration, handed over, hook returned): what of the hook ran on backward's
+    # thread, holding backward (a CPU compressor's encoding, a cast)
+    held: IntervalTracker = field(default_factory=IntervalTracker)
     wire: ByteCounter = field(default_factory=ByteCounter)
     iteration: int = 0  # the trainer's current training iteration, from 1
     # on a GPU: (iteration, CUDA event recorded as DDP handed a bucket over), in hand-over order
@@ -338,10 +341,10 @@ def timed_collective(ctx: HookContext, run: Callable[[], Any]) -> Any:
 def instrument(hook: Hook) -> Hook:
     """Times the hook's future and, on captured iterations, keeps its input and output.
 
-    Every bucket of every iteration pays for this wrapper: two clock reads and one append of
-    ``(iteration, start, end)``; the trainer turns them into ``comm`` and the bucket timeline
-    after the round (DDP hands the buckets over in index order, so an iteration's k-th start is
-    bucket k's)."""
+    Every bucket of every iteration pays for this wrapper: three clock reads and two appends, of
+    ``(iteration, start, end)`` and ``(iteration, start, returned)``; the trainer turns them into
+    ``comm`` and the bucket timeline after the round (DDP hands the buckets over in index order,
+    so an iteration's k-th start is bucket k's), the second into how long the hook held backward."""
     clock = time.perf_counter
 
     def run(ctx, bucket):  # unannotated: DDP rejects string annotations
@@ -358,9 +361,11 @@ def instrument(hook: Hook) -> Hook:
             made.record()
             ctx.ready_events.append((iteration, made))
         future = hook(ctx, bucket)
+        returned = clock()
+        ctx.held.add((iteration, start, returned))
         # finished already (noop, a local fast path): nothing to wait for
         if future.done() and capture is None:
-            ctx.comm.add((iteration, start, clock()))
+            ctx.comm.add((iteration, start, returned))
             return future
 
         def finished(fut: Future) -> torch.Tensor:

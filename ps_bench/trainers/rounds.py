@@ -26,12 +26,13 @@ def verified_steps(iterations: int) -> set[int]:
 
 def recorded(timer: StepTimer, records: list[tuple], before: tuple[int, int],
              intervals: list[tuple], timings: list[tuple], first_iteration: int,
-             untimed: set[int], ready_events: list | None) -> tuple[np.ndarray, dict, dict]:
+             untimed: set[int], ready_events: list | None,
+             held: list[tuple] = ()) -> tuple[np.ndarray, dict, dict]:
     """A round's phases (forward, backward, optimizer ms an iteration), samples and bucket
     timeline, from its loop's ``records`` (each iteration's clock readings and the bytes sent
-    and received so far, ``before`` the round's first), the hooks' open ``intervals`` and the
-    collectives' ``timings`` of the timed iterations. ``untimed`` steps (captured or traced)
-    count their bytes, not their times."""
+    and received so far, ``before`` the round's first), the hooks' open ``intervals`` (and how
+    long each ``held`` backward) and the collectives' ``timings`` of the timed iterations.
+    ``untimed`` steps (captured or traced) count their bytes, not their times."""
     readings = [record[0] for record in records]
     phases = folded(timer.phases(readings), 1)
     moved = np.diff([before] + [record[1:] for record in records], axis=0)
@@ -47,7 +48,7 @@ def recorded(timer: StepTimer, records: list[tuple], before: tuple[int, int],
         tail = intervals[bisect.bisect_left(intervals, (first_iteration + steps[0],)):]
         # the synchronised micro-batch's backward: the last
         timeline = bucket_offsets(tail, {first_iteration + step: readings[step][-3]
-                                         for step in steps})
+                                         for step in steps}, held)
     elif steps and ready_events:
         timeline = cuda_bucket_offsets(ready_events, {first_iteration + step: readings[step][-3:-1]
                                                       for step in steps})

@@ -170,6 +170,7 @@ class DdpTrainer(FloorProbes, Resident):
         ctx, wire = self.hook_context, self.hook_context.wire
         timer = StepTimer(self.device)
         ctx.comm.drain()
+        ctx.held.drain()
         if timer.cuda:  # the round's peak (the last round's is reported)
             torch.cuda.reset_peak_memory_stats(self.device)
         iterations = self.iterations_per_epoch * self.epochs
@@ -289,7 +290,7 @@ class DdpTrainer(FloorProbes, Resident):
                    if timing[0] - first_iteration not in untimed]
         phases, samples, timeline = recorded(timer, records, (sent_before, recv_before),
                                              ctx.comm.drain(), timings, first_iteration, untimed,
-                                             ctx.ready_events)
+                                             ctx.ready_events, ctx.held.drain())
         began = wall()
         grad_errors = self.gradient_errors()
         if checked:

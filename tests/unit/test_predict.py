@@ -216,6 +216,24 @@ def test_sparse_ps_pushes_its_sparse_buckets_and_all_reduces_its_dense_ones(tmp_
     assert predict(mixed, "sparse_ps", 2, 0) is None  # a sparse bucket and no server to push it to
 
 
+def test_what_a_hook_held_backward_for_is_its_strategys_own_compute_not_the_models(tmp_path):
+    """A hook that encodes on backward's thread (held_ms: a CPU compressor) delays every later
+    bucket: that delay is its strategy's cost, so the timeline the model computes overlap from
+    leaves it out, and the strategy's own compute holds it."""
+    allreduce = Run.load(results_file(tmp_path, "ar.json", batch_ms=80.0))
+    held = [{"index": 0, "bytes": 10 * MB, "ready_ms": 15.0, "done_ms": 40.0, "held_ms": 20.0},
+            {"index": 1, "bytes": 10 * MB, "ready_ms": 60.0, "done_ms": 70.0, "held_ms": 1.0}]
+    fp16 = Run.load(results_file(tmp_path, "fp16.json", hook="fp16", batch_ms=100.0, timeline=held))
+    calibration = calibrate([allreduce, fp16])
+    assert [ready for ready, _, _ in calibration.buckets] == [15.0, 40.0]  # not the median of 40 and 60
+    assert calibration.phases.backward == 40.0
+    # fp16 at 2 trainers on that timeline: 5 MB a bucket, 5.02 ms; the second ends at 45.02, and
+    # 10 + 45.02 + 2 leaves 42.98 ms of the measured 100 to fp16 itself, the 21 ms held among it
+    assert calibration.own_ms["fp16"] == pytest.approx(100.0 - 57.02)
+    assert predict(calibration, "fp16", 2, 0)["batch_ms"] == pytest.approx(100.0)  # its calibration point
+    assert calibration.own_ms["allreduce"] == pytest.approx(80.0 - 62.02)  # unchanged by fp16's run
+
+
 def test_a_target_link_replaces_the_fitted_one(tmp_path):
     run = Run.load(results_file(tmp_path, limits=False))
     calibration = calibrate([run], TargetLink("--link", 100e9, "ethernet", 1.0, 5e-6))

@@ -120,6 +120,19 @@ def test_the_bucket_timeline_is_p50_over_trainers_and_iterations_in_ready_order(
                                    {"index": 0, "bytes": 3200, "ready_ms": 10.0, "done_ms": 13.0}]
 
 
+def test_the_bucket_timeline_says_how_long_the_hook_held_backward_on_the_cpu():
+    record = make_record()
+    record.buckets = [{"index": 0, "bytes": 3200, "sparse": False}, {"index": 1, "bytes": 800, "sparse": False}]
+    first, second = trainer_round(0.0, 4000, [1.0]), trainer_round(1.0, 4000, [1.0])
+    first["timeline"] = {0: [(2.0, 12.0, 4.0), (3.0, 14.0, 6.0)], 1: [(9.0, 15.0, 1.0)]}
+    second["timeline"] = {0: [(2.0, 13.0, 5.0)], 1: [(10.0, 16.0, 3.0)]}
+    record.add_round(0.5, [first, second], [server_round(0)])
+    record.replicas = replica_summary([torch.ones(1), torch.ones(1)])
+    results = record.results("ok")
+    check_contract(results)
+    assert [(row["index"], row["held_ms"]) for row in results["timeline"]] == [(0, 5.0), (1, 2.0)]
+
+
 def test_units_live_in_the_rows():
     record = make_record()
     two_rounds(record)

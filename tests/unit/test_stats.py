@@ -63,8 +63,18 @@ def test_bucket_offsets_are_ms_after_the_iterations_backward_began():
     # sorted, as drain() gives them: an iteration's k-th interval is its bucket k
     intervals = [(3, 10.002, 10.010), (3, 10.005, 10.012), (4, 20.001, 20.003), (5, 30.0, 30.1)]
     offsets = bucket_offsets(intervals, {3: 10.0, 4: 20.0})  # iteration 5 is not timed
-    assert offsets[0] == [pytest.approx((2.0, 10.0)), pytest.approx((1.0, 3.0))]
-    assert offsets[1] == [pytest.approx((5.0, 12.0))]
+    assert offsets[0] == [pytest.approx((2.0, 10.0, 0.0)), pytest.approx((1.0, 3.0, 0.0))]
+    assert offsets[1] == [pytest.approx((5.0, 12.0, 0.0))]
+
+
+def test_bucket_offsets_say_how_long_each_hook_held_backward():
+    """A hook's own work before it returned (an encoding on backward's thread) is matched to its
+    bucket by the hand-over reading both intervals share."""
+    intervals = [(3, 10.002, 10.010), (3, 10.005, 10.012)]
+    held = [(3, 10.002, 10.0045), (3, 10.005, 10.0051)]
+    offsets = bucket_offsets(intervals, {3: 10.0}, held)
+    assert offsets[0] == [pytest.approx((2.0, 10.0, 2.5))]
+    assert offsets[1] == [pytest.approx((5.0, 12.0, 0.1))]
 
 
 def test_step_timer_turns_cpu_readings_into_phase_milliseconds():
