@@ -100,21 +100,43 @@ def flags(name: str) -> list[str]:
     return out
 
 
+def key_values(text: str) -> dict | None:
+    """``KEY=VALUE`` pairs as a dict, several separated by commas (``a=1,b=2``); VALUE parsed as
+    JSON when it can be. None when a pair has no ``=`` or no key."""
+    options = {}
+    for pair in re.split(r",(?=\s*[A-Za-z_][A-Za-z0-9_.]*=)", text):
+        key, sep, value = pair.strip().partition("=")
+        if not sep or not key:
+            return None
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
 class KeyValue(argparse.Action):
-    """Collects ``KEY=VALUE`` pairs into a dict, several to a flag when separated by commas
-    (``a=1,b=2``); VALUE is parsed as JSON when it can be."""
+    """Collects ``KEY=VALUE`` pairs into a dict (``key_values``), the flag given once or more."""
 
     def __call__(self, parser, namespace, value, option_string=None):
-        options = dict(getattr(namespace, self.dest, None) or {})
-        for pair in re.split(r",(?=\s*[A-Za-z_][A-Za-z0-9_.]*=)", value):
-            key, sep, text = pair.strip().partition("=")
-            if not sep or not key:
-                parser.error(f"argument {option_string}: expected KEY=VALUE, got {value!r}")
-            try:
-                options[key] = json.loads(text)
-            except json.JSONDecodeError:
-                options[key] = text
-        setattr(namespace, self.dest, options)
+        pairs = key_values(value)
+        if pairs is None:
+            parser.error(f"argument {option_string}: expected KEY=VALUE, got {value!r}")
+        setattr(namespace, self.dest, {**(getattr(namespace, self.dest, None) or {}), **pairs})
+
+
+class HookKeyValue(argparse.Action):
+    """Collects ``HOOK:KEY=VALUE[,KEY=VALUE]`` into ``{hook: {key: value}}``, the flag given
+    once or more (the names are checked later, against the registry)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        hook, sep, text = value.partition(":")
+        pairs = key_values(text) if sep and hook.strip() else None
+        if pairs is None:
+            parser.error(f"argument {option_string}: expected HOOK:KEY=VALUE, got {value!r}")
+        given = dict(getattr(namespace, self.dest, None) or {})
+        given[hook.strip()] = {**given.get(hook.strip(), {}), **pairs}
+        setattr(namespace, self.dest, given)
 
 
 class Refused(argparse.Action):

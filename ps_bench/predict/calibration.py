@@ -104,9 +104,10 @@ def add_payloads(calibration: Calibration, bucket_shapes: list[list[list[int]]])
     for hook, ratio in low_rank_ratios(bucket_shapes, calibration.options).items():
         if hook not in calibration.payload_ratio:
             calibration.payload_ratio[hook] = ratio
-            calibration.payload_from[hook] = ("counted from the model's layers, "
-                                              + ("the runs' options" if hook in calibration.options
-                                                 else "default options"))
+            given = calibration.options.get(hook)
+            calibration.payload_from[hook] = ("counted from the model's layers, " + (
+                ", ".join(f"{key}={value}" for key, value in given.items()) if given
+                else "default options"))
 
 
 def run_options(runs: list[Run]) -> tuple[dict[str, dict], list[str]]:
@@ -126,6 +127,27 @@ def run_options(runs: list[Run]) -> tuple[dict[str, dict], list[str]]:
         if changed:
             options[hook] = changed
     return options, notes
+
+
+def give_options(calibration: Calibration, given: dict[str, dict]) -> None:
+    """``predict --hook-option``: each strategy named is predicted at those options, over those
+    its runs had (else its defaults); where that is not how its runs ran, they do not stand in
+    its measured column nor give its payload, its own compute is fitted to them each at its own
+    options (``predictor.calibrate``), and a note says so."""
+    for hook, options in given.items():
+        runs_had = calibration.options_of(hook)
+        merged = hook_options(hook, {**calibration.options.get(hook, {}), **options})
+        default = hook_options(hook, {})
+        calibration.options[hook] = {key: value for key, value in merged.items()
+                                     if default.get(key) != value}
+        if not calibration.options[hook]:
+            del calibration.options[hook]
+        if merged != runs_had and any(run.hook == hook for run in calibration.runs):
+            shown = ", ".join(f"{key}={value}" for key, value in options.items())
+            calibration.notes.append(f"{hook} is predicted at {shown} (--hook-option), where its "
+                                     f"runs had other options: its own compute is fitted to them, "
+                                     f"each at its own options, and taken as the same at these; "
+                                     f"they do not stand in its measured column")
 
 
 def bucket_sizes(buckets: list[dict]) -> dict[int, tuple[int, bool]]:

@@ -10,16 +10,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ps_bench.config import ConfigError, check_output_file
-from ps_bench.options import KeyValue
+from ps_bench.options import HookKeyValue, KeyValue
 from ps_bench.predict import memory, pipelines
 from ps_bench.predict.inputs import (LINK_KINDS, LOCAL_KINDS, NETWORK_KINDS, TargetLink, count_list,
                                      model_buckets, parse_phases, parse_target_latency, target_link)
-from ps_bench.predict.calibration import Calibration, add_payloads, from_compute_ms
+from ps_bench.predict.calibration import (Calibration, add_payloads, from_compute_ms,
+                                          give_options)
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.rows import prediction_rows, unplaced
 from ps_bench.predict.runs import Run
 from ps_bench.predict.tables import describe_calibration, plot, render, render_winners, winners
-from ps_bench.strategies import HOOKS
+from ps_bench.strategies import HOOKS, check_hook_options
 
 PREDICTION_SCHEMA = "ps_bench.prediction/1"
 DEFAULT_HOOKS = ("allreduce", "ps", "fp16")
@@ -133,6 +134,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
                         help="what the strategies whose engine has one (fsdp, hsdp, DeepSpeed) "
                         "communicate in, as a run's --reduce-dtype (default: float32)")
+    parser.add_argument("--hook-option", "--hook_option", dest="hook_options",
+                        action=HookKeyValue, default={}, metavar="HOOK:KEY=VALUE",
+                        help="predict HOOK at this option (several: KEY=VALUE,KEY=VALUE, or the "
+                        "flag again), as a run's --hook-option; its runs at other options then "
+                        "neither calibrate it nor stand in its measured column (default: the "
+                        "options its runs had, else its defaults)")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="X",
                         help="with --compute-ms: DDP's bucket cap (default: 25)")
     memory.add_arguments(parser)
@@ -162,6 +169,7 @@ class Target:
     intra: TargetLink | None
     servers_on: list[str]
     compute_ms: dict[str, float] | None
+    options: dict[str, dict]  # --hook-option: strategy -> the options to predict it at
 
 
 def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
@@ -211,7 +219,23 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
         raise ConfigError("predict needs results files to calibrate on, or --compute-ms with "
                           "--model, --batch-size and --link")
     return Target(trainers, link, latency_s, args.per_node, intra,
-                  list(dict.fromkeys(places)), compute_ms)
+                  list(dict.fromkeys(places)), compute_ms, given_options(args.hook_options))
+
+
+def given_options(given: dict[str, dict]) -> dict[str, dict]:
+    """``--hook-option``, each strategy by its registered name and its options checked as a
+    run checks them."""
+    checked = {}
+    for name, options in given.items():
+        if name not in HOOKS:
+            raise ConfigError(f"--hook-option {name}: unknown strategy; one of "
+                              f"{', '.join(HOOKS.names())}")
+        hook = HOOKS.canonical(name)
+        try:
+            checked[hook] = {**checked.get(hook, {}), **check_hook_options(hook, options)}
+        except ValueError as error:
+            raise ConfigError(f"--hook-option {name}: {error}") from None
+    return checked
 
 
 def no_run_calibration(args: argparse.Namespace,
@@ -225,6 +249,7 @@ def no_run_calibration(args: argparse.Namespace,
     calibration = from_compute_ms(args.model, args.batch_size,
                                   pipelines.Phases(**target.compute_ms), buckets,
                                   target.link.link(), target.link.describe(), shares, shares_from)
+    give_options(calibration, target.options)
     if target.intra is not None:
         calibration.intra_link = target.intra.link()
         calibration.intra_from = target.intra.describe()
@@ -255,7 +280,8 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
             if run.grad_accum != 1:
                 raise ConfigError(f"{run.path} ran --grad-accum {run.grad_accum}: calibrate from "
                                   f"runs of one micro-batch a step, and give predict --grad-accum")
-        calibration = calibrate(runs, target.link, target.latency_s, target.intra, compute)
+        calibration = calibrate(runs, target.link, target.latency_s, target.intra, compute,
+                                target.options)
     calibration.micro_batches, calibration.reduce_dtype = args.grad_accum, args.reduce_dtype
     if target.per_node > 1 and calibration.intra_link is None:
         raise ConfigError(f"--per-node {target.per_node}: no local link between a node's trainers: "

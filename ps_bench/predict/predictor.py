@@ -34,8 +34,8 @@ from ps_bench.metrics.messages import ELEMENT_BYTES, PRECISIONS
 from ps_bench.predict import pipelines
 from ps_bench.predict.buckets import communication_end
 from ps_bench.predict.calibration import (Calibration, add_payloads, backward_compute,
-                                          bucket_sizes, compute_ready, own_terms, ready_buckets,
-                                          run_options)
+                                          bucket_sizes, compute_ready, give_options, own_terms,
+                                          ready_buckets, run_options)
 from ps_bench.predict.inputs import TargetLink, spread
 from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.runs import Run
@@ -44,11 +44,13 @@ from ps_bench.strategies.record import calls_per_iteration
 
 
 def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: float | None = None,
-              intra: TargetLink | None = None, compute: Run | None = None) -> Calibration:
+              intra: TargetLink | None = None, compute: Run | None = None,
+              options: dict[str, dict] | None = None) -> Calibration:
     """The calibration of ``runs`` (see the module's docstring); ``target`` describes the network
     to predict for instead of the runs' own (``latency_s`` alone, the fitted link's latency),
     ``intra`` a node's local link; ``compute`` (a run of the same model and batch, on the device
-    to predict for) gives the compute phases and bucket timeline instead of ``runs``."""
+    to predict for) gives the compute phases and bucket timeline instead of ``runs``;
+    ``options`` (``--hook-option``) the hook options to predict strategies at (``give_options``)."""
     first = runs[0]
     for run in runs[1:]:
         if (run.model, run.batch_size) != (first.model, first.batch_size):
@@ -120,6 +122,7 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
                               gloo=all(run.backend == "gloo" for run in runs))
     calibration.options, notes = run_options(runs)
     calibration.notes.extend(notes)
+    give_options(calibration, options or {})
     # payloads first: a low-rank strategy's own compute is fitted with its payload known (from
     # its runs at the options it is predicted at)
     for run in at_options(runs, calibration):
@@ -137,7 +140,13 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
     # timeline, on the network the run had (the fitted link; the target one for a run on an
     # emulated link of the target's rate)
     own: dict[str, list[float]] = {}
-    for run in at_options(runs, calibration):
+    fitting = at_options(runs, calibration)
+    # --hook-option: a strategy none of whose runs had the options given takes its own compute
+    # from its runs at theirs, each modelled at its own (an encoding costs about the same at
+    # another ratio)
+    calibrated = {run.hook for run in fitting}
+    fitting += [run for run in runs if run.hook in (options or {}) and run.hook not in calibrated]
+    for run in fitting:
         if measured_link is not None:
             network = measured_link
         elif run.link_rate_bps is not None and target and run.link_rate_bps == target.line_bps:
@@ -146,7 +155,8 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
             continue
         if run.per_host > 1 and calibration.intra_link is None:
             continue
-        as_it_ran = replace(calibration, link=network, **own_terms(run, calibration))
+        as_it_ran = replace(as_run_had(calibration, run), link=network,
+                            **own_terms(run, calibration))
         modelled = predict(as_it_ran, run.hook, run.trainers, run.servers, run.mapping, own=False,
                            per_node=run.per_host, servers_on=run.servers_on)
         if modelled is not None:
@@ -168,6 +178,19 @@ def at_options(runs: list[Run], calibration: Calibration) -> list[Run]:
     its payload, its own compute and its measured column come from."""
     return [run for run in runs
             if hook_options(run.hook, run.hook_options) == calibration.options_of(run.hook)]
+
+
+def as_run_had(calibration: Calibration, run: Run) -> Calibration:
+    """The calibration at the hook options ``run`` had where its strategy is predicted at others
+    (``--hook-option``), a low-rank strategy's payload as the run measured it."""
+    if hook_options(run.hook, run.hook_options) == calibration.options_of(run.hook):
+        return calibration
+    fields: dict = {"options": {**calibration.options, run.hook: run.hook_options or {}}}
+    if HOOKS.record(run.hook).cost.pipeline == LOW_RANK_BUCKETS and run.trainers > 1:
+        ring = 2 * (run.trainers - 1) / run.trainers
+        fields["payload_ratio"] = {**calibration.payload_ratio, run.hook: (
+            run.trainer_sent_per_iter / ring / calibration.gradient_bytes)}
+    return replace(calibration, **fields)
 
 
 def own_compute(calibration: Calibration, hook: str) -> float:

@@ -72,7 +72,7 @@ def describe_calibration(calibration: Calibration) -> str:
                if c["intra_link"] else "")
             + f"  each strategy's own compute, from its run: {own} (a strategy without a run: that "
             f"of the one it costs like, ps for ps_fp16 and ps_node; else 0)\n"
-            + ("  hook options, as every run of the strategy had them: "
+            + ("  hook options, as every run of the strategy had them or --hook-option gives them: "
                + "; ".join(f"{hook} " + ", ".join(f"{key}={value}" for key, value in given.items())
                            for hook, given in sorted(c["options"].items())) + "\n"
                if c["options"] else "")

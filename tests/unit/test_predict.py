@@ -282,6 +282,10 @@ BAD_INPUTS = [
     (lambda p: ["--model", "resnet18", "--batch-size", "8", "--link", "10gbit",
                 "--compute-ms", "forward=nan,backward=2,optimizer=0"], "each phase takes a number of ms, 0 or more"),
     (lambda p: [results_file(p), "--out", str(Path(results_file(p)) / "p.json")], "is not a folder"),
+    (lambda p: [results_file(p), "--hook-option", "topk:ratio=-1"],
+     "--hook-option topk: hook option 'ratio' must be above 0 and at most 1; got -1"),
+    (lambda p: [results_file(p), "--hook-option", "topk:bogus=1"], "hook 'topk' has no option 'bogus'"),
+    (lambda p: [results_file(p), "--hook-option", "nope:ratio=1"], "--hook-option nope: unknown strategy"),
 ]
 
 
@@ -434,7 +438,8 @@ def test_each_strategy_is_predicted_at_the_hook_options_its_runs_had(tmp_path):
     local = with_options(results_file(tmp_path, "ls.json", hook="local_sgd", batch_ms=60.0), {"period": 8})
     calibration = calibrate([Run.load(path) for path in (allreduce, topk, local)])
     assert calibration.options == {"topk": {"ratio": 0.1}, "local_sgd": {"period": 8}}
-    assert "hook options, as every run of the strategy had them: local_sgd period=8; topk ratio=0.1" in \
+    assert ("hook options, as every run of the strategy had them or --hook-option gives them: local_sgd period=8; "
+            "topk ratio=0.1") in \
         describe_calibration(calibration)
     # each 10 MB bucket (2.5 M values): 10 % kept, 8 bytes each, all-gathered among 4; the last
     # bucket is ready at 40 ms
@@ -453,6 +458,49 @@ def test_each_strategy_is_predicted_at_the_hook_options_its_runs_had(tmp_path):
     assert mixed.own_ms["topk"] == pytest.approx(alone.own_ms["topk"])  # the default run's alone
     row = prediction_rows(mixed, ["topk"], [2], [1], "shard", None)[0]
     assert row["runs"] == [default] and row["measured_ms"] == 95.0
+
+
+def test_hook_options_given_to_predict_override_the_runs_and_keep_their_own_compute(tmp_path):
+    """--hook-option: a strategy predicted at options none of its runs had; its own compute is
+    fitted to its run at the run's options (the same as without the flag), its run no longer
+    stands in its measured column, and a note says so."""
+    allreduce = Run.load(results_file(tmp_path, "ar.json", batch_ms=80.0))
+    topk = Run.load(results_file(tmp_path, "topk.json", hook="topk", batch_ms=90.0))  # at ratio 0.01
+    as_ran = calibrate([allreduce, topk])
+    given = calibrate([allreduce, topk], options={"topk": {"ratio": 0.1}})
+    assert given.options == {"topk": {"ratio": 0.1}} and as_ran.options == {}
+    assert given.own_ms["topk"] == pytest.approx(as_ran.own_ms["topk"]) and as_ran.own_ms["topk"] > 0
+    note, = given.notes
+    assert note.startswith("topk is predicted at ratio=0.1 (--hook-option), where its runs had other options")
+    # ten times the values all-gathered: its communication ends later, by the formula's bytes
+    assert (predict(given, "topk", 8, 0)["communication_end_ms"]
+            > predict(as_ran, "topk", 8, 0)["communication_end_ms"])
+    rows = {row["strategy"]: row for row in prediction_rows(given, ["allreduce", "topk"], [2], [0], "shard",
+                                                            None, [])}
+    assert rows["topk"]["measured_ms"] is None and rows["allreduce"]["measured_ms"] == 80.0
+    # given as its run had them: nothing changes, no note
+    same = calibrate([allreduce, topk], options={"topk": {"ratio": 0.01}})
+    assert same.options == {} and same.notes == [] and same.own_ms == as_ran.own_ms
+
+
+def test_a_hook_option_without_its_hook_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["predict", results_file(tmp_path), "--hook-option", "ratio=0.1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "expected HOOK:KEY=VALUE, got 'ratio=0.1'" in err
+
+
+def test_hook_options_given_with_compute_ms_set_the_low_rank_payload(capsys):
+    argv = ["predict", "--model", "DummyModel", "--batch-size", "8", "--compute-ms", "forward=10,backward=20,optimizer=1",
+            "--hooks", "allreduce,powersgd", "--trainers", "8", "--link", "1gbit"]
+    facts = model_buckets("DummyModel", 25.0)[3]
+    for rank in (4, 8):  # its default is 2
+        assert main([*argv, "--hook-option", f"powersgd:matrix_approximation_rank={rank}"]) == 0
+        ratio = low_rank_ratios(facts.bucket_shapes, {"powersgd": {"matrix_approximation_rank": rank}})["powersgd"]
+        assert (f"powersgd {ratio:.2%} (counted from the model's layers, matrix_approximation_rank={rank})"
+                in capsys.readouterr().out)
+    assert low_rank_ratios(facts.bucket_shapes, {"powersgd": {"matrix_approximation_rank": 8}})["powersgd"] > \
+        3 * low_rank_ratios(facts.bucket_shapes)["powersgd"]
 
 
 def test_the_memory_predict_adds_is_at_the_options_the_runs_had(tmp_path, capsys):
