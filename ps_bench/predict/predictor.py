@@ -15,11 +15,12 @@ Calibration (``calibrate``), from one or more results files of the same model an
 - the server's aggregation throughput: the ``--limits`` memory-copy bandwidth;
 - each strategy's own compute (casts, encodings, reductions, serialisation, PowerSGD's matrix
   products: whatever of its cost the transfers do not account for, what its hooks held
-  backward for among it): its run's measured batch p50 minus the
-  model's with that run's own compute phases and timeline, on the network the run had (the
-  fitted link), a constant at every n, k and target network; for a strategy with no run given, that
-  of the strategy it costs like (the one it compresses; ps_node, ps), else 0 (``own_ms`` lists the
-  measured ones).
+  backward for among it): its run's measured batch p50 minus the model's with that run's own
+  compute phases and timeline, on the network the run had (the fitted link), a constant at
+  every n, k and target network, at the speed of the device ``compute`` measured where one is
+  given (``device_speed``: it runs beside the model's compute); for a strategy with no run
+  given, that of the strategy it costs like (the one it compresses; ps_node, ps), else 0
+  (``own_ms`` lists the measured ones).
 """
 
 from __future__ import annotations
@@ -155,12 +156,14 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
             continue
         if run.per_host > 1 and calibration.intra_link is None:
             continue
-        as_it_ran = replace(as_run_had(calibration, run), link=network,
-                            **own_terms(run, calibration))
+        terms = own_terms(run, calibration)
+        as_it_ran = replace(as_run_had(calibration, run), link=network, **terms)
         modelled = predict(as_it_ran, run.hook, run.trainers, run.servers, run.mapping, own=False,
                            per_node=run.per_host, servers_on=run.servers_on)
         if modelled is not None:
-            own.setdefault(run.hook, []).append(run.batch_ms - modelled["batch_ms"])
+            own.setdefault(run.hook, []).append((run.batch_ms - modelled["batch_ms"])
+                                                * (device_speed(calibration, terms["phases"])
+                                                   if compute is not None else 1.0))
     for hook, values in own.items():
         fitted = statistics.median(values)
         if fitted < 0:  # its run was faster than its own compute and link allow
@@ -178,6 +181,13 @@ def at_options(runs: list[Run], calibration: Calibration) -> list[Run]:
     its payload, its own compute and its measured column come from."""
     return [run for run in runs
             if hook_options(run.hook, run.hook_options) == calibration.options_of(run.hook)]
+
+
+def device_speed(calibration: Calibration, ran: Phases) -> float:
+    """How much longer the device ``--compute`` measured takes than a run's did, forward and
+    backward (``ran``, the run's own): a strategy's own compute runs on the trainer's device
+    beside the model's, and scales with it."""
+    return calibration.phases.forward / ran.forward
 
 
 def as_run_had(calibration: Calibration, run: Run) -> Calibration:

@@ -234,6 +234,21 @@ def test_what_a_hook_held_backward_for_is_its_strategys_own_compute_not_the_mode
     assert calibration.own_ms["allreduce"] == pytest.approx(80.0 - 62.02)  # unchanged by fp16's run
 
 
+def test_with_another_devices_compute_a_strategys_own_compute_runs_at_that_devices_speed(tmp_path):
+    """--compute from a device whose forward takes twice the run's: the all-reduce's own 17.98 ms
+    (see the calibration test) runs beside the model's compute on that device, at its speed."""
+    run = Run.load(results_file(tmp_path, "ar.json", batch_ms=80.0))
+    device = Path(results_file(tmp_path, "noop.json", hook="noop", batch_ms=60.0))
+    results = json.loads(device.read_text())
+    results["summary"] = [{"role": "trainer", "metric": metric, "p50": value}
+                          for metric, value in (("batch", 60.0), ("forward", 20.0), ("optimizer", 2.0))]
+    device.write_text(json.dumps(results))
+    slower = calibrate([run], compute=Run.load(str(device)))
+    assert slower.phases.forward == 20.0
+    assert slower.own_ms["allreduce"] == pytest.approx(2 * calibrate([run]).own_ms["allreduce"]) \
+        == pytest.approx(2 * 17.98)
+
+
 def test_a_target_link_replaces_the_fitted_one(tmp_path):
     run = Run.load(results_file(tmp_path, limits=False))
     calibration = calibrate([run], TargetLink("--link", 100e9, "ethernet", 1.0, 5e-6))
