@@ -59,6 +59,9 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
             f"param_norm={replicas['param_norm']:.6f} max_abs_diff={replicas['max_abs_diff']:.3g}"
             f"{diverged}"
         )
+    held = held_line(results.get("timeline"))
+    if held:
+        print(held)
     per_trainer = throughput.get("per_trainer", [])
     if len({entry["iterations"] for entry in per_trainer}) > 1 or results.get("staleness"):
         print("per trainer: " + ", ".join(f"trainer {entry['index']} {entry['iterations']} "
@@ -96,6 +99,18 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
         print(render_memory(results["memory"]))
     if results.get("limits"):
         print(render_limits(results["limits"], results.get("efficiency")))
+
+
+def held_line(timeline: list[dict] | None) -> str | None:
+    """How long the strategy's hooks held backward's thread an iteration (the timeline's
+    ``held_ms`` summed over the buckets; CPU runs), and the bucket that held it longest."""
+    if not timeline or any("held_ms" not in bucket for bucket in timeline):
+        return None
+    longest = max(timeline, key=lambda bucket: bucket["held_ms"])
+    return (f"hooks held backward: {sum(bucket['held_ms'] for bucket in timeline):.1f} ms an "
+            f"iteration (bucket {longest['index']} {longest['held_ms']:.1f} ms) before their "
+            f"collectives or RPCs went off: backward waited, predict counts it as the "
+            f"strategy's own compute")
 
 
 def render_convergence(convergence: dict) -> str:

@@ -120,7 +120,7 @@ def test_the_bucket_timeline_is_p50_over_trainers_and_iterations_in_ready_order(
                                    {"index": 0, "bytes": 3200, "ready_ms": 10.0, "done_ms": 13.0}]
 
 
-def test_the_bucket_timeline_says_how_long_the_hook_held_backward_on_the_cpu():
+def test_the_bucket_timeline_says_how_long_the_hook_held_backward_on_the_cpu(capsys):
     record = make_record()
     record.buckets = [{"index": 0, "bytes": 3200, "sparse": False}, {"index": 1, "bytes": 800, "sparse": False}]
     first, second = trainer_round(0.0, 4000, [1.0]), trainer_round(1.0, 4000, [1.0])
@@ -131,6 +131,8 @@ def test_the_bucket_timeline_says_how_long_the_hook_held_backward_on_the_cpu():
     results = record.results("ok")
     check_contract(results)
     assert [(row["index"], row["held_ms"]) for row in results["timeline"]] == [(0, 5.0), (1, 2.0)]
+    print_report(results, record.rows())
+    assert "hooks held backward: 7.0 ms an iteration (bucket 0 5.0 ms) before their" in capsys.readouterr().out
 
 
 def test_units_live_in_the_rows():
