@@ -38,7 +38,8 @@ def check_contract(results: dict, status: str = "ok") -> None:
             assert states["total_bytes"] == sum(v for k, v in states.items() if k != "total_bytes")
     for bucket in results["timeline"] or []:
         assert set(bucket) - {"held_ms"} == {"index", "bytes", "ready_ms", "done_ms"} and bucket["ready_ms"] <= bucket["done_ms"]
-        assert 0 <= bucket.get("held_ms", 0) <= bucket["done_ms"] - bucket["ready_ms"]
+        # each sample's hold ends before its bucket is done: so do their medians
+        assert 0 <= bucket.get("held_ms", 0) <= bucket["done_ms"]
     if "convergence" in results:
         check_convergence(results["convergence"])
     if "staleness" in results:

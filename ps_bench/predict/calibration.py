@@ -159,10 +159,11 @@ def compute_ready(timeline: list[dict]) -> dict[int, float]:
     """Bucket index -> when backward's own compute had made it: its ``ready_ms`` less how long
     the hooks of the buckets handed over before it held backward's thread (``held_ms``: a CPU
     compressor's encoding delays every later bucket; none on a GPU or in older results files).
-    What a hook holds is its strategy's own compute, not the model's."""
-    ready, held = {}, 0.0
+    What a hook holds is its strategy's own compute, not the model's. (Medians over iterations
+    may not subtract exactly: never before the bucket ready before it, nor before 0.)"""
+    ready, held, previous = {}, 0.0, 0.0
     for row in sorted(timeline, key=lambda row: (row["ready_ms"], row["index"])):
-        ready[row["index"]] = row["ready_ms"] - held
+        previous = ready[row["index"]] = max(previous, row["ready_ms"] - held)
         held += row.get("held_ms", 0.0)
     return ready
 

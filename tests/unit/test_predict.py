@@ -18,7 +18,7 @@ from ps_bench.predict import pipelines
 from ps_bench.predict import predictor as predictor_module
 from ps_bench.metrics.costs import Link
 from ps_bench.predict.pipelines import Phases
-from ps_bench.predict.calibration import from_compute_ms
+from ps_bench.predict.calibration import compute_ready, from_compute_ms
 from ps_bench.predict.calibration import low_rank_ratios
 from ps_bench.predict.inputs import TargetLink, model_buckets
 from ps_bench.predict.predictor import calibrate, predict
@@ -232,6 +232,9 @@ def test_what_a_hook_held_backward_for_is_its_strategys_own_compute_not_the_mode
     assert calibration.own_ms["fp16"] == pytest.approx(100.0 - 57.02)
     assert predict(calibration, "fp16", 2, 0)["batch_ms"] == pytest.approx(100.0)  # its calibration point
     assert calibration.own_ms["allreduce"] == pytest.approx(80.0 - 62.02)  # unchanged by fp16's run
+    # medians over iterations need not subtract exactly: never before the bucket ready before it
+    assert compute_ready([{"index": 0, "ready_ms": 1.0, "held_ms": 5.0}, {"index": 1, "ready_ms": 4.0}]) == \
+        {0: 1.0, 1: 1.0}
 
 
 def test_with_another_devices_compute_a_strategys_own_compute_runs_at_that_devices_speed(tmp_path):
