@@ -8,7 +8,8 @@ alone (``allreduce``, ``fp16`` and ``ps`` with 1 server, made with ``--limits``)
 ``compressed``: as ``flat``, ``allreduce``, ``topk`` and ``powersgd`` (compressors that encode on
 backward's thread before their collectives go off: the timeline's ``held_ms``), calibrated on
 their 2-trainer runs; besides the errors, the strategies' order measured and predicted at each
-trainer count.
+trainer count; then again with each count given the compute of a ``noop`` run of that many
+trainers (``predict --compute``: the model's compute and each strategy's own at its speed).
 
 ``hosts``: hosts of several trainers. Calibrated on one host of 2 trainers (``allreduce``, its
 link probe measures the host's local link) and on 2 hosts of 1 trainer each (``allreduce`` and
@@ -89,7 +90,8 @@ FLAT = [Point(hook, n, 0, calibration=n == 2, limits=n == 2) for hook in ("allre
 # compressors whose hooks encode on backward's thread (held_ms), beside the all-reduce they
 # compress: calibrated on their 2-trainer runs, predicted at 3 and 4, and ranked
 COMPRESSED = [Point(hook, n, 0, calibration=n == 2, limits=n == 2)
-              for hook in ("allreduce", "topk", "powersgd") for n in TRAINERS]
+              for hook in ("allreduce", "topk", "powersgd") for n in TRAINERS] + [
+    Point("noop", n, 0) for n in TRAINERS[1:]]  # the compute of the device at 3 and 4 trainers
 HOSTS = [
     Point("allreduce", 2, 0, per_host=2, calibration=True, limits=True),  # one host of two: the local link
     Point("allreduce", 2, 0, calibration=True, limits=True),  # two hosts of one: the network link
@@ -139,7 +141,7 @@ def predictions(case: str, points: list[Point], paths: dict, prediction: Path, *
     ``repeats`` (more runs of them), with ``extra`` flags to predict, and the network link it
     fitted; writes ``prediction``."""
     calibration = [str(paths[point]) for point in points if point.calibration] + list(map(str, repeats))
-    compute = [str(paths[point]) for point in points if point.hook == "noop"]
+    compute = [str(paths[point]) for point in points if point.hook == "noop" and case == "hosts"]
     others = [str(paths[point]) for point in points if not point.calibration and point.hook != "noop"]
     bench("predict_check", f"predict ({case})", [
         "predict", *calibration, "--compare", *others, *(["--compute", compute[0]] if compute else []),
@@ -282,12 +284,36 @@ def compressed_verdict(points: list[Point], paths: dict, measured_ms: dict, pred
         slowed = statistics.median(
             forward_p50(paths[point]) / forward_p50(paths[replace(point, trainers=min(TRAINERS), calibration=True,
                                                                   limits=True)])
-            for point in points if point.trainers == trainers)
+            for point in points if point.trainers == trainers and point.hook != "noop")
         print(f"{trainers} trainers: forward {slowed:.1f} times its 2-trainer time (the cores shared)")
     agreed = ranked(points, measured_ms, predicted)
     print(f"compressed: calibration points within 2 %: {'held' if calibrated else 'missed'}; every two "
           f"strategies measured over 10 % apart predicted in that order: {'held' if agreed else 'missed'}\n")
-    return calibrated and agreed
+    at_speed = at_device_speed(points, paths)
+    print("again, each trainer count given its device's compute (predict --compute, the noop run of that many "
+          "trainers: the model's compute and each strategy's own at that speed):")
+    errors = compare(points, measured_ms, at_speed)
+    print(f"\ncompressed at the device's compute: |error| median {statistics.median(errors):.1f} %, largest "
+          f"{max(errors):.1f} %")
+    agreed_at_speed = ranked([point for point in points if point.key() in at_speed], measured_ms, at_speed)
+    print(f"compressed at the device's compute: every two strategies measured over 10 % apart predicted in that "
+          f"order: {'held' if agreed_at_speed else 'missed'}\n")
+    return calibrated and agreed and agreed_at_speed
+
+
+def at_device_speed(points: list[Point], paths: dict) -> dict:
+    """predict's batch ms at each trainer count beyond the calibration's, given the compute of
+    that count's ``noop`` run (``--compute``)."""
+    calibration = [str(paths[point]) for point in points if point.calibration]
+    predicted = {}
+    for noop in [point for point in points if point.hook == "noop"]:
+        prediction = paths[noop].parent / f"prediction-compressed-{noop.trainers}t.json"
+        bench("predict_check", f"predict (compressed, {noop.trainers} trainers)", [
+            "predict", *calibration, "--compute", str(paths[noop]), "--trainers", str(noop.trainers),
+            "--hooks", "allreduce,topk,powersgd", "--out", str(prediction)])
+        predicted.update({(row["strategy"], row["trainers"], 0, 1, None): row["batch_ms"]
+                          for row in json.loads(prediction.read_text())["predictions"]})
+    return predicted
 
 
 def forward_p50(path: Path) -> float:
