@@ -138,8 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         action=HookKeyValue, default={}, metavar="HOOK:KEY=VALUE",
                         help="predict HOOK at this option (several: KEY=VALUE,KEY=VALUE, or the "
                         "flag again), as a run's --hook-option; its runs at other options then "
-                        "neither calibrate it nor stand in its measured column (default: the "
-                        "options its runs had, else its defaults)")
+                        "give its own compute (each modelled at its own options), not its payload "
+                        "nor its measured column (default: the options its runs had, else its "
+                        "defaults)")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="X",
                         help="with --compute-ms: DDP's bucket cap (default: 25)")
     memory.add_arguments(parser)
