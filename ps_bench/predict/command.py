@@ -220,10 +220,10 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
         raise ConfigError("predict needs results files to calibrate on, or --compute-ms with "
                           "--model, --batch-size and --link")
     return Target(trainers, link, latency_s, args.per_node, intra,
-                  list(dict.fromkeys(places)), compute_ms, given_options(args.hook_options))
+                  list(dict.fromkeys(places)), compute_ms, checked_options(args.hook_options))
 
 
-def given_options(given: dict[str, dict]) -> dict[str, dict]:
+def checked_options(given: dict[str, dict]) -> dict[str, dict]:
     """``--hook-option``, each strategy by its registered name and its options checked as a
     run checks them."""
     checked = {}
