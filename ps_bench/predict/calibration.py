@@ -43,13 +43,13 @@ class Calibration:
     # --reduce-dtype: what the strategies that have one communicate in (None: their own)
     reduce_dtype: str | None = None
     # strategy -> the hook options it is predicted at where not its defaults: those every run of
-    # it was given (``run_options``)
+    # it was given (``run_options``), or --hook-option's (``give_options``)
     options: dict[str, dict] = field(default_factory=dict)
     # what the calibration could not take as measured, said once where it is printed
     notes: list[str] = field(default_factory=list)
 
     def options_of(self, hook: str) -> dict:
-        """The options ``hook`` is predicted at: its defaults, then the runs' (``options``)."""
+        """The options ``hook`` is predicted at: its defaults, then ``options``."""
         return hook_options(hook, self.options.get(hook, {}))
 
     @property
@@ -104,10 +104,19 @@ def add_payloads(calibration: Calibration, bucket_shapes: list[list[list[int]]])
     for hook, ratio in low_rank_ratios(bucket_shapes, calibration.options).items():
         if hook not in calibration.payload_ratio:
             calibration.payload_ratio[hook] = ratio
-            given = calibration.options.get(hook)
             calibration.payload_from[hook] = ("counted from the model's layers, " + (
-                ", ".join(f"{key}={value}" for key, value in given.items()) if given
-                else "default options"))
+                shown(calibration.options.get(hook, {})) or "default options"))
+
+
+def shown(options: dict) -> str:
+    """Hook options as a person writes them: ``ratio=0.1, error_feedback=False``."""
+    return ", ".join(f"{key}={value}" for key, value in options.items())
+
+
+def changed(hook: str, options: dict) -> dict:
+    """Of ``hook``'s options (its defaults filled in or not), those that are not its defaults."""
+    default = hook_options(hook, {})
+    return {key: value for key, value in options.items() if default.get(key) != value}
 
 
 def run_options(runs: list[Run]) -> tuple[dict[str, dict], list[str]]:
@@ -122,10 +131,9 @@ def run_options(runs: list[Run]) -> tuple[dict[str, dict], list[str]]:
             notes.append(f"the runs of {hook} ran with different hook options: it is predicted "
                          f"at its defaults, and compared with its runs at those alone")
             continue
-        default = hook_options(hook, {})
-        changed = {key: value for key, value in each[0].items() if default.get(key) != value}
-        if changed:
-            options[hook] = changed
+        differing = changed(hook, each[0])
+        if differing:
+            options[hook] = differing
     return options, notes
 
 
@@ -137,17 +145,16 @@ def give_options(calibration: Calibration, given: dict[str, dict]) -> None:
     for hook, options in given.items():
         runs_had = calibration.options_of(hook)
         merged = hook_options(hook, {**calibration.options.get(hook, {}), **options})
-        default = hook_options(hook, {})
-        calibration.options[hook] = {key: value for key, value in merged.items()
-                                     if default.get(key) != value}
-        if not calibration.options[hook]:
-            del calibration.options[hook]
+        differing = changed(hook, merged)
+        if differing:
+            calibration.options[hook] = differing
+        else:
+            calibration.options.pop(hook, None)
         if merged != runs_had and any(run.hook == hook for run in calibration.runs):
-            shown = ", ".join(f"{key}={value}" for key, value in options.items())
-            calibration.notes.append(f"{hook} is predicted at {shown} (--hook-option), where its "
-                                     f"runs had other options: its own compute is fitted to them, "
-                                     f"each at its own options, and taken as the same at these; "
-                                     f"they do not stand in its measured column")
+            calibration.notes.append(f"{hook} is predicted at {shown(options)} (--hook-option), "
+                                     f"where its runs had other options: its own compute is "
+                                     f"fitted to them, each at its own options, and taken as the "
+                                     f"same at these; they do not stand in its measured column")
 
 
 def bucket_sizes(buckets: list[dict]) -> dict[int, tuple[int, bool]]:

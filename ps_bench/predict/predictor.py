@@ -127,10 +127,9 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
     # payloads first: a low-rank strategy's own compute is fitted with its payload known (from
     # its runs at the options it is predicted at)
     for run in at_options(runs, calibration):
-        if HOOKS.record(run.hook).cost.pipeline == LOW_RANK_BUCKETS and run.trainers > 1:
-            ring = 2 * (run.trainers - 1) / run.trainers
-            calibration.payload_ratio.setdefault(run.hook, run.trainer_sent_per_iter / ring /
-                                                 calibration.gradient_bytes)
+        payload = measured_payload(run, calibration)
+        if payload is not None:
+            calibration.payload_ratio.setdefault(run.hook, payload)
             calibration.payload_from[run.hook] = "measured by its run"
     # the others from the layers in the runs' buckets (a results file older than their shapes:
     # none, and a low-rank strategy needs its run)
@@ -160,10 +159,9 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
         as_it_ran = replace(as_run_had(calibration, run), link=network, **terms)
         modelled = predict(as_it_ran, run.hook, run.trainers, run.servers, run.mapping, own=False,
                            per_node=run.per_host, servers_on=run.servers_on)
+        speed = device_speed(calibration, terms["phases"]) if compute is not None else 1.0
         if modelled is not None:
-            own.setdefault(run.hook, []).append((run.batch_ms - modelled["batch_ms"])
-                                                * (device_speed(calibration, terms["phases"])
-                                                   if compute is not None else 1.0))
+            own.setdefault(run.hook, []).append((run.batch_ms - modelled["batch_ms"]) * speed)
     for hook, values in own.items():
         fitted = statistics.median(values)
         if fitted < 0:  # its run was faster than its own compute and link allow
@@ -176,30 +174,43 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
     return calibration
 
 
+def at_its_options(run: Run, calibration: Calibration) -> bool:
+    """Whether ``run`` was made at the hook options its strategy is predicted at."""
+    return hook_options(run.hook, run.hook_options) == calibration.options_of(run.hook)
+
+
 def at_options(runs: list[Run], calibration: Calibration) -> list[Run]:
     """The runs made at the hook options their strategy is predicted at (``run_options``): those
     its payload, its own compute and its measured column come from."""
-    return [run for run in runs
-            if hook_options(run.hook, run.hook_options) == calibration.options_of(run.hook)]
+    return [run for run in runs if at_its_options(run, calibration)]
+
+
+def measured_payload(run: Run, calibration: Calibration) -> float | None:
+    """A low-rank strategy's payload over the float32 gradient's bytes, as its run of more than
+    one trainer measured it (its ring all-reduces' bytes); None for any other run."""
+    if HOOKS.record(run.hook).cost.pipeline != LOW_RANK_BUCKETS or run.trainers < 2:
+        return None
+    ring = 2 * (run.trainers - 1) / run.trainers
+    return run.trainer_sent_per_iter / ring / calibration.gradient_bytes
 
 
 def device_speed(calibration: Calibration, ran: Phases) -> float:
-    """How much longer the device ``--compute`` measured takes than a run's did, forward and
-    backward (``ran``, the run's own): a strategy's own compute runs on the trainer's device
-    beside the model's, and scales with it."""
+    """How much longer the device ``--compute`` measured takes than a run's did: the ratio of
+    their forward passes (``ran``, the run's own phases; forward, which no DDP hook's
+    communication overlaps). A strategy's own compute runs on the trainer's device beside the
+    model's, and scales with it."""
     return calibration.phases.forward / ran.forward
 
 
 def as_run_had(calibration: Calibration, run: Run) -> Calibration:
     """The calibration at the hook options ``run`` had where its strategy is predicted at others
     (``--hook-option``), a low-rank strategy's payload as the run measured it."""
-    if hook_options(run.hook, run.hook_options) == calibration.options_of(run.hook):
+    if at_its_options(run, calibration):
         return calibration
     fields: dict = {"options": {**calibration.options, run.hook: run.hook_options or {}}}
-    if HOOKS.record(run.hook).cost.pipeline == LOW_RANK_BUCKETS and run.trainers > 1:
-        ring = 2 * (run.trainers - 1) / run.trainers
-        fields["payload_ratio"] = {**calibration.payload_ratio, run.hook: (
-            run.trainer_sent_per_iter / ring / calibration.gradient_bytes)}
+    payload = measured_payload(run, calibration)
+    if payload is not None:
+        fields["payload_ratio"] = {**calibration.payload_ratio, run.hook: payload}
     return replace(calibration, **fields)
 
 

@@ -69,10 +69,12 @@ def prediction_rows(calibration: Calibration, hooks: list[str], trainers: list[i
                     counts = (colocated_counts(explicit, nodes)[0]
                               or ([] if "auto" in servers else [nodes]))
                     tried = [nodes * m for m in server_counts(per_node)]
-                predicted = {k: row(hook, n, k, place) for k in counts}
+                # each count predicted once, whether given, tried by auto or both
+                made = {k: row(hook, n, k, place) for k in
+                        dict.fromkeys([*counts, *(tried if "auto" in servers else [])])}
+                predicted = {k: made[k] for k in counts}
                 if "auto" in servers:
-                    best = min((row(hook, n, k, place) for k in tried),
-                               key=lambda r: r["batch_ms"])
+                    best = min((made[k] for k in tried), key=lambda r: r["batch_ms"])
                     if best["servers"] not in predicted:
                         predicted[best["servers"]] = {**best, "auto": True}
                 rows.extend(r for _, r in sorted(predicted.items()))

@@ -8,7 +8,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from ps_bench.options import plural
-from ps_bench.predict.calibration import Calibration
+from ps_bench.predict.calibration import Calibration, shown
 from ps_bench.plots import pyplot
 from ps_bench.results.printed import format_bytes
 from ps_bench.strategies import HOOKS
@@ -73,8 +73,8 @@ def describe_calibration(calibration: Calibration) -> str:
             + f"  each strategy's own compute, from its run: {own} (a strategy without a run: that "
             f"of the one it costs like, ps for ps_fp16 and ps_node; else 0)\n"
             + ("  hook options, as every run of the strategy had them or --hook-option gives them: "
-               + "; ".join(f"{hook} " + ", ".join(f"{key}={value}" for key, value in given.items())
-                           for hook, given in sorted(c["options"].items())) + "\n"
+               + "; ".join(f"{hook} {shown(given)}" for hook, given in sorted(c["options"].items()))
+               + "\n"
                if c["options"] else "")
             + ("  low-rank payloads, of the float32 gradient's bytes: "
                + ", ".join(f"{hook} {ratio:.2%} ({c['payload_from'][hook]})"

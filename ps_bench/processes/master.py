@@ -237,7 +237,8 @@ class Master:
                            profile_path=self.trace_path(info) if profiled else None)
                        for t, info in zip(trainers, self.topology.trainers)]
             of = "" if converging else f"/{total}"
-            rounds = wait_round(futures, trainers, f"[round {round_index + 1}{of}] "
+            name = f"[round {round_index + 1}{of}]"
+            rounds = wait_round(futures, trainers, f"{name} "
                                 f"{'timed' if round_index >= cfg.warmup_rounds else 'warmup':6}")
             elapsed = time.perf_counter() - start
             served = [s.rpc_sync().take_metrics() for s in servers]
@@ -256,7 +257,7 @@ class Master:
                 self.snapshot()
             else:
                 loss = mean_loss(rounds)
-            print(f"[round {round_index + 1}{of}] {'timed' if timed else 'warmup':6} "
+            print(f"{name} {'timed' if timed else 'warmup':6} "
                   f"{elapsed:7.2f} s  (elapsed {time.perf_counter() - run_start:6.1f} s)  "
                   f"loss {loss:.4f}{record.progress.line() if converging else ''}", flush=True)
             if timed and cfg.limits:
