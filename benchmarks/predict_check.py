@@ -147,9 +147,13 @@ def predictions(case: str, points: list[Point], paths: dict, prediction: Path, *
         "predict", *calibration, "--compare", *others, *(["--compute", compute[0]] if compute else []),
         *predict_args(case), "--out", str(prediction), *extra])
     written = json.loads(prediction.read_text())
-    return ({(row["strategy"], row["trainers"], row["servers"] or 0, row.get("per_node", 1),
-              row.get("servers_on")): row["batch_ms"] for row in written["predictions"]},
-            written["calibration"]["link"])
+    return predicted_ms(written), written["calibration"]["link"]
+
+
+def predicted_ms(written: dict) -> dict:
+    """predict's batch ms per point key (``Point.key``), from what its --out wrote."""
+    return {(row["strategy"], row["trainers"], row["servers"] or 0, row.get("per_node", 1),
+             row.get("servers_on")): row["batch_ms"] for row in written["predictions"]}
 
 
 def batch_p50(path: Path) -> float:
@@ -311,8 +315,7 @@ def at_device_speed(points: list[Point], paths: dict) -> dict:
         bench("predict_check", f"predict (compressed, {noop.trainers} trainers)", [
             "predict", *calibration, "--compute", str(paths[noop]), "--trainers", str(noop.trainers),
             "--hooks", "allreduce,topk,powersgd", "--out", str(prediction)])
-        predicted.update({(row["strategy"], row["trainers"], 0, 1, None): row["batch_ms"]
-                          for row in json.loads(prediction.read_text())["predictions"]})
+        predicted.update(predicted_ms(json.loads(prediction.read_text())))
     return predicted
 
 
