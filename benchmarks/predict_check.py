@@ -9,7 +9,9 @@ alone (``allreduce``, ``fp16`` and ``ps`` with 1 server, made with ``--limits``)
 backward's thread before their collectives go off: the timeline's ``held_ms``), calibrated on
 their 2-trainer runs; besides the errors, the strategies' order measured and predicted at each
 trainer count; then again with each count given the compute of a ``noop`` run of that many
-trainers (``predict --compute``: the model's compute and each strategy's own at its speed).
+trainers (``predict --compute``: the model's compute and each strategy's own at its speed); and
+``topk`` at ``ratio=0.1`` predicted from its run at the default ratio (``predict --hook-option``)
+against a run at 0.1.
 
 ``hosts``: hosts of several trainers. Calibrated on one host of 2 trainers (``allreduce``, its
 link probe measures the host's local link) and on 2 hosts of 1 trainer each (``allreduce`` and
@@ -67,16 +69,20 @@ class Point:
     servers_on: str = "dedicated"
     calibration: bool = False
     limits: bool = False
+    option: str = ""  # a hook option, KEY=VALUE ("": its defaults)
 
     @property
     def name(self) -> str:
         place = "" if self.per_host == 1 else f"-{self.trainers // self.per_host}x{self.per_host}"
-        return f"{self.hook}-{self.trainers}t{self.servers}s{place}{'-colocated' if self.servers_on == 'colocated' else ''}"
+        option = f"-{self.option.replace('=', '')}" if self.option else ""
+        return (f"{self.hook}-{self.trainers}t{self.servers}s{place}"
+                f"{'-colocated' if self.servers_on == 'colocated' else ''}{option}")
 
     def flags(self) -> list[str]:
         flags = ["--hook", self.hook, "--ntrainer", str(self.trainers), "--nserver", str(self.servers)]
         flags += ["--per-host", str(self.per_host)] if self.per_host > 1 or self.hook == "hierarchical" else []
         flags += ["--servers-on", "colocated"] if self.servers_on == "colocated" else []
+        flags += ["--hook-option", self.option] if self.option else []
         return flags + (["--limits"] if self.limits else [])
 
     def key(self) -> tuple:
@@ -305,6 +311,26 @@ def compressed_verdict(points: list[Point], paths: dict, measured_ms: dict, pred
     return calibrated and agreed and agreed_at_speed
 
 
+OTHER_OPTION = Point("topk", 2, option="ratio=0.1")
+
+
+def at_other_options(paths: dict, out: Path, link: str) -> None:
+    """``predict --hook-option``: ``topk`` at ``OTHER_OPTION``, predicted from the calibration runs
+    (its run at its default ratio giving its own compute), against a run at that option (no
+    target: the own compute taken as the same at another ratio is an estimate)."""
+    path = run_point(out, link, OTHER_OPTION)
+    prediction = out / "prediction-compressed-other-option.json"
+    bench("predict_check", "predict (compressed, --hook-option)", [
+        "predict", *[str(paths[point]) for point in COMPRESSED if point.calibration],
+        "--trainers", "2", "--hooks", "topk", "--hook-option", f"topk:{OTHER_OPTION.option}",
+        "--out", str(prediction)])
+    predicted = predicted_ms(json.loads(prediction.read_text()))[OTHER_OPTION.key()]
+    measured = batch_p50(path)
+    print(f"topk at {OTHER_OPTION.option}, 2 trainers, predicted from its run at its default ratio "
+          f"(--hook-option): {predicted:.1f} ms, measured {measured:.1f} ms, "
+          f"{(predicted - measured) / measured * 100:+.1f} %\n")
+
+
 def at_device_speed(points: list[Point], paths: dict) -> dict:
     """predict's batch ms at each trainer count beyond the calibration's, given the compute of
     that count's ``noop`` run (``--compute``)."""
@@ -355,6 +381,7 @@ def main() -> int:
             print(f"\n{case}: |error| over the {len(errors)} points the calibration did not see: median {median:.1f} "
                   f"%, largest {largest:.1f} %")
             held = compressed_verdict(points, paths, measured, predicted) and held
+            at_other_options(paths, out, args.link)
             continue
         verdict = "held" if median <= targets[0] and largest <= targets[1] else "missed"
         held = held and verdict == "held"
