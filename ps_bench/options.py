@@ -195,6 +195,15 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                             help="refused, with what to use instead")
 
 
+def file_hint(extra: list[str]) -> str:
+    """Where a file given with no flag goes: a run file after --config, a sweep after sweep."""
+    files = [arg for arg in extra if arg.endswith(".json") and not arg.startswith("-")]
+    if not files:
+        return ""
+    return (f" (a run file goes after --config: bench.py --config {files[0]}; a sweep file "
+            f"after sweep: bench.py sweep {files[0]} --out DIR)")
+
+
 def parse_run_options(argv: list[str],
                       parser: argparse.ArgumentParser | None = None
                       ) -> tuple[dict[str, Any], str | None]:
@@ -202,7 +211,10 @@ def parse_run_options(argv: list[str],
     if parser is None:
         parser = Parser(prog="bench.py", argument_default=argparse.SUPPRESS)
         add_run_options(parser)
-    args = vars(parser.parse_args(argv))
+    known, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}{file_hint(extra)}")
+    args = vars(known)
     config_path = args.pop("config", None)
     return ({k: v for k, v in args.items() if not k.startswith(("ignored_", "refused_"))},
             config_path)

@@ -59,6 +59,8 @@ BAD_INPUTS = [
     (["--inject-fault", "trainer:1:hang"], "expected ROLE:INDEX:ITER:KIND"),
     (["--inject-fault", "trainer:1:1:explode"], "kind must be one of exit, raise, hang"),
     (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+    (["configs/runs/upstream_ps.json"], "a run file goes after --config: bench.py --config "
+                                        "configs/runs/upstream_ps.json; a sweep file after sweep"),
     (["--create_criterion=mse"], "invalid choice: 'mse' (choose from 'cel')"),
     (["--trainer_config_path=trainer.json"], "--trainer_config_path: ps_bench has no trainer configuration file"),
     (["--model", "dlrm_small", "--data", "DummyDataSmall"], "--model dlrm_small takes dense features"),
