@@ -158,7 +158,7 @@ def check_pieces(cfg: RunConfig) -> Strategy:
     try:
         cfg.hook_options = check_hook_options(cfg.hook, cfg.hook_options)
     except ValueError as error:
-        raise ConfigError(f"--hook-option: {error}") from None
+        raise ConfigError(f"--hook {cfg.hook}: {error}") from None
     record = stale.resolve(cfg, HOOKS.record(cfg.hook))
     if record.needs_servers:
         need(cfg.num_servers >= 1,

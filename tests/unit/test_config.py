@@ -114,8 +114,12 @@ def test_hook_options_from_json_and_command_line(tmp_path):
     assert cfg.hook_options == {"matrix_approximation_rank": 8, "warm_start": False}
     with pytest.raises(ConfigError, match="'hook_options' must be dict"):
         load_run_file(write(tmp_path, {"hook_options": [1]}))
-    with pytest.raises(ConfigError, match="--hook-option: hook 'powersgd' has no option 'rank'"):
+    with pytest.raises(ConfigError, match="--hook powersgd: hook 'powersgd' has no option 'rank'"):
         validate(RunConfig(hook="powersgd", hook_options={"rank": 2}), gpus=0)
+    # from a run file, where no --hook-option was typed: the error names the hook, not the flag
+    bad = write(tmp_path, {"hook": "topk", "nserver": 0, "hook_options": {"ratio": 2}})
+    with pytest.raises(ConfigError, match=r"^--hook topk: hook option 'ratio' must be above 0"):
+        validate(build_config({}, bad), gpus=0)
 
 
 def test_model_entry_with_unknown_or_bad_configuration(tmp_path):
