@@ -10,6 +10,7 @@ import torch
 
 from ps_bench.config import RunConfig
 from ps_bench.job import validate
+from ps_bench.processes.master import SnapshotPacing
 from ps_bench.results.files import failed_results, read_snapshot, write_snapshot
 from ps_bench.results.record import RunRecord, replica_summary, replicas_alike
 from ps_bench.strategies.base import fingerprint, parameter_norm
@@ -164,6 +165,17 @@ def test_a_run_that_finished_nothing_still_says_what_was_asked(tmp_path):
     kept = failed_results(read_snapshot(tmp_path), "interrupted by SIGTERM", config=config)
     check_contract(kept, status="failed")
     assert kept["error"] == "interrupted by SIGTERM" and kept["rounds_completed"] == 2
+
+
+def test_snapshots_are_paced_by_what_writing_them_costs_not_by_the_first_ones_one_off_cost():
+    pacing = SnapshotPacing()
+    assert pacing.due(0.0)
+    pacing.wrote(0.0, 0.25)  # the first: imports and a cold cache, paid once
+    assert pacing.due(0.3)  # the rounds that finish next are kept
+    pacing.wrote(0.3, 0.32)  # cheap: every round
+    assert pacing.due(0.33)
+    pacing.wrote(0.4, 0.6)  # a large snapshot: written again only after ten times its cost
+    assert not pacing.due(1.5) and pacing.due(2.6)
 
 
 def test_floors_and_efficiency_follow_the_strategys_record():
