@@ -97,7 +97,14 @@ class LaunchSpec:
 
 
 def new_run_dir() -> str:
-    return tempfile.mkdtemp(prefix="ps_bench-")
+    """A private folder for the job's files (stacks, failure records, the finished rounds). Under
+    torchrun, each rank's own, inside the folder torchrun keeps for that rank and attempt: a rank
+    its agent stops with SIGTERM (a peer failed) cannot remove its folder, and torchrun leaves its
+    own folders in place, so what such a rank leaves is with them, not loose in /tmp."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    parent = Path(error_file).parent if error_file else None
+    return tempfile.mkdtemp(prefix="ps_bench-",
+                            dir=parent if parent is not None and parent.is_dir() else None)
 
 
 def rpc_options(spec: LaunchSpec, rank: int) -> rpc.TensorPipeRpcBackendOptions:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -16,22 +17,25 @@ pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchr
 QUICK = ("--warmup-rounds", "1", "--rounds", "2")
 
 
-def torchrun(*args: str, timeout_s: float = 300) -> tuple[int, str]:
+def torchrun(*args: str, timeout_s: float = 300, env: dict | None = None) -> tuple[int, str]:
     command = [sys.executable, "-m", "torch.distributed.run", *args]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+                               start_new_session=True, env=None if env is None else {**os.environ, **env})
     stdout, _, _ = communicate(process, timeout_s, " ".join(args))
     return process.returncode, stdout
 
 
 def test_a_worker_lost_on_the_first_attempt_is_recovered_by_a_restart(tmp_path):
-    out = tmp_path / "results.json"
+    out, temporary = tmp_path / "results.json", tmp_path / "tmp"
+    temporary.mkdir()
     code, output = torchrun("--standalone", "--nproc-per-node", "4", "--max-restarts", "1", "bench.py",
                             "--ntrainer", "2", "--nserver", "1", "--inject-fault", "trainer:1:5:exit:first",
-                            *QUICK, "--out", str(out))
+                            *QUICK, "--out", str(out), env={"TMPDIR": str(temporary)})
     assert code == 0, output
     assert "torchrun restart 1 of 1" in output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]  # the lost attempt wrote no file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "tmp"]  # the lost attempt wrote no file
+    # the ranks torchrun stopped after the loss left their folders in torchrun's, none loose in TMPDIR
+    assert not list(temporary.glob("ps_bench-*")), list(temporary.iterdir())
     results = json.loads(out.read_text())
     assert results["status"] == "ok"
     assert results["restarts"] == 1
