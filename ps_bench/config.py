@@ -190,7 +190,7 @@ class RunConfig:
     emulate_link: str | None = option(
         None, "emulate a cluster network on this machine: every host a network namespace behind a "
         "link of this rate to one switch, shaped both ways with tc, e.g. 1gbit, 10gbit, 500mbit "
-        "(tc's units); needs root (default: none, the real network)", group=NETWORK,
+        "(bits a second); needs root (default: none, the real network)", group=NETWORK,
         metavar="RATE")
     emulate_hosts: int | None = option(
         None, "emulated hosts: the ranks packed onto N hosts in rank order (default: every "

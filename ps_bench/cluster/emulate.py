@@ -34,8 +34,9 @@ examples:
   sudo $(which python) bench.py sweep configs/sweeps/network.json --out results/network """
           """  # links in a sweep
 
---link takes tc's units: bit, kbit, mbit, gbit (bits per second) or bps, kbps, mbps (bytes per
-second). --limits inside an emulated run measures its floors across the links.
+--link takes a rate in bits: bit, kbit, mbit, gbit, tbit (per second); bps, kbps, mbps, gbps
+are refused (tc reads them as bytes a second, network specifications as bits). --limits inside
+an emulated run measures its floors across the links.
 """)
 
 

@@ -100,11 +100,7 @@ def count_list(text: str, name: str, allow_auto: bool = False) -> list[int | str
 
 
 def parse_target_rate(text: str, name: str = "--link") -> float:
-    try:
-        return parse_rate(text)
-    except ConfigError:
-        raise ConfigError(f"{name}: expected a rate with its unit, above 0, e.g. 25gbit, 100gbit, "
-                          f"500mbit; got {text!r}") from None
+    return parse_rate(text, name)
 
 
 def parse_target_latency(text: str) -> float:

@@ -34,9 +34,11 @@ CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
 HOST_IFACE = "eth0"  # every emulated host's link, as a cluster node's NIC
 SUBNET = "10.231.0"  # private, and only ever configured inside the job's own namespaces
 MAX_HOSTS = 253
-# tc's units: bits per second, or bytes per second
-RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-              "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
+# rates in bits per second, as tc writes them
+RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+# tc reads these as bytes a second, network specifications as bits: either reading of a rate
+# typed with one is 8 times the other, so they are refused with both readings spelt out
+BYTE_RATE_UNITS = {"bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
 DELAY_UNITS = {"us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "s": 1.0, "sec": 1.0}
 TOOLS = ("ip", "tc", "nsenter", "unshare")
 INSTALL_HINT = "apt-get install -y iproute2 util-linux"
@@ -60,15 +62,23 @@ sys.stdin.read() if not keep else signal.pause()
 """ % (CLONE_NEWNET | CLONE_NEWUTS)
 
 
-def parse_rate(text: str) -> float:
-    """A link rate in tc's units (``1gbit``, ``500mbit``, ``100mbps``) as bits per second."""
+def parse_rate(text: str, name: str = "--link (--emulate-link)") -> float:
+    """A link rate in bits (``1gbit``, ``500mbit``) as bits per second; ``name``: the option's,
+    for the error."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]+)", text.strip().lower())
+    if match is not None and match.group(2) in BYTE_RATE_UNITS:
+        number, unit = match.groups()
+        bits = unit[:-3] + "bit"
+        raise ConfigError(
+            f"{name} {text}: '{unit}' means bytes a second to tc ({float(number) * 8:g}{bits}) "
+            f"and bits a second in network specifications ({number}{bits}); write the rate in "
+            f"bits, e.g. {number}{bits}")
     if match is None or match.group(2) not in RATE_UNITS:
-        raise ConfigError(f"--link (--emulate-link): expected a rate in tc's units, "
-                          f"e.g. 1gbit, 10gbit, 500mbit; got {text!r}")
+        raise ConfigError(f"{name}: expected a rate with its unit, in bits, e.g. 1gbit, 25gbit, "
+                          f"500mbit; got {text!r}")
     rate = float(match.group(1)) * RATE_UNITS[match.group(2)]
     if rate < 1e3:
-        raise ConfigError(f"--link (--emulate-link) must be at least 1kbit; got {text!r}")
+        raise ConfigError(f"{name} must be at least 1kbit; got {text!r}")
     return rate
 
 

@@ -168,7 +168,9 @@ def at_once(bare_import_s: float) -> float:
 
 
 BAD_INPUTS = [
-    (["--link", "fast"], "--link (--emulate-link): expected a rate in tc's units"),
+    (["--link", "fast"], "--link (--emulate-link): expected a rate with its unit, in bits"),
+    (["--link", "100mbps"], "--link (--emulate-link) 100mbps: 'mbps' means bytes a second to tc (800mbit) and bits a "
+                            "second in network specifications (100mbit); write the rate in bits, e.g. 100mbit"),
     (["--link", "0gbit"], "--link (--emulate-link) must be at least 1kbit"),
     (["--link", "1gbit", "--hosts", "0"], "--hosts (--emulate-hosts) must be from 1 to this job's 4 processes"),
     (["--link", "1gbit", "--hosts", "5"], "--hosts (--emulate-hosts) must be from 1 to this job's 4 processes"),
