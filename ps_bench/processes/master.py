@@ -21,7 +21,7 @@ from ps_bench.results.printed import format_bytes, print_report
 from ps_bench.results.record import (RunRecord, mean_loss, replica_summary, replicas_alike,
                                      servers_model_summary)
 from ps_bench.runtime.faults import Fault, maybe_inject
-from ps_bench.processes.rendezvous import one_machine_warning, rpc_paths
+from ps_bench.processes.rendezvous import crowded_warning, one_machine_warning, rpc_paths
 from ps_bench.runtime.topology import RankInfo, Topology
 from ps_bench.servers import SERVERS
 from ps_bench.strategies import HOOKS, hook_options
@@ -224,10 +224,14 @@ class Master:
         # snapshot of finished rounds costs
         write_snapshot(record.results("failed", error="the job ended before it finished"),
                        self.run_dir)
-        warning = (one_machine_warning(record.environment["hosts"], cfg.rpc_transport)
-                   if self.topology.servers else None)
-        if warning:
-            print(warning, file=sys.stderr, flush=True)
+        hosts = record.environment["hosts"]
+        cpu_trainers = {info.rank for info in self.topology.trainers
+                        if self.device_of(info.rank) is None}
+        for warning in (one_machine_warning(hosts, cfg.rpc_transport)
+                        if self.topology.servers else None,
+                        crowded_warning(hosts, cpu_trainers)):
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
         servers = self.create_servers()
         servers_at = time.time()
         trainers = self.create_trainers(servers)

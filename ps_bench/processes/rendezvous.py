@@ -161,6 +161,26 @@ def one_machine_warning(hosts: list[dict], rpc_transport: str) -> str | None:
             "--rpc-transport tcp makes it cross the network")
 
 
+def crowded_warning(hosts: list[dict], cpu_trainers: set[int]) -> str | None:
+    """A line for a job with more trainers computing on a machine's CPUs than it has: their batch
+    times then include waiting for a CPU, which is neither compute nor communication. Hosts that
+    are one machine (emulated hosts, namespaces) count together."""
+    machines: dict[str, dict] = {}
+    for host in hosts:
+        machine = machines.setdefault(host.get("machine") or host["hostname"],
+                                      {"names": [], "cpus": host["cpus"], "trainers": 0})
+        machine["names"].append(host["hostname"])
+        machine["trainers"] += len(cpu_trainers.intersection(host["ranks"]))
+    crowded = [f"{m['trainers']} CPU trainers on {m['cpus']} CPUs "
+               f"({', '.join(dict.fromkeys(m['names']))})"
+               for m in machines.values() if 0 < m["cpus"] < m["trainers"]]
+    if not crowded:
+        return None
+    return (f"ps_bench: warning: {'; '.join(crowded)}: batch times include waiting for a CPU, "
+            f"beside compute and communication; give each trainer a CPU of its own for times "
+            f"that hold elsewhere")
+
+
 def gather_hosts(view: dist.Store, world_size: int) -> list[dict]:
     """One entry per host (hostname and address), with the ranks it runs, in rank order."""
     hosts: dict[tuple[str, str], dict] = {}

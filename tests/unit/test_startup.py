@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from ps_bench.processes.rendezvous import crowded_warning
 from ps_bench.processes.supervision import supervise
 from ps_bench.metrics.startup import render_startup, startup_phases
 from ps_bench.runtime.preload import starts_ranks
@@ -75,3 +76,19 @@ def test_supervise_returns_when_the_last_ranks_end_between_two_readings():
     started = time.monotonic()
     supervise(None, processes, watchdog=(30.0, "--timeout"))
     assert time.monotonic() - started < 5  # not the watchdog's 30 s, nor for ever without one
+
+
+def test_more_cpu_trainers_than_a_machines_cpus_is_said_once_per_machine():
+    def host(name, ranks, machine, cpus=2):
+        return {"hostname": name, "address": "10.0.0.1", "ranks": ranks, "cpus": cpus, "machine": machine}
+
+    # three trainers on two CPUs; the master and the server do not count
+    assert crowded_warning([host("vm", [0, 1, 2, 3, 4], "m1")], {0, 1, 2}) == (
+        "ps_bench: warning: 3 CPU trainers on 2 CPUs (vm): batch times include waiting for a CPU, beside compute "
+        "and communication; give each trainer a CPU of its own for times that hold elsewhere")
+    # emulated hosts are one machine: counted together
+    emulated = [host("emulated-h0", [0, 1], "m1"), host("emulated-h1", [2, 3, 4], "m1")]
+    assert "4 CPU trainers on 2 CPUs (emulated-h0, emulated-h1)" in crowded_warning(emulated, {0, 1, 2, 3})
+    # two machines of two trainers each, or trainers on GPUs: nothing to say
+    assert crowded_warning([host("a", [0, 1], "m1"), host("b", [2, 3, 4], "m2")], {0, 1, 2, 3}) is None
+    assert crowded_warning([host("vm", [0, 1, 2, 3, 4], "m1")], set()) is None
