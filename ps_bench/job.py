@@ -64,8 +64,9 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def check_options(cfg: RunConfig) -> None:
-    """Each option on its own: ranges, formats, ports, folders, the interface."""
+def check_options(cfg: RunConfig, machine: bool = True) -> None:
+    """Each option on its own: ranges, formats, ports, folders, and (``machine``) the interface
+    on this machine."""
     for name in ("ntrainer", "ncudatrainer", "nserver", "ncudaserver", "warmup_rounds"):
         need(getattr(cfg, name) >= 0, f"{flag(name)} must be 0 or more; got {getattr(cfg, name)}")
     for name in ("epochs", "batch_size", "grad_accum", "rounds", "rpc_threads"):
@@ -98,7 +99,7 @@ def check_options(cfg: RunConfig) -> None:
          "at least one trainer is needed: set --ntrainer or --ncudatrainer to 1 or more")
     if cfg.master_port is not None:
         check_port("--master-port", cfg.master_port)
-    if cfg.iface is not None:
+    if cfg.iface is not None and machine:
         check_interface(cfg.iface)
     for name in ("backend", "mapping", "rpc_transport", "labels", "optimizer", "precision",
                  "reduce_dtype"):
@@ -295,9 +296,9 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
     """Checks a whole configuration before any process starts (canonicalising the names it
     holds); returns the job it describes. ``gpus`` defaults to the CUDA devices visible here,
     ``trainers_on_node`` to every trainer (one machine); ``machine=False`` leaves out what only
-    this machine decides (root and tc for an emulated network)."""
+    this machine decides (root and tc for an emulated network, the interface --iface names)."""
     gpus = cuda_device_count() if gpus is None else gpus
-    check_options(cfg)
+    check_options(cfg, machine)
     record = check_pieces(cfg)
     # may set the batch and optimizer from the engine's
     engine_config, notes = check_engine(cfg, record, gpus)

@@ -122,8 +122,8 @@ def cluster_job(args: argparse.Namespace, bench_argv: list[str], nodes: int, gpu
     if cfg.emulate_link is not None:
         raise ConfigError("--emulate-link emulates a network of hosts on this one machine: run it "
                           "with bench.py (bench.py emulate), not across real nodes")
-    cfg.iface = None
-    check_options(cfg)  # each option on its own, before the counts are laid out over the nodes
+    # each option on its own, before the counts are laid out over the nodes
+    check_options(cfg, machine=False)
     layout = layout_for(cfg, nodes, hosts)
     wants_cuda = cfg.backend != "gloo" or cfg.ncudatrainer or cfg.ncudaserver
     if gpus_per_node == UNKNOWN_GPUS:
@@ -133,5 +133,6 @@ def cluster_job(args: argparse.Namespace, bench_argv: list[str], nodes: int, gpu
                           "--ncudaserver): set --gpus-per-node")
     if gpus_per_node < 0:
         raise ConfigError(f"--gpus-per-node must be 0 or more; got {gpus_per_node}")
-    validate(cfg, gpus=gpus_per_node, trainers_on_node=trainers_per_node(cfg, layout))
+    validate(cfg, gpus=gpus_per_node, trainers_on_node=trainers_per_node(cfg, layout),
+             machine=False)  # run on the nodes: their interfaces, not this machine's
     return cfg, layout

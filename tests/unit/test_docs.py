@@ -7,6 +7,7 @@ page to read next."""
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shlex
 from dataclasses import dataclass
@@ -23,8 +24,21 @@ SHELL_BLOCKS = ("bash", "sh", "shell")
 FENCE = re.compile(r"^```(\w*)\s*$")
 INLINE = re.compile(r"`([^`\n]+)`")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
-# The files a reader writes before running what the docs show (what the docs say they hold).
-READER_FILES = {"hosts.txt": "node1 slots=4\nnode2 slots=4\n"}
+
+
+def script_constant(script: str, name: str):
+    """A literal a benchmark script assigns at its top level, read from its source."""
+    tree = ast.parse((ROOT / "benchmarks" / script).read_text())
+    [value] = [node.value for node in tree.body if isinstance(node, ast.Assign)
+               and any(isinstance(target, ast.Name) and target.id == name for target in node.targets)]
+    return ast.literal_eval(value)
+
+
+# The files a reader writes, or a documented command before it writes, before running what the
+# docs show (what the docs say they hold).
+READER_FILES = {"hosts.txt": "node1 slots=4\nnode2 slots=4\n",
+                # strategy_floors.py --keep results/ab
+                "results/ab/models.json": json.dumps(script_constant("strategy_floors.py", "MODEL"))}
 
 
 @dataclass(frozen=True)
@@ -72,7 +86,7 @@ def script_argv(segment: str) -> list[str] | None:
 def commands_in(text: str, page: str, first_line: int, loops: dict[str, str],
                 argv_of=bench_argv) -> list[Command]:
     """The bench.py command lines (``argv_of``: those it finds) of a piece of shell: continuations
-    joined, each command of an ``&&``/``;``/``|`` chain on its own, a ``for VAR in A B`` loop's
+    joined, each command of an ``&&``/``;``/``|`` chain on its own, each ``for VAR in A B`` loop's
     variable given its first value."""
     found = []
     joined, start = "", first_line
@@ -83,8 +97,7 @@ def commands_in(text: str, page: str, first_line: int, loops: dict[str, str],
         if joined.endswith("\\"):
             joined = joined[:-1] + " "
             continue
-        loop = re.match(r"\s*for (\w+) in ([^;]+); do", joined)
-        if loop:
+        for loop in re.finditer(r"\bfor (\w+) in ([^;]+); do", joined):  # nested ones too
             loops[loop.group(1)] = loop.group(2).split()[0]
         for name, value in loops.items():
             joined = joined.replace(f"${name}", value)
@@ -97,21 +110,28 @@ def commands_in(text: str, page: str, first_line: int, loops: dict[str, str],
 
 
 def documented_commands(argv_of=bench_argv) -> list[Command]:
+    return [command for path in PAGES
+            for command in page_commands(path, str(path.relative_to(ROOT)), argv_of)]
+
+
+def page_commands(path: Path, page: str, argv_of=bench_argv) -> list[Command]:
+    """The commands of one page: in its inline code, and in its shell blocks, each block read
+    whole (a command may go on over lines, loops may nest)."""
     found = []
-    for path in PAGES:
-        page = str(path.relative_to(ROOT))
-        block, loops = None, {}
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            fence = FENCE.match(line)
-            if fence:
-                block = None if block is not None else fence.group(1)
-                loops = {}
-                continue
-            if block is None:
-                for span in INLINE.findall(line):
-                    found += commands_in(span, page, number, {}, argv_of)
-            elif block in SHELL_BLOCKS:
-                found += commands_in(line, page, number, loops, argv_of)
+    block, lines, first = None, [], 0
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        fence = FENCE.match(line)
+        if fence:
+            if block in SHELL_BLOCKS:  # the whole block: a command may go on over lines
+                found += commands_in("\n".join(lines), page, first, {}, argv_of)
+            block = None if block is not None else fence.group(1)
+            lines, first = [], number + 1
+            continue
+        if block is None:
+            for span in INLINE.findall(line):
+                found += commands_in(span, page, number, {}, argv_of)
+        else:
+            lines.append(line)
     return found
 
 
@@ -128,10 +148,11 @@ SCRIPT_COMMANDS = script_commands(documented_commands(script_argv))
 @pytest.fixture
 def reader_folder(tmp_path, monkeypatch):
     """A folder like the checkout's root, with the files a reader writes themselves."""
-    for entry in ROOT.iterdir():
-        if not entry.name.startswith("."):
+    for entry in ROOT.iterdir():  # results/: the reader's own, as in a fresh clone
+        if not entry.name.startswith(".") and entry.name != "results":
             (tmp_path / entry.name).symlink_to(entry)
     for name, text in READER_FILES.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     monkeypatch.chdir(tmp_path)
     return tmp_path
@@ -176,6 +197,24 @@ def test_the_extractor_reads_shell_as_a_reader_would():
     found = [command.argv for command in commands_in(text, "x.md", 1, {})]
     assert found == [("--rounds", "2"), ("--hook", "allreduce", "--limits"),
                      ("emulate", "--link", "1gbit", "--", "--hook", "fp16"), ("--ntrainer", "2")]
+
+
+def test_a_page_is_read_whole_block_by_block(tmp_path):
+    """A command that goes on over lines of a shell block, inside nested loops, is found whole,
+    at the line it starts on; a block of another language is not read."""
+    page = tmp_path / "page.md"
+    page.write_text("Run `python bench.py --rounds 1` first.\n\n"
+                    "```bash\n"
+                    "for a in x y; do for b in p q; do\n"
+                    "  python bench.py --hook $a \\\n"
+                    "    --out $b.json\n"
+                    "done; done\n"
+                    "```\n\n"
+                    "```text\n"
+                    "python bench.py --not-read\n"
+                    "```\n")
+    assert page_commands(page, "page.md") == [Command("page.md", 1, ("--rounds", "1")),
+                                              Command("page.md", 5, ("--hook", "x", "--out", "p.json"))]
 
 
 def script_options(script: Path) -> dict[str, tuple[str, ...] | None]:
