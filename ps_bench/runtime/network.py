@@ -38,7 +38,7 @@ MAX_HOSTS = 253
 RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 # tc reads these as bytes a second, network specifications as bits: either reading of a rate
 # typed with one is 8 times the other, so they are refused with both readings spelt out
-BYTE_RATE_UNITS = {"bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
+BYTE_RATE_UNITS = ("bps", "kbps", "mbps", "gbps", "tbps")
 DELAY_UNITS = {"us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "s": 1.0, "sec": 1.0}
 TOOLS = ("ip", "tc", "nsenter", "unshare")
 INSTALL_HINT = "apt-get install -y iproute2 util-linux"
