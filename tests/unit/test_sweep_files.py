@@ -6,7 +6,7 @@ import pytest
 
 from ps_bench.config import ConfigError, build_config
 from ps_bench.job import validate
-from ps_bench.report import load_rows, table, varying_options
+from ps_bench.report import load_rows, run_report, table, varying_options
 from ps_bench.sweep import load_sweep
 from tests.benchrun import ROOT
 
@@ -90,6 +90,25 @@ def test_report_columns_and_speedups(tmp_path):
     headers, body = table(rows, "batch", rows[1])
     assert headers[0] == "hook" and headers[-2:] == ["speedup", "status"]
     assert body[0][headers.index("speedup")] == "0.25x" and body[1][headers.index("speedup")] == "1.00x"
+
+
+def test_report_gives_no_speedup_across_workloads(tmp_path, capsys):
+    """Points of another model, data, batch or accumulation than the baseline's do other work in an
+    iteration: no speedup against it, and a line says so."""
+    other_model = result("allreduce", 1.0)
+    other_model["config"]["model"] = "resnet18"
+    other_batch = result("allreduce", 1.0)
+    other_batch["config"]["batch_size"] = 32
+    for name, results in (("ps", result("ps", 4.0)), ("ar", result("allreduce", 2.0)), ("model", other_model),
+                          ("batch", other_batch)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(results))
+    rows = load_rows([str(tmp_path / f"{name}.json") for name in ("ps", "ar", "model", "batch")])
+    headers, body = table(rows, "batch", rows[0])
+    assert [line[headers.index("speedup")] for line in body] == ["1.00x", "2.00x", None, None]
+    assert run_report([str(tmp_path / f"{name}.json") for name in ("ps", "ar", "model", "batch")], None,
+                      "batch", None, None) == 0
+    assert ("no speedup for 2 point(s) of another workload than ps's (its model, model_options, data, "
+            "batch_size, grad_accum)") in capsys.readouterr().out
 
 
 def test_repeat_runs_each_point_several_times_and_report_shows_the_last(tmp_path):

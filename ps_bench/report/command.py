@@ -1,0 +1,206 @@
+"""``bench.py report``: the table of the points with speedups against a baseline, the scaling table,
+CSV, and the subcommand (DESCRIPTION, EPILOG, add_arguments, main)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+
+from tabulate import tabulate
+
+from ps_bench.config import ConfigError, check_output_file, in_its_folder
+from ps_bench.metrics.costs import Link, byteps_bound_ms, ps_bound_ms
+from ps_bench.options import typed
+from ps_bench.report.figures import plot, plot_convergence
+from ps_bench.report.rows import WORKLOAD, Row, load_rows, varying_options
+
+DESCRIPTION = (
+    "Compare runs: one row per point, with the options that vary across points, p50 and p90 of a "
+    "metric, samples/s, bytes per iteration, gradient error (runs with --verify) and the speedup "
+    "against a baseline point; for runs with --target-loss also iterations and seconds to the "
+    "target and the speedup to target, and --plot draws loss against seconds of training.")
+EPILOG = """\
+example:
+  python bench.py report results/hooks --baseline hook=allreduce --csv hooks.csv --plot hooks.png
+"""
+
+def find_baseline(rows: list[Row], baseline: str | None) -> Row:
+    if baseline is None:
+        return rows[0]
+    key, sep, value = baseline.partition("=")
+    if not sep:
+        raise ConfigError(f"--baseline must be KEY=VALUE, e.g. hook=allreduce; got {baseline!r}")
+    for row in rows:
+        if str(row.option(key)) == value or row.label == baseline:
+            return row
+    raise ConfigError(f"--baseline {baseline}: no point has {key}={value}")
+
+
+def to_target(row: Row) -> tuple[int | None, float | None]:
+    """Iterations and seconds to the target loss, where the point reached it."""
+    convergence = row.results.get("convergence") or {}
+    if not convergence.get("reached"):
+        return None, None
+    return convergence["iterations"], convergence["seconds"]
+
+
+def staleness_column(row: Row) -> str | None:
+    stale = row.results.get("staleness") or {}
+    return None if stale.get("p50") is None else f"{stale['p50']:g}/{stale['max']}"
+
+
+def convergence_columns(row: Row, reference_s: float | None) -> list:
+    convergence = row.results.get("convergence") or {}
+    iterations, seconds = to_target(row)
+    if not convergence:
+        return [None, None, None]
+    if iterations is None:
+        return [f"not reached ({convergence.get('stopped_by')})", None, None]
+    speedup = reference_s / seconds if reference_s and seconds else None
+    return [iterations, fixed(seconds, 3), f"{speedup:.2f}x" if speedup else None]
+
+
+def table(rows: list[Row], metric: str, baseline: Row) -> tuple[list[str], list[list]]:
+    columns = varying_options(rows)
+    converging = any(row.results.get("convergence") for row in rows)
+    stale = any(row.results.get("staleness") for row in rows)
+    headers = columns + [f"{metric} p50 ms", f"{metric} p90 ms", "samples/s", "bytes/iter",
+                         "grad error", "speedup"] + (["staleness p50/max"] if stale else []) + (
+                             ["iterations to target", "seconds to target", "speedup to target"]
+                             if converging else []) + ["status"]
+    reference = baseline.stat(metric, "p50")
+    reference_s = to_target(baseline)[1]
+    body = []
+    for row in rows:
+        p50 = row.stat(metric, "p50")
+        check = row.results.get("verify") or {}
+        alike = row.workload == baseline.workload
+        speedup = reference / p50 if p50 and reference and alike else None
+        body.append([
+            *(row.option(c) for c in columns),
+            fixed(p50, 3),
+            fixed(row.stat(metric, "p90"), 3),
+            fixed((row.results.get("throughput") or {}).get("samples_per_s"), 0),
+            fixed((row.results.get("bytes") or {}).get("trainer_sent_per_iter"), 0),
+            (None if check.get("grad_rel_error_p50") is None
+             else f"{check['grad_rel_error_p50']:.2e}"),
+            f"{speedup:.2f}x" if speedup else None,
+            *([staleness_column(row)] if stale else []),
+            *(convergence_columns(row, reference_s if alike else None) if converging else []),
+            row.results.get("status", "failed"),
+        ])
+    return headers, body
+
+
+def fixed(value: float | None, decimals: int) -> str | None:
+    return None if value is None else f"{value:.{decimals}f}"
+
+
+def write_csv(path: str, headers: list[str], body: list[list]) -> None:
+    with open(in_its_folder(path), "w", newline="") as stream:
+        writer = csv.writer(stream)
+        writer.writerow(headers)
+        writer.writerows([["" if v is None else v for v in line] for line in body])
+
+
+def scaling_table(rows: list[Row], link_gbps: float | None) -> tuple[list[str], list[list]]:
+    """Per-iteration time for each trainers x servers point next to the analytic bounds.
+
+    M is the point's bytes per trainer per iteration, B ``link_gbps`` or else the point's own
+    memcpy floor (``--limits``): the parameter-server bound and BytePS's optimum
+    (``costs.ps_bound_ms``, ``costs.byteps_bound_ms``)."""
+    headers = ["hook", "trainers", "servers", "batch p50 ms", "comm p50 ms", "MB/iter", "B GB/s",
+               "PS bound ms", "BytePS optimum ms", "comm / PS bound"]
+    body = []
+    counts = {id(r): (r.count("ntrainer", "ncudatrainer"), r.count("nserver", "ncudaserver"))
+              for r in rows}
+    for row in sorted((r for r in rows if r.ok), key=lambda r: (str(r.option("hook")),
+                                                                 *counts[id(r)])):
+        n, k = counts[id(row)]
+        moved = (row.results.get("bytes") or {}).get("trainer_sent_per_iter") or 0.0
+        memcpy = ((row.results.get("limits") or {}).get("memcpy") or {}).get("gbps")
+        gbps = link_gbps or memcpy
+        link = Link.of(0.0, gbps * 8) if gbps else None  # GB/s
+        bound = ps_bound_ms(n, k, moved, link) if link and k and moved else None
+        optimum = byteps_bound_ms(n, k, moved, link) if link and moved else None
+        comm = row.stat("comm", "p50")
+        body.append([row.option("hook"), n, k, fixed(row.stat("batch", "p50"), 3), fixed(comm, 3),
+                     fixed(moved / 1e6, 3), fixed(gbps, 2), fixed(bound, 3), fixed(optimum, 3),
+                     f"{comm / bound:.2f}" if bound and comm else None])
+    return headers, body
+
+
+def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: str | None,
+               plot_path: str | None, scaling: bool = False, link_gbps: float | None = None) -> int:
+    rows = load_rows(sources)
+    if not any(row.stat(metric, "p50") is not None for row in rows):
+        known = sorted({r["metric"] for row in rows for r in row.results.get("summary", [])})
+        raise ConfigError(f"--metric {metric!r} is in no results; known: "
+                          f"{', '.join(known) or 'none'}")
+    if scaling:
+        headers, body = scaling_table(rows, link_gbps)
+        print(tabulate(body, headers=headers, missingval="-", disable_numparse=True))
+        print("\nPS bound: max(M, n*M/k) / B; BytePS optimum: 2n(n-1)M / ((n^2 + kn - 2k) * B); "
+              "B = --link-gbps, else the point's memcpy floor (--limits)")
+        if csv_path:
+            write_csv(csv_path, headers, body)
+            print(f"csv: {csv_path}")
+        return 0
+    reference = find_baseline(rows, baseline)
+    headers, body = table(rows, metric, reference)
+    print(tabulate(body, headers=headers, missingval="-", disable_numparse=True))
+    print(f"\nspeedup: {reference.label}'s {metric} p50 divided by each point's "
+          f"(above 1 is faster)")
+    others = sum(row.workload != reference.workload for row in rows)
+    if others:
+        print(f"no speedup for {others} point(s) of another workload than {reference.label}'s "
+              f"(its {', '.join(WORKLOAD)}): their iterations do other work")
+    converging = any(row.results.get("convergence") for row in rows)
+    if converging:
+        print(f"speedup to target: {reference.label}'s seconds of training to the target loss "
+              f"divided by each point's")
+    if csv_path:
+        write_csv(csv_path, headers, body)
+        print(f"csv: {csv_path}")
+    if plot_path:
+        sweep = rows[0].results.get("point", {}).get("sweep", "")
+        if converging:
+            plot_convergence(plot_path, rows,
+                             f"{sweep + ': ' if sweep else ''}loss against training time")
+        else:
+            plot(plot_path, rows, metric,
+                 f"{sweep + ': ' if sweep else ''}trainer {metric} time per iteration")
+        print(f"plot: {plot_path}")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("sources", nargs="+", metavar="DIR|FILE",
+                        help="sweep folders (their results.jsonl), .jsonl files or results files")
+    parser.add_argument("--baseline", metavar="KEY=VALUE", help="the point speedups are measured "
+                        "against (default: the first point)")
+    parser.add_argument("--metric", default="batch", metavar="NAME",
+                        help="summary metric to compare, e.g. batch, comm, backward, round "
+                        "(default: batch)")
+    parser.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw the comparison (needs the "
+                        "'plot' extra); for --target-loss runs, the loss against seconds of "
+                        "training")
+    parser.add_argument("--scaling", action="store_true",
+                        help="per-iteration time for each trainers x servers point next to the "
+                             "analytic parameter-server bound and BytePS's optimum (bandwidth: "
+                             "--link-gbps, else each point's memcpy floor from --limits)")
+    parser.add_argument("--link-gbps", type=typed(float, "link-gbps"), metavar="X",
+                        help="bandwidth B in GB/s for --scaling "
+                        "(default: each point's memcpy floor)")
+
+
+def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
+    if args.link_gbps is not None and not 0 < args.link_gbps < math.inf:
+        raise ConfigError(f"--link-gbps must be positive; got {args.link_gbps}")
+    for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
+        if path is not None:
+            check_output_file(path, flag)
+    return run_report(args.sources, args.baseline, args.metric, args.csv, args.plot, args.scaling,
+                      args.link_gbps)

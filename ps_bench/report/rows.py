@@ -1,0 +1,90 @@
+"""The points ``bench.py report`` shows: each results file as a ``Row``, read from files or
+folders, and the options that vary across them."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ps_bench.config import ConfigError
+from ps_bench.results.load import load_source
+
+# Resolved options never shown as columns: they describe the output, or repeat another column.
+HIDDEN = {"out", "dry_run", "per_rank", "debug", "verbose", "emulate_keep", "model_config",
+          "data_config", "model_size", "master_port", "engine_config"}
+
+
+# what an iteration computes: points that differ in any of these do different work, no speedup
+WORKLOAD = ("model", "model_options", "data", "batch_size", "grad_accum")
+
+
+@dataclass
+class Row:
+    label: str
+    results: dict
+
+    @property
+    def ok(self) -> bool:
+        return self.results.get("status") == "ok"
+
+    def option(self, name: str) -> Any:
+        value = self.results.get("config", {}).get(name)
+        return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
+
+    def stat(self, metric: str, statistic: str) -> float | None:
+        for row in self.results.get("summary", []):
+            if row["metric"] == metric:
+                return row[statistic]
+        return None
+
+    def count(self, *names: str) -> int:
+        return sum(int(self.results.get("config", {}).get(name, 0)) for name in names)
+
+    @property
+    def workload(self) -> tuple:
+        return tuple(self.option(name) for name in WORKLOAD)
+
+    def raw(self, metric: str) -> list[float]:
+        return [v for entry in self.results.get("samples", [])
+                for v in entry.get("metrics", {}).get(metric, [])]
+
+
+def load_rows(sources: list[str]) -> list[Row]:
+    """Points from sweep folders (their results.jsonl; a re-run point's latest line wins),
+    .jsonl files, folders of results files and single results files, in the order given."""
+    rows: list[Row] = []
+    sources_read = [load_source(source) for source in sources]
+    passed_over = [what for loaded in sources_read for what in loaded.passed_over()]
+    for source, loaded in zip(sources, sources_read):
+        if loaded.kind in ("sweep folder", "sweep results"):
+            latest: dict[str, dict] = {}
+            for _, line in loaded.runs:
+                key = line.get("point", {}).get("hash") or str(len(latest))
+                latest.pop(key, None)
+                latest[key] = line
+            for line in sorted(latest.values(), key=lambda r: r.get("point", {}).get("index", 0)):
+                rows.append(Row(line.get("point", {}).get("name", Path(source).stem), line))
+        else:
+            rows += [Row(Path(where).stem, results) for where, results in loaded.runs]
+    if not rows:
+        raise ConfigError(f"report: no results in {', '.join(sources)}"
+                          + (f" (passed over {'; '.join(passed_over)})" if passed_over else ""))
+    for what in passed_over:
+        print(f"ps_bench: report: passed over {what}", file=sys.stderr)
+    return rows
+
+
+def varying_options(rows: list[Row]) -> list[str]:
+    names: list[str] = []
+    for row in rows:
+        for name in row.results.get("config", {}):
+            if name not in names and name not in HIDDEN:
+                names.append(name)
+    return [n for n in names if len({str(row.option(n)) for row in rows}) > 1]
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
