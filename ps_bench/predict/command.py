@@ -13,12 +13,13 @@ from ps_bench.config import ConfigError, check_output_file
 from ps_bench.options import HookKeyValue, KeyValue
 from ps_bench.predict import memory, pipelines
 from ps_bench.predict.inputs import (LINK_KINDS, LOCAL_KINDS, NETWORK_KINDS, TargetLink, count_list,
-                                     model_buckets, parse_phases, parse_target_latency, target_link)
+                                     model_buckets, parse_phases, target_link)
 from ps_bench.predict.calibration import (Calibration, add_payloads, from_compute_ms,
                                           give_options)
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.rows import prediction_rows, unplaced
 from ps_bench.predict.runs import Run
+from ps_bench.runtime.network import parse_delay
 from ps_bench.predict.tables import describe_calibration, plot, render, render_winners, winners
 from ps_bench.strategies import HOOKS, check_hook_options
 
@@ -190,7 +191,7 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
                               f"into whole nodes; give --nodes N,... instead")
     link = (target_link("--link", args.link, args.link_kind, args.link_efficiency, args.latency)
             if args.link is not None else None)
-    latency_s = parse_target_latency(args.latency) if args.latency is not None else None
+    latency_s = parse_delay(args.latency, "--latency") if args.latency is not None else None
     intra = (target_link("--intra-link", args.intra_link, args.intra_link_kind,
                          args.intra_link_efficiency, None) if args.intra_link is not None else None)
     if not 0 < args.bucket_cap_mb < math.inf:

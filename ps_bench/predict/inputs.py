@@ -71,12 +71,13 @@ def target_link(flag: str, rate: str, kind: str, efficiency: float | None,
                 latency: str | None) -> TargetLink:
     """A ``TargetLink`` from the command line: the line rate, its kind's defaults, and the
     efficiency and latency where given; ConfigError for anything out of range."""
-    line_bps = parse_target_rate(rate, flag)
+    line_bps = parse_rate(rate, flag)
     if efficiency is not None and not 0 < efficiency <= 1:
         raise ConfigError(f"{flag}-efficiency must be a share of the line rate, above 0 and at "
                           f"most 1; got {efficiency}")
     defaults = LINK_KINDS[kind]
-    latency_s = parse_target_latency(latency) if latency is not None else defaults.latency_us / 1e6
+    latency_s = (parse_delay(latency, "--latency") if latency is not None
+                 else defaults.latency_us / 1e6)
     return TargetLink(flag, line_bps, kind,
                       defaults.efficiency if efficiency is None else efficiency, latency_s)
 
@@ -97,18 +98,6 @@ def count_list(text: str, name: str, allow_auto: bool = False) -> list[int | str
             raise ConfigError(f"--{name} must be at least 1; got {value}")
         values.append(value)
     return values
-
-
-def parse_target_rate(text: str, name: str = "--link") -> float:
-    return parse_rate(text, name)
-
-
-def parse_target_latency(text: str) -> float:
-    try:
-        return parse_delay(text)
-    except ConfigError:
-        raise ConfigError(f"--latency: expected a time with its unit, e.g. 5us, 1ms; "
-                          f"got {text!r}") from None
 
 
 def parse_phases(text: str) -> dict[str, float]:

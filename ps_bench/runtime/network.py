@@ -82,11 +82,11 @@ def parse_rate(text: str, name: str = "--link (--emulate-link)") -> float:
     return rate
 
 
-def parse_delay(text: str) -> float:
-    """A one-way delay (``100us``, ``2ms``) in seconds."""
+def parse_delay(text: str, name: str = "--delay (--emulate-delay)") -> float:
+    """A one-way delay (``100us``, ``2ms``) in seconds; ``name``: the option's, for the error."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]+)", text.strip().lower())
     if match is None or match.group(2) not in DELAY_UNITS:
-        raise ConfigError(f"--delay (--emulate-delay): expected a time, e.g. 100us or 2ms; "
+        raise ConfigError(f"{name}: expected a time with its unit, e.g. 5us, 100us or 2ms; "
                           f"got {text!r}")
     return float(match.group(1)) * DELAY_UNITS[match.group(2)]
 
