@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 
 from tabulate import tabulate
 
 from ps_bench.config import ConfigError, check_output_file, in_its_folder
 from ps_bench.metrics.costs import Link, byteps_bound_ms, ps_bound_ms
-from ps_bench.options import typed
 from ps_bench.report.figures import plot, plot_convergence
 from ps_bench.report.rows import WORKLOAD, Row, load_rows, varying_options
+from ps_bench.runtime.network import parse_rate
 
 DESCRIPTION = (
     "Compare runs: one row per point, with the options that vary across points, p50 and p90 of a "
@@ -107,9 +106,10 @@ def write_csv(path: str, headers: list[str], body: list[list]) -> None:
 def scaling_table(rows: list[Row], link_gbps: float | None) -> tuple[list[str], list[list]]:
     """Per-iteration time for each trainers x servers point next to the analytic bounds.
 
-    M is the point's bytes per trainer per iteration, B ``link_gbps`` or else the point's own
-    memcpy floor (``--limits``): the parameter-server bound and BytePS's optimum
-    (``costs.ps_bound_ms``, ``costs.byteps_bound_ms``)."""
+    M is the point's bytes per trainer per iteration, B ``link_gbps`` (gigabytes a second: the
+    ``--link`` rate over 8) or else the point's own memcpy floor (``--limits``): the
+    parameter-server bound and BytePS's optimum (``costs.ps_bound_ms``,
+    ``costs.byteps_bound_ms``)."""
     headers = ["hook", "trainers", "servers", "batch p50 ms", "comm p50 ms", "MB/iter", "B GB/s",
                "PS bound ms", "BytePS optimum ms", "comm / PS bound"]
     body = []
@@ -142,7 +142,7 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
         headers, body = scaling_table(rows, link_gbps)
         print(tabulate(body, headers=headers, missingval="-", disable_numparse=True))
         print("\nPS bound: max(M, n*M/k) / B; BytePS optimum: 2n(n-1)M / ((n^2 + kn - 2k) * B); "
-              "B = --link-gbps, else the point's memcpy floor (--limits)")
+              "B = --link, else the point's memcpy floor (--limits)")
         if csv_path:
             write_csv(csv_path, headers, body)
             print(f"csv: {csv_path}")
@@ -190,17 +190,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scaling", action="store_true",
                         help="per-iteration time for each trainers x servers point next to the "
                              "analytic parameter-server bound and BytePS's optimum (bandwidth: "
-                             "--link-gbps, else each point's memcpy floor from --limits)")
-    parser.add_argument("--link-gbps", type=typed(float, "link-gbps"), metavar="X",
-                        help="bandwidth B in GB/s for --scaling "
-                        "(default: each point's memcpy floor)")
+                             "--link, else each point's memcpy floor from --limits)")
+    parser.add_argument("--link", metavar="RATE",
+                        help="the link's rate B for --scaling, in bits as predict takes it "
+                             "(e.g. 10gbit, 500mbit; default: each point's memcpy floor)")
 
 
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
-    if args.link_gbps is not None and not 0 < args.link_gbps < math.inf:
-        raise ConfigError(f"--link-gbps must be positive; got {args.link_gbps}")
+    link_gbps = None if args.link is None else parse_rate(args.link, "--link") / 8e9
     for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
         if path is not None:
             check_output_file(path, flag)
     return run_report(args.sources, args.baseline, args.metric, args.csv, args.plot, args.scaling,
-                      args.link_gbps)
+                      link_gbps)

@@ -120,6 +120,17 @@ def test_report_and_compare_make_the_folder_of_a_csv(tmp_path, capsys):
     assert (tmp_path / "other" / "c.csv").read_text().count("\n") >= 2
 
 
+def test_report_scaling_takes_the_link_in_bits_as_predict_does(capsys):
+    """``--link 10gbit`` is 1.25 GB/s; a byte unit is refused as predict refuses it (the option
+    had been ``--link-gbps`` in gigabytes a second, eight times the link a user meant)."""
+    assert main(["report", str(EARLIER), "--scaling", "--link", "10gbit"]) == 0
+    header, _, row = capsys.readouterr().out.splitlines()[:3]
+    assert header.split()[10:12] == ["B", "GB/s"] and row.split()[6] == "1.25", (header, row)
+    assert main(["report", str(EARLIER), "--scaling", "--link", "10gbps"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--link 10gbps: 'gbps' means bytes a second" in err, err
+
+
 def test_report_says_which_files_of_a_folder_it_passed_over(tmp_path, capsys):
     """A folder's files that are not results files are left out of the table, and said so on
     stderr (they were dropped without a word); a folder of nothing else says what it held."""
