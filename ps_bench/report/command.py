@@ -165,13 +165,20 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
         print(f"csv: {csv_path}")
     if plot_path:
         sweep = rows[0].results.get("point", {}).get("sweep", "")
-        if converging:
+        curves = sum(bool((row.results.get("convergence") or {}).get("loss_curve"))
+                     for row in rows)
+        without = sum(row.ok and not (row.results.get("convergence") or {}).get("loss_curve")
+                      for row in rows)
+        if curves and not without:
             plot_convergence(plot_path, rows,
                              f"{sweep + ': ' if sweep else ''}loss against training time")
-        else:
+        else:  # of points with loss curves and points without, the one thing all have
             plot(plot_path, rows, metric,
                  f"{sweep + ': ' if sweep else ''}trainer {metric} time per iteration")
         print(f"plot: {plot_path}")
+        if curves and without:
+            print(f"plot: {metric} times, as {without} point(s) have no loss curve; report the "
+                  f"{curves} with one on their own for the loss against seconds of training")
     return 0
 
 
@@ -185,8 +192,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: batch)")
     parser.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the comparison (needs the "
-                        "'plot' extra); for --target-loss runs, the loss against seconds of "
-                        "training")
+                        "'plot' extra); where every point ran to --target-loss, the loss against "
+                        "seconds of training")
     parser.add_argument("--scaling", action="store_true",
                         help="per-iteration time for each trainers x servers point next to the "
                              "analytic parameter-server bound and BytePS's optimum (bandwidth: "

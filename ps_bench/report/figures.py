@@ -11,6 +11,11 @@ from ps_bench.config import ConfigError, in_its_folder
 from ps_bench.plots import pyplot
 from ps_bench.report.rows import Row, is_number, varying_options
 
+LEGEND_LINE_IN = 0.2  # inches a legend entry takes, in small type
+MARKERS = ("o", "s", "^", "D", "v", "P")
+MAX_WIDTH_IN = 30.0  # a figure of many bars is no wider (its labels are rotated)
+SLANTED = {"rotation": 30, "ha": "right"}
+
 
 def plot(path: str, rows: list[Row], metric: str, title: str) -> None:
     """Lines over a numeric option that varies (e.g. ntrainer), else grouped bars per point;
@@ -21,41 +26,41 @@ def plot(path: str, rows: list[Row], metric: str, title: str) -> None:
         raise ConfigError(f"report --plot: no successful point has {metric!r} samples")
     columns = varying_options(rows)
     stats = {id(r): np.percentile(r.raw(metric), [10, 50, 90]) for r in rows}
-    numeric = [c for c in columns if all(is_number(r.option(c)) for r in rows)]
-    figure, axes = plt.subplots(figsize=(max(6.0, 0.7 * len(rows) + 3), 4.5))
-    if numeric:
-        x_name = numeric[0]
-        others = [c for c in columns if c != x_name]
-        series: dict[str, list[Row]] = {}
-        for row in rows:
-            series.setdefault(" ".join(f"{c}={row.option(c)}" for c in others) or metric,
-                              []).append(row)
-        for label, members in series.items():
+    x_name = line_axis(rows, columns)
+    if x_name is not None:
+        series = lines(rows, columns, x_name, metric)
+        figure, axes = plt.subplots(figsize=(7.5, max(4.5, LEGEND_LINE_IN * len(series))))
+        for index, (name, members) in enumerate(series.items()):
             members.sort(key=lambda r: r.option(x_name))
             xs = [r.option(x_name) for r in members]
             low, mid, high = zip(*(stats[id(r)] for r in members))
-            axes.plot(xs, mid, marker="o", label=label)
+            # ten colours, then the next marker: sixty lines apart before any repeats
+            axes.plot(xs, mid, marker=MARKERS[index // 10 % len(MARKERS)], label=name)
             axes.fill_between(xs, low, high, alpha=0.2)
         axes.set_xlabel(x_name)
-        axes.legend(fontsize="small")
+        legend_beside(axes)
         axes.set_xticks(sorted({r.option(x_name) for r in rows}))
     else:
-        group_by = columns[0] if len(columns) > 1 else None
-        inner = columns[1:] if group_by else columns
+        group_by = bar_groups(rows, columns)
+        inner = [c for c in columns if c != group_by]
+        named = len(inner) > 1  # several options: each value beside its name
 
         def group_of(row: Row) -> str:
             return str(row.option(group_by)) if group_by else ""
 
         def series_of(row: Row) -> str:
-            return " ".join(str(row.option(c)) for c in inner) or row.label
+            return label(row, inner) or row.label
 
+        bars = len(rows) if group_by is None else len({series_of(r) for r in rows})
+        figure, axes = plt.subplots(figsize=(min(MAX_WIDTH_IN, max(6.0, 0.4 * len(rows) + 3)),
+                                             max(4.5, LEGEND_LINE_IN * bars)))
         if group_by is None:  # one bar per point, labelled on the axis
             low, mid, high = (np.array(v) for v in zip(*(stats[id(r)] for r in rows)))
             axes.bar(range(len(rows)), mid, yerr=[mid - low, high - mid], capsize=3,
                      color="tab:blue")
             axes.set_xticks(range(len(rows)))
-            axes.set_xticklabels([series_of(r) for r in rows], rotation=30, ha="right")
-            axes.set_xlabel(" / ".join(inner) or "point")
+            axes.set_xticklabels([series_of(r) for r in rows], **SLANTED)
+            axes.set_xlabel("point" if named or not inner else inner[0])
         else:  # groups along the axis, one coloured bar per value of the other options
             groups = list(dict.fromkeys(group_of(r) for r in rows))
             names = list(dict.fromkeys(series_of(r) for r in rows))
@@ -67,16 +72,69 @@ def plot(path: str, rows: list[Row], metric: str, title: str) -> None:
                 low, mid, high = (np.array(v) for v in zip(*(stats[id(r)] for r in members)))
                 axes.bar(xs, mid, width=width, yerr=[mid - low, high - mid], capsize=3, label=name)
             axes.set_xticks(range(len(groups)))
-            axes.set_xticklabels(groups)
+            axes.set_xticklabels(groups, **SLANTED if len(groups) > 6 else {})
             axes.set_xlabel(group_by)
-            axes.legend(title=" / ".join(inner), fontsize="small")
-    axes.set_ylabel(f"{metric} (ms): p50, p10-p90 band" if numeric
+            legend_beside(axes, title=None if named else inner[0])
+    axes.set_ylabel(f"{metric} (ms): p50, p10-p90 band" if x_name is not None
                     else f"{metric} (ms): p50, p10-p90 whiskers")
     axes.set_title(title)
     axes.grid(axis="y", alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(in_its_folder(path), dpi=120)
+    # the canvas grows to hold the legend and long tick labels (tight_layout would shrink the
+    # axes to nothing, and warn, with a legend of many points)
+    figure.savefig(in_its_folder(path), dpi=120, bbox_inches="tight")
     plt.close(figure)
+
+
+def line_axis(rows: list[Row], columns: list[str]) -> str | None:
+    """The numeric option to draw lines over: the first that takes two values or more within
+    one line (the points alike in every other option); None where no option does, and bars are
+    drawn (an option that varies only with another, as nserver with the hook, makes no line)."""
+    for name in columns:
+        if all(is_number(r.option(name)) for r in rows) and any(
+                len({r.option(name) for r in members}) > 1
+                for members in lines(rows, columns, name, "").values()):
+            return name
+    return None
+
+
+def bar_groups(rows: list[Row], columns: list[str]) -> str | None:
+    """The option to group bars by: the first whose groups hold several bars and share one
+    (the points alike in every other option); None, one bar per point, where none does."""
+    for name in columns[:-1] if len(columns) > 1 else []:
+        bars = lines(rows, columns, name, "")
+        shared = any(len({str(r.option(name)) for r in members}) > 1 for members in bars.values())
+        if shared and len({str(r.option(name)) for r in rows}) < len(rows):
+            return name
+    return None
+
+
+def lines(rows: list[Row], columns: list[str], x_name: str, fallback: str) -> dict[str, list[Row]]:
+    """The points of each line over ``x_name``, by the label of their other options."""
+    series: dict[str, list[Row]] = {}
+    for row in rows:
+        series.setdefault(label(row, [c for c in columns if c != x_name], named=True) or fallback,
+                          []).append(row)
+    return series
+
+
+def label(row: Row, names: list[str], named: bool = False) -> str:
+    """The point's values of ``names`` that are set; each beside its name where there are
+    several (or ``named``)."""
+    shown = [c for c in names if is_set(row.option(c))]
+    if named or len(names) > 1:
+        return " ".join(f"{c}={row.option(c)}" for c in shown)
+    return " ".join(str(row.option(c)) for c in shown)
+
+
+def is_set(value) -> bool:
+    """An option left unset (None, an empty mapping or list) says nothing in a label."""
+    return value not in (None, "{}", "[]")
+
+
+def legend_beside(axes, **options) -> None:
+    """The legend to the right of the plot, where no number of points covers the data."""
+    axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
+                **options)
 
 
 def plot_convergence(path: str, rows: list[Row], title: str) -> None:
@@ -99,13 +157,10 @@ def plot_convergence(path: str, rows: list[Row], title: str) -> None:
         ys = [np.mean([loss if loss is not None else np.nan
                        for _, loss in curve[i - window + 1:i + 1]])
               for i in range(window - 1, len(curve))]
-        # an option left unset says nothing
-        shown = [c for c in columns if row.option(c) not in (None, "{}")]
-        label = (" ".join(f"{c}={row.option(c)}" for c in shown) if len(columns) > 1
-                 else " ".join(str(row.option(c)) for c in shown)) or row.label
+        name = label(row, columns) or row.label
         if not convergence["reached"]:
-            label += f" (not reached: {convergence['stopped_by']})"
-        line, = axes.plot(xs, ys, label=label, color=colour)
+            name += f" (not reached: {convergence['stopped_by']})"
+        line, = axes.plot(xs, ys, label=name, color=colour)
         held = [(s, loss) for _, s, loss in convergence["held_out"] if loss is not None]
         if held:
             axes.plot(*zip(*held), linestyle="none", marker="o", markersize=3,
