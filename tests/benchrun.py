@@ -88,11 +88,11 @@ def printed_results(stdout: str) -> dict | None:
     return None
 
 
-def start_bench(*args: str) -> subprocess.Popen:
+def start_bench(*args: str, env: dict | None = None) -> subprocess.Popen:
     """Starts ``python bench.py ARGS`` in its own session, stdout and stderr piped."""
     return subprocess.Popen(
         [sys.executable, str(ROOT / "bench.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, **(env or {})},
     )
 
 

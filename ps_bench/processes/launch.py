@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.job import Job
 from ps_bench.results.files import environment, failed_results, keep_results, read_snapshot
-from ps_bench.processes import rendezvous
+from ps_bench.processes import orphans, rendezvous
 from ps_bench.runtime import failures, network, preload
 from ps_bench.runtime.addresses import interface_env, loopback
 from ps_bench.processes.master import Master
@@ -288,7 +288,10 @@ def spawn(spec: LaunchSpec, watchdog: tuple[float, str] | None = None) -> int:
     cfg = spec.config
     if cfg.timeout and (watchdog is None or cfg.timeout < watchdog[0]):
         watchdog = (cfg.timeout, "--timeout")
+    for path in orphans.recover():
+        print(f"results (an earlier run on this machine, its launcher killed): {path}", flush=True)
     spec.run_dir = new_run_dir()
+    owner = orphans.claim(spec.run_dir, spec.results_path)
     emulated = store = None
     processes = []
     try:
@@ -327,6 +330,7 @@ def spawn(spec: LaunchSpec, watchdog: tuple[float, str] | None = None) -> int:
             if emulated.keep:
                 print(emulated.kept(), flush=True)
         shutil.rmtree(spec.run_dir, ignore_errors=True)
+        owner.close()
 
 
 def emulated_env(spec: LaunchSpec, emulated: network.EmulatedNetwork) -> None:

@@ -92,11 +92,16 @@ def test_a_failed_rank_ctrl_c_and_kill_leave_nothing_behind(tmp_path, nothing_le
     _, stderr, _ = communicate(process, 60, "bench.py emulate after Ctrl-C")
     assert process.returncode == 130 and "interrupted by SIGINT" in stderr
     assert json.loads((tmp_path / "stopped.json").read_text())["rounds_completed"] >= 1
-    # SIGKILL to the launcher alone: its ranks and the namespaces' holders end with it
-    process = start_bench("emulate", "--link", "1gbit", "--", "--rounds", "100000", "--out", str(tmp_path / "k.json"))
+    # SIGKILL to the launcher alone: its ranks and the namespaces' holders end with it, its
+    # finished rounds left in its run folder for the next run (tests/integration/test_failures.py)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    process = start_bench("emulate", "--link", "1gbit", "--", "--rounds", "100000", "--out", str(tmp_path / "k.json"),
+                          env={"TMPDIR": str(temporary)})
     read_until(process, "[round 2/")
     process.kill()
     communicate(process, 60, "bench.py emulate after SIGKILL")
+    assert [p.parent.name.startswith("ps_bench-") for p in temporary.glob("*/partial.json")] == [True]
 
 
 TWO_BY_TWO = ("--ntrainer", "4", "--per-host", "2", *QUICK)

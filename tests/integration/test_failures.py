@@ -59,10 +59,14 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_a_local_job_listens_on_loopback_only_and_dies_with_its_launcher(results_path):
+def test_a_local_job_listens_on_loopback_only_and_dies_with_its_launcher(results_path, tmp_path):
     """The store, RPC and gloo of a job on one machine: nothing another host can reach. The ranks
-    are the forkserver's children: a launcher killed by SIGKILL takes them with it all the same."""
-    process = start_bench("--rounds", "100000", "--out", str(results_path))
+    are the forkserver's children: a launcher killed by SIGKILL takes them with it all the same,
+    and the next run on the machine writes its finished rounds where it would have (they had
+    stayed in its run folder, one more in the temporary folder after each such run)."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    process = start_bench("--rounds", "100000", "--out", str(results_path), env={"TMPDIR": str(temporary)})
     read_until(process, "[round 2/")
     job = descendants(process.pid)  # the forkserver, its resource tracker, the ranks
     sockets = listening_sockets([process.pid, *job])
@@ -76,6 +80,15 @@ def test_a_local_job_listens_on_loopback_only_and_dies_with_its_launcher(results
     addresses = [address for found in sockets.values() for address in found]
     assert len(addresses) >= 5, sockets  # the store, and every rank's RPC listener at least
     assert all(is_loopback(address) for address in addresses), sockets
+    assert not results_path.exists() and len(list(temporary.glob("ps_bench-*/partial.json"))) == 1
+    following = run_bench("--rounds", "1", "--warmup-rounds", "0", out=tmp_path / "next.json",
+                          env={"TMPDIR": str(temporary)}, timeout_s=120)
+    assert following.returncode == 0, following.stderr
+    assert f"results (an earlier run on this machine, its launcher killed): {results_path}" in following.stdout
+    killed = json.loads(results_path.read_text())
+    assert killed["status"] == "failed" and "launcher was killed outright" in killed["error"]
+    assert killed["rounds_completed"] >= 2 and killed["config"]["rounds"] == 100000
+    assert not list(temporary.glob("ps_bench-*"))
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
