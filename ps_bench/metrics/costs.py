@@ -146,18 +146,24 @@ class Nodes:
 
 def flat_ring_ms(nodes: Nodes, nbytes: float, steps_per_message: int = 1) -> float:
     """A ring all-reduce over all n = N·G trainers, ordered node by node (NCCL's ring): each node's
-    network link carries one ring edge each way, ``2(n-1)/n · M``, and the ring moves at its
-    slowest edge, so ``2(n-1)α + 2(n-1)/n · M / min(B_network, B_local)`` with α the network's
-    (NCCL's ring, Jeaugey, "NCCL 2.0", GTC 2017). G = 1 is ``ring_allreduce_ms`` over N; N = 1 is
-    a ring over the local link alone."""
+    network link carries one ring edge each way, ``2(n-1)/n · M``, at the ring's slowest edge;
+    of its ``2(n-1)`` steps, ``2(N-1)`` cross a node's network link and pay its latency, the
+    other ``2N(G-1)`` the local link's: ``2(N-1)α + 2N(G-1)α_l + 2(n-1)/n · M / min(B, B_l)``
+    (NCCL's ring, Jeaugey, "NCCL 2.0", GTC 2017; its latency as NCCL's own tuning model counts
+    a ring's, ``src/graph/tuning.cc``: intra-node steps at the intra-node latency, the
+    ``2(nNodes-1)`` inter-node steps at the network's). G = 1 is ``ring_allreduce_ms`` over N;
+    N = 1 is a ring over the local link alone."""
     if nodes.count == 1:
         return (ring_allreduce_ms(nodes.per_node, nbytes, nodes.within(), steps_per_message)
                 if nodes.per_node > 1 else 0.0)
     if nodes.per_node == 1:
         return ring_allreduce_ms(nodes.count, nbytes, nodes.network, steps_per_message)
-    slowest = Link(nodes.network.latency_ms,
-                   min(nodes.network.bytes_per_ms, nodes.within().bytes_per_ms))
-    return ring_allreduce_ms(nodes.trainers, nbytes, slowest, steps_per_message)
+    local = nodes.within()
+    crossing = ring_steps(nodes.count)
+    latency = crossing * nodes.network.latency_ms + (
+        ring_steps(nodes.trainers) - crossing) * local.latency_ms
+    slowest = Link(0.0, min(nodes.network.bytes_per_ms, local.bytes_per_ms))
+    return steps_per_message * latency + ring_allreduce_ms(nodes.trainers, nbytes, slowest)
 
 
 def within_node_ms(nodes: Nodes, nbytes: float, collectives: int) -> float:

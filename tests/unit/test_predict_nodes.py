@@ -40,9 +40,14 @@ def test_one_trainer_per_node_is_the_flat_ring_and_one_node_is_its_local_link(n)
     assert pipelines.ps_pipeline(pieces, n, 1, NETWORK, per_node=1) == pipelines.ps_pipeline(pieces, n, 1, NETWORK)
 
 
-def test_the_flat_ring_on_nodes_moves_at_the_network_link_with_2_n_minus_1_latencies():
-    # 2 nodes x 4: n = 8, 2(n-1)/n = 1.75 of the bytes at the slower link, 14 latencies of the network
-    assert costs.flat_ring_ms(Nodes(2, 4, NETWORK, LOCAL), 8 * MB) == pytest.approx(14 * 0.01 + 1.75 * 8.0)
+def test_the_flat_ring_on_nodes_moves_at_the_network_link_and_pays_its_latency_where_it_crosses_it():
+    # 2 nodes x 4: n = 8, 2(n-1)/n = 1.75 of the bytes at the slower link; of the 14 steps, 2(N-1) = 2
+    # cross the network (its latency), 12 stay inside a node (the local link's), as NCCL's tuning
+    # model counts a ring's latency (every step at the network's had counted it 14 times)
+    assert costs.flat_ring_ms(Nodes(2, 4, NETWORK, LOCAL), 8 * MB) == pytest.approx(2 * 0.01 + 12 * 0.001 + 1.75 * 8.0)
+    # PowerSGD's three collectives a bucket: every latency three times
+    assert costs.flat_ring_ms(Nodes(2, 4, NETWORK, LOCAL), 8 * MB, steps_per_message=3) == pytest.approx(
+        3 * (2 * 0.01 + 12 * 0.001) + 1.75 * 8.0)
 
 
 def test_hierarchical_is_a_reduce_scatter_and_all_gather_inside_and_a_ring_across():
