@@ -18,8 +18,9 @@ SLANTED = {"rotation": 30, "ha": "right"}
 
 
 def plot(path: str, rows: list[Row], metric: str, title: str) -> None:
-    """Lines over a numeric option that varies (e.g. ntrainer), else grouped bars per point;
-    p50 with p10-p90 whiskers from the raw samples."""
+    """Lines over a numeric option that varies within a line (e.g. ntrainer, ``line_axis``),
+    else bars, grouped where the groups share bars (``bar_groups``); p50 with p10-p90 whiskers
+    from the raw samples."""
     plt = pyplot()
     rows = [r for r in rows if r.ok and r.raw(metric)]
     if not rows:
