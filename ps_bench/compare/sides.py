@@ -168,11 +168,14 @@ def pair_points(base: Side, new: Side,
         label_points([runs_base + runs_new], [pairing])
         return [pairing], [], []
     if not common:
-        differs = differing_fields(base.runs, new.runs)
+        # an entry differs with its option (model_config with model): --match takes the option
+        owners = {entry: option for option, entry in ENTRIES.items()}
+        differs = list(dict.fromkeys(owners.get(name, name)
+                                     for name in differing_fields(base.runs, new.runs)))
+        hint = (f"; --match {','.join(differs)} ignores them" if differs else "")
         raise ConfigError(f"compare: no point of {new.path!r} has the configuration of a point of "
                           f"{base.path!r} ({len(points_base)} and {len(points_new)} points); the "
-                          f"options that differ: {', '.join(differs) or 'none'} (--match NAME,... "
-                          f"ignores options)")
+                          f"options that differ: {', '.join(differs) or 'none'}{hint}")
     pairings = [Pairing(points_base[key], points_new[key], key,
                         differing_fields(points_base[key], points_new[key]))
                 for key in common]

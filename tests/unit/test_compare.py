@@ -317,3 +317,17 @@ def test_match_model_compares_two_models(two_files, capsys):
     code, out, err = run_compare(capsys, str(base), str(new), "--match", "model")
     assert code == 0, err
     assert "slower" in row_of(out, "batch p50")
+
+
+def test_sides_with_no_common_point_name_what_match_takes_and_it_pairs_them(tmp_path, capsys):
+    """The options that differ, as --match takes them: a model's entry (model_config) differs
+    with the model, and the hint had named it where --match refuses it."""
+    base = write_runs(tmp_path / "base", [results(1, 2.0, ntrainer=n, model_config={"width": 8}) for n in (2, 3)])
+    new = write_runs(tmp_path / "new", [results(2, 2.0, ntrainer=n, hook="allreduce", nserver=0,
+                                                model_config={"width": 16}) for n in (2, 3)])
+    code, out, err = run_compare(capsys, str(base), str(new))
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.rstrip().endswith("the options that differ: nserver, hook, model; --match nserver,hook,model ignores "
+                                 "them"), err
+    code, out, err = run_compare(capsys, str(base), str(new), "--match", "nserver,hook,model")
+    assert code == 0, err
