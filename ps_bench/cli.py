@@ -170,6 +170,9 @@ def check(argv: list[str], gpus: int = 8) -> None:
 
 
 def dry_run_table(cfg: RunConfig, topology: Topology, spec: LaunchSpec) -> str:
+    # a strategy that sends nothing to servers leaves them idle
+    idle = {} if spec.job.strategy.needs_servers else {
+        "trainer": "-", "server": f"idle: --hook {cfg.hook} sends it nothing"}
     rows = []
     for info in topology.ranks:
         device = spec.device_of(info.rank)
@@ -177,7 +180,7 @@ def dry_run_table(cfg: RunConfig, topology: Topology, spec: LaunchSpec) -> str:
             info.rank, info.role, info.name,
             "cuda" if info.cuda_rpc else "cpu",
             "cpu" if device is None else f"cuda:{device}",
-            topology.describe_mapping(info),
+            idle.get(info.role) or topology.describe_mapping(info),
         ])
     header = (f"{topology.world_size} processes: {plural(topology.num_trainers, 'trainer')}, "
               f"{plural(topology.num_servers, 'server')}, 1 master; hook {cfg.hook}, "
@@ -223,6 +226,8 @@ def run_job(argv: list[str], launched_at: float, imported: float) -> int:
         spec = launch_spec(cfg, argv, launched_at, imported)
         if cfg.dry_run:
             print(dry_run_table(cfg, spec.topology(), spec))
+            for note in spec.job.notes:
+                print(f"ps_bench: note: {note}")
             return EXIT_OK
         if spec.torchrun:
             return run_torchrun_rank(spec)

@@ -311,6 +311,12 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
         HOOKS.get(cfg.hook).check_network(cfg, engine_config, network, gpus)
     check_devices(cfg, record, network, gpus,
                   cfg.num_trainers if trainers_on_node is None else trainers_on_node)
+    if cfg.num_servers and not record.needs_servers:
+        one = cfg.num_servers == 1
+        notes.append(f"--hook {cfg.hook} sends no gradient to parameter servers: the "
+                     f"{cfg.num_servers} server{'' if one else 's'} --nserver starts (1 by "
+                     f"default) {'idles' if one else 'idle'}; --nserver 0 leaves "
+                     f"{'it' if one else 'them'} out")
     return Job(cfg, record, model, data, engine_config, tuple(notes))
 
 

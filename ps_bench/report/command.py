@@ -13,6 +13,7 @@ from ps_bench.metrics.costs import Link, byteps_bound_ms, ps_bound_ms
 from ps_bench.report.figures import plot, plot_convergence
 from ps_bench.report.rows import WORKLOAD, Row, load_rows, varying_options
 from ps_bench.runtime.network import parse_rate
+from ps_bench.strategies import HOOKS
 
 DESCRIPTION = (
     "Compare runs: one row per point, with the options that vary across points, p50 and p90 of a "
@@ -113,8 +114,7 @@ def scaling_table(rows: list[Row], link_gbps: float | None) -> tuple[list[str], 
     headers = ["hook", "trainers", "servers", "batch p50 ms", "comm p50 ms", "MB/iter", "B GB/s",
                "PS bound ms", "BytePS optimum ms", "comm / PS bound"]
     body = []
-    counts = {id(r): (r.count("ntrainer", "ncudatrainer"), r.count("nserver", "ncudaserver"))
-              for r in rows}
+    counts = {id(r): (r.count("ntrainer", "ncudatrainer"), servers_used(r)) for r in rows}
     for row in sorted((r for r in rows if r.ok), key=lambda r: (str(r.option("hook")),
                                                                  *counts[id(r)])):
         n, k = counts[id(row)]
@@ -129,6 +129,16 @@ def scaling_table(rows: list[Row], link_gbps: float | None) -> tuple[list[str], 
                      fixed(moved / 1e6, 3), fixed(gbps, 2), fixed(bound, 3), fixed(optimum, 3),
                      f"{comm / bound:.2f}" if bound and comm else None])
     return headers, body
+
+
+def servers_used(row: Row) -> int:
+    """The parameter servers the point's strategy sends to: none for one that sends them nothing
+    (all-reduce started with --nserver 1, the default, leaves its server idle)."""
+    hook = row.option("hook")
+    record = HOOKS.record(hook) if isinstance(hook, str) and hook in HOOKS else None
+    if record is not None and not record.needs_servers:
+        return 0
+    return row.count("nserver", "ncudaserver")
 
 
 def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: str | None,

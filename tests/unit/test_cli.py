@@ -165,6 +165,19 @@ def test_an_output_under_a_file_is_one_line_and_exit_2(flag, name, words, capsys
     assert err.count("\n") == 1 and flag in err and words in err, err
 
 
+def test_servers_a_strategy_sends_nothing_to_are_shown_idle_and_said_so(capsys):
+    """--hook allreduce with the default --nserver 1 starts a server that hears nothing: the layout
+    had shown it owning the bytes and the trainers sending it buckets."""
+    assert main(["--dry-run", "--hook", "allreduce"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[3].split()[-1] == "-" and lines[5].endswith("idle: --hook allreduce sends it nothing")
+    assert lines[-1] == ("ps_bench: note: --hook allreduce sends no gradient to parameter servers: the 1 server "
+                         "--nserver starts (1 by default) idles; --nserver 0 leaves it out")
+    for argv in (["--hook", "allreduce", "--nserver", "0"], ["--hook", "ps"], ["--hook", "ps_node", "--ntrainer", "4", "--per-host", "2"]):
+        assert main(["--dry-run", *argv]) == 0
+        assert "note" not in capsys.readouterr().out, argv
+
+
 def test_profile_folder_is_not_made_by_a_dry_run(capsys, tmp_path):
     assert main(["--profile", str(tmp_path / "new" / "traces"), "--dry-run"]) == 0
     assert not (tmp_path / "new").exists()
