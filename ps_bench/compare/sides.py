@@ -19,6 +19,7 @@ from ps_bench.results.load import load_source
 NOT_COMPARED = (*NOT_HASHED, "model_size", "master_port", "engine_config")
 # --match model also ignores the model's entry, and --match data the data's.
 ENTRIES = {"model": "model_config", "data": "data_config"}
+OPTION_OF_ENTRY = {entry: option for option, entry in ENTRIES.items()}
 
 
 # ---------------------------------------------------------------------------- the sides
@@ -169,8 +170,7 @@ def pair_points(base: Side, new: Side,
         return [pairing], [], []
     if not common:
         # an entry differs with its option (model_config with model): --match takes the option
-        owners = {entry: option for option, entry in ENTRIES.items()}
-        differs = list(dict.fromkeys(owners.get(name, name)
+        differs = list(dict.fromkeys(OPTION_OF_ENTRY.get(name, name)
                                      for name in differing_fields(base.runs, new.runs)))
         hint = (f"; --match {','.join(differs)} ignores them" if differs else "")
         raise ConfigError(f"compare: no point of {new.path!r} has the configuration of a point of "

@@ -175,10 +175,8 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
         print(f"csv: {csv_path}")
     if plot_path:
         sweep = rows[0].results.get("point", {}).get("sweep", "")
-        curves = sum(bool((row.results.get("convergence") or {}).get("loss_curve"))
-                     for row in rows)
-        without = sum(row.ok and not (row.results.get("convergence") or {}).get("loss_curve")
-                      for row in rows)
+        curves = sum(row.has_loss_curve for row in rows)
+        without = sum(row.ok and not row.has_loss_curve for row in rows)
         if curves and not without:
             plot_convergence(plot_path, rows,
                              f"{sweep + ': ' if sweep else ''}loss against training time")

@@ -142,7 +142,7 @@ def plot_convergence(path: str, rows: list[Row], title: str) -> None:
     """The averaged model's training loss (smoothed as the target is) against seconds of
     training, one line per point, the target as a dashed line; held-out losses as markers."""
     plt = pyplot()
-    rows = [r for r in rows if (r.results.get("convergence") or {}).get("loss_curve")]
+    rows = [r for r in rows if r.has_loss_curve]
     if not rows:
         raise ConfigError("report --plot: no point has a loss curve (runs with --target-loss)")
     columns = varying_options(rows)

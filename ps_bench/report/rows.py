@@ -47,6 +47,11 @@ class Row:
     def workload(self) -> tuple:
         return tuple(self.option(name) for name in WORKLOAD)
 
+    @property
+    def has_loss_curve(self) -> bool:
+        """A run to --target-loss, with the loss curve report --plot draws."""
+        return bool((self.results.get("convergence") or {}).get("loss_curve"))
+
     def raw(self, metric: str) -> list[float]:
         return [v for entry in self.results.get("samples", [])
                 for v in entry.get("metrics", {}).get(metric, [])]
