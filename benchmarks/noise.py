@@ -10,7 +10,7 @@ per metric; the threshold lowers it further.
 Runs already in the output folder are reused (delete it to measure again; a larger --runs adds
 only the missing ones).
 
-    python benchmarks/noise.py [--runs 120] [--out results/noise] [-- run options, e.g. --hook allreduce --nserver 0]
+    python benchmarks/noise.py [--runs 120] [--out results/noise] [-- run options, e.g. --hook allreduce]
 """
 
 from __future__ import annotations

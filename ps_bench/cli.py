@@ -24,7 +24,7 @@ from tabulate import tabulate
 from ps_bench.runtime import preload
 from ps_bench.config import ConfigError, RunConfig, build_config, check_output_file
 from ps_bench.runtime.failures import Terminated, raise_terminated
-from ps_bench.job import cuda_device_count, validate
+from ps_bench.job import cuda_device_count, default_servers, validate
 from ps_bench.processes.launch import (JobFailed, LaunchSpec, run_torchrun_rank, spawn,
                                        under_torchrun)
 from ps_bench.results.files import results_path
@@ -70,7 +70,7 @@ EXAMPLES = """\
 examples:
   python bench.py                                          # 2 trainers, 1 server, CPU
   python bench.py --ntrainer 3 --nserver 2 --mapping group --hook ps
-  python bench.py --hook allreduce --ntrainer 4 --nserver 0
+  python bench.py --hook allreduce --ntrainer 4
   python bench.py --config configs/runs/upstream_ps.json --rounds 5
   python bench.py --dry-run --ntrainer 3 --nserver 2       # ranks, roles, mapping; no run
   torchrun --nproc-per-node 4 bench.py --ntrainer 2 --nserver 1   # one process per rank
@@ -192,6 +192,7 @@ def dry_run_table(cfg: RunConfig, topology: Topology, spec: LaunchSpec) -> str:
 def launch_spec(cfg: RunConfig, argv: list[str], launched_at: float, imported: float) -> LaunchSpec:
     """Validates ``cfg`` for the node this process runs on (all of the job, or torchrun's share)."""
     torchrun = under_torchrun()
+    default_servers(cfg)  # the world's size counts them
     if torchrun and cfg.emulate_link is not None:
         raise ConfigError("--emulate-link emulates a network on this machine with ps_bench's own "
                           "launcher: run python bench.py emulate, not under torchrun")

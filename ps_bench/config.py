@@ -62,7 +62,10 @@ class RunConfig:
     ntrainer: int = option(2, "trainers whose gradients cross RPC as CPU tensors", group=TOPOLOGY)
     ncudatrainer: int = option(0, "trainers whose gradients cross RPC as CUDA tensors "
                                   "(device maps)", group=TOPOLOGY)
-    nserver: int = option(1, "parameter servers that aggregate on the CPU", group=TOPOLOGY)
+    nserver: int | None = option(
+        None, "parameter servers that aggregate on the CPU (default: 1 where --hook sends "
+        "gradients to servers and --ncudaserver is 0, else 0: no server idles beside a strategy "
+        "that sends it nothing)", group=TOPOLOGY)
     ncudaserver: int = option(0, "parameter servers that aggregate on a GPU", group=TOPOLOGY)
     backend: str = option("gloo", "trainers' collective backend", group=TOPOLOGY,
                           choices=("gloo", "nccl", "multi"))
@@ -243,6 +246,7 @@ class RunConfig:
 
     @property
     def num_servers(self) -> int:
+        assert self.nserver is not None, "--nserver left out: job.default_servers sets it first"
         return self.nserver + self.ncudaserver
 
     @property

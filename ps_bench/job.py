@@ -64,9 +64,23 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def default_servers(cfg: RunConfig) -> None:
+    """``--nserver`` left out: 1 where the strategy sends gradients to parameter servers and no
+    ``--ncudaserver`` is given, else 0, so that no server idles beside a strategy that sends it
+    nothing (the hook by its registered or upstream's name; an unknown one is an error here)."""
+    if cfg.nserver is not None:
+        return
+    try:
+        record = HOOKS.record(HOOKS.canonical(cfg.hook))
+    except UnknownNameError as error:
+        raise ConfigError(f"--hook: {error}") from None
+    cfg.nserver = int(record.needs_servers and not cfg.ncudaserver)
+
+
 def check_options(cfg: RunConfig, machine: bool = True) -> None:
     """Each option on its own: ranges, formats, ports, folders, and (``machine``) the interface
-    on this machine."""
+    on this machine; ``--nserver`` left out is set first (``default_servers``)."""
+    default_servers(cfg)
     for name in ("ntrainer", "ncudatrainer", "nserver", "ncudaserver", "warmup_rounds"):
         need(getattr(cfg, name) >= 0, f"{flag(name)} must be 0 or more; got {getattr(cfg, name)}")
     for name in ("epochs", "batch_size", "grad_accum", "rounds", "rpc_threads"):
@@ -166,7 +180,7 @@ def check_pieces(cfg: RunConfig) -> Strategy:
              f"--hook {cfg.hook} sends gradients to parameter servers: set --nserver 1 or more")
     if not record.takes_servers:
         need(cfg.num_servers == 0, f"--hook {cfg.hook} ({record.family} family) trains without "
-                                   f"parameter servers: set --nserver 0 (got --nserver "
+                                   f"parameter servers: leave --nserver out (got --nserver "
                                    f"{cfg.nserver}, --ncudaserver {cfg.ncudaserver})")
         unsupported = (["--gradient-as-bucket-view"]
                        if cfg.gradient_as_bucket_view and record.wrap in (FSDP, ENGINE) else [])
@@ -314,9 +328,9 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
     if cfg.num_servers and not record.needs_servers:
         one = cfg.num_servers == 1
         notes.append(f"--hook {cfg.hook} sends no gradient to parameter servers: the "
-                     f"{cfg.num_servers} server{'' if one else 's'} --nserver starts (1 by "
-                     f"default) {'idles' if one else 'idle'}; --nserver 0 leaves "
-                     f"{'it' if one else 'them'} out")
+                     f"{cfg.num_servers} server{'' if one else 's'} asked for (--nserver "
+                     f"{cfg.nserver}, --ncudaserver {cfg.ncudaserver}) "
+                     f"{'idles' if one else 'idle'}; leave both out to start none")
     return Job(cfg, record, model, data, engine_config, tuple(notes))
 
 

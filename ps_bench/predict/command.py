@@ -63,7 +63,7 @@ hierarchical (within, across, within), hsdp, parameter servers on hosts of their
 (dedicated) or one on each node (colocated); every formula and its reference is in
 ps_bench/metrics/costs.py, the bucket pipelines in ps_bench/predict/pipelines.py.
 --compute RUN.json takes the compute phases and bucket timeline from a run on the device you
-will train on (e.g. --backend nccl --ntrainer 1 --nserver 0 --hook noop); --compute-ms needs no
+will train on (e.g. --backend nccl --ntrainer 1 --hook noop); --compute-ms needs no
 run: DDP's buckets for --model, each ready when backward has done the FLOPs of the layers after
 its parameters' (counted on the meta device over a batch of the model's own data).
 """

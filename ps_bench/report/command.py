@@ -133,7 +133,8 @@ def scaling_table(rows: list[Row], link_gbps: float | None) -> tuple[list[str], 
 
 def servers_used(row: Row) -> int:
     """The parameter servers the point's strategy sends to: none for one that sends them nothing
-    (all-reduce started with --nserver 1, the default, leaves its server idle)."""
+    (all-reduce started with --nserver 1, as every hook was before --nserver followed the hook,
+    leaves its server idle)."""
     hook = row.option("hook")
     record = HOOKS.record(hook) if isinstance(hook, str) and hook in HOOKS else None
     if record is not None and not record.needs_servers:

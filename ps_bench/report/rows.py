@@ -15,6 +15,7 @@ from ps_bench.results.load import load_source
 # Resolved options never shown as columns: they describe the output, or repeat another column.
 HIDDEN = {"out", "dry_run", "per_rank", "debug", "verbose", "emulate_keep", "model_config",
           "data_config", "model_size", "master_port", "engine_config"}
+SERVER_COUNTS = ("nserver", "ncudaserver")  # no column where they only go with the hook
 
 
 # what an iteration computes: points that differ in any of these do different work, no speedup
@@ -83,12 +84,24 @@ def load_rows(sources: list[str]) -> list[Row]:
 
 
 def varying_options(rows: list[Row]) -> list[str]:
+    """The options that take two values or more over ``rows``, as they appear in the config; the
+    server counts left out where they only go with the hook (as many as each strategy sends to,
+    what ``--nserver`` left out gives)."""
     names: list[str] = []
     for row in rows:
         for name in row.results.get("config", {}):
             if name not in names and name not in HIDDEN:
                 names.append(name)
-    return [n for n in names if len({str(row.option(n)) for row in rows}) > 1]
+    varying = [n for n in names if len({str(row.option(n)) for row in rows}) > 1]
+    return [n for n in varying if not (n in SERVER_COUNTS and "hook" in varying
+                                       and follows(rows, n, "hook"))]
+
+
+def follows(rows: list[Row], name: str, leader: str) -> bool:
+    """Whether ``name`` takes one value for each value of ``leader`` over ``rows``."""
+    value_of: dict[str, str] = {}
+    return all(value_of.setdefault(str(row.option(leader)), str(row.option(name)))
+               == str(row.option(name)) for row in rows)
 
 
 def is_number(value: Any) -> bool:

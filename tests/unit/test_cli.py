@@ -6,9 +6,11 @@ from pathlib import Path
 import pytest
 
 from ps_bench.cli import build_parser, main
+from ps_bench.config import build_config
+from ps_bench.job import default_servers
 from ps_bench.models import DATA
 from ps_bench.models.dummy import DummyData
-from ps_bench.options import REGISTRIES
+from ps_bench.options import REGISTRIES, parse_run_options
 from ps_bench.results.files import results_path
 
 
@@ -166,16 +168,37 @@ def test_an_output_under_a_file_is_one_line_and_exit_2(flag, name, words, capsys
 
 
 def test_servers_a_strategy_sends_nothing_to_are_shown_idle_and_said_so(capsys):
-    """--hook allreduce with the default --nserver 1 starts a server that hears nothing: the layout
-    had shown it owning the bytes and the trainers sending it buckets."""
-    assert main(["--dry-run", "--hook", "allreduce"]) == 0
+    """--hook allreduce --nserver 1 starts a server that hears nothing: the layout had shown it
+    owning the bytes and the trainers sending it buckets."""
+    assert main(["--dry-run", "--hook", "allreduce", "--nserver", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[3].split()[-1] == "-" and lines[5].endswith("idle: --hook allreduce sends it nothing")
     assert lines[-1] == ("ps_bench: note: --hook allreduce sends no gradient to parameter servers: the 1 server "
-                         "--nserver starts (1 by default) idles; --nserver 0 leaves it out")
+                         "asked for (--nserver 1, --ncudaserver 0) idles; leave both out to start none")
     for argv in (["--hook", "allreduce", "--nserver", "0"], ["--hook", "ps"], ["--hook", "ps_node", "--ntrainer", "4", "--per-host", "2"]):
         assert main(["--dry-run", *argv]) == 0
         assert "note" not in capsys.readouterr().out, argv
+
+
+@pytest.mark.parametrize("argv, servers", [
+    ([], 1), (["--hook", "ps_node", "--ntrainer", "4", "--per-host", "2"], 1),
+    (["--hook", "allreduce"], 0), (["--hook", "allreduce_hook"], 0),  # upstream's name
+    (["--hook", "fsdp"], 0), (["--hook", "local_sgd"], 0), (["--hook", "ps", "--nserver", "3"], 3),
+])
+def test_servers_left_out_are_what_the_strategy_sends_to(capsys, argv, servers):
+    """--nserver left out starts one server for a strategy that sends gradients to servers and
+    none for one that does not: it had started one for every hook, so all-reduce ran beside an
+    idle server (its RPC polling a core's share) and --hook fsdp was refused without --nserver 0."""
+    assert main(["--dry-run", *argv]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split(", ")[1] == f"{servers} server{'' if servers == 1 else 's'}", out
+    assert "note" not in out
+
+
+def test_cuda_servers_alone_replace_the_default_cpu_server():
+    cfg = build_config(*parse_run_options(["--ncudaserver", "2"]))
+    default_servers(cfg)
+    assert (cfg.nserver, cfg.num_servers) == (0, 2)
 
 
 def test_profile_folder_is_not_made_by_a_dry_run(capsys, tmp_path):

@@ -18,7 +18,7 @@ def test_defaults_run_as_they_are():
     job = validate(cfg, gpus=0)
     model, data = job.model, job.data
     assert (cfg.ntrainer, cfg.nserver, cfg.backend, cfg.hook, cfg.server, cfg.mapping) == (
-        2, 1, "gloo", "ps", "average", "shard")
+        2, 1, "gloo", "ps", "average", "shard")  # --nserver left out: 1 for ps
     assert model.id == "DummyModelSmall" and data.id == "DummyDataSmall"
 
 
@@ -27,7 +27,7 @@ def test_command_line_beats_json_beats_defaults(tmp_path):
     cfg = build_config({"ntrainer": 4}, path)
     assert cfg.ntrainer == 4  # command line
     assert cfg.batch_size == 8 and cfg.hook == "allreduce"  # JSON, any spelling, aliases
-    assert cfg.nserver == 1  # default
+    assert cfg.epochs == 1 and cfg.nserver is None  # defaults (--nserver: as the hook needs)
 
 
 def test_unknown_json_key_lists_valid_keys(tmp_path):

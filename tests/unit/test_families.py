@@ -85,7 +85,7 @@ def test_the_local_strategies_options_and_their_defaults():
     (("--hook", "diloco", "--nserver", "0", "--hook-option", "period=-2"), "'period' must be at least 1"),
     (("--hook", "local_sgd", "--nserver", "0", "--hook-option", "warmup_steps=-1"), "'warmup_steps' must be 0 or more"),
     (("--hook", "diloco", "--nserver", "0", "--hook-option", "outer_momentum=1"), "'outer_momentum' must be in"),
-    (("--hook", "fsdp"), r"trains without parameter servers: set --nserver 0 \(got --nserver 1"),
+    (("--hook", "fsdp", "--nserver", "1"), r"trains without parameter servers: leave --nserver out \(got --nserver 1"),
     (("--hook", "diloco", "--nserver", "2", "--ntrainer", "3"), "trains without parameter servers"),
     (("--hook", "zero1", "--nserver", "0", "--ncudaserver", "1"), "trains without parameter servers"),
     (("--hook", "local_sgd", "--nserver", "0", "--staleness", "2"), "it needs --hook ps"),

@@ -37,14 +37,28 @@ def test_lines_run_over_the_option_that_varies_within_a_line():
 
 def test_an_option_that_varies_only_with_another_makes_bars_not_lines():
     """Hooks at one trainer count: nserver varies, but only with the hook; a line over it would
-    be a dot per hook."""
+    be a dot per hook (and nserver is no column: --nserver left out follows the hook)."""
     rows = hooks_at([4])
     columns = varying_options(rows)
-    assert "nserver" in columns and line_axis(rows, columns) is None
+    assert columns == ["hook"] and line_axis(rows, columns) is None
+    rows[0].results["config"]["ntrainer"] = 5  # a column of its own, not the hook's
+    assert line_axis(rows, varying_options(rows)) is None
     assert bar_groups(rows, columns) is None  # a group a hook would hold one bar: one bar a point
     two = [point(f"{h}-{p}", 5.0, hook=h, precision=p) for h in ("ps", "allreduce")
            for p in ("fp32", "bf16")]
     assert bar_groups(two, varying_options(two)) == "hook"  # two bars a hook, each in both groups
+
+
+def test_server_counts_are_columns_unless_they_only_go_with_the_hook():
+    """--nserver left out follows the hook (1 for ps, 0 for allreduce): a column of it would say
+    the hook again; swept on its own, or against the hook, it is a column."""
+    assert varying_options(hooks_at([1, 2])) == ["ntrainer", "hook"]
+    grid = [point(f"{h}-{s}", 1.0, nserver=s, hook=h) for h in ("ps", "ps_fp16") for s in (1, 2)]
+    assert varying_options(grid) == ["nserver", "hook"]
+    alone = [point(f"ps-{s}", 1.0, nserver=s, hook="ps") for s in (1, 2)]
+    assert varying_options(alone) == ["nserver"]
+    cuda = [point(h, 1.0, ncudaserver=int(h == "ps"), hook=h) for h in ("ps", "allreduce")]
+    assert varying_options(cuda) == ["hook"]
 
 
 def test_an_unset_option_says_nothing_in_a_label():

@@ -154,7 +154,7 @@ def test_scaling_view_puts_each_point_next_to_its_bound():
     assert by_point[(2, 1)]["BytePS optimum ms"] == "50.000"  # 2·2·1·M / (4 + 2 - 2) / B = M / B
     _, linked = scaling_table([point(2, 1, 150.0)], link_gbps=1.0)
     assert linked[0][7] == "200.000"
-    # all-reduce started beside an idle server (--nserver 1, the default): no server bound, and
+    # all-reduce started beside an idle server (--nserver 1): no server bound, and
     # BytePS's optimum with k = 0 servers, the ring's 2(n-1)/n M / B
     ring = point(4, 1, 200.0)
     ring.results["config"]["hook"] = "allreduce"
