@@ -38,6 +38,7 @@ import torch.multiprocessing as mp
 
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.job import Job
+from ps_bench.options import plural
 from ps_bench.results.files import environment, failed_results, keep_results, read_snapshot
 from ps_bench.processes import orphans, rendezvous
 from ps_bench.runtime import failures, network, preload
@@ -354,13 +355,15 @@ def interruption(error: BaseException) -> str:
 
 def run_torchrun_rank(spec: LaunchSpec) -> int:
     """Runs the rank torchrun started (RANK, WORLD_SIZE and the store come from torchrun)."""
-    world = int(os.environ["WORLD_SIZE"])
-    if world != spec.config.world_size:
+    world, cfg = int(os.environ["WORLD_SIZE"]), spec.config
+    if world != cfg.world_size:
+        idle = ("" if cfg.num_servers or not spec.job.strategy.takes_servers else
+                f": --hook {cfg.hook} sends nothing to parameter servers, so none start unless "
+                f"--nserver asks")
         raise ConfigError(
-            f"torchrun started {world} processes but this run needs {spec.config.world_size} "
-            f"(trainers + servers + 1 master); "
-            f"set --nproc-per-node x --nnodes to {spec.config.world_size}"
-        )
+            f"torchrun started {world} processes but this run needs {cfg.world_size} "
+            f"({plural(cfg.num_trainers, 'trainer')} + {plural(cfg.num_servers, 'server')} + 1 "
+            f"master{idle}); set --nproc-per-node x --nnodes to {cfg.world_size}")
     spec.run_dir = new_run_dir()  # this rank's own: torchrun's agent does the supervising
     worker(int(os.environ["RANK"]), spec)
     shutil.rmtree(spec.run_dir, ignore_errors=True)

@@ -164,7 +164,7 @@ def test_wrong_process_count_under_torchrun():
     command = ["torchrun", "--standalone", "--nproc-per-node", "3", "bench.py"]
     process = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, start_new_session=True)
     assert process.returncode != 0
-    assert "torchrun started 3 processes but this run needs 4" in process.stderr
+    assert "torchrun started 3 processes but this run needs 4 (2 trainers + 1 server + 1 master)" in process.stderr
 
 
 def test_limits_memory_profile_and_per_rank_tables_in_one_run(tmp_path):
