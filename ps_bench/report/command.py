@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+from dataclasses import dataclass
 
 from tabulate import tabulate
 
@@ -25,16 +26,43 @@ example:
   python bench.py report results/hooks --baseline hook=allreduce --csv hooks.csv --plot hooks.png
 """
 
-def find_baseline(rows: list[Row], baseline: str | None) -> Row:
+@dataclass(frozen=True)
+class Baseline:
+    """The points speedups are measured against, those ``--baseline`` names. Where they differ
+    among themselves (a grid: a link, a trainer count), each point is measured against the one
+    alike it in those options, and a point with none alike gets no speedup."""
+
+    points: tuple[Row, ...]
+    named: str = ""  # --baseline as given; empty: the first point
+
+    @property
+    def by(self) -> list[str]:
+        return varying_options(list(self.points)) if len(self.points) > 1 else []
+
+    def of(self, row: Row) -> Row | None:
+        by = self.by
+        return next((point for point in self.points
+                     if all(str(point.option(n)) == str(row.option(n)) for n in by)), None)
+
+    def against(self, what: str = "") -> str:
+        """Whose ``what`` each point's is measured against, for the table's footnotes."""
+        if not self.by:
+            return f"{self.points[0].label}'s{' ' + what if what else ''}"
+        return (f"{'the ' + what if what else 'that'} of the point with {self.named} at the same "
+                f"{', '.join(self.by)}")
+
+
+def find_baseline(rows: list[Row], baseline: str | None) -> Baseline:
     if baseline is None:
-        return rows[0]
+        return Baseline((rows[0],))
     key, sep, value = baseline.partition("=")
     if not sep:
         raise ConfigError(f"--baseline must be KEY=VALUE, e.g. hook=allreduce; got {baseline!r}")
-    for row in rows:
-        if str(row.option(key)) == value or row.label == baseline:
-            return row
-    raise ConfigError(f"--baseline {baseline}: no point has {key}={value}")
+    named = [row for row in rows if row.label == baseline]
+    points = named[:1] or [row for row in rows if str(row.option(key)) == value]
+    if not points:
+        raise ConfigError(f"--baseline {baseline}: no point has {key}={value}")
+    return Baseline(tuple(points), baseline)
 
 
 def to_target(row: Row) -> tuple[int | None, float | None]:
@@ -61,7 +89,7 @@ def convergence_columns(row: Row, reference_s: float | None) -> list:
     return [iterations, fixed(seconds, 3), f"{speedup:.2f}x" if speedup else None]
 
 
-def table(rows: list[Row], metric: str, baseline: Row) -> tuple[list[str], list[list]]:
+def table(rows: list[Row], metric: str, baseline: Baseline) -> tuple[list[str], list[list]]:
     columns = varying_options(rows)
     converging = any(row.results.get("convergence") for row in rows)
     stale = any(row.results.get("staleness") for row in rows)
@@ -69,14 +97,15 @@ def table(rows: list[Row], metric: str, baseline: Row) -> tuple[list[str], list[
                          "grad error", "speedup"] + (["staleness p50/max"] if stale else []) + (
                              ["iterations to target", "seconds to target", "speedup to target"]
                              if converging else []) + ["status"]
-    reference = baseline.stat(metric, "p50")
-    reference_s = to_target(baseline)[1]
     body = []
     for row in rows:
         p50 = row.stat(metric, "p50")
         check = row.results.get("verify") or {}
-        alike = row.workload == baseline.workload
-        speedup = reference / p50 if p50 and reference and alike else None
+        ref = baseline.of(row)
+        alike = ref is not None and row.workload == ref.workload
+        reference = ref.stat(metric, "p50") if alike else None
+        reference_s = to_target(ref)[1] if alike else None
+        speedup = reference / p50 if p50 and reference else None
         body.append([
             *(row.option(c) for c in columns),
             fixed(p50, 3),
@@ -87,7 +116,7 @@ def table(rows: list[Row], metric: str, baseline: Row) -> tuple[list[str], list[
              else f"{check['grad_rel_error_p50']:.2e}"),
             f"{speedup:.2f}x" if speedup else None,
             *([staleness_column(row)] if stale else []),
-            *(convergence_columns(row, reference_s if alike else None) if converging else []),
+            *(convergence_columns(row, reference_s) if converging else []),
             row.results.get("status", "failed"),
         ])
     return headers, body
@@ -161,15 +190,20 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
     reference = find_baseline(rows, baseline)
     headers, body = table(rows, metric, reference)
     print(tabulate(body, headers=headers, missingval="-", disable_numparse=True))
-    print(f"\nspeedup: {reference.label}'s {metric} p50 divided by each point's "
+    print(f"\nspeedup: {reference.against(metric + ' p50')} divided by each point's "
           f"(above 1 is faster)")
-    others = sum(row.workload != reference.workload for row in rows)
+    unmatched = sum(reference.of(row) is None for row in rows)
+    if unmatched:
+        print(f"no speedup for {unmatched} point(s) with no point of {reference.named} at their "
+              f"{', '.join(reference.by)}")
+    others = sum(ref is not None and row.workload != ref.workload
+                 for row, ref in ((row, reference.of(row)) for row in rows))
     if others:
-        print(f"no speedup for {others} point(s) of another workload than {reference.label}'s "
+        print(f"no speedup for {others} point(s) of another workload than {reference.against()} "
               f"(its {', '.join(WORKLOAD)}): their iterations do other work")
     converging = any(row.results.get("convergence") for row in rows)
     if converging:
-        print(f"speedup to target: {reference.label}'s seconds of training to the target loss "
+        print(f"speedup to target: {reference.against('seconds of training to the target loss')} "
               f"divided by each point's")
     if csv_path:
         write_csv(csv_path, headers, body)
@@ -195,7 +229,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("sources", nargs="+", metavar="DIR|FILE",
                         help="sweep folders (their results.jsonl), .jsonl files or results files")
     parser.add_argument("--baseline", metavar="KEY=VALUE", help="the point speedups are measured "
-                        "against (default: the first point)")
+                        "against (default: the first point); where several match and differ (a "
+                        "grid), each point's is the one alike it in those options")
     parser.add_argument("--metric", default="batch", metavar="NAME",
                         help="summary metric to compare, e.g. batch, comm, backward, round "
                         "(default: batch)")

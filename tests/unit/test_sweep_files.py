@@ -7,6 +7,7 @@ import pytest
 from ps_bench.config import ConfigError, build_config
 from ps_bench.job import validate
 from ps_bench.report import load_rows, run_report, table, varying_options
+from ps_bench.report.command import Baseline
 from ps_bench.sweep import load_sweep
 from tests.benchrun import ROOT
 
@@ -87,7 +88,7 @@ def test_report_columns_and_speedups(tmp_path):
     assert [r.label for r in rows] == ["hook=ps", "hook=allreduce"]  # the re-run of point 1 wins
     assert rows[0].results["status"] == "failed"
     assert varying_options(rows) == ["hook"]  # 'out' is never a column
-    headers, body = table(rows, "batch", rows[1])
+    headers, body = table(rows, "batch", Baseline((rows[1],)))
     assert headers[0] == "hook" and headers[-2:] == ["speedup", "status"]
     assert body[0][headers.index("speedup")] == "0.25x" and body[1][headers.index("speedup")] == "1.00x"
 
@@ -103,12 +104,33 @@ def test_report_gives_no_speedup_across_workloads(tmp_path, capsys):
                           ("batch", other_batch)):
         (tmp_path / f"{name}.json").write_text(json.dumps(results))
     rows = load_rows([str(tmp_path / f"{name}.json") for name in ("ps", "ar", "model", "batch")])
-    headers, body = table(rows, "batch", rows[0])
+    headers, body = table(rows, "batch", Baseline((rows[0],)))
     assert [line[headers.index("speedup")] for line in body] == ["1.00x", "2.00x", None, None]
     assert run_report([str(tmp_path / f"{name}.json") for name in ("ps", "ar", "model", "batch")], None,
                       "batch", None, None) == 0
     assert ("no speedup for 2 point(s) of another workload than ps's (its model, model_options, data, "
-            "batch_size, grad_accum)") in capsys.readouterr().out
+            "batch_size, grad_accum): their iterations do other work") in capsys.readouterr().out
+
+
+def test_a_baseline_in_a_grid_is_the_one_alike_each_point(tmp_path, capsys):
+    """A grid of hooks over links with --baseline hook=allreduce: each point against all-reduce on
+    its own link; it had been against the first all-reduce of the grid (all-reduce at 10 Gbit/s
+    shown 1.89x "faster" than itself at 1 Gbit/s). A link without all-reduce gets none."""
+    files = []
+    for hook, link, p50 in (("allreduce", "1gbit", 400.0), ("ps", "1gbit", 800.0), ("allreduce", "10gbit", 200.0),
+                            ("ps", "10gbit", 100.0), ("ps", "100gbit", 50.0)):
+        results = result(hook, p50)
+        results["config"]["emulate_link"] = link
+        files.append(tmp_path / f"{hook}-{link}.json")
+        files[-1].write_text(json.dumps(results))
+    assert run_report([str(f) for f in files], "hook=allreduce", "batch", None, None) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    speedups = [line.split()[-2] for line in lines[2:7]]
+    assert speedups == ["1.00x", "0.50x", "1.00x", "2.00x", "-"], out
+    assert ("speedup: the batch p50 of the point with hook=allreduce at the same emulate_link divided by "
+            "each point's") in out
+    assert "no speedup for 1 point(s) with no point of hook=allreduce at their emulate_link" in out
 
 
 def test_repeat_runs_each_point_several_times_and_report_shows_the_last(tmp_path):
