@@ -357,13 +357,13 @@ def run_torchrun_rank(spec: LaunchSpec) -> int:
     """Runs the rank torchrun started (RANK, WORLD_SIZE and the store come from torchrun)."""
     world, cfg = int(os.environ["WORLD_SIZE"]), spec.config
     if world != cfg.world_size:
-        idle = ("" if cfg.num_servers or not spec.job.strategy.takes_servers else
-                f": --hook {cfg.hook} sends nothing to parameter servers, so none start unless "
-                f"--nserver asks")
+        why_none = ("" if cfg.num_servers or not spec.job.strategy.takes_servers else
+                    f": --hook {cfg.hook} sends nothing to parameter servers, so none start "
+                    f"unless --nserver asks")
         raise ConfigError(
             f"torchrun started {world} processes but this run needs {cfg.world_size} "
             f"({plural(cfg.num_trainers, 'trainer')} + {plural(cfg.num_servers, 'server')} + 1 "
-            f"master{idle}); set --nproc-per-node x --nnodes to {cfg.world_size}")
+            f"master{why_none}); set --nproc-per-node x --nnodes to {cfg.world_size}")
     spec.run_dir = new_run_dir()  # this rank's own: torchrun's agent does the supervising
     worker(int(os.environ["RANK"]), spec)
     shutil.rmtree(spec.run_dir, ignore_errors=True)
