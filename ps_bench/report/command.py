@@ -34,15 +34,11 @@ class Baseline:
 
     points: tuple[Row, ...]
     named: str = ""  # --baseline as given; empty: the first point
-
-    @property
-    def by(self) -> list[str]:
-        return varying_options(list(self.points)) if len(self.points) > 1 else []
+    by: tuple[str, ...] = ()  # the options the points differ in (find_baseline finds them)
 
     def of(self, row: Row) -> Row | None:
-        by = self.by
         return next((point for point in self.points
-                     if all(str(point.option(n)) == str(row.option(n)) for n in by)), None)
+                     if all(str(point.option(n)) == str(row.option(n)) for n in self.by)), None)
 
     def against(self, what: str = "") -> str:
         """Whose ``what`` each point's is measured against, for the table's footnotes."""
@@ -62,7 +58,8 @@ def find_baseline(rows: list[Row], baseline: str | None) -> Baseline:
     points = named[:1] or [row for row in rows if str(row.option(key)) == value]
     if not points:
         raise ConfigError(f"--baseline {baseline}: no point has {key}={value}")
-    return Baseline(tuple(points), baseline)
+    return Baseline(tuple(points), baseline,
+                    tuple(varying_options(points)) if len(points) > 1 else ())
 
 
 def to_target(row: Row) -> tuple[int | None, float | None]:
@@ -192,12 +189,12 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
     print(tabulate(body, headers=headers, missingval="-", disable_numparse=True))
     print(f"\nspeedup: {reference.against(metric + ' p50')} divided by each point's "
           f"(above 1 is faster)")
-    unmatched = sum(reference.of(row) is None for row in rows)
+    refs = [reference.of(row) for row in rows]
+    unmatched = refs.count(None)
     if unmatched:
         print(f"no speedup for {unmatched} point(s) with no point of {reference.named} at their "
               f"{', '.join(reference.by)}")
-    others = sum(ref is not None and row.workload != ref.workload
-                 for row, ref in ((row, reference.of(row)) for row in rows))
+    others = sum(ref is not None and row.workload != ref.workload for row, ref in zip(rows, refs))
     if others:
         print(f"no speedup for {others} point(s) of another workload than {reference.against()} "
               f"(its {', '.join(WORKLOAD)}): their iterations do other work")
