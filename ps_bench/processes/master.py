@@ -31,6 +31,7 @@ from ps_bench.trainers.convergence import HELD_OUT_SAMPLES
 from ps_bench.trainers.trainer import TRAINERS
 
 SNAPSHOT_CHEAP_S = 0.05
+SETTLING_ITERATIONS = 2  # DDP builds its buckets in the first, rebuilds them in the second
 # a round still running this long after it began prints a progress line, then every
 # PROGRESS_EVERY_S; each trainer has PROGRESS_ASK_S to say where it is
 PROGRESS_FIRST_S, PROGRESS_EVERY_S, PROGRESS_ASK_S = 10.0, 30.0, 5.0
@@ -77,6 +78,21 @@ def describe_workload(model: Entry, data: Entry) -> str:
         if size["sparse_gradient_bytes"] else ""
     return (f"model {model.id}: {size['parameters']:,} parameters, gradients "
             f"{format_bytes(size['dense_gradient_bytes'])} dense{sparse}; data {data.id}")
+
+
+def short_warmup_warning(warmup_rounds: int, per_round: int) -> str | None:
+    """A line for a run whose warmup leaves the first iterations among the timed ones: they set
+    up what the rest reuse (DDP rebuilds its buckets in the second, in the order the gradients
+    came; optimizer state and what each hook keeps are made as first needed)."""
+    warm = warmup_rounds * per_round
+    if per_round == 0 or warm >= SETTLING_ITERATIONS:
+        return None
+    left = "iteration 2" if warm == 1 else "iterations 1 and 2"
+    need = -(-SETTLING_ITERATIONS // per_round)
+    return (f"ps_bench: warning: --warmup-rounds {warmup_rounds} of {per_round} iteration"
+            f"{'s' if per_round != 1 else ''} each leaves {left} among the timed ones, where "
+            f"DDP rebuilds its buckets and the optimizer and hooks make what they keep; "
+            f"--warmup-rounds {need} times only what follows")
 
 
 def wait_round(futures: list, trainers: list, label: str) -> list[dict]:
@@ -150,6 +166,7 @@ class Master:
         self.results_path = results_path
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.launched_at = time.time() if launched_at is None else launched_at
+        self.iterations_per_round = 0  # known once the trainers are built
         self.record = RunRecord(job, topology, argv,
                                 {**environment(config.backend), "hosts": hosts or [],
                                  "rpc": rpc_paths(hosts or [], config.rpc_transport),
@@ -211,6 +228,7 @@ class Master:
                 held_out if info.index == 0 else None, rank_hosts, self.job.engine_config)))
         # every replica is built
         iterations = [trainer.rpc_sync(timeout=0).ready() for trainer in trainers]
+        self.iterations_per_round = min(iterations)
         if self.servers_own_parameters:  # a round is a budget of everyone's updates
             for server in servers:
                 server.rpc_sync().own(self.model, cfg.torch_seed, cfg.lr,
@@ -236,6 +254,10 @@ class Master:
         servers_at = time.time()
         trainers = self.create_trainers(servers)
         ready_at = time.time()
+        warning = (short_warmup_warning(cfg.warmup_rounds, self.iterations_per_round)
+                   if cfg.target_loss is None else None)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         total = cfg.warmup_rounds + cfg.rounds
         follow = (f"training until the averaged model's smoothed loss is at most {cfg.target_loss} "
                   f"or {record.progress.max_iterations} iterations are done"

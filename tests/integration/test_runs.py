@@ -128,6 +128,7 @@ def test_upstream_experiment_command_line_runs(results_path):
     assert config["model_size"]["parameters"] == 9_445_376  # upstream's DummyModel sizes
     assert run.results["replicas"]["identical"] is True
     assert "model DummyModelSparse: 9,445,376 parameters" in run.stdout
+    assert "ps_bench: warning: --warmup-rounds 0 of " in run.stderr  # its first iterations are timed
 
 
 def test_run_config_file_with_command_line_override_and_a_file_kept(tmp_path, results_path):
@@ -138,6 +139,7 @@ def test_run_config_file_with_command_line_override_and_a_file_kept(tmp_path, re
     run = run_bench("--config", str(config), "--rounds", "1", out=results_path)
     assert run.returncode == 0, run.output
     assert run.results["config"]["ntrainer"] == 3 and run.results["config"]["rounds"] == 1
+    assert "--warmup-rounds" not in run.stderr  # its warmup round covers DDP's first iterations
     assert results_path.read_text() == "keep me"
     suffixed = results_path.with_name("results-1.json")
     assert f"results: {suffixed}" in run.stdout

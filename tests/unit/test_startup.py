@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from ps_bench.processes.master import short_warmup_warning
 from ps_bench.processes.rendezvous import crowded_warning
 from ps_bench.processes.supervision import supervise
 from ps_bench.metrics.startup import render_startup, startup_phases
@@ -92,3 +93,18 @@ def test_more_cpu_trainers_than_a_machines_cpus_is_said_once_per_machine():
     # two machines of two trainers each, or trainers on GPUs: nothing to say
     assert crowded_warning([host("a", [0, 1], "m1"), host("b", [2, 3, 4], "m2")], {0, 1, 2, 3}) is None
     assert crowded_warning([host("vm", [0, 1, 2, 3, 4], "m1")], set()) is None
+
+
+def test_a_warmup_of_fewer_than_two_iterations_is_named_with_the_rounds_that_cover_them():
+    """DDP rebuilds its buckets in the second iteration (DummyModel's ps run here: 334, 197, then
+    about 110 ms): a warmup that leaves it timed says so, and how many rounds leave it out."""
+    assert short_warmup_warning(1, 1) == (
+        "ps_bench: warning: --warmup-rounds 1 of 1 iteration each leaves iteration 2 among the timed ones, "
+        "where DDP rebuilds its buckets and the optimizer and hooks make what they keep; --warmup-rounds 2 "
+        "times only what follows")
+    assert "leaves iterations 1 and 2 among" in short_warmup_warning(0, 32)
+    assert short_warmup_warning(0, 32).endswith("--warmup-rounds 1 times only what follows")
+    assert short_warmup_warning(0, 3).endswith("--warmup-rounds 1 times only what follows")
+    assert short_warmup_warning(0, 1).endswith("--warmup-rounds 2 times only what follows")
+    assert short_warmup_warning(1, 2) is None and short_warmup_warning(2, 1) is None
+    assert short_warmup_warning(0, 0) is None  # no iteration at all: refused elsewhere
