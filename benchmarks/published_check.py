@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -308,8 +309,12 @@ def main(argv: list[str] | None = None) -> int:
             if case.node:
                 print(f"    compute given: {case.node:g} img/s on {case.per_node} GPUs, from {case.node_source}")
         return 0
+    started, rows = time.perf_counter(), []
     with tempfile.TemporaryDirectory() as scratch:
-        rows = [row for case in cases for row in predict_case(case, Path(scratch))]
+        for index, case in enumerate(cases, 1):  # each case's predict is a few seconds
+            print(f"[{index}/{len(cases)}] {case.name} (elapsed {time.perf_counter() - started:.0f} s)",
+                  file=sys.stderr, flush=True)
+            rows += predict_case(case, Path(scratch))
     print(f"defaults: {DEFAULTS}")
     print(tabulate([[row["case"], row["gpus"], row["nodes"], f"{row['measured']:.1f}", f"{row['predicted']:.1f}",
                      f"{row['error_pct']:+.1f} %", f"{row['efficiency']:.1%}", f"{row['communication_share']:.0%}",
