@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from ps_bench.metrics.costs import Link, byteps_bound_ms, ring_share  # noqa: E402
 from ps_bench.predict.inputs import LINK_KINDS  # noqa: E402
+from ps_bench.predict.tables import ETHERNET_CHECKED_NODES  # noqa: E402
 
 # One set of defaults for every case (docs/predict.md, "Checked against published measurements").
 DEFAULTS = {
@@ -294,6 +295,18 @@ def allowed(row: dict) -> str:
     return ("any" if share == float("inf") else f"{share:.2f}") + (" *" if out_of_reach(row) else "")
 
 
+def ethernet_check(rows: list[dict]) -> str:
+    """Whether predict's note holds: every point over Ethernet from ETHERNET_CHECKED_NODES nodes up
+    measured slower than predicted (``predict.tables.ethernet_note``)."""
+    far = [row for row in rows if row["link_kind"] == "ethernet" and row["nodes"] >= ETHERNET_CHECKED_NODES]
+    faster = [row for row in far if row["error_pct"] < 0]
+    return (f"Ethernet (TCP) at {ETHERNET_CHECKED_NODES} nodes or more: {len(far)} points, "
+            + ("every one measured slower than predicted (predict's note on such rows holds)" if not faster else
+               f"{len(faster)} measured faster than predicted ("
+               + ", ".join(f"{row['case']} at {row['gpus']} GPUs" for row in faster)
+               + "): predict's note on such rows (predict.tables.ethernet_note) no longer holds"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -333,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
           "achieved rate can fill, whatever the overlap: "
           + (", ".join(f"{row['case']} at {row['gpus']} GPUs ({row['error_pct']:+.1f} %)" for row in beyond)
              or "none"))
+    print(ethernet_check(rows))
     compared = winners(rows)
     if compared:
         print("\nwhere two systems ran on one cluster, the measured and the predicted winner:")

@@ -20,7 +20,8 @@ from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.rows import prediction_rows, unplaced
 from ps_bench.predict.runs import Run
 from ps_bench.runtime.network import parse_delay
-from ps_bench.predict.tables import describe_calibration, plot, render, render_winners, winners
+from ps_bench.predict.tables import (describe_calibration, ethernet_note, plot, render,
+                                     render_winners, winners)
 from ps_bench.strategies import HOOKS, check_hook_options
 
 PREDICTION_SCHEMA = "ps_bench.prediction/1"
@@ -313,6 +314,9 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     synchronising = [hook for hook in hooks if HOOKS.record(hook).transport is not None]
     print(render_winners(winners(rows), "no strategy fits --gpu-memory" if synchronising else
                          f"{', '.join(hooks)} synchronises nothing (never a winner)"))
+    caveat = ethernet_note(target.link.kind if target.link is not None else None, rows)
+    if caveat:
+        print(caveat)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"schema": PREDICTION_SCHEMA,

@@ -128,6 +128,23 @@ def memory_cells(row: dict) -> list[str]:
             *([] if "fits" not in row else ["yes" if row["fits"] else "NO"])]
 
 
+ETHERNET_CHECKED_NODES = 4  # benchmarks/published_check.py: every point from here up was slower
+
+
+def ethernet_note(kind: str | None, rows: list[dict]) -> str | None:
+    """A line where ``--link`` is Ethernet and rows have 4 nodes or more: every published
+    cluster of that kind and size predict was checked against ran slower than predicted
+    (``benchmarks/published_check.py`` says whether that still holds), so those rows are what
+    the links allow, not a forecast."""
+    far = sorted({row["nodes"] for row in rows if row["nodes"] >= ETHERNET_CHECKED_NODES})
+    if kind != "ethernet" or not far:
+        return None
+    return (f"note: every published cluster of {ETHERNET_CHECKED_NODES} nodes or more over "
+            f"Ethernet (TCP) that predict was checked against ran slower than predicted "
+            f"(benchmarks/published_check.py, docs/predict.md): read the rows of "
+            f"{', '.join(map(str, far))} nodes as what the links allow, not as a forecast")
+
+
 def render_winners(best: list[dict], why_none: str = "no strategy fits --gpu-memory") -> str:
     """The winner at each trainer count ("tie: a, b" within 1 %), and where the winners change:
     a crossover between two counts whose winners (and those tied with them) have none in common."""
