@@ -49,6 +49,7 @@ class BucketState:
     shape: torch.Size | None = None
     buffers: list[torch.Tensor] = field(default_factory=list)
     turn: int = 0
+    iteration: int = 0  # the trainers' last iteration that sent to it
     # on a CUDA server: recorded after the last contribution was added, on its request's stream
     added: torch.cuda.Event | None = None
 
@@ -142,7 +143,7 @@ class ParameterServer(Resident):
         """Called by a trainer; the future completes with the global average of the bucket."""
         server = server_rref.local_value()
         maybe_inject(server.fault, "server", server.server_index, iteration)
-        return server.contribute(bucket_index, tensor)
+        return server.contribute(bucket_index, tensor, iteration=iteration)
 
     @staticmethod
     @rpc.functions.async_execution
@@ -160,7 +161,7 @@ class ParameterServer(Resident):
         answer = (functools.partial(encoded, codec, seed, sizes) if compressed_answer else None)
         return server.contribute(bucket_index, codec.decode(message.to(server.device), n, seed,
                                                             sizes),
-                                 received=message.numel(), answer=answer)
+                                 received=message.numel(), answer=answer, iteration=iteration)
 
     @staticmethod
     @rpc.functions.async_execution
@@ -176,7 +177,9 @@ class ParameterServer(Resident):
 
     def reset_state(self) -> None:
         """Forgets every bucket's contributions (not its buffers); called by the master between
-        rounds."""
+        rounds. A bucket the round's last iteration sent nothing to is forgotten with its
+        buffers: DDP rebuilds its buckets after the first iteration, and the first layout's
+        pieces would otherwise stay beside the new ones for the whole run."""
         with self._table_lock:
             states = {**self._buckets, **self._partials}
         pending = [i for i, state in states.items() if state.count]
@@ -186,6 +189,12 @@ class ParameterServer(Resident):
         if pending:
             raise RuntimeError(f"server {self.server_index}: buckets {pending} were incomplete "
                                f"at reset")
+        with self._table_lock:
+            newest = max((state.iteration for state in self._buckets.values()), default=0)
+            for key in [key for key, state in self._buckets.items() if state.iteration < newest]:
+                del self._buckets[key]
+            for key in [key for key in self._partials if key not in self._buckets]:
+                del self._partials[key]  # ``group``: a root's partials, of its own buckets' keys
 
     def take_metrics(self) -> dict:
         """Samples (ms) and byte counts since the last call, then clears them."""
@@ -248,14 +257,17 @@ class ParameterServer(Resident):
         return summed.div_(self.num_trainers)
 
     def contribute(self, bucket_index: int, tensor: torch.Tensor, received: int | None = None,
-                   answer: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Future:
-        """Adds a trainer's bucket (``received``: the bytes it came as, where not the tensor's);
-        the future completes with the global average (``answer``: made into what it returns)."""
+                   answer: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   iteration: int = 0) -> Future:
+        """Adds a trainer's bucket (``received``: the bytes it came as, where not the tensor's;
+        ``iteration``: the trainer's); the future completes with the global average (``answer``:
+        made into what it returns)."""
         future = device_future(self.device)
         self.books.count("recv", tensor_bytes(tensor) if received is None else received)
         state = self._state(self._buckets, bucket_index)
         try:
             with state.lock:
+                state.iteration = max(state.iteration, iteration)
                 state.waiting.append((future, tensor.device.type == "cuda",
                                       answer or tensor.dtype))
                 complete, arrived = self._add(state, tensor, self.contributors)

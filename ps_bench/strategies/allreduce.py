@@ -238,7 +238,7 @@ class Hierarchical(InOrder):
         self.inter, _ = dist.new_subgroups_by_enumeration(
             [[host * per_host + local for host in range(hosts)] for local in range(per_host)])
         self.local, self.per_host, self.size = dist.get_rank() % per_host, per_host, size
-        self.scratch = Scratch()
+        self.scratch = Scratch(lambda: ctx.iteration)
 
     def __call__(self, ctx: HookContext, bucket: dist.GradBucket) -> Future:
         if bucket.buffer().is_sparse:

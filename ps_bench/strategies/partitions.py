@@ -131,7 +131,8 @@ class Partitioned:
         self.piece = piece_elements({"partition_mb": partition_mb}, on_device)
         self.sender = PieceWindow(window)
         self.priority = priority
-        self.scratch = Scratch()  # the pieces' copies, kept from one iteration to the next
+        # the pieces' copies, kept from one iteration to the next
+        self.scratch = Scratch(lambda: ctx.iteration)
 
     @staticmethod
     def check(partition_mb: float | None, window: int, priority: bool) -> None:

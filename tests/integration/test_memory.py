@@ -58,3 +58,17 @@ def test_each_strategy_holds_its_share_of_the_model_states(bench_runs, tmp_path)
     assert zero3["gradients_bytes"] == 2 * shard  # the 16-bit partition, kept between steps
     # master weights and moments (and one step count); predict adds the float32 gradients
     assert zero3["optimizer_bytes"] == 12 * shard + 4 == expected["optimizer_bytes"] - 4 * shard
+
+
+def test_a_parameter_server_holds_two_sums_of_its_share_after_ddp_rebuilds_its_buckets(bench_runs):
+    """DDP rebuilds its buckets after the first iteration, here into another layout (ResNet-18's
+    small form with 2 MiB buckets), and the trainers deal the new layout's pieces over the
+    servers from the third: between rounds the servers let go of the pieces the round's last
+    iteration did not send them, and hold two sums (the turns an answer on its way needs) of
+    each piece they own: 2 x its share of the gradients (until 2026-11-28, 4.2 x)."""
+    results = bench_runs.ok("--model", "resnet18_small", "--bucket-cap-mb", "2", "--nserver", "2",
+                            "--batch-size", "4", "--warmup-rounds", "1", "--rounds", "1", timeout_s=180)
+    dense = results["config"]["model_size"]["dense_gradient_bytes"]
+    held = results["memory"]["server"]["model_states"]["gradients_bytes"]  # the server that holds the most
+    assert dense / 2 * 2 <= held <= dense / 2 * 2 * 1.1, (held, dense)
+    assert results["replicas"]["identical"] is True

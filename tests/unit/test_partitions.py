@@ -98,7 +98,8 @@ def test_pieces_are_copies_kept_from_one_iteration_to_the_next_and_answers_land_
     """Each piece travels as a tensor of its own (RPC sends a view's whole storage), the same
     tensor every iteration (a new one is new pages for the kernel to zero); the answers are
     written back into the bucket, in order, as DDP's own all-reduce writes its bucket."""
-    hook = Partitioned(on_cpu(), window=2)
+    ctx = on_cpu()
+    hook = Partitioned(ctx, window=2)
     pieces = [(7, 0, 4, 0), (8, 4, 4, 1), (9, 8, 2, 0)]
     sent = []
 
@@ -110,6 +111,7 @@ def test_pieces_are_copies_kept_from_one_iteration_to_the_next_and_answers_land_
 
     pieces_of = []  # each iteration's pieces, held: a new tensor cannot take a held one's place
     for iteration in range(2):
+        ctx.iteration = iteration + 1
         bucket = torch.arange(10, dtype=torch.float32) + iteration
         expected = bucket * 10
         done = hook.push(None, bucket, hook.reserve(pieces), send)
@@ -119,6 +121,13 @@ def test_pieces_are_copies_kept_from_one_iteration_to_the_next_and_answers_land_
         pieces_of.append([piece for _, piece in sent])
         sent.clear()
     assert [piece.data_ptr() for piece in pieces_of[0]] == [piece.data_ptr() for piece in pieces_of[1]]
+    assert hook.scratch.nbytes() == 10 * 4
+    # DDP rebuilds its buckets: the next iterations send other pieces (one key kept, resized), and
+    # what the old layout's pieces kept is let go once an iteration has passed without them
+    for iteration, kept in ((3, (4 + 4 + 3 + 3) * 4), (4, (3 + 3) * 4)):
+        ctx.iteration = iteration
+        hook.push(None, torch.ones(6), hook.reserve([(9, 0, 3, 0), (20, 3, 3, 1)]), send).wait()
+        assert hook.scratch.nbytes() == kept, iteration
 
 
 @pytest.mark.parametrize("pieces", [[(7, 0, 6, 0), (8, 6, 4, 1)], [(7, 0, 10, 0)]],
@@ -159,7 +168,7 @@ def test_on_the_cpu_a_trainers_peak_counts_the_buffers_its_strategy_keeps():
 
 def on_cpu(cuda_trainer: bool = False, cuda_servers: tuple[bool, ...] = (False,)):
     """What ``Partitioned`` reads of a trainer's ``HookContext``: where its tensors cross RPC."""
-    return SimpleNamespace(cuda_rpc=cuda_trainer,
+    return SimpleNamespace(cuda_rpc=cuda_trainer, iteration=1,
                            servers=[SimpleNamespace(cuda_rpc=cuda) for cuda in cuda_servers])
 
 

@@ -121,3 +121,24 @@ def test_sums_go_into_two_buffers_kept_across_iterations(name):
     server.reset_state()  # between rounds: contributions go, buffers stay
     again = [server.contribute(0, torch.ones(1024)) for _ in range(3)]
     assert again[0].value().data_ptr() in pointers
+
+
+def test_a_bucket_no_longer_sent_is_forgotten_with_its_buffers_between_rounds():
+    """DDP rebuilds its buckets after the first iteration: the first layout's keys are never
+    sent again, and their sums' buffers go at the next reset, while the keys still sent keep
+    theirs (the same tensors)."""
+    server = make("average", contributors=2)
+    for key in (0, 1):  # iteration 1, the first layout
+        [server.contribute(key, torch.ones(8), iteration=1) for _ in range(2)]
+    for iteration in (2, 3):  # the rebuilt layout: key 1 and a new key 2
+        for key in (1, 2):
+            [server.contribute(key, torch.ones(4), iteration=iteration) for _ in range(2)]
+    def held() -> int:
+        return server.take_metrics()["memory"]["model_states"]["gradients_bytes"]
+
+    assert held() == 2 * 8 * 4 + 2 * (2 * 4 * 4)  # two buffers a key: key 0's of 8 float32s, then 4
+    server.reset_state()
+    assert held() == 2 * (2 * 4 * 4)
+    answers = [server.contribute(key, torch.full((4,), 3.0), iteration=4) for key in (1, 2, 1, 2)]
+    assert all(torch.equal(answer.value(), torch.full((4,), 3.0)) for answer in answers)
+    assert held() == 2 * (2 * 4 * 4)  # the kept keys' buffers, reused
