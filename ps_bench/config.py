@@ -125,7 +125,7 @@ class RunConfig:
     weight_decay: float | None = option(
         None, "the optimizer's weight decay (default: torch's, 0 for sgd and 0.01 for adamw)",
         group=STRATEGY)
-    warmup_rounds: int = option(1, "untimed rounds before the timed ones")
+    warmup_rounds: int = option(1, "untimed rounds before the timed ones (cover 2 iterations)")
     rounds: int = option(5, "timed rounds")
     labels: str | None = option(
         None, "labels of the synthetic data: random = drawn uniformly, nothing to learn (the "
