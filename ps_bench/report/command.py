@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import statistics
 from dataclasses import dataclass
 
 from tabulate import tabulate
@@ -30,15 +31,18 @@ example:
 class Baseline:
     """The points speedups are measured against, those ``--baseline`` names. Where they differ
     among themselves (a grid: a link, a trainer count), each point is measured against the one
-    alike it in those options, and a point with none alike gets no speedup."""
+    alike it in those options, and a point with none alike gets no speedup. The runs of a point a
+    sweep repeats are each measured against the baseline's run of the same turn, where it has
+    one: the sweep runs them in turns, so each pair ran closest in time."""
 
     points: tuple[Row, ...]
     named: str = ""  # --baseline as given; empty: the first point
     by: tuple[str, ...] = ()  # the options the points differ in (find_baseline finds them)
 
     def of(self, row: Row) -> Row | None:
-        return next((point for point in self.points
-                     if all(str(point.option(n)) == str(row.option(n)) for n in self.by)), None)
+        alike = [point for point in self.points
+                 if all(str(point.option(n)) == str(row.option(n)) for n in self.by)]
+        return next((point for point in alike if point.run == row.run), alike[0] if alike else None)
 
     def against(self, what: str = "") -> str:
         """Whose ``what`` each point's is measured against, for the table's footnotes."""
@@ -49,13 +53,14 @@ class Baseline:
 
 
 def find_baseline(rows: list[Row], baseline: str | None) -> Baseline:
-    if baseline is None:
-        return Baseline((rows[0],))
+    if baseline is None:  # the first point, each of its runs
+        return Baseline(tuple(row for row in rows if row.point == rows[0].point))
     key, sep, value = baseline.partition("=")
     if not sep:
         raise ConfigError(f"--baseline must be KEY=VALUE, e.g. hook=allreduce; got {baseline!r}")
     named = [row for row in rows if row.label == baseline]
-    points = named[:1] or [row for row in rows if str(row.option(key)) == value]
+    points = ([row for row in named if row.point == named[0].point]
+              or [row for row in rows if str(row.option(key)) == value])
     if not points:
         raise ConfigError(f"--baseline {baseline}: no point has {key}={value}")
     return Baseline(tuple(points), baseline,
@@ -88,23 +93,25 @@ def convergence_columns(row: Row, reference_s: float | None) -> list:
 
 def table(rows: list[Row], metric: str, baseline: Baseline) -> tuple[list[str], list[list]]:
     columns = varying_options(rows)
+    runs = any(row.run is not None for row in rows)
     converging = any(row.results.get("convergence") for row in rows)
     stale = any(row.results.get("staleness") for row in rows)
-    headers = columns + [f"{metric} p50 ms", f"{metric} p90 ms", "samples/s", "bytes/iter",
-                         "grad error", "speedup"] + (["staleness p50/max"] if stale else []) + (
-                             ["iterations to target", "seconds to target", "speedup to target"]
-                             if converging else []) + ["status"]
+    headers = (columns + (["run"] if runs else [])
+               + [f"{metric} p50 ms", f"{metric} p90 ms", "samples/s", "bytes/iter", "grad error",
+                  "speedup"] + (["staleness p50/max"] if stale else [])
+               + (["iterations to target", "seconds to target", "speedup to target"]
+                  if converging else []) + ["status"])
     body = []
     for row in rows:
         p50 = row.stat(metric, "p50")
         check = row.results.get("verify") or {}
         ref = baseline.of(row)
         alike = ref is not None and row.workload == ref.workload
-        reference = ref.stat(metric, "p50") if alike else None
         reference_s = to_target(ref)[1] if alike else None
-        speedup = reference / p50 if p50 and reference else None
+        speedup = speedup_of(row, metric, baseline)
         body.append([
             *(row.option(c) for c in columns),
+            *([row.run] if runs else []),
             fixed(p50, 3),
             fixed(row.stat(metric, "p90"), 3),
             fixed((row.results.get("throughput") or {}).get("samples_per_s"), 0),
@@ -117,6 +124,35 @@ def table(rows: list[Row], metric: str, baseline: Baseline) -> tuple[list[str], 
             row.results.get("status", "failed"),
         ])
     return headers, body
+
+
+def speedup_of(row: Row, metric: str, baseline: Baseline) -> float | None:
+    """The baseline's p50 of ``metric`` over the row's; None against another workload."""
+    ref, p50 = baseline.of(row), row.stat(metric, "p50")
+    alike = ref is not None and row.workload == ref.workload
+    reference = ref.stat(metric, "p50") if alike else None
+    return reference / p50 if p50 and reference else None
+
+
+def over_runs(rows: list[Row], metric: str, baseline: Baseline) -> list[str]:
+    """A line for each point a sweep ran several times: the median over its runs of the metric's
+    p50 and of the speedup, with their ranges, so that the spread of the runs is in sight."""
+    points: dict[tuple, list[Row]] = {}
+    for row in rows:
+        if row.run is not None:
+            points.setdefault(row.point, []).append(row)
+    out = []
+    for (label, _), runs in points.items():
+        said = []
+        for what, values, text in (
+                (f"{metric} p50", [run.stat(metric, "p50") for run in runs], "{:.3f} ms"),
+                ("speedup", [speedup_of(run, metric, baseline) for run in runs], "{:.2f}x")):
+            values = sorted(value for value in values if value is not None)
+            if values:
+                said.append(f"{what} {text.format(statistics.median(values))} (runs "
+                            f"{text.format(values[0])} to {text.format(values[-1])})")
+        out.append(f"{label}: over {len(runs)} runs, median {', '.join(said) or 'none'}")
+    return out
 
 
 def fixed(value: float | None, decimals: int) -> str | None:
@@ -189,6 +225,10 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
     print(tabulate(body, headers=headers, missingval="-", disable_numparse=True))
     print(f"\nspeedup: {reference.against(metric + ' p50')} divided by each point's "
           f"(above 1 is faster)")
+    medians = over_runs(rows, metric, reference)
+    if medians:  # a sweep's repeats: each run against the baseline's of the same turn
+        print("each run's speedup is against the baseline's run of the same turn (the runs of a "
+              "sweep take turns, so each pair ran closest in time):\n  " + "\n  ".join(medians))
     refs = [reference.of(row) for row in rows]
     unmatched = refs.count(None)
     if unmatched:

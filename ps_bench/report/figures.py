@@ -20,13 +20,12 @@ SLANTED = {"rotation": 30, "ha": "right"}
 def plot(path: str, rows: list[Row], metric: str, title: str) -> None:
     """Lines over a numeric option that varies within a line (e.g. ntrainer, ``line_axis``),
     else bars, grouped where the groups share bars (``bar_groups``); p50 with p10-p90 whiskers
-    from the raw samples."""
+    from the raw samples (of every run, where a sweep ran the point several times)."""
     plt = pyplot()
-    rows = [r for r in rows if r.ok and r.raw(metric)]
+    rows, stats = per_point(rows, metric)
     if not rows:
         raise ConfigError(f"report --plot: no successful point has {metric!r} samples")
     columns = varying_options(rows)
-    stats = {id(r): np.percentile(r.raw(metric), [10, 50, 90]) for r in rows}
     x_name = line_axis(rows, columns)
     if x_name is not None:
         series = lines(rows, columns, x_name, metric)
@@ -84,6 +83,18 @@ def plot(path: str, rows: list[Row], metric: str, title: str) -> None:
     # axes to nothing, and warn, with a legend of many points)
     figure.savefig(in_its_folder(path), dpi=120, bbox_inches="tight")
     plt.close(figure)
+
+
+def per_point(rows: list[Row], metric: str) -> tuple[list[Row], dict[int, np.ndarray]]:
+    """The successful points with ``metric`` samples, a point's first run standing for all its
+    runs, and each one's p10, p50 and p90 over the samples of every run (by ``id``)."""
+    runs: dict[tuple, list[Row]] = {}
+    for row in rows:
+        if row.ok and row.raw(metric):
+            runs.setdefault(row.point, []).append(row)
+    return ([every[0] for every in runs.values()],
+            {id(every[0]): np.percentile([v for r in every for v in r.raw(metric)], [10, 50, 90])
+             for every in runs.values()})
 
 
 def line_axis(rows: list[Row], columns: list[str]) -> str | None:
@@ -158,7 +169,7 @@ def plot_convergence(path: str, rows: list[Row], title: str) -> None:
         ys = [np.mean([loss if loss is not None else np.nan
                        for _, loss in curve[i - window + 1:i + 1]])
               for i in range(window - 1, len(curve))]
-        name = label(row, columns) or row.label
+        name = (label(row, columns) or row.label) + (f" run {row.run}" if row.run else "")
         if not convergence["reached"]:
             name += f" (not reached: {convergence['stopped_by']})"
         line, = axes.plot(xs, ys, label=name, color=colour)

@@ -26,6 +26,7 @@ WORKLOAD = ("model", "model_options", "data", "batch_size", "grad_accum")
 class Row:
     label: str
     results: dict
+    run: int | None = None  # which run of a point a sweep ran several times (its ``repeat``)
 
     @property
     def ok(self) -> bool:
@@ -45,6 +46,13 @@ class Row:
         return sum(int(self.results.get("config", {}).get(name, 0)) for name in names)
 
     @property
+    def point(self) -> tuple:
+        """What the runs of one point share (a sweep line's name and configuration hash); a
+        results file is a point of its own."""
+        where = self.results.get("point", {}).get("hash")
+        return (self.label, where) if where else (self.label, id(self))
+
+    @property
     def workload(self) -> tuple:
         return tuple(self.option(name) for name in WORKLOAD)
 
@@ -59,20 +67,26 @@ class Row:
 
 
 def load_rows(sources: list[str]) -> list[Row]:
-    """Points from sweep folders (their results.jsonl; a re-run point's latest line wins),
-    .jsonl files, folders of results files and single results files, in the order given."""
+    """Points from sweep folders (their results.jsonl; a re-run point's latest line wins, each
+    run of a point the sweep repeats a row of its own, ``run``), .jsonl files, folders of
+    results files and single results files, in the order given."""
     rows: list[Row] = []
     sources_read = [load_source(source) for source in sources]
     passed_over = [what for loaded in sources_read for what in loaded.passed_over()]
     for source, loaded in zip(sources, sources_read):
         if loaded.kind in ("sweep folder", "sweep results"):
-            latest: dict[str, dict] = {}
+            latest: dict[tuple, dict] = {}
             for _, line in loaded.runs:
-                key = line.get("point", {}).get("hash") or str(len(latest))
+                point = line.get("point", {})
+                key = (point.get("hash") or str(len(latest)), point.get("repeat", 1))
                 latest.pop(key, None)
                 latest[key] = line
-            for line in sorted(latest.values(), key=lambda r: r.get("point", {}).get("index", 0)):
-                rows.append(Row(line.get("point", {}).get("name", Path(source).stem), line))
+            repeated = {key[0] for key in latest if key[1] > 1}
+            for (hash_, repeat), line in sorted(
+                    latest.items(), key=lambda item: (item[1].get("point", {}).get("index", 0),
+                                                      item[0][1])):
+                rows.append(Row(line.get("point", {}).get("name", Path(source).stem), line,
+                                repeat if hash_ in repeated else None))
         else:
             rows += [Row(Path(where).stem, results) for where, results in loaded.runs]
     if not rows:

@@ -5,11 +5,12 @@ import json
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ps_bench.cli import main
 from ps_bench.report import Row
-from ps_bench.report.figures import bar_groups, label, line_axis, plot
+from ps_bench.report.figures import bar_groups, label, line_axis, per_point, plot
 from ps_bench.report.rows import varying_options
 
 pytest.importorskip("matplotlib")
@@ -59,6 +60,15 @@ def test_server_counts_are_columns_unless_they_only_go_with_the_hook():
     assert varying_options(alone) == ["nserver"]
     cuda = [point(h, 1.0, ncudaserver=int(h == "ps"), hook=h) for h in ("ps", "allreduce")]
     assert varying_options(cuda) == ["hook"]
+
+
+def test_a_point_run_several_times_is_one_bar_over_the_samples_of_every_run():
+    runs = [point("hook=ps", ms, hook="ps") for ms in (10.0, 20.0)]
+    for run, row in enumerate(runs, 1):
+        row.run, row.results["point"] = run, {"hash": "a"}
+    rows, stats = per_point([*runs, point("hook=allreduce", 5.0, hook="allreduce")], "batch")
+    assert rows == [runs[0], rows[1]] and rows[1].label == "hook=allreduce"
+    assert list(stats[id(runs[0])]) == pytest.approx(list(np.percentile([9, 10, 11, 18, 20, 22], [10, 50, 90])))
 
 
 def test_an_unset_option_says_nothing_in_a_label():

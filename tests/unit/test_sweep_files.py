@@ -133,15 +133,32 @@ def test_a_baseline_in_a_grid_is_the_one_alike_each_point(tmp_path, capsys):
     assert "no speedup for 1 point(s) with no point of hook=allreduce at their emulate_link" in out
 
 
-def test_repeat_runs_each_point_several_times_and_report_shows_the_last(tmp_path):
+def test_repeat_runs_each_point_several_times_and_report_shows_every_run(tmp_path, capsys):
+    """Each run of a repeated point is a row, measured against the baseline's run of the same
+    turn, and a line gives the median over the runs (until 2026-11-28 the report showed a
+    repeated point's last run alone); a re-run repeat's latest line replaces its own only."""
     _, points = load_sweep(sweep(tmp_path, {"grid": {"hook": ["ps", "allreduce"]}, "repeat": 3}))
     assert [p.repeats for p in points] == [3, 3]
     assert load_sweep(sweep(tmp_path, {"grid": {"hook": ["ps"]}}))[1][0].repeats == 1
     for bad in (0, "3", 2.5, True):
         with pytest.raises(ConfigError, match="repeat must be a whole number of runs per point, at least 1"):
             load_sweep(sweep(tmp_path, {"grid": {"hook": ["ps"]}, "repeat": bad}))
-    point = {"index": 1, "name": "hook=ps", "hash": "a"}
-    lines = [dict(result("ps", p50), point={**point, "repeat": repeat}) for repeat, p50 in ((1, 4.0), (2, 5.0))]
+    ps, allreduce = ({"index": 1, "name": "hook=ps", "hash": "a"}, {"index": 2, "name": "hook=allreduce", "hash": "b"})
+    lines = [dict(result(hook, p50), point={**point, "repeat": repeat})
+             for repeat, ps_p50, allreduce_p50 in ((1, 4.0, 2.0), (2, 6.0, 4.0), (3, 9.0, 3.0))
+             for hook, point, p50 in (("ps", ps, ps_p50), ("allreduce", allreduce, allreduce_p50))]
+    lines.append(dict(result("ps", 5.0), point={**ps, "repeat": 3}))  # repeat 3 of ps again: it wins
     (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     rows = load_rows([str(tmp_path)])
-    assert len(rows) == 1 and rows[0].stat("batch", "p50") == 5.0
+    assert [(row.label, row.run, row.stat("batch", "p50")) for row in rows] == [
+        ("hook=ps", 1, 4.0), ("hook=ps", 2, 6.0), ("hook=ps", 3, 5.0),
+        ("hook=allreduce", 1, 2.0), ("hook=allreduce", 2, 4.0), ("hook=allreduce", 3, 3.0)]
+    assert run_report([str(tmp_path)], "hook=allreduce", "batch", str(tmp_path / "t.csv"), None) == 0
+    out = capsys.readouterr().out
+    table_lines = (tmp_path / "t.csv").read_text().splitlines()
+    assert table_lines[0].startswith("hook,run,batch p50 ms")
+    # each run against all-reduce's of its turn: 2/4, 4/6, 3/5
+    assert [line.split(",")[-2] for line in table_lines[1:4]] == ["0.50x", "0.67x", "0.60x"]
+    assert ("hook=ps: over 3 runs, median batch p50 5.000 ms (runs 4.000 ms to 6.000 ms), speedup 0.60x "
+            "(runs 0.50x to 0.67x)") in out
+    assert "hook=allreduce: over 3 runs, median batch p50 3.000 ms" in out
