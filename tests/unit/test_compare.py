@@ -217,6 +217,21 @@ def test_points_match_by_configuration_and_the_rest_is_listed(tmp_path, capsys):
     assert "1 file(s) that are not results skipped (notes.json)" in out
 
 
+def test_a_server_the_strategy_sends_nothing_to_does_not_part_two_points(tmp_path, capsys):
+    """All-reduce recorded with the idle --nserver 1 every hook had before --nserver followed the
+    hook, against today's 0: one point, paired, and the difference shown."""
+    base = write_runs(tmp_path / "base", [results(1, 2.0, hook="ps"), results(2, 3.0, hook="allreduce")])
+    new = write_runs(tmp_path / "new", [results(3, 2.0, hook="ps"), results(4, 3.0, hook="allreduce", nserver=0)])
+    code, out, err = run_compare(capsys, str(base), str(new), "--format", "markdown")
+    assert code == 0, err
+    assert "2 point(s) matched by configuration" in out and "unmatched" not in out
+    assert "hook=allreduce (nserver: 1 -> 0)" in out
+    new = write_runs(tmp_path / "new2", [results(5, 2.0, hook="ps", nserver=2)])  # ps's servers count
+    base = write_runs(tmp_path / "base2", [results(6, 2.0, hook="ps"), results(7, 2.0, hook="allreduce")])
+    code, out, err = run_compare(capsys, str(base), str(new))
+    assert code == 2 and "no point of" in err
+
+
 def test_match_ignores_a_field_and_shows_it(tmp_path, capsys):
     base = write_runs(tmp_path / "base", [results(1, 2.0, hook="ps"), results(2, 2.0, hook="ps", batch_size=32)])
     new = write_runs(tmp_path / "new", [results(3, 2.0, hook="allreduce"),
