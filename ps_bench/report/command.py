@@ -173,8 +173,10 @@ def scaling_table(rows: list[Row], link_gbps: float | None) -> tuple[list[str], 
     ``--link`` rate over 8) or else the point's own memcpy floor (``--limits``): the
     parameter-server bound and BytePS's optimum (``costs.ps_bound_ms``,
     ``costs.byteps_bound_ms``)."""
-    headers = ["hook", "trainers", "servers", "batch p50 ms", "comm p50 ms", "MB/iter", "B GB/s",
-               "PS bound ms", "BytePS optimum ms", "comm / PS bound"]
+    runs = any(row.run is not None for row in rows)  # a sweep's repeats: a row each
+    headers = ["hook", "trainers", "servers", *(["run"] if runs else []), "batch p50 ms",
+               "comm p50 ms", "MB/iter", "B GB/s", "PS bound ms", "BytePS optimum ms",
+               "comm / PS bound"]
     body = []
     counts = {id(r): (r.count("ntrainer", "ncudatrainer"), servers_used(r)) for r in rows}
     for row in sorted((r for r in rows if r.ok), key=lambda r: (str(r.option("hook")),
@@ -187,7 +189,8 @@ def scaling_table(rows: list[Row], link_gbps: float | None) -> tuple[list[str], 
         bound = ps_bound_ms(n, k, moved, link) if link and k and moved else None
         optimum = byteps_bound_ms(n, k, moved, link) if link and moved else None
         comm = row.stat("comm", "p50")
-        body.append([row.option("hook"), n, k, fixed(row.stat("batch", "p50"), 3), fixed(comm, 3),
+        body.append([row.option("hook"), n, k, *([row.run] if runs else []),
+                     fixed(row.stat("batch", "p50"), 3), fixed(comm, 3),
                      fixed(moved / 1e6, 3), fixed(gbps, 2), fixed(bound, 3), fixed(optimum, 3),
                      f"{comm / bound:.2f}" if bound and comm else None])
     return headers, body

@@ -6,7 +6,7 @@ import pytest
 
 from ps_bench.config import ConfigError, build_config
 from ps_bench.job import validate
-from ps_bench.report import load_rows, run_report, table, varying_options
+from ps_bench.report import load_rows, run_report, scaling_table, table, varying_options
 from ps_bench.report.command import Baseline
 from ps_bench.sweep import load_sweep
 from tests.benchrun import ROOT
@@ -162,3 +162,5 @@ def test_repeat_runs_each_point_several_times_and_report_shows_every_run(tmp_pat
     assert ("hook=ps: over 3 runs, median batch p50 5.000 ms (runs 4.000 ms to 6.000 ms), speedup 0.60x "
             "(runs 0.50x to 0.67x)") in out
     assert "hook=allreduce: over 3 runs, median batch p50 3.000 ms" in out
+    headers, body = scaling_table(rows, None)  # --scaling: a row a run too
+    assert [line[headers.index("run")] for line in body] == [1, 2, 3, 1, 2, 3]
