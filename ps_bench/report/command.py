@@ -18,7 +18,9 @@ from ps_bench.runtime.network import parse_rate
 from ps_bench.strategies import HOOKS
 
 DESCRIPTION = (
-    "Compare runs: one row per point, with the options that vary across points, p50 and p90 of a "
+    "Compare runs: one row per point (per run of a point a sweep repeats, each against the "
+    "baseline's run of its turn, with the median over the runs under the table), with the "
+    "options that vary across points, p50 and p90 of a "
     "metric, samples/s, bytes per iteration, gradient error (runs with --verify) and the speedup "
     "against a baseline point; for runs with --target-loss also iterations and seconds to the "
     "target and the speedup to target, and --plot draws loss against seconds of training.")
