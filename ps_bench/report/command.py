@@ -35,7 +35,7 @@ class Baseline:
     among themselves (a grid: a link, a trainer count), each point is measured against the one
     alike it in those options, and a point with none alike gets no speedup. The runs of a point a
     sweep repeats are each measured against the baseline's run of the same turn, where it has
-    one: the sweep runs them in turns, so each pair ran closest in time."""
+    one that finished: the sweep runs them in turns, so each pair ran closest in time."""
 
     points: tuple[Row, ...]
     named: str = ""  # --baseline as given; empty: the first point
@@ -44,7 +44,8 @@ class Baseline:
     def of(self, row: Row) -> Row | None:
         alike = [point for point in self.points
                  if all(str(point.option(n)) == str(row.option(n)) for n in self.by)]
-        return next((point for point in alike if point.run == row.run), alike[0] if alike else None)
+        ok = [point for point in alike if point.ok] or alike  # a failed run only where all failed
+        return next((point for point in ok if point.run == row.run), ok[0] if ok else None)
 
     def against(self, what: str = "") -> str:
         """Whose ``what`` each point's is measured against, for the table's footnotes."""
@@ -146,14 +147,18 @@ def over_runs(rows: list[Row], metric: str, baseline: Baseline) -> list[str]:
     out = []
     for (label, _), runs in points.items():
         said = []
+        done = [run for run in runs if run.ok]
         for what, values, text in (
-                (f"{metric} p50", [run.stat(metric, "p50") for run in runs], "{:.3f} ms"),
-                ("speedup", [speedup_of(run, metric, baseline) for run in runs], "{:.2f}x")):
+                (f"{metric} p50", [run.stat(metric, "p50") for run in done], "{:.3f} ms"),
+                ("speedup", [speedup_of(run, metric, baseline) for run in done], "{:.2f}x")):
             values = sorted(value for value in values if value is not None)
             if values:
                 said.append(f"{what} {text.format(statistics.median(values))} (runs "
                             f"{text.format(values[0])} to {text.format(values[-1])})")
-        out.append(f"{label}: over {len(runs)} runs, median {', '.join(said) or 'none'}")
+        failed = sum(not run.ok for run in runs)
+        out.append(f"{label}: over {len(runs) - failed} runs"
+                   + (f" ({failed} failed, left out)" if failed else "")
+                   + f", median {', '.join(said) or 'none'}")
     return out
 
 

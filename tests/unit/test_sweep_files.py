@@ -164,3 +164,10 @@ def test_repeat_runs_each_point_several_times_and_report_shows_every_run(tmp_pat
     assert "hook=allreduce: over 3 runs, median batch p50 3.000 ms" in out
     headers, body = scaling_table(rows, None)  # --scaling: a row a run too
     assert [line[headers.index("run")] for line in body] == [1, 2, 3, 1, 2, 3]
+    lines.append(dict(result("allreduce", 90.0, status="failed"), point={**allreduce, "repeat": 2}))
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    assert run_report([str(tmp_path)], "hook=allreduce", "batch", None, None) == 0
+    assert ("hook=allreduce: over 2 runs (1 failed, left out), median batch p50 2.500 ms (runs 2.000 ms to "
+            "3.000 ms)") in capsys.readouterr().out
+    headers, body = table(load_rows([str(tmp_path)]), "batch", Baseline(tuple(load_rows([str(tmp_path)])[3:])))
+    assert body[1][headers.index("speedup")] == "0.33x"  # ps's run 2 against all-reduce's first: its 2nd failed
