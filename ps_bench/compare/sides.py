@@ -13,7 +13,7 @@ from typing import Any
 from ps_bench.config import JSON_KEYS, ConfigError
 from ps_bench.results.files import NOT_HASHED, config_hash
 from ps_bench.results.load import load_source
-from ps_bench.strategies import HOOKS
+from ps_bench.strategies import SERVER_COUNTS, sends_to_servers
 
 # Resolved options that say where a run wrote or listened, or what it derived, not what it measured.
 # engine_config: derived from the options
@@ -21,7 +21,6 @@ NOT_COMPARED = (*NOT_HASHED, "model_size", "master_port", "engine_config")
 # --match model also ignores the model's entry, and --match data the data's.
 ENTRIES = {"model": "model_config", "data": "data_config"}
 OPTION_OF_ENTRY = {entry: option for option, entry in ENTRIES.items()}
-SERVER_COUNTS = ("nserver", "ncudaserver")
 
 
 # ---------------------------------------------------------------------------- the sides
@@ -117,8 +116,7 @@ def compared_config(config: dict, ignored: Sequence[str]) -> dict:
     followed the hook is the same point as today's (the pairing shows the difference). Where
     ``--match hook`` ignores the hook, the server counts are compared as they are."""
     kept = {k: v for k, v in config.items() if k not in NOT_COMPARED and k not in ignored}
-    hook = kept.get("hook")
-    if isinstance(hook, str) and hook in HOOKS and not HOOKS.record(hook).needs_servers:
+    if not sends_to_servers(kept.get("hook")):
         kept.update({name: 0 for name in SERVER_COUNTS if name in kept})
     return kept
 

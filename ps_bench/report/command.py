@@ -15,7 +15,7 @@ from ps_bench.metrics.costs import Link, byteps_bound_ms, ps_bound_ms
 from ps_bench.report.figures import plot, plot_convergence
 from ps_bench.report.rows import WORKLOAD, Row, load_rows, varying_options
 from ps_bench.runtime.network import parse_rate
-from ps_bench.strategies import HOOKS
+from ps_bench.strategies import SERVER_COUNTS, sends_to_servers
 
 DESCRIPTION = (
     "Compare runs: one row per point (per run of a point a sweep repeats, each against the "
@@ -204,14 +204,8 @@ def scaling_table(rows: list[Row], link_gbps: float | None) -> tuple[list[str], 
 
 
 def servers_used(row: Row) -> int:
-    """The parameter servers the point's strategy sends to: none for one that sends them nothing
-    (all-reduce started with --nserver 1, as every hook was before --nserver followed the hook,
-    leaves its server idle)."""
-    hook = row.option("hook")
-    record = HOOKS.record(hook) if isinstance(hook, str) and hook in HOOKS else None
-    if record is not None and not record.needs_servers:
-        return 0
-    return row.count("nserver", "ncudaserver")
+    """The parameter servers the point's strategy sends to (``sends_to_servers``)."""
+    return row.count(*SERVER_COUNTS) if sends_to_servers(row.option("hook")) else 0
 
 
 def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: str | None,

@@ -11,11 +11,11 @@ from typing import Any
 
 from ps_bench.config import ConfigError
 from ps_bench.results.load import load_source
+from ps_bench.strategies import SERVER_COUNTS
 
 # Resolved options never shown as columns: they describe the output, or repeat another column.
 HIDDEN = {"out", "dry_run", "per_rank", "debug", "verbose", "emulate_keep", "model_config",
           "data_config", "model_size", "master_port", "engine_config"}
-SERVER_COUNTS = ("nserver", "ncudaserver")  # no column where they only go with the hook
 
 
 # what an iteration computes: points that differ in any of these do different work, no speedup

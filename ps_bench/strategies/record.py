@@ -6,7 +6,7 @@ costs it), and ``HOOKS``, the registry users name strategies by. Validation, ``-
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Any, Callable
 
 from ps_bench.metrics.costs import Nodes
 from ps_bench.metrics.messages import ELEMENT_BYTES
@@ -223,3 +223,12 @@ def expected_bytes(record: Strategy, nbytes: int, world: int, period: int = 1,
 
 
 HOOKS: Registry = Registry("hook", record_type=Strategy)
+
+SERVER_COUNTS = ("nserver", "ncudaserver")  # the options that start parameter servers
+
+
+def sends_to_servers(hook: Any) -> bool:
+    """Whether a recorded run's ``hook`` sends to parameter servers: all-reduce started with
+    ``--nserver 1``, as every hook was before ``--nserver`` followed the hook, left its server
+    idle. A name this ps_bench does not know is taken to."""
+    return not (isinstance(hook, str) and hook in HOOKS and not HOOKS.record(hook).needs_servers)
