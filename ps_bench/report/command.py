@@ -47,6 +47,12 @@ class Baseline:
         ok = [point for point in alike if point.ok] or alike  # a failed run only where all failed
         return next((point for point in ok if point.run == row.run), ok[0] if ok else None)
 
+    def doing_the_work_of(self, row: Row) -> Row | None:
+        """The row's baseline point (``of``) where its iterations do the row's work (its
+        ``WORKLOAD``), else None: no speedup between different work."""
+        ref = self.of(row)
+        return ref if ref is not None and row.workload == ref.workload else None
+
     def against(self, what: str = "") -> str:
         """Whose ``what`` each point's is measured against, for the table's footnotes."""
         if not self.by:
@@ -108,10 +114,9 @@ def table(rows: list[Row], metric: str, baseline: Baseline) -> tuple[list[str], 
     for row in rows:
         p50 = row.stat(metric, "p50")
         check = row.results.get("verify") or {}
-        ref = baseline.of(row)
-        alike = ref is not None and row.workload == ref.workload
-        reference_s = to_target(ref)[1] if alike else None
-        speedup = speedup_of(row, metric, baseline)
+        ref = baseline.doing_the_work_of(row)
+        reference_s = to_target(ref)[1] if ref else None
+        speedup = speedup_of(row, ref, metric)
         body.append([
             *(row.option(c) for c in columns),
             *([row.run] if runs else []),
@@ -129,11 +134,10 @@ def table(rows: list[Row], metric: str, baseline: Baseline) -> tuple[list[str], 
     return headers, body
 
 
-def speedup_of(row: Row, metric: str, baseline: Baseline) -> float | None:
-    """The baseline's p50 of ``metric`` over the row's; None against another workload."""
-    ref, p50 = baseline.of(row), row.stat(metric, "p50")
-    alike = ref is not None and row.workload == ref.workload
-    reference = ref.stat(metric, "p50") if alike else None
+def speedup_of(row: Row, ref: Row | None, metric: str) -> float | None:
+    """``ref``'s p50 of ``metric`` over the row's (``ref``: the baseline's point alike the row,
+    None where it has none or it does other work)."""
+    p50, reference = row.stat(metric, "p50"), ref.stat(metric, "p50") if ref else None
     return reference / p50 if p50 and reference else None
 
 
@@ -150,7 +154,8 @@ def over_runs(rows: list[Row], metric: str, baseline: Baseline) -> list[str]:
         done = [run for run in runs if run.ok]
         for what, values, text in (
                 (f"{metric} p50", [run.stat(metric, "p50") for run in done], "{:.3f} ms"),
-                ("speedup", [speedup_of(run, metric, baseline) for run in done], "{:.2f}x")):
+                ("speedup", [speedup_of(run, baseline.doing_the_work_of(run), metric)
+                             for run in done], "{:.2f}x")):
             values = sorted(value for value in values if value is not None)
             if values:
                 said.append(f"{what} {text.format(statistics.median(values))} (runs "
