@@ -22,11 +22,11 @@ class Scratch:
     On a GPU nothing is kept: the caching allocator reuses the blocks, and the memory is free
     through the next forward.
 
-    With ``clock`` (the trainer's iteration), what an iteration did not use is let go at the
-    first use of the next: DDP rebuilds its buckets after the first iteration, and the first
+    ``clock`` is the trainer's iteration: what an iteration did not use is let go at the first
+    use of the next: DDP rebuilds its buckets after the first iteration, and the first
     layout's pieces and rows would otherwise stay beside the new ones for the whole run."""
 
-    def __init__(self, clock: Callable[[], int] | None = None) -> None:
+    def __init__(self, clock: Callable[[], int]) -> None:
         self.kept: dict[Any, torch.Tensor] = {}
         self.clock = clock
         self.turn: int | None = None  # the iteration ``used`` is of
@@ -51,8 +51,7 @@ class Scratch:
         dtype = dtype or like.dtype
         if like.device.type != "cpu":
             return torch.empty(size, dtype=dtype, device=like.device)
-        if self.clock is not None:
-            self.note_use(key)
+        self.note_use(key)
         kept = self.kept.get(key)
         if kept is None or kept.numel() != size or kept.dtype != dtype:
             kept = self.kept[key] = torch.empty(size, dtype=dtype)
