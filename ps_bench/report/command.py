@@ -160,8 +160,8 @@ def over_runs(rows: list[Row], metric: str, baseline: Baseline) -> list[str]:
             if values:
                 said.append(f"{what} {text.format(statistics.median(values))} (runs "
                             f"{text.format(values[0])} to {text.format(values[-1])})")
-        failed = sum(not run.ok for run in runs)
-        out.append(f"{label}: over {len(runs) - failed} runs"
+        failed = len(runs) - len(done)
+        out.append(f"{label}: over {len(done)} runs"
                    + (f" ({failed} failed, left out)" if failed else "")
                    + f", median {', '.join(said) or 'none'}")
     return out

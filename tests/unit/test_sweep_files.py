@@ -169,5 +169,6 @@ def test_repeat_runs_each_point_several_times_and_report_shows_every_run(tmp_pat
     assert run_report([str(tmp_path)], "hook=allreduce", "batch", None, None) == 0
     assert ("hook=allreduce: over 2 runs (1 failed, left out), median batch p50 2.500 ms (runs 2.000 ms to "
             "3.000 ms)") in capsys.readouterr().out
-    headers, body = table(load_rows([str(tmp_path)]), "batch", Baseline(tuple(load_rows([str(tmp_path)])[3:])))
+    rows = load_rows([str(tmp_path)])
+    headers, body = table(rows, "batch", Baseline(tuple(rows[3:])))
     assert body[1][headers.index("speedup")] == "0.33x"  # ps's run 2 against all-reduce's first: its 2nd failed
