@@ -64,7 +64,9 @@ def test_an_emulated_run_records_its_network_and_trains_identical_replicas(tmp_p
 
 def test_the_rpc_floor_across_200mbit_links_is_what_the_links_allow(tmp_path, nothing_left_behind):
     """1 trainer and 1 server on two hosts: a round trip moves the bucket out and its average back,
-    each across two shaped links, so it takes 2 x bytes / rate."""
+    each across two shaped links, so it takes 2 x bytes / rate. The wire sets the floor; the shared
+    cores' CPU time only adds to it, so the bound above is the looser one, and both sit well clear of
+    half or twice those bytes."""
     models = tmp_path / "models.json"
     models.write_text(json.dumps(MID_MODEL))
     run = emulate("--link", "200mbit", "--", "--ntrainer", "1", "--nserver", "1", "--model", "Mid",
@@ -73,7 +75,7 @@ def test_the_rpc_floor_across_200mbit_links_is_what_the_links_allow(tmp_path, no
     assert run.returncode == 0, run.output
     limits = run.results["limits"]
     expected_ms = 2 * limits["bytes_per_iter"] * 8 / 200e6 * 1000
-    assert limits["rpc"]["p50_ms"] == pytest.approx(expected_ms, rel=0.15), (limits["rpc"], expected_ms)
+    assert 0.9 * expected_ms <= limits["rpc"]["p50_ms"] <= 1.45 * expected_ms, (limits["rpc"], expected_ms)
     assert run.results["efficiency"]["floor"] == "rpc"
 
 

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from contextlib import contextmanager
 
-import pytest
 
 from ps_bench.cluster.torchrun import NodeLayout, torchrun_command
 from tests.benchrun import ROOT, communicate
@@ -79,7 +78,9 @@ def test_an_interface_missing_on_a_host_is_one_line(host_pair):
 
 def test_with_tcp_rpc_crosses_the_link_at_its_rate(host_pair, tmp_path):
     """A link of 200 Mbit/s each way: the RPC floor's round trip moves both trainers' buckets out
-    through psb-a's end and their averages back, so it takes 2 x 2 x bytes / rate."""
+    through psb-a's end and their averages back, so it takes 2 x 2 x bytes / rate. The wire sets
+    the floor; the shared cores' CPU time (serialising, summing) only adds to it, so the bound
+    above is looser than the one below, and both sit well clear of half or twice those bytes."""
     out, models = tmp_path / "results.json", tmp_path / "models.json"
     models.write_text(json.dumps(MID_MODEL))
     with shaped(host_pair, "200mbit"):
@@ -91,7 +92,7 @@ def test_with_tcp_rpc_crosses_the_link_at_its_rate(host_pair, tmp_path):
     assert "ps_bench: warning" not in "".join(outputs)
     limits = results["limits"]
     expected_ms = 2 * 2 * limits["bytes_per_iter"] * 8 / 200e6 * 1000
-    assert limits["rpc"]["p50_ms"] == pytest.approx(expected_ms, rel=0.15), (limits["rpc"], expected_ms)
+    assert 0.9 * expected_ms <= limits["rpc"]["p50_ms"] <= 1.45 * expected_ms, (limits["rpc"], expected_ms)
 
 
 def test_stale_hosts_of_a_dead_session_are_removed(host_pair):
