@@ -29,6 +29,19 @@ LINK = "psb0"
 SUBNET = "10.231.77"  # private, and only ever configured inside the test's own namespaces
 
 
+# 1.3 MB of gradients: large enough that a link of 200 Mbit/s, not RPC's own overhead, sets the time
+MID_MODEL = {"Mid": {"model_class": "DummyModel", "configurations": {
+    "num_embeddings": 256, "embedding_dim": 256, "dense_input_size": 256, "dense_output_size": 256,
+    "dense_layers_count": 4}}}
+
+
+def crossed_at_its_rate(floor_ms: float, wire_ms: float) -> bool:
+    """A floor measured across a shaped link against the time its bytes take on the wire alone:
+    never under 0.9 of it (nothing crosses faster than the link allows), at most 1.45 of it (the
+    shared cores' serialising and summing only add); both well clear of half or twice the bytes."""
+    return 0.9 * wire_ms <= floor_ms <= 1.45 * wire_ms
+
+
 def project_env(**extra: str) -> dict[str, str]:
     """The environment for processes of the job: this checkout's ps_bench comes first."""
     path = os.environ.get("PYTHONPATH", "")
