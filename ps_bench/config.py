@@ -283,10 +283,8 @@ def read_json(path: str | os.PathLike, what: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
-        raise ConfigError(
-            f"{what} {str(path)!r} is not valid JSON: {error.msg} at line {error.lineno} "
-            f"column {error.colno}"
-        ) from None
+        raise ConfigError(f"{what} {str(path)!r} is not valid JSON: {error.msg} at line "
+                          f"{error.lineno} column {error.colno}") from None
 
 
 def coerce(name: str, value: Any, source: str) -> Any:
@@ -304,19 +302,21 @@ def coerce(name: str, value: Any, source: str) -> Any:
         return value
     try:
         return as_type(value, kind)
-    except TypeError:
-        raise ConfigError(f"{source}: {name!r} must be {kind.__name__}, "
-                          f"got {json.dumps(value)}") from None
+    except TypeError as error:
+        raise ConfigError(f"{source}: {name!r} {error}, got {json.dumps(value)}") from None
+
+
+TYPE_WORDS = {int: "a whole number", float: "a number", str: "a string", bool: "true or false"}
 
 
 def as_type(value: Any, kind: type) -> Any:
     """``value`` if it is a ``kind`` (a bool is no int; an int is taken for a float, as a
-    float); TypeError otherwise."""
+    float); otherwise TypeError, whose text says what it must be."""
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
         return value
-    raise TypeError(f"expected {kind.__name__}")
+    raise TypeError(f"must be {TYPE_WORDS.get(kind, kind.__name__)}")
 
 
 def load_run_file(path: str) -> dict[str, Any]:

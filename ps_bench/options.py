@@ -12,8 +12,8 @@ import textwrap
 import traceback
 from typing import Any, NoReturn
 
-from ps_bench.config import (CONVERGENCE, NETWORK, OPTIONS, RUN, STRATEGY, TOPOLOGY, ConfigError,
-                             field_type)
+from ps_bench.config import (CONVERGENCE, NETWORK, OPTIONS, RUN, STRATEGY, TOPOLOGY, TYPE_WORDS,
+                             ConfigError, field_type)
 from ps_bench.models import MODEL_PRESETS, TEST_SIZED
 from ps_bench.servers import SERVERS
 from ps_bench.strategies import HOOKS
@@ -80,7 +80,8 @@ def typed(kind: type, flag: str):
         try:
             return kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected {TYPE_WORDS.get(kind, kind.__name__)}, got {text!r}") from None
 
     convert.__name__ = kind.__name__
     return convert

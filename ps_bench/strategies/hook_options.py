@@ -42,9 +42,8 @@ def check_hook_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
         kind = known[key][0]
         try:
             checked[key] = as_type(value, kind)
-        except TypeError:
-            raise ValueError(f"hook option {key!r} must be {kind.__name__}; "
-                             f"got {value!r}") from None
+        except TypeError as error:
+            raise ValueError(f"hook option {key!r} {error}; got {value!r}") from None
     factory = HOOKS.get(name)
     if hasattr(factory, "check"):
         factory.check(**{k: d for k, (_, d) in known.items()} | checked)

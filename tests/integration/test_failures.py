@@ -243,7 +243,7 @@ def test_concurrent_runs_pick_different_free_ports(tmp_path):
 # The real binary on a few bad inputs, one of each kind (the whole table runs in-process in
 # tests/unit/test_cli.py): a bad flag, a bad option value, a bad run file.
 BAD_INPUTS = [
-    (["--ntrainer", "two"], "--ntrainer: expected int"),
+    (["--ntrainer", "two"], "--ntrainer: expected a whole number"),
     (["--hook", "allredcue"], "did you mean 'allreduce'"),
     (["--config", "{bad_json}"], "not valid JSON: Expecting ',' delimiter at line 2 column 2"),
 ]

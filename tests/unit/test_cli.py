@@ -31,7 +31,7 @@ def test_only_given_options_are_set_so_json_can_fill_the_rest():
 
 
 BAD_INPUTS = [
-    (["--ntrainer", "two"], "--ntrainer: expected int"),
+    (["--ntrainer", "two"], "--ntrainer: expected a whole number"),
     (["--ntrainer", "0"], "at least one trainer"),
     (["--nserver", "-1"], "--nserver must be 0 or more"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
@@ -50,7 +50,7 @@ BAD_INPUTS = [
     (["--config", "missing.json"], "run config 'missing.json' does not exist"),
     (["--config", "{bad_json}"], "not valid JSON: Expecting ',' delimiter at line 2 column 2"),
     (["--config", "{unknown_key}"], "unknown key 'trainers'; valid keys:"),
-    (["--config", "{wrong_type}"], "'rounds' must be int, got \"3\""),
+    (["--config", "{wrong_type}"], "'rounds' must be a whole number, got \"3\""),
     (["--master-port", "70000"], "--master-port must be in 1..65535"),
     (["--backend", "nccl"], "CUDA is needed for --backend nccl"),
     (["--ncudaserver", "1"], "CUDA is needed for --ncudaserver 1"),
@@ -68,7 +68,7 @@ BAD_INPUTS = [
     (["--model", "dlrm_small", "--data", "DummyDataSmall"], "--model dlrm_small takes dense features"),
     (["--target-loss", "-0.5"], "--target-loss must be a positive number; got -0.5"),
     (["--target-loss", "0"], "--target-loss must be a positive number; got 0.0"),
-    (["--target-loss", "low"], "--target-loss/--target_loss: expected float, got 'low'"),
+    (["--target-loss", "low"], "--target-loss/--target_loss: expected a number, got 'low'"),
     (["--target-loss", "inf"], "--target-loss must be a positive number; got inf"),
     (["--data", "PlainBags", "--data-config-path", "{plain_data}", "--target-loss", "1"],
      "--target-loss needs learnable data, but --data PlainBags (PlainBags) has no teacher to label it; data classes "
@@ -88,7 +88,7 @@ BAD_INPUTS = [
     (["--straggler", "trainer:1:-30ms"], "--straggler trainer:1:-30ms: DELAY must be 0 or more"),
     (["--server", "ssp"], "--server ssp is the mode of --staleness S: set --staleness"),
     (["--grad-accum", "0"], "--grad-accum must be at least 1; got 0"),
-    (["--grad-accum", "many"], "--grad-accum/--grad_accum: expected int, got 'many'"),
+    (["--grad-accum", "many"], "--grad-accum/--grad_accum: expected a whole number, got 'many'"),
     (["--grad-accum", "64"], "fewer than --batch-size 16 x --grad-accum 64"),
     (["--precision", "fp16"], "--precision fp16 needs the trainers on GPUs"),
     (["--precision", "fp8"], "invalid choice: 'fp8'"),

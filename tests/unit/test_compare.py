@@ -289,7 +289,7 @@ def two_files(tmp_path) -> tuple[Path, Path]:
     ("other model", "base runs model DummyModelSmall and new runs resnet18"),
     ("newer schema", "has schema 'ps_bench.result/2', and this ps_bench reads ps_bench.result/1"),
     ("negative gate", "--fail-over is a percentage, 0 or more; got -5"),
-    ("gate not a number", "argument --fail-over: expected float, got 'five'"),
+    ("gate not a number", "argument --fail-over: expected a number, got 'five'"),
     ("unknown match", "--match 'hooks': not an option"),
     ("failed runs only", "holds no successful run"),
 ])

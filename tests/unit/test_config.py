@@ -38,9 +38,11 @@ def test_unknown_json_key_lists_valid_keys(tmp_path):
 @pytest.mark.parametrize(
     "content, message",
     [
-        ('{"ntrainer": "two"}', "'ntrainer' must be int"),
-        ('{"ntrainer": true}', "'ntrainer' must be int"),
-        ('{"lr": "fast"}', "'lr' must be float"),
+        ('{"ntrainer": "two"}', "'ntrainer' must be a whole number"),
+        ('{"ntrainer": true}', "'ntrainer' must be a whole number"),
+        ('{"lr": "fast"}', "'lr' must be a number"),
+        ('{"verify": 1}', "'verify' must be true or false, got 1"),
+        ('{"model": 50}', "'model' must be a string, got 50"),
         ('{"ntrainer": 2,}', "not valid JSON: .* line 1 column"),
         ('[1, 2]', "must hold a JSON object"),
     ],

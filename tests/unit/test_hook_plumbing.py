@@ -62,7 +62,7 @@ def test_powersgd_options_are_checked():
         "matrix_approximation_rank": 4, "min_compression_rate": 1.0}
     with pytest.raises(ValueError, match="no option 'rank'; its options: matrix_approximation_rank"):
         check_hook_options("powersgd", {"rank": 4})
-    with pytest.raises(ValueError, match="'matrix_approximation_rank' must be int"):
+    with pytest.raises(ValueError, match="'matrix_approximation_rank' must be a whole number"):
         check_hook_options("batched_powersgd", {"matrix_approximation_rank": "4"})
     with pytest.raises(ValueError, match="must be more than 1 with error feedback"):
         check_hook_options("powersgd", {"start_powerSGD_iter": 1})

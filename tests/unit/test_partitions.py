@@ -226,7 +226,7 @@ def test_ps_pieces_spread_a_large_bucket_over_more_servers():
 @pytest.mark.parametrize("hook, value, words", [
     ("ps", "0", "hook option 'partition_mb' must be a number of MiB above 0; got 0"),
     ("ps_node", "-2", "hook option 'partition_mb' must be a number of MiB above 0; got -2"),
-    ("ps", "lots", "hook option 'partition_mb' must be float; got 'lots'"),
+    ("ps", "lots", "hook option 'partition_mb' must be a number; got 'lots'"),
     ("ps", "nan", "hook option 'partition_mb' must be"),
 ])
 def test_a_bad_partition_is_one_line_and_exit_2_before_anything_starts(hook, value, words, capsys):

@@ -61,7 +61,7 @@ def test_hash_follows_the_resolved_configuration(tmp_path):
         ({"grid": {"nserver": [1, 3]}, "base": {"mapping": "group"}}, "point 2 (nserver=3): --mapping group"),
         ({"grid": {"hooks": ["ps"]}}, "unknown option 'hooks'"),
         ({"grid": {"hook": []}}, "needs a non-empty list"),
-        ({"grid": {"ntrainer": ["two"]}}, "'ntrainer' must be int"),
+        ({"grid": {"ntrainer": ["two"]}}, "'ntrainer' must be a whole number"),
         ({"base": {"out": "x.json"}, "grid": {"hook": ["ps"]}}, "'out' is set by the sweep"),
         ({"grid": {"hook": ["ps"]}, "variants": [{"name": "v", "hook": "fp16"}]}, "variant 'v' sets hook"),
         ({"base": {"rounds": 2}}, "has no points"),
