@@ -82,6 +82,7 @@ def write_results(results: dict, path: str | os.PathLike) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=target.parent)
     try:
+        os.fchmod(handle, 0o666 & ~umask())  # as any file the user writes, not mkstemp's 0600
         with os.fdopen(handle, "w") as stream:
             json.dump(strict(results), stream, indent=2, allow_nan=False)
             stream.write("\n")
@@ -98,6 +99,21 @@ def write_results(results: dict, path: str | os.PathLike) -> Path:
         raise FileExistsError(f"no free name next to {target}")
     finally:
         os.unlink(temporary)
+
+
+def umask() -> int:
+    """The process's file-creation mask, read without setting it where Linux tells it (setting
+    it, even back, would race any thread creating a file meanwhile)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def keep_results(results: dict, path: str | os.PathLike) -> Path | None:

@@ -2,6 +2,8 @@
 read back through the one checked loader, whose refusal is the same one line from every command."""
 
 import json
+import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -28,6 +30,18 @@ def test_results_are_never_overwritten(tmp_path):
     assert (first, second, third) == (target, target.with_name("run-1.json"), target.with_name("run-2.json"))
     assert [json.loads(p.read_text())["n"] for p in (first, second, third)] == [1, 2, 3]
     assert sorted(p.name for p in target.parent.iterdir()) == ["run-1.json", "run-2.json", "run.json"]
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o027, 0o640)], ids=["umask 022", "umask 027"])
+def test_a_results_file_has_the_mode_any_file_the_user_writes_has(tmp_path, mask, mode):
+    """Written through a private temporary file, but readable as the user's umask allows (a
+    results file is shared with a team, copied off a cluster), not left at 0600."""
+    previous = os.umask(mask)
+    try:
+        written = write_results({"n": 1}, tmp_path / "run.json")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(written.stat().st_mode) == mode
 
 
 def test_a_failed_runs_results_go_to_the_temporary_folder_where_their_path_cannot_be_written(
