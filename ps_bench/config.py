@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ps_bench.registry import did_you_mean
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -46,8 +48,7 @@ DEFAULT_MAX_ITERATIONS = 1000  # --max-iterations when --target-loss is given wi
 def option(default: Any, help: str, *, group: str = RUN, aliases: tuple[str, ...] = (),
            choices: tuple[str, ...] = (), metavar: str | None = None,
            numbers_as_text: bool = False) -> Any:
-    """A RunConfig field with what its flag needs; ``numbers_as_text``: a JSON number is taken as
-    its text."""
+    """A RunConfig field with what its flag needs; ``numbers_as_text``: JSON numbers as text."""
     metadata = {"help": help, "group": group, "aliases": aliases, "choices": choices,
                 "metavar": metavar, "numbers_as_text": numbers_as_text}
     if isinstance(default, (dict, list)):
@@ -327,16 +328,15 @@ def load_run_file(path: str) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in JSON_KEYS or key == "config":
-            valid = ", ".join(sorted(n for n in OPTIONS))
-            raise ConfigError(f"run config {path!r}: unknown key {key!r}; valid keys: {valid}")
+            valid = did_you_mean(key, OPTIONS) + "valid keys: " + ", ".join(sorted(OPTIONS))
+            raise ConfigError(f"run config {path!r}: unknown key {key!r}; {valid}")
         name = JSON_KEYS[key]
         values[name] = coerce(name, value, f"run config {path!r}")
     return values
 
 
 def build_config(cli_values: dict[str, Any], config_path: str | None = None) -> RunConfig:
-    """Defaults, then the JSON run file, then the command line (hook and model options key by
-    key)."""
+    """Defaults, then the JSON run file, then the command line (hook and model options by key)."""
     values: dict[str, Any] = {}
     if config_path is not None:
         values.update(load_run_file(config_path))

@@ -5,6 +5,7 @@ field, which subcommands that start runs parse after their ``--``)."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import re
 import sys
@@ -205,6 +206,18 @@ def file_hint(extra: list[str]) -> str:
             f"after sweep: bench.py sweep {files[0]} --out DIR)")
 
 
+def flag_hint(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """``; did you mean '--ntrainer'?`` for the first unknown flag close to one of the parser's,
+    compared without the dashes every flag starts with, and held closer than a name's match."""
+    flags = [word.split("=", 1)[0][2:] for word in extra if word.startswith("--")]
+    names = {spelling[2:] for action in parser._actions for spelling in action.option_strings
+             if spelling.startswith("--")}
+    names = sorted({name.replace("_", "-") if name.replace("_", "-") in names else name
+                    for name in names})  # --batch-size, not its alias --batch_size
+    close = difflib.get_close_matches(flags[0], names, n=1, cutoff=0.75) if flags else []
+    return f"; did you mean '--{close[0]}'?" if close else ""
+
+
 def parse_run_options(argv: list[str],
                       parser: argparse.ArgumentParser | None = None
                       ) -> tuple[dict[str, Any], str | None]:
@@ -214,7 +227,8 @@ def parse_run_options(argv: list[str],
         add_run_options(parser)
     known, extra = parser.parse_known_args(argv)
     if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}{file_hint(extra)}")
+        parser.error(f"unrecognized arguments: {' '.join(extra)}{flag_hint(parser, extra)}"
+                     f"{file_hint(extra)}")
     args = vars(known)
     config_path = args.pop("config", None)
     return ({k: v for k, v in args.items() if not k.startswith(("ignored_", "refused_"))},

@@ -8,10 +8,17 @@ about the piece without building it (validation, ``--limits``, the tests read re
 from __future__ import annotations
 
 import difflib
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from typing import Any, Callable, Generic, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
 
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """``"did you mean 'x'? "`` for the one of ``known`` closest to a mistyped ``word``, or
+    nothing where none is close."""
+    close = difflib.get_close_matches(word, list(known), n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
 
 class UnknownNameError(KeyError):
     """A name that no entry of a registry answers to; ``str()`` is a sentence for people."""
@@ -56,9 +63,8 @@ class Registry(Generic[T]):
             return self._canonical[name]
         except KeyError:
             known = ", ".join(self.names())
-            close = difflib.get_close_matches(name, list(self._canonical), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise UnknownNameError(f"unknown {self.kind} {name!r}; {hint}known: {known}") from None
+            raise UnknownNameError(f"unknown {self.kind} {name!r}; "
+                                   f"{did_you_mean(name, self._canonical)}known: {known}") from None
 
     def get(self, name: str) -> T:
         return self._entries[self.canonical(name)]

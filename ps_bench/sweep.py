@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ps_bench.config import (JSON_KEYS, ConfigError, build_config, check_writable_folder, coerce,
-                             read_json)
+from ps_bench.config import (JSON_KEYS, OPTIONS, ConfigError, build_config, check_writable_folder,
+                             coerce, read_json)
 from ps_bench.job import Job, cuda_device_count, validate
 from ps_bench.options import typed
+from ps_bench.registry import did_you_mean
 from ps_bench.results.files import (RESULTS_NAME, append_line, config_hash, environment,
                                     failed_results, iso_now)
 from ps_bench.results.load import load_file, load_lines
@@ -73,7 +74,8 @@ def run_options(values: dict[str, Any], where: str) -> dict[str, Any]:
     out = {}
     for key, value in values.items():
         if key not in JSON_KEYS:
-            raise ConfigError(f"{where}: unknown option {key!r}")
+            valid = did_you_mean(key, OPTIONS) + "valid keys: " + ", ".join(sorted(OPTIONS))
+            raise ConfigError(f"{where}: unknown option {key!r}; {valid}")
         name = JSON_KEYS[key]
         if name == "out":
             raise ConfigError(f"{where}: 'out' is set by the sweep "
@@ -96,7 +98,7 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
     for key in raw:
         if key not in SWEEP_KEYS:
             raise ConfigError(f"sweep file {path!r}: unknown key {key!r}; "
-                              f"valid keys: {', '.join(SWEEP_KEYS)}")
+                              f"{did_you_mean(key, SWEEP_KEYS)}valid keys: {', '.join(SWEEP_KEYS)}")
     name = raw.get("name", Path(path).stem)
     base = run_options(raw.get("base", {}), f"sweep {path!r}: base")
     grid_raw = raw.get("grid", {})

@@ -5,7 +5,6 @@ found, checked and sized before any process starts."""
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +13,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ps_bench.config import ConfigError, read_json, resolve_path
-from ps_bench.registry import Registry
+from ps_bench.registry import Registry, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -49,8 +48,7 @@ def load_entry(path: str, entry_id: str, class_key: str, registry: Registry, opt
     elif entry_id in zoo:
         entry, source = zoo[entry_id], ZOO
     else:
-        close = difflib.get_close_matches(entry_id, [*table, *zoo], n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        hint = did_you_mean(entry_id, [*table, *zoo])
         raise ConfigError(f"--{option_name} {entry_id!r} is not in {path} or {ZOO}; {hint}entries: "
                           f"{', '.join(sorted(table))}; zoo: {', '.join(zoo)}")
     if not isinstance(entry, dict) or class_key not in entry:

@@ -49,7 +49,7 @@ BAD_INPUTS = [
     (["--data-config-path", "missing.json"], "'missing.json' does not exist"),
     (["--config", "missing.json"], "run config 'missing.json' does not exist"),
     (["--config", "{bad_json}"], "not valid JSON: Expecting ',' delimiter at line 2 column 2"),
-    (["--config", "{unknown_key}"], "unknown key 'trainers'; valid keys:"),
+    (["--config", "{unknown_key}"], "unknown key 'trainers'; did you mean 'trainer'? valid keys:"),
     (["--config", "{wrong_type}"], "'rounds' must be a whole number, got \"3\""),
     (["--master-port", "70000"], "--master-port must be in 1..65535"),
     (["--backend", "nccl"], "CUDA is needed for --backend nccl"),
@@ -61,6 +61,8 @@ BAD_INPUTS = [
     (["--inject-fault", "trainer:1:hang"], "expected ROLE:INDEX:ITER:KIND"),
     (["--inject-fault", "trainer:1:1:explode"], "kind must be one of exit, raise, hang"),
     (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+    (["--ntrainers", "2"], "unrecognized arguments: --ntrainers 2; did you mean '--ntrainer'?"),
+    (["--hooks=ps"], "unrecognized arguments: --hooks=ps; did you mean '--hook'?"),
     (["configs/runs/upstream_ps.json"], "a run file goes after --config: bench.py --config "
                                         "configs/runs/upstream_ps.json; a sweep file after sweep"),
     (["--create_criterion=mse"], "invalid choice: 'mse' (choose from 'cel')"),

@@ -59,13 +59,14 @@ def test_hash_follows_the_resolved_configuration(tmp_path):
     [
         ({"grid": {"hook": ["ps", "allredcue"]}}, "point 2 (hook=allredcue): --hook: unknown hook 'allredcue'"),
         ({"grid": {"nserver": [1, 3]}, "base": {"mapping": "group"}}, "point 2 (nserver=3): --mapping group"),
-        ({"grid": {"hooks": ["ps"]}}, "unknown option 'hooks'"),
+        ({"grid": {"hooks": ["ps"]}}, "unknown option 'hooks'; did you mean 'hook'[?] valid keys: backend"),
         ({"grid": {"hook": []}}, "needs a non-empty list"),
         ({"grid": {"ntrainer": ["two"]}}, "'ntrainer' must be a whole number"),
         ({"base": {"out": "x.json"}, "grid": {"hook": ["ps"]}}, "'out' is set by the sweep"),
         ({"grid": {"hook": ["ps"]}, "variants": [{"name": "v", "hook": "fp16"}]}, "variant 'v' sets hook"),
         ({"base": {"rounds": 2}}, "has no points"),
         ({"grid": {"hook": ["ps"]}, "extra": 1}, "unknown key 'extra'; valid keys: name, base, grid, variants"),
+        ({"grid": {"hook": ["ps"]}, "bse": {}}, "unknown key 'bse'; did you mean 'base'[?] valid keys: name"),
     ],
 )
 def test_bad_sweeps_name_the_point_and_the_problem(tmp_path, content, message):
