@@ -62,6 +62,10 @@ class Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line and exit status 2."""
 
     def error(self, message: str) -> NoReturn:
+        unknown = "unrecognized arguments: "
+        if message.startswith(unknown):  # the flag meant, before any other hint
+            extra, opening, rest = message[len(unknown):].partition(" (")
+            message = f"{unknown}{extra}{flag_hint(self, extra.split())}{opening}{rest}"
         sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
         sys.exit(EXIT_USAGE)
 
@@ -227,8 +231,7 @@ def parse_run_options(argv: list[str],
         add_run_options(parser)
     known, extra = parser.parse_known_args(argv)
     if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}{flag_hint(parser, extra)}"
-                     f"{file_hint(extra)}")
+        parser.error(f"unrecognized arguments: {' '.join(extra)}{file_hint(extra)}")
     args = vars(known)
     config_path = args.pop("config", None)
     return ({k: v for k, v in args.items() if not k.startswith(("ignored_", "refused_"))},

@@ -63,6 +63,8 @@ BAD_INPUTS = [
     (["--no-such-option"], "unrecognized arguments: --no-such-option"),
     (["--ntrainers", "2"], "unrecognized arguments: --ntrainers 2; did you mean '--ntrainer'?"),
     (["--hooks=ps"], "unrecognized arguments: --hooks=ps; did you mean '--hook'?"),
+    (["report", "out", "--bseline", "hook=ps"],
+     "unrecognized arguments: --bseline hook=ps; did you mean '--baseline'?"),
     (["configs/runs/upstream_ps.json"], "a run file goes after --config: bench.py --config "
                                         "configs/runs/upstream_ps.json; a sweep file after sweep"),
     (["--create_criterion=mse"], "invalid choice: 'mse' (choose from 'cel')"),
