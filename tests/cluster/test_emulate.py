@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from ps_bench.cli import main
 from ps_bench.runtime.network import TOOLS, netem_available, privileged
 from tests.benchrun import ROOT, communicate, read_until, run_bench, start_bench
 from tests.cluster.machines import MID_MODEL, crossed_at_its_rate
@@ -187,11 +188,28 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[" ".join(argv) for argv, _ in BAD_INPUTS])
+def command_line(argv: list[str]) -> list[str]:
+    return ["emulate", *argv, *([] if "--" in argv else ["--"])]
+
+
+# the real binary on one of each kind (an emulate flag, the run options after --): it refuses
+# them at once; the whole table runs in this process below
+@pytest.mark.parametrize("argv, message", [BAD_INPUTS[0], BAD_INPUTS[-2]], ids=["an emulate flag", "a run option"])
 def test_bad_input_is_one_line_at_once_and_creates_nothing(argv, message, nothing_left_behind, bare_import_s):
-    run = emulate(*argv, *([] if "--" in argv else ["--"]), timeout_s=60)
+    run = run_bench(*command_line(argv), timeout_s=60)
     assert run.returncode == 2 and run.elapsed_s < at_once(bare_import_s), run.output
     assert run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[" ".join(argv) for argv, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_and_creates_nothing(argv, message, nothing_left_behind, capsys):
+    try:
+        status = main(command_line(argv))
+    except SystemExit as exited:  # argparse's own errors
+        status = exited.code
+    captured = capsys.readouterr()
+    assert status == 2 and captured.out == "", captured.out
+    assert captured.err.count("\n") == 1 and message in captured.err, captured.err
 
 
 @pytest.mark.skipif(netem_available(), reason="this kernel has netem: --delay is accepted here")
