@@ -13,12 +13,12 @@ from typing import Any, Callable, Generic, Iterable, Iterator, TypeVar
 T = TypeVar("T")
 
 
-
 def did_you_mean(word: str, known: Iterable[str]) -> str:
     """``"did you mean 'x'? "`` for the one of ``known`` closest to a mistyped ``word``, or
     nothing where none is close."""
     close = difflib.get_close_matches(word, list(known), n=1)
     return f"did you mean {close[0]!r}? " if close else ""
+
 
 class UnknownNameError(KeyError):
     """A name that no entry of a registry answers to; ``str()`` is a sentence for people."""
