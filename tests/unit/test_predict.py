@@ -258,6 +258,8 @@ def test_a_target_link_replaces_the_fitted_one(tmp_path):
     assert calibration.link.latency_ms == pytest.approx(0.005) and calibration.link.bytes_per_ms == pytest.approx(12.5e6)
     assert calibration.phases.backward == 40.0  # without --limits: the last bucket's ready time
     assert calibration.own_ms == {}  # no fitted link: the run's own network is unknown
+    assert ("own compute, from its run: none: it is fitted only from runs whose link is known "
+            "(made with --limits, or on an emulated link at --link's rate)") in describe_calibration(calibration)
 
 
 def test_own_compute_is_measured_on_the_runs_network_and_carried_to_the_target(tmp_path):
