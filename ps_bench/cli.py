@@ -22,7 +22,8 @@ from typing import NoReturn
 from tabulate import tabulate
 
 from ps_bench.runtime import preload
-from ps_bench.config import ConfigError, RunConfig, build_config, check_output_file
+from ps_bench.config import ConfigError, RunConfig, build_config
+from ps_bench.places import check_output_file
 from ps_bench.runtime.failures import Terminated, raise_terminated
 from ps_bench.job import cuda_device_count, default_servers, validate
 from ps_bench.processes.launch import (JobFailed, LaunchSpec, run_torchrun_rank, spawn,

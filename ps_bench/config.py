@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -320,19 +319,27 @@ def as_type(value: Any, kind: type) -> Any:
     raise TypeError(f"must be {TYPE_WORDS.get(kind, kind.__name__)}")
 
 
+def option_values(raw: dict, where: str, refused: dict[str, str] | None = None) -> dict[str, Any]:
+    """A JSON object of run options (a run file's, a sweep's) under the options' names, each
+    value checked against its option's type; ``refused``: options it may not set, with why."""
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in JSON_KEYS:
+            raise ConfigError(f"{where}: unknown option {key!r}; {did_you_mean(key, OPTIONS)}"
+                              f"valid options: {', '.join(sorted(OPTIONS))}")
+        name = JSON_KEYS[key]
+        if name in (refused or {}):
+            raise ConfigError(f"{where}: {refused[name]}")
+        values[name] = coerce(name, value, where)
+    return values
+
+
 def load_run_file(path: str) -> dict[str, Any]:
-    """Reads a run JSON whose keys are option names; unknown keys raise with the valid list."""
+    """Reads a run JSON whose keys are option names (``option_values``)."""
     raw = read_json(path, "run config")
     if not isinstance(raw, dict):
         raise ConfigError(f"run config {path!r} must hold a JSON object of options")
-    values: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in JSON_KEYS or key == "config":
-            valid = did_you_mean(key, OPTIONS) + "valid keys: " + ", ".join(sorted(OPTIONS))
-            raise ConfigError(f"run config {path!r}: unknown key {key!r}; {valid}")
-        name = JSON_KEYS[key]
-        values[name] = coerce(name, value, f"run config {path!r}")
-    return values
+    return option_values(raw, f"run config {path!r}")
 
 
 def build_config(cli_values: dict[str, Any], config_path: str | None = None) -> RunConfig:
@@ -346,55 +353,3 @@ def build_config(cli_values: dict[str, Any], config_path: str | None = None) -> 
             cli_values[name] = {**values.get(name, {}), **cli_values[name]}
     values.update(cli_values)
     return RunConfig(**values)
-
-
-def resolve_path(path: str) -> Path:
-    """A relative path is taken from the working directory, else from the project root."""
-    candidate = Path(path)
-    if candidate.is_absolute() or candidate.exists():
-        return candidate
-    bundled = PROJECT_ROOT / candidate
-    return bundled if bundled.exists() else candidate
-
-
-def check_interface(name: str) -> None:
-    """Raises ConfigError unless this node has a network interface called ``name``."""
-    names = sorted(interface for _, interface in socket.if_nameindex())
-    if name not in names:
-        raise ConfigError(f"--iface {name!r}: no such network interface on {socket.gethostname()}; "
-                          f"it has {', '.join(names)}")
-
-
-def check_writable_folder(path: str, option_name: str) -> None:
-    """A ConfigError unless the folder exists and is writable, or could be created; creates
-    nothing (a ``--dry-run`` leaves no trace; the folder is made where the files are written)."""
-    existing = Path(path).absolute()
-    while not existing.exists():  # the nearest part of the path that exists
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"{option_name} {path!r} cannot be created: "
-                          f"{str(existing)!r} is not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{option_name} {path!r} is not writable; choose another folder")
-
-
-def check_output_file(path: str, option_name: str) -> None:
-    """A ConfigError unless a file can be written at ``path`` (not a folder; its folder writable,
-    or one that could be made), said before any work; creates nothing."""
-    if Path(path).is_dir():
-        raise ConfigError(f"{option_name} {path!r} is a folder; give a file name")
-    check_writable_folder(str(Path(path).absolute().parent), f"{option_name}'s folder")
-
-
-def in_its_folder(path: str) -> str:
-    """``path``, its folder made where it is not yet (``check_output_file`` before the work)."""
-    Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def check_port(flag: str, port: int) -> None:
-    """Raises ConfigError unless ``port`` is a TCP port number."""
-    if not 1 <= port <= 65535:
-        raise ConfigError(f"{flag} must be in 1..65535; got {port}")
-
-

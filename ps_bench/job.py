@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ps_bench.config import (ConfigError, RunConfig, check_interface, check_port,
-                             check_writable_folder, flag, need)
+from ps_bench.config import ConfigError, RunConfig, flag, need
 from ps_bench.metrics.messages import PRECISIONS
 from ps_bench.models import DATA, DATA_PRESETS, MODELS, RANDOM, TEACHER, default_data, model_entry
 from ps_bench.models.base import SyntheticData
 from ps_bench.models.huggingface import is_hf
 from ps_bench.models.entries import Entry, construct, load_entry, model_size
+from ps_bench.places import check_interface, check_port, check_writable_folder
 from ps_bench.registry import UnknownNameError
 from ps_bench.runtime import network
 from ps_bench.runtime.faults import Fault, Straggler

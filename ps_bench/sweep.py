@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ps_bench.config import (JSON_KEYS, OPTIONS, ConfigError, build_config, check_writable_folder,
-                             coerce, read_json)
+from ps_bench.config import ConfigError, build_config, option_values, read_json
 from ps_bench.job import Job, cuda_device_count, validate
 from ps_bench.options import typed
+from ps_bench.places import check_writable_folder
 from ps_bench.registry import did_you_mean
 from ps_bench.results.files import (RESULTS_NAME, append_line, config_hash, environment,
                                     failed_results, iso_now)
@@ -71,17 +71,8 @@ def run_options(values: dict[str, Any], where: str) -> dict[str, Any]:
     """Checks keys and types of a block of run options; returns them under canonical names."""
     if not isinstance(values, dict):
         raise ConfigError(f"{where} must be a JSON object of run options")
-    out = {}
-    for key, value in values.items():
-        if key not in JSON_KEYS:
-            valid = did_you_mean(key, OPTIONS) + "valid keys: " + ", ".join(sorted(OPTIONS))
-            raise ConfigError(f"{where}: unknown option {key!r}; {valid}")
-        name = JSON_KEYS[key]
-        if name == "out":
-            raise ConfigError(f"{where}: 'out' is set by the sweep "
-                              f"(each point writes into the sweep's folder)")
-        out[name] = coerce(name, value, where)
-    return out
+    return option_values(values, where, refused={
+        "out": "'out' is set by the sweep (each point writes into the sweep's folder)"})
 
 
 def describe(overrides: dict[str, Any]) -> str:

@@ -22,8 +22,9 @@ import torchvision
 import ps_bench
 from ps_bench.cluster.torchrun import (DEFAULT_PORT, NodeLayout, add_engine_arguments, cluster_job,
                                        export_line, summary, torchrun_command, with_iface)
-from ps_bench.config import PROJECT_ROOT, ConfigError, RunConfig, check_output_file, in_its_folder
+from ps_bench.config import PROJECT_ROOT, ConfigError, RunConfig
 from ps_bench.options import EXIT_OK, EXIT_USAGE, typed
+from ps_bench.places import check_output_file, in_its_folder
 
 ACCELERATORS = re.compile(r"[A-Za-z0-9_-]+(:\d+)?")
 BENCH_OPTIONS = True

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from ps_bench.cluster.torchrun import (DEFAULT_PORT, NodeLayout, add_engine_arguments, cluster_job,
                                        export_line, summary, torchrun_command, with_iface)
-from ps_bench.config import ConfigError, RunConfig, check_output_file, in_its_folder
+from ps_bench.config import ConfigError, RunConfig
 from ps_bench.options import EXIT_OK, typed
+from ps_bench.places import check_output_file, in_its_folder
 
 OUTPUT = "%x-%j.out"  # job name and id: one log per job, next to where it was submitted
 BENCH_OPTIONS = True

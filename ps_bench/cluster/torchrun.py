@@ -19,9 +19,10 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-from ps_bench.config import ConfigError, RunConfig, build_config, check_port
+from ps_bench.config import ConfigError, RunConfig, build_config
 from ps_bench.job import check_options, validate
 from ps_bench.options import parse_run_options, plural, typed
+from ps_bench.places import check_port
 from ps_bench.runtime.addresses import interface_env
 
 DEFAULT_PORT = 29500

@@ -18,8 +18,9 @@ from ps_bench.compare.comparison import (COMPARISON_SCHEMA, DEFAULT_THRESHOLD_PC
                                          Comparison, Row, compare, trainer_samples)
 from ps_bench.compare.intervals import CONFIDENCE, MIN_RUNS, OPTIMISTIC
 from ps_bench.compare.sides import ENTRIES, ignored_fields
-from ps_bench.config import ConfigError, check_output_file, in_its_folder
+from ps_bench.config import ConfigError
 from ps_bench.options import typed
+from ps_bench.places import check_output_file, in_its_folder
 from ps_bench.plots import pyplot
 
 DESCRIPTION = (

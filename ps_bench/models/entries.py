@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ps_bench.config import ConfigError, read_json, resolve_path
+from ps_bench.config import ConfigError, read_json
+from ps_bench.places import resolve_path
 from ps_bench.registry import Registry, did_you_mean
 
 

@@ -9,8 +9,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ps_bench.config import ConfigError, check_output_file
+from ps_bench.config import ConfigError
 from ps_bench.options import HookKeyValue, KeyValue
+from ps_bench.places import check_output_file
 from ps_bench.predict import memory, pipelines
 from ps_bench.predict.inputs import (LINK_KINDS, LOCAL_KINDS, NETWORK_KINDS, TargetLink, count_list,
                                      model_buckets, parse_phases, target_link)

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 from tabulate import tabulate
 
-from ps_bench.config import ConfigError, check_output_file, in_its_folder
+from ps_bench.config import ConfigError
 from ps_bench.metrics.costs import Link, byteps_bound_ms, ps_bound_ms
+from ps_bench.places import check_output_file, in_its_folder
 from ps_bench.report.figures import plot, plot_convergence
 from ps_bench.report.rows import WORKLOAD, Row, load_rows, varying_options
 from ps_bench.runtime.network import parse_rate

@@ -7,7 +7,8 @@ import math
 
 import numpy as np
 
-from ps_bench.config import ConfigError, in_its_folder
+from ps_bench.config import ConfigError
+from ps_bench.places import in_its_folder
 from ps_bench.plots import pyplot
 from ps_bench.report.rows import Row, is_number, varying_options
 

@@ -49,7 +49,7 @@ BAD_INPUTS = [
     (["--data-config-path", "missing.json"], "'missing.json' does not exist"),
     (["--config", "missing.json"], "run config 'missing.json' does not exist"),
     (["--config", "{bad_json}"], "not valid JSON: Expecting ',' delimiter at line 2 column 2"),
-    (["--config", "{unknown_key}"], "unknown key 'trainers'; did you mean 'trainer'? valid keys:"),
+    (["--config", "{unknown_key}"], "unknown option 'trainers'; did you mean 'trainer'? valid options:"),
     (["--config", "{wrong_type}"], "'rounds' must be a whole number, got \"3\""),
     (["--master-port", "70000"], "--master-port must be in 1..65535"),
     (["--backend", "nccl"], "CUDA is needed for --backend nccl"),

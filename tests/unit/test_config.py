@@ -31,7 +31,7 @@ def test_command_line_beats_json_beats_defaults(tmp_path):
 
 
 def test_unknown_json_key_lists_valid_keys(tmp_path):
-    with pytest.raises(ConfigError, match="unknown key 'ntrainers'; did you mean 'ntrainer'[?] valid keys: .*ntrainer"):
+    with pytest.raises(ConfigError, match="unknown option 'ntrainers'; did you mean 'ntrainer'[?] valid options: .*ntrainer"):
         load_run_file(write(tmp_path, {"ntrainers": 2}))
 
 

@@ -1,0 +1,64 @@
+"""Whether the places a command line names can be used, said before any work: a file or folder
+that can be written (and made only when the work writes it), a bundled file found from the
+project root, a network interface on this node, a port number. Each raises ``ConfigError``
+with one line naming the option."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from ps_bench.config import PROJECT_ROOT, ConfigError
+
+
+def resolve_path(path: str) -> Path:
+    """A relative path is taken from the working directory, else from the project root."""
+    candidate = Path(path)
+    if candidate.is_absolute() or candidate.exists():
+        return candidate
+    bundled = PROJECT_ROOT / candidate
+    return bundled if bundled.exists() else candidate
+
+
+def check_interface(name: str) -> None:
+    """Raises ConfigError unless this node has a network interface called ``name``."""
+    names = sorted(interface for _, interface in socket.if_nameindex())
+    if name not in names:
+        raise ConfigError(f"--iface {name!r}: no such network interface on {socket.gethostname()}; "
+                          f"it has {', '.join(names)}")
+
+
+def check_writable_folder(path: str, option_name: str) -> None:
+    """A ConfigError unless the folder exists and is writable, or could be created; creates
+    nothing (a ``--dry-run`` leaves no trace; the folder is made where the files are written)."""
+    existing = Path(path).absolute()
+    while not existing.exists():  # the nearest part of the path that exists
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{option_name} {path!r} cannot be created: "
+                          f"{str(existing)!r} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option_name} {path!r} is not writable; choose another folder")
+
+
+def check_output_file(path: str, option_name: str) -> None:
+    """A ConfigError unless a file can be written at ``path`` (not a folder; its folder writable,
+    or one that could be made), said before any work; creates nothing."""
+    if Path(path).is_dir():
+        raise ConfigError(f"{option_name} {path!r} is a folder; give a file name")
+    check_writable_folder(str(Path(path).absolute().parent), f"{option_name}'s folder")
+
+
+def in_its_folder(path: str) -> str:
+    """``path``, its folder made where it is not yet (``check_output_file`` before the work)."""
+    Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def check_port(flag: str, port: int) -> None:
+    """Raises ConfigError unless ``port`` is a TCP port number."""
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{flag} must be in 1..65535; got {port}")
+
+
