@@ -16,7 +16,7 @@ from ps_bench.metrics import limits, messages
 from ps_bench.metrics.startup import render_startup, startup_phases
 from ps_bench.models import build_data, build_held_out
 from ps_bench.models.entries import Entry
-from ps_bench.results.files import environment, write_results, write_snapshot
+from ps_bench.results.files import environment, keep_results, write_snapshot
 from ps_bench.results.printed import format_bytes, print_report
 from ps_bench.results.record import (RunRecord, mean_loss, replica_summary, replicas_alike,
                                      servers_model_summary)
@@ -324,7 +324,12 @@ class Master:
             record.memcpy = limits.memcpy_floor(messages.message_bytes(record.floor_messages))
         results = record.results("ok")
         print_report(results, record.rows(split_ranks=cfg.per_rank))
-        print(f"results: {write_results(results, self.results_path)}", flush=True)
+        # a disk that filled during the run must not lose it: elsewhere, said on stderr
+        path = keep_results(results, self.results_path)
+        if path is None:
+            raise OSError("the results could be written neither to --out nor to the system's "
+                          "temporary folder (see the warnings above)")
+        print(f"results: {path}", flush=True)
         return results
 
     def snapshot(self) -> None:

@@ -12,6 +12,7 @@ import math
 import os
 import platform
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -118,13 +119,18 @@ def umask() -> int:
 
 def keep_results(results: dict, path: str | os.PathLike) -> Path | None:
     """``write_results`` at ``path``, or where that cannot be written (checked before the run
-    began, but a disk fills, a folder goes) the same name under the system's temporary folder;
-    None where neither can be."""
+    began, but a disk fills, a quota runs out, a folder goes) the same name under the system's
+    temporary folder, saying on stderr why; None where neither can be."""
     for where in (Path(path), Path(tempfile.gettempdir()) / "ps_bench" / Path(path).name):
         try:
             return write_results(results, where)
-        except OSError:
-            continue
+        except OSError as error:
+            # mkdir's "File exists": a file where a folder of the path should be
+            why = (f"{error.filename} is a file, not a folder"
+                   if isinstance(error, FileExistsError) and error.filename
+                   else error.strerror or str(error))
+            print(f"ps_bench: warning: the results could not be written to {where}: {why}",
+                  file=sys.stderr, flush=True)
     return None
 
 

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -206,6 +207,30 @@ def test_timeout_shorter_than_startup_says_what_each_rank_could_give(results_pat
         assert report == "stacks" or report.startswith(("it was still starting", "it had already ended",
                                                         "it was asked but wrote none", "it ended as it was asked"))
     assert run.results["status"] == "failed"
+
+
+def test_a_finished_run_whose_disk_filled_keeps_its_results_in_the_temporary_folder(tmp_path):
+    """--out's folder is checked before the run; should its disk fill (or a quota run out) by the
+    time the results are written, the finished run's results, status ok, go to ps_bench/ in the
+    temporary folder, and a warning says why (a file system of 8 KiB stands in for the disk)."""
+    full = tmp_path / "full"
+    full.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(full)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small file system needs root (and mount)")
+    try:
+        run = run_bench("--rounds", "1", out=full / "r.json", timeout_s=180)
+    finally:
+        subprocess.run(["umount", str(full)], check=True)
+    assert run.returncode == 0, run.output
+    assert (f"ps_bench: warning: the results could not be written to {full / 'r.json'}: "
+            f"No space left on device") in run.stderr
+    kept = Path(re.search(r"^results: (.+)$", run.stdout, re.MULTILINE).group(1))
+    try:
+        assert kept.parent == Path(tempfile.gettempdir()) / "ps_bench"
+        assert run.results["status"] == "ok" and run.results["rounds_completed"] == 1
+    finally:
+        kept.unlink()
 
 
 @pytest.mark.parametrize("signum, code, word", [(signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")])

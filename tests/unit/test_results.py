@@ -45,7 +45,7 @@ def test_a_results_file_has_the_mode_any_file_the_user_writes_has(tmp_path, mask
 
 
 def test_a_failed_runs_results_go_to_the_temporary_folder_where_their_path_cannot_be_written(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, capsys):
     blocker = tmp_path / "a-file"  # a file where the results' folder should be
     blocker.write_text("")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
@@ -57,6 +57,8 @@ def test_a_failed_runs_results_go_to_the_temporary_folder_where_their_path_canno
     results = json.loads(kept.read_text())
     assert results["status"] == "failed" and "OSError" in results["error"]
     assert results["config"]["rounds"] == 3
+    assert capsys.readouterr().err == (f"ps_bench: warning: the results could not be written to "
+                                       f"{blocker / 'r.json'}: {blocker} is a file, not a folder\n")
 
 
 def test_numbers_that_are_not_finite_are_written_as_null_so_that_any_json_reader_reads_the_file(tmp_path):
