@@ -14,6 +14,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -148,3 +149,20 @@ def no_process_left_behind():
         time.sleep(0.2)
     left = descendants(os.getpid())
     assert not left, f"processes left behind by the tests: {left}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_folder(tmp_path_factory) -> Path:
+    """What the tests' processes leave in the temporary folder (torchrun's ``torchelastic_*``
+    folders, which it never removes; multiprocessing's ``pymp-*`` and the run folders of
+    launchers killed on purpose) goes under this session's pytest folder, which pytest prunes,
+    not into /tmp: TMPDIR for every process the tests start, ``tempfile`` for this one."""
+    folder = tmp_path_factory.mktemp("tmp")
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(folder)
+    yield folder
+    if saved[0] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved[0]
+    tempfile.tempdir = saved[1]
