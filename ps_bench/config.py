@@ -121,7 +121,7 @@ class RunConfig:
         "sgd", "the trainers' optimizer: sgd = torch.optim.SGD (with --momentum), adamw = "
         "torch.optim.AdamW; diloco's inner optimizer, zero1's sharded one", group=STRATEGY,
         choices=("sgd", "adamw"))
-    momentum: float = option(0.0, "SGD momentum (--optimizer sgd)", group=STRATEGY)
+    momentum: float = option(0.0, "SGD momentum, in [0, 1) (--optimizer sgd)", group=STRATEGY)
     weight_decay: float | None = option(
         None, "the optimizer's weight decay (default: torch's, 0 for sgd and 0.01 for adamw)",
         group=STRATEGY)

@@ -135,7 +135,8 @@ def check_options(cfg: RunConfig, machine: bool = True) -> None:
 
 def check_optimizer(cfg: RunConfig) -> None:
     """--optimizer and its options; the weight decay defaults to torch's for the optimizer."""
-    need(0 <= cfg.momentum < math.inf, f"--momentum must be 0 or more, finite; got {cfg.momentum}")
+    # at 1 or more the velocity never decays: every past gradient is applied again for ever
+    need(0 <= cfg.momentum < 1, f"--momentum must be in [0, 1); got {cfg.momentum}")
     need(cfg.momentum == 0 or cfg.optimizer == "sgd",
          f"--momentum is SGD's; --optimizer {cfg.optimizer} has its own "
          f"(leave --momentum out)")

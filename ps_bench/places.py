@@ -1,7 +1,7 @@
 """Whether the places a command line names can be used, said before any work: a file or folder
-that can be written (and made only when the work writes it), a bundled file found from the
-project root, a network interface on this node, a port number. Each raises ``ConfigError``
-with one line naming the option."""
+that can be written (made only when the work writes it), a bundled file found from the project
+root, a network interface on this node, a port number. A check raises ``ConfigError`` with
+one line naming the option."""
 
 from __future__ import annotations
 

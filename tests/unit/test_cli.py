@@ -39,6 +39,8 @@ BAD_INPUTS = [
     (["--lr", "inf"], "--lr must be positive and finite; got inf"),
     (["--bucket-cap-mb", "inf"], "--bucket-cap-mb must be positive and finite; got inf"),
     (["--weight-decay", "inf"], "--weight-decay must be 0 or more, finite; got inf"),
+    (["--momentum", "1"], "--momentum must be in [0, 1); got 1.0"),
+    (["--momentum", "-0.5"], "--momentum must be in [0, 1); got -0.5"),
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--timeout", "0"], "--timeout must be positive"),
     (["--backend", "mpi"], "invalid choice: 'mpi'"),
