@@ -56,8 +56,8 @@ def describe_calibration(calibration: Calibration) -> str:
     c = calibration.to_dict()
     phases, link = c["phases_ms"], c["link"]
     own = (", ".join(f"{hook} {ms:+.1f} ms" for hook, ms in sorted(c["own_ms"].items())) or
-           "none: it is fitted only from runs whose link is known (made with --limits, or on an "
-           "emulated link at --link's rate)")
+           ("none: it is fitted only from runs whose link is known (made with --limits, or on "
+            "an emulated link at --link's rate)" if c["runs"] else "none: no runs given"))
     times = [f"{bucket['ready_ms']:.1f}" for bucket in c["buckets"]]
     ratios = c["payload_ratio"]
     ready = ", ".join(times if len(times) <= 8 else [*times[:4], "...", *times[-2:]])

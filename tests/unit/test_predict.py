@@ -519,8 +519,9 @@ def test_hook_options_given_with_compute_ms_set_the_low_rank_payload(capsys):
     for rank in (4, 8):  # its default is 2
         assert main([*argv, "--hook-option", f"powersgd:matrix_approximation_rank={rank}"]) == 0
         ratio = low_rank_ratios(facts.bucket_shapes, {"powersgd": {"matrix_approximation_rank": rank}})["powersgd"]
-        assert (f"powersgd {ratio:.2%} (counted from the model's layers, matrix_approximation_rank={rank})"
-                in capsys.readouterr().out)
+        out = capsys.readouterr().out
+        assert f"powersgd {ratio:.2%} (counted from the model's layers, matrix_approximation_rank={rank})" in out
+        assert "each strategy's own compute, from its run: none: no runs given" in out
     assert low_rank_ratios(facts.bucket_shapes, {"powersgd": {"matrix_approximation_rank": 8}})["powersgd"] > \
         3 * low_rank_ratios(facts.bucket_shapes)["powersgd"]
 
