@@ -264,15 +264,22 @@ def run_points(name: str, points: list[Point], todo: list[tuple[Point, int]], ou
     for number, (point, repeat) in enumerate(todo, start=1):
         point_start = time.monotonic()
         which = f"{point.name} run {repeat}/{point.repeats}" if point.repeats > 1 else point.name
+        kept = f"{number - 1} {unit} of this run are in {results_path}; --resume continues"
         try:
             results = run_point(point, out_dir, timeout_s)
+            results["point"] = {"index": point.index, "name": point.name,
+                                "overrides": point.overrides, "hash": point.config_hash,
+                                "sweep": name, "repeat": repeat}
+            append_line(results_path, results)
         except Interrupted as stopped:
-            print(f"sweep stopped at point {point.index} ({which}); {number - 1} {unit} of this "
-                  f"run are in {results_path}; --resume continues", file=sys.stderr, flush=True)
+            print(f"sweep stopped at point {point.index} ({which}); {kept}", file=sys.stderr,
+                  flush=True)
             return stopped.exit_code
-        results["point"] = {"index": point.index, "name": point.name, "overrides": point.overrides,
-                            "hash": point.config_hash, "sweep": name, "repeat": repeat}
-        append_line(results_path, results)
+        except OSError as error:  # the sweep's own files: a disk or a quota filled, a folder went
+            print(f"ps_bench: error: sweep stopped at point {point.index} ({which}): "
+                  f"{error.filename or out_dir}: {error.strerror or error}; {kept}",
+                  file=sys.stderr, flush=True)
+            return 1
         elapsed = time.monotonic() - point_start
         status = results.get("status", "failed")
         failed += status != "ok"

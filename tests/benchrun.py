@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,3 +160,17 @@ def listening_sockets(pids: list[int]) -> dict[int, list[str]]:
 def is_loopback(address: str) -> bool:
     host = address.rsplit(":", 1)[0].strip("[]")
     return ipaddress.ip_address(host).is_loopback
+
+
+@contextlib.contextmanager
+def small_file_system(folder: Path, size: str) -> Iterator[Path]:
+    """``folder`` as a file system of ``size`` (tmpfs: ``8k``, whole pages) while the block runs,
+    for what a full disk does to a run; the test is skipped where mounting is not allowed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small file system needs root (and mount)")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)

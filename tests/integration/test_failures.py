@@ -18,7 +18,7 @@ import pytest
 
 from ps_bench.processes.master import PROGRESS_FIRST_S
 from tests.benchrun import (ROOT, communicate, descendants, is_loopback, listening_sockets, rank_pids, read_until,
-                            run_bench, start_bench)
+                            run_bench, small_file_system, start_bench)
 
 # Failures must end the job because the launcher sees them, never by an RPC timeout; and set-up
 # calls on a busy machine can take tens of seconds: so a long one.
@@ -214,15 +214,8 @@ def test_a_finished_run_whose_disk_filled_keeps_its_results_in_the_temporary_fol
     """--out's folder is checked before the run; should its disk fill (or a quota run out) by the
     time the results are written, the finished run's results, status ok, go to ps_bench/ in the
     temporary folder, and a warning says why (a file system of 8 KiB stands in for the disk)."""
-    full = tmp_path / "full"
-    full.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(full)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a small file system needs root (and mount)")
-    try:
+    with small_file_system(tmp_path / "full", "8k") as full:
         run = run_bench("--rounds", "1", out=full / "r.json", timeout_s=180)
-    finally:
-        subprocess.run(["umount", str(full)], check=True)
     assert run.returncode == 0, run.output
     assert (f"ps_bench: warning: the results could not be written to {full / 'r.json'}: "
             f"No space left on device") in run.stderr

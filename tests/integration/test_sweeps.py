@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchrun import ROOT, run_bench, wait_session_gone
+from tests.benchrun import ROOT, run_bench, small_file_system, wait_session_gone
 
 QUICK = {"warmup_rounds": 1, "rounds": 1}
 
@@ -116,6 +116,19 @@ def wait_for_rounds(logs: Path, within_s: float = 300) -> None:
             return
         time.sleep(0.2)
     pytest.fail(f"the second point logged no timed round within {within_s} s")
+
+
+def test_a_sweep_whose_disk_fills_stops_with_one_line_saying_where_and_how_to_go_on(tmp_path):
+    """The sweep's own files (a point's log, results.jsonl) on a disk that fills: one line, exit
+    1, no traceback. A file system of one page stands in: the first point's log line fills it."""
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"base": {"rounds": 1}, "grid": {"hook": ["ps", "allreduce"]}}))
+    with small_file_system(tmp_path / "full", "4k") as full:
+        run = run_bench("sweep", str(sweep), "--out", str(full / "sweep"), timeout_s=120)
+    assert run.returncode == 1, run.output
+    assert run.stderr.strip() == (
+        f"ps_bench: error: sweep stopped at point 1 (hook=ps): {full / 'sweep'}: No space left on "
+        f"device; 0 point(s) of this run are in {full / 'sweep' / 'results.jsonl'}; --resume continues")
 
 
 def test_bad_sweep_is_refused_before_anything_runs(tmp_path):
