@@ -1,12 +1,14 @@
 """Whether the places a command line names can be used, said before any work: a file or folder
 that can be written (made only when the work writes it), a bundled file found from the project
-root, a network interface on this node, a port number. A check raises ``ConfigError`` with
-one line naming the option."""
+root, a network interface on this node, a port number; and writing the files a command was
+asked for. A check, or a write that fails after all, raises ``ConfigError`` with one line
+naming the option."""
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from ps_bench.config import PROJECT_ROOT, ConfigError
@@ -48,6 +50,16 @@ def check_output_file(path: str, option_name: str) -> None:
     if Path(path).is_dir():
         raise ConfigError(f"{option_name} {path!r} is a folder; give a file name")
     check_writable_folder(str(Path(path).absolute().parent), f"{option_name}'s folder")
+
+
+def write_output(path: str, flag: str, writer: Callable[[str], object]) -> None:
+    """``writer(path)``, its folder made first: a file the command was asked for that cannot be
+    written after all (checked before the work, but a disk or a quota fills, a folder goes) is
+    one line naming the option, not a traceback."""
+    try:
+        writer(in_its_folder(path))
+    except OSError as error:
+        raise ConfigError(f"{flag} {path}: {error.strerror or error}") from None
 
 
 def in_its_folder(path: str) -> str:

@@ -12,7 +12,6 @@ import argparse
 import json
 import re
 import shlex
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +22,8 @@ import ps_bench
 from ps_bench.cluster.torchrun import (DEFAULT_PORT, NodeLayout, add_engine_arguments, cluster_job,
                                        export_line, summary, torchrun_command, with_iface)
 from ps_bench.config import PROJECT_ROOT, ConfigError, RunConfig
-from ps_bench.options import EXIT_OK, EXIT_USAGE, typed
-from ps_bench.places import check_output_file, in_its_folder
+from ps_bench.options import EXIT_OK, typed
+from ps_bench.places import check_output_file, write_output
 
 ACCELERATORS = re.compile(r"[A-Za-z0-9_-]+(:\d+)?")
 BENCH_OPTIONS = True
@@ -168,10 +167,6 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     job = CloudJob(layout, with_iface(bench_argv, args.iface), name=args.name,
                    accelerators=args.accelerators, cloud=args.cloud, use_spot=args.use_spot,
                    iface=args.iface, port=args.port, summary=summary(cfg))
-    try:
-        Path(in_its_folder(args.output)).write_text(task_yaml(job))
-    except OSError as error:
-        sys.stderr.write(f"ps_bench: error: -o {args.output}: {error.strerror}\n")
-        return EXIT_USAGE
+    write_output(args.output, "-o", lambda path: Path(path).write_text(task_yaml(job)))
     print(f"ps_bench: wrote {args.output}; run it with: {launch_hint(job, args.output)}")
     return EXIT_OK

@@ -20,7 +20,7 @@ from ps_bench.cluster.torchrun import (DEFAULT_PORT, NodeLayout, add_engine_argu
                                        export_line, summary, torchrun_command, with_iface)
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.options import EXIT_OK, typed
-from ps_bench.places import check_output_file, in_its_folder
+from ps_bench.places import check_output_file, write_output
 
 OUTPUT = "%x-%j.out"  # job name and id: one log per job, next to where it was submitted
 BENCH_OPTIONS = True
@@ -109,7 +109,7 @@ def submit(script: str, path: str | None) -> int:
         raise ConfigError("--submit: sbatch is not on PATH; run this on a SLURM login node, or "
                           "write the script with -o FILE and submit it where SLURM is")
     if path is not None:
-        Path(in_its_folder(path)).write_text(script)
+        write_output(path, "-o", lambda where: Path(where).write_text(script))
         return subprocess.run(["sbatch", "--wait", path]).returncode
     with tempfile.NamedTemporaryFile("w", prefix="ps_bench-", suffix=".sbatch") as stream:
         stream.write(script)  # sbatch keeps its own copy once the job is queued
@@ -121,7 +121,7 @@ def write_or_print(script: str, path: str | None) -> None:
     if path is None:
         sys.stdout.write(script)
         return
-    Path(in_its_folder(path)).write_text(script)
+    write_output(path, "-o", lambda where: Path(where).write_text(script))
     print(f"ps_bench: wrote {path}; submit it with: sbatch {shlex.quote(path)}")
 
 

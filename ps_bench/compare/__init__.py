@@ -16,7 +16,7 @@ main). Every name of these is here too, as it was when compare was one module.
 from __future__ import annotations
 
 from ps_bench.compare.command import (DESCRIPTION, EPILOG, add_arguments, check, main, notes, plot,
-                                      pyplot, render, write, write_csv)
+                                      pyplot, render, write_csv)
 from ps_bench.compare.comparison import (COMPARISON_SCHEMA, DEFAULT_THRESHOLD_PCT, HEADERS, METRICS,
                                          Comparison, Metric, Row, compare, compare_point,
                                          compare_sides, geometric_mean, mean_of, per_second,
@@ -42,5 +42,5 @@ __all__ = [
     "percentile_of", "reached", "trainer_samples", "trainer_stat",
     # the outputs and the subcommand
     "DESCRIPTION", "EPILOG", "add_arguments", "check", "main", "notes", "plot", "pyplot", "render",
-    "write", "write_csv",
+    "write_csv",
 ]

@@ -9,7 +9,6 @@ import argparse
 import csv
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 from tabulate import tabulate
@@ -20,7 +19,7 @@ from ps_bench.compare.intervals import CONFIDENCE, MIN_RUNS, OPTIMISTIC
 from ps_bench.compare.sides import ENTRIES, ignored_fields
 from ps_bench.config import ConfigError
 from ps_bench.options import typed
-from ps_bench.places import check_output_file, in_its_folder
+from ps_bench.places import check_output_file, write_output
 from ps_bench.plots import pyplot
 
 DESCRIPTION = (
@@ -189,13 +188,6 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> None:
             check_output_file(path, flag)
 
 
-def write(path: str, flag: str, writer: Callable[[str], None]) -> None:
-    try:
-        writer(in_its_folder(path))
-    except OSError as error:
-        raise ConfigError(f"{flag} {path}: {error.strerror or error}") from None
-
-
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     check(args, bench_argv)
     if args.plot:
@@ -203,14 +195,14 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     comparison = compare(args.base, args.new, args.match, args.threshold, args.fail_over)
     print(render(comparison, markdown=args.format == "markdown"))
     if args.csv:
-        write(args.csv, "--csv", lambda path: write_csv(path, comparison.rows))
+        write_output(args.csv, "--csv", lambda path: write_csv(path, comparison.rows))
         print(f"csv: {args.csv}")
     if args.json:
         argv = ["bench.py", "compare", args.base, args.new]
-        write(args.json, "--json", lambda path: Path(path).write_text(
+        write_output(args.json, "--json", lambda path: Path(path).write_text(
             json.dumps(comparison.record(argv), indent=2) + "\n"))
         print(f"json: {args.json}")
     if args.plot:
-        write(args.plot, "--plot", lambda path: plot(path, comparison))
+        write_output(args.plot, "--plot", lambda path: plot(path, comparison))
         print(f"plot: {args.plot}")
     return comparison.exit_status

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ps_bench.config import ConfigError
 from ps_bench.options import HookKeyValue, KeyValue
-from ps_bench.places import check_output_file
+from ps_bench.places import check_output_file, write_output
 from ps_bench.predict import memory, pipelines
 from ps_bench.predict.inputs import (LINK_KINDS, LOCAL_KINDS, NETWORK_KINDS, TargetLink, count_list,
                                      model_buckets, parse_phases, target_link)
@@ -319,14 +319,12 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     if caveat:
         print(caveat)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"schema": PREDICTION_SCHEMA,
-                                              "calibration": calibration.to_dict(),
-                                              "predictions": rows, "winners": winners(rows)},
-                                             indent=2) + "\n")
+        text = json.dumps({"schema": PREDICTION_SCHEMA, "calibration": calibration.to_dict(),
+                           "predictions": rows, "winners": winners(rows)}, indent=2) + "\n"
+        write_output(args.out, "--out", lambda path: Path(path).write_text(text))
         print(f"predictions: {args.out}")
     if args.plot:
-        plot(args.plot, rows, calibration)
+        write_output(args.plot, "--plot", lambda path: plot(path, rows, calibration))
         print(f"plot: {args.plot}")
     return 0
 

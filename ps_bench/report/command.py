@@ -12,7 +12,7 @@ from tabulate import tabulate
 
 from ps_bench.config import ConfigError
 from ps_bench.metrics.costs import Link, byteps_bound_ms, ps_bound_ms
-from ps_bench.places import check_output_file, in_its_folder
+from ps_bench.places import check_output_file, write_output
 from ps_bench.report.figures import plot, plot_convergence
 from ps_bench.report.rows import WORKLOAD, Row, load_rows, varying_options
 from ps_bench.runtime.network import parse_rate
@@ -173,7 +173,7 @@ def fixed(value: float | None, decimals: int) -> str | None:
 
 
 def write_csv(path: str, headers: list[str], body: list[list]) -> None:
-    with open(in_its_folder(path), "w", newline="") as stream:
+    with open(path, "w", newline="") as stream:
         writer = csv.writer(stream)
         writer.writerow(headers)
         writer.writerows([["" if v is None else v for v in line] for line in body])
@@ -227,7 +227,7 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
         print("\nPS bound: max(M, n*M/k) / B; BytePS optimum: 2n(n-1)M / ((n^2 + kn - 2k) * B); "
               "B = --link, else the point's memcpy floor (--limits)")
         if csv_path:
-            write_csv(csv_path, headers, body)
+            write_output(csv_path, "--csv", lambda path: write_csv(path, headers, body))
             print(f"csv: {csv_path}")
         return 0
     reference = find_baseline(rows, baseline)
@@ -253,18 +253,19 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
         print(f"speedup to target: {reference.against('seconds of training to the target loss')} "
               f"divided by each point's")
     if csv_path:
-        write_csv(csv_path, headers, body)
+        write_output(csv_path, "--csv", lambda path: write_csv(path, headers, body))
         print(f"csv: {csv_path}")
     if plot_path:
         sweep = rows[0].results.get("point", {}).get("sweep", "")
+        named = f"{sweep}: " if sweep else ""
         curves = sum(row.has_loss_curve for row in rows)
         without = sum(row.ok and not row.has_loss_curve for row in rows)
         if curves and not without:
-            plot_convergence(plot_path, rows,
-                             f"{sweep + ': ' if sweep else ''}loss against training time")
+            write_output(plot_path, "--plot", lambda path: plot_convergence(
+                path, rows, f"{named}loss against training time"))
         else:  # of points with loss curves and points without, the one thing all have
-            plot(plot_path, rows, metric,
-                 f"{sweep + ': ' if sweep else ''}trainer {metric} time per iteration")
+            write_output(plot_path, "--plot", lambda path: plot(
+                path, rows, metric, f"{named}trainer {metric} time per iteration"))
         print(f"plot: {plot_path}")
         if curves and without:
             print(f"plot: {metric} times, as {without} point(s) have no loss curve; report the "

@@ -8,7 +8,6 @@ import math
 import numpy as np
 
 from ps_bench.config import ConfigError
-from ps_bench.places import in_its_folder
 from ps_bench.plots import pyplot
 from ps_bench.report.rows import Row, is_number, varying_options
 
@@ -82,7 +81,7 @@ def plot(path: str, rows: list[Row], metric: str, title: str) -> None:
     axes.grid(axis="y", alpha=0.3)
     # the canvas grows to hold the legend and long tick labels (tight_layout would shrink the
     # axes to nothing, and warn, with a legend of many points)
-    figure.savefig(in_its_folder(path), dpi=120, bbox_inches="tight")
+    figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
 
 
@@ -195,5 +194,5 @@ def plot_convergence(path: str, rows: list[Row], title: str) -> None:
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
     figure.tight_layout()
-    figure.savefig(in_its_folder(path), dpi=120)
+    figure.savefig(path, dpi=120)
     plt.close(figure)

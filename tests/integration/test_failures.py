@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from ps_bench.cli import main
 from ps_bench.processes.master import PROGRESS_FIRST_S
 from tests.benchrun import (ROOT, communicate, descendants, is_loopback, listening_sockets, rank_pids, read_until,
                             run_bench, small_file_system, start_bench)
@@ -225,6 +226,26 @@ def test_a_finished_run_whose_disk_filled_keeps_its_results_in_the_temporary_fol
         assert run.results["status"] == "ok" and run.results["rounds_completed"] == 1
     finally:
         kept.unlink()
+
+
+def test_a_file_a_command_was_asked_for_on_a_full_disk_is_one_line_naming_its_option(tmp_path, capsys):
+    """A report's CSV and plot, a comparison, predictions, a SLURM script, a SkyPilot task: each
+    checked before the command's work, written after it, when the disk may have filled (a file
+    system of one page, filled, stands in): one line naming the option, exit 2, no traceback."""
+    results = str(ROOT / "tests" / "fixtures" / "ps-2t1s-32d8e0b.json")  # a results file of 2 trainers
+    with small_file_system(tmp_path / "full", "4k") as full:
+        (full / "filler").write_bytes(bytes(4096))
+        commands = [("--csv", ["report", results, "--csv"]), ("--plot", ["report", results, "--plot"]),
+                    ("--json", ["compare", results, results, "--json"]),
+                    ("--out", ["predict", results, "--nodes", "1,2", "--link", "1gbit", "--out"]),
+                    ("--plot", ["predict", results, "--nodes", "1,2", "--link", "1gbit", "--plot"]),
+                    ("-o", ["slurm", "--nodes", "2", "-o"]), ("-o", ["cloud", "--nodes", "2", "-o"])]
+        for number, (flag, argv) in enumerate(commands):
+            path = full / f"{number}.{'png' if flag == '--plot' else 'out'}"
+            code = main([*argv, str(path), *(["--", "--ntrainer", "2"] if argv[0] in ("slurm", "cloud") else [])])
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert (code, lines[-1]) == (2, f"ps_bench: error: {flag} {path}: No space left on device"), argv
+            assert not any("Traceback" in line for line in lines), argv
 
 
 @pytest.mark.parametrize("signum, code, word", [(signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")])

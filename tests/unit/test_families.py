@@ -104,7 +104,7 @@ def test_the_local_strategies_options_and_their_defaults():
     (("--ntrainer", "4", "--per-host", "3"), "--per-host 3 does not divide the 4 trainers"),
     (("--per-host", "0"), "--per-host must be at least 1"),
     (("--optimizer", "adamw", "--momentum", "0.9"), "--momentum is SGD's"),
-    (("--momentum", "-1"), "--momentum must be 0 or more"),
+    (("--momentum", "-1"), r"--momentum must be in \[0, 1\)"),
     (("--weight-decay", "-0.1"), "--weight-decay must be 0 or more"),
     (("--staleness", "1", "--optimizer", "adamw"), "plain SGD"),
     (("--straggler", "any:20ms:0"), r"P must be a probability in \(0, 1\]"),
