@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -299,6 +300,8 @@ class SshHosts:
 
 
 def sshd_config(folder: Path, host: Host, authorized_keys: Path) -> Path:
+    """The host's sshd; its sessions get the tests' temporary folder (conftest's
+    ``temporary_folder``), where torchrun leaves its ``torchelastic_*`` folders."""
     config = folder / f"sshd-{host.name}.conf"
     config.write_text(f"""\
 ListenAddress {host.address}
@@ -313,6 +316,7 @@ KbdInteractiveAuthentication no
 UsePAM no
 StrictModes no
 PrintMotd no
+SetEnv TMPDIR={tempfile.gettempdir()}
 """)
     return config
 
