@@ -120,7 +120,8 @@ def wait_for_rounds(logs: Path, within_s: float = 300) -> None:
 
 def test_a_sweep_whose_disk_fills_stops_with_one_line_saying_where_and_how_to_go_on(tmp_path):
     """The sweep's own files (a point's log, results.jsonl) on a disk that fills: one line, exit
-    1, no traceback. A file system of one page stands in: the first point's log line fills it."""
+    1, no traceback. A file system of one page stands in: the first point's configuration file
+    takes the page, and its log's first line finds no room."""
     sweep = tmp_path / "sweep.json"
     sweep.write_text(json.dumps({"base": {"rounds": 1}, "grid": {"hook": ["ps", "allreduce"]}}))
     with small_file_system(tmp_path / "full", "4k") as full:
