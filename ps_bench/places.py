@@ -57,20 +57,13 @@ def write_output(path: str, flag: str, writer: Callable[[str], object]) -> None:
     written after all (checked before the work, but a disk or a quota fills, a folder goes) is
     one line naming the option, not a traceback."""
     try:
-        writer(in_its_folder(path))
+        Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)
+        writer(path)
     except OSError as error:
         raise ConfigError(f"{flag} {path}: {error.strerror or error}") from None
-
-
-def in_its_folder(path: str) -> str:
-    """``path``, its folder made where it is not yet (``check_output_file`` before the work)."""
-    Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def check_port(flag: str, port: int) -> None:
     """Raises ConfigError unless ``port`` is a TCP port number."""
     if not 1 <= port <= 65535:
         raise ConfigError(f"{flag} must be in 1..65535; got {port}")
-
-
