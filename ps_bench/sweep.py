@@ -34,7 +34,7 @@ from ps_bench.options import typed
 from ps_bench.places import check_writable_folder
 from ps_bench.registry import did_you_mean
 from ps_bench.results.files import (RESULTS_NAME, append_line, config_hash, environment,
-                                    failed_results, iso_now)
+                                    failed_results, iso_now, kept_since)
 from ps_bench.results.load import load_file, load_lines
 from ps_bench.runtime import preload
 from ps_bench.runtime.failures import Terminated, raise_terminated
@@ -192,6 +192,11 @@ def run_point(point: Point, out_dir: Path, timeout_s: float | None) -> dict:
             raise Interrupted(143) from None
     if results_file.exists():
         return load_file(results_file)
+    kept = kept_since(results_file, started)  # its folder could not take them: a disk filled
+    if kept:
+        print(f"ps_bench: warning: point {point.index}'s results could not be written to "
+              f"{results_file}; they are in {kept}", file=sys.stderr, flush=True)
+        return load_file(kept)
     return failed_results(None, error or f"the point wrote no results; see {log_file}",
                           config=point.resolved, argv=argv, env=environment(cfg.backend))
 

@@ -117,11 +117,27 @@ def umask() -> int:
     return mask
 
 
+def kept_path(path: str | os.PathLike) -> Path:
+    """Where ``keep_results`` puts results that ``path`` could not take: its name under
+    ``ps_bench/`` in the system's temporary folder."""
+    return Path(tempfile.gettempdir()) / "ps_bench" / Path(path).name
+
+
+def kept_since(path: str | os.PathLike, since: float) -> Path | None:
+    """The newest file ``keep_results`` wrote at or after ``since`` (epoch seconds) for results
+    that ``path`` could not take (``kept_path``, or its name with a number where that was taken)."""
+    kept = kept_path(path)
+    found = [(where.stat().st_mtime, where)
+             for where in [kept, *kept.parent.glob(f"{kept.stem}-*{kept.suffix}")]
+             if where.exists() and where.stat().st_mtime >= since]
+    return max(found)[1] if found else None
+
+
 def keep_results(results: dict, path: str | os.PathLike) -> Path | None:
     """``write_results`` at ``path``, or where that cannot be written (checked before the run
-    began, but a disk fills, a quota runs out, a folder goes) the same name under the system's
-    temporary folder, saying on stderr why; None where neither can be."""
-    for where in (Path(path), Path(tempfile.gettempdir()) / "ps_bench" / Path(path).name):
+    began, but a disk fills, a quota runs out, a folder goes) at ``kept_path(path)``, saying on
+    stderr why; None where neither can be."""
+    for where in (Path(path), kept_path(path)):
         try:
             return write_results(results, where)
         except OSError as error:

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -130,6 +131,26 @@ def test_a_sweep_whose_disk_fills_stops_with_one_line_saying_where_and_how_to_go
     assert run.stderr.strip() == (
         f"ps_bench: error: sweep stopped at point 1 (hook=ps): {full / 'sweep'}: No space left on "
         f"device; 0 point(s) of this run are in {full / 'sweep' / 'results.jsonl'}; --resume continues")
+
+
+def test_a_point_whose_results_find_no_room_is_recorded_from_the_temporary_folder(tmp_path):
+    """A point's results file (indented JSON, about six pages) finds the disk full, while its
+    line in results.jsonl (about four) still fits: the point keeps its results in the temporary
+    folder, and the sweep records them from there, saying where they are."""
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"base": {"rounds": 1}, "grid": {"hook": ["ps"]}}))
+    with small_file_system(tmp_path / "full", "28k") as full:
+        run = run_bench("sweep", str(sweep), "--out", str(full / "sweep"), timeout_s=120)
+        recorded = lines(full / "sweep")
+    assert run.returncode == 0, run.output
+    warning = re.fullmatch(r"ps_bench: warning: point 1's results could not be written to (\S+); "
+                           r"they are in (\S+)", run.stderr.strip())
+    assert warning, run.stderr
+    assert not Path(warning[1]).exists() and Path(warning[1]).parent == full / "sweep" / "points"
+    kept = json.loads(Path(warning[2]).read_text())
+    assert kept["status"] == "ok" and Path(warning[2]).is_relative_to(tempfile.gettempdir())
+    assert [r["status"] for r in recorded] == ["ok"]
+    assert recorded[0]["summary"] == kept["summary"]
 
 
 def test_bad_sweep_is_refused_before_anything_runs(tmp_path):
