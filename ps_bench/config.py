@@ -278,6 +278,9 @@ def read_json(path: str | os.PathLike, what: str) -> Any:
         text = Path(path).read_text()
     except FileNotFoundError:
         raise ConfigError(f"{what} {str(path)!r} does not exist") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{what} {str(path)!r} is not valid JSON: not UTF-8 text (byte "
+                          f"{error.object[error.start]:#04x} at offset {error.start})") from None
     except OSError as error:
         raise ConfigError(f"{what} {str(path)!r} cannot be read: {error.strerror}") from None
     try:

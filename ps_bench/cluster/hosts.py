@@ -59,6 +59,9 @@ def read_hostfile(path: str) -> list[Target]:
     """One host per line, ``[user@]host [slots=N]`` (DeepSpeed's and MPI's format); # comments."""
     try:
         lines = Path(path).read_text().splitlines()
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"--hostfile {path!r} is not UTF-8 text (byte "
+                          f"{error.object[error.start]:#04x} at offset {error.start})") from None
     except OSError as error:
         raise ConfigError(f"--hostfile {path!r} cannot be read: {error.strerror}") from None
     targets = []

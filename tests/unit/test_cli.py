@@ -51,6 +51,7 @@ BAD_INPUTS = [
     (["--data-config-path", "missing.json"], "'missing.json' does not exist"),
     (["--config", "missing.json"], "run config 'missing.json' does not exist"),
     (["--config", "{bad_json}"], "not valid JSON: Expecting ',' delimiter at line 2 column 2"),
+    (["--config", "{latin1}"], "not valid JSON: not UTF-8 text (byte 0xe8 at offset 14)"),
     (["--config", "{unknown_key}"], "unknown option 'trainers'; did you mean 'trainer'? valid options:"),
     (["--config", "{wrong_type}"], "'rounds' must be a whole number, got \"3\""),
     (["--master-port", "70000"], "--master-port must be in 1..65535"),
@@ -104,6 +105,7 @@ BAD_INPUTS = [
 ]
 CONFIG_FILES = {
     "{bad_json}": '{"ntrainer": 2\n "rounds": 3}',
+    "{latin1}": '{"model": "Modèle"}'.encode("latin-1"),
     "{unknown_key}": '{"trainers": 2}',
     "{wrong_type}": '{"rounds": "3"}',
     "{negative_target}": '{"target_loss": -1, "labels": "teacher"}',
@@ -139,7 +141,8 @@ def test_bad_input_exits_2_with_one_line(argv, message, tmp_path, capsys, data_c
     for i, value in enumerate(argv):
         if value in CONFIG_FILES:
             path = tmp_path / "run.json"
-            path.write_text(CONFIG_FILES[value])
+            content = CONFIG_FILES[value]
+            path.write_bytes(content if isinstance(content, bytes) else content.encode())
             argv[i] = str(path)
     assert run_main(argv) == 2
     captured = capsys.readouterr()

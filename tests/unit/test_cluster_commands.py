@@ -108,6 +108,9 @@ def test_hostfile_takes_deepspeed_lines_and_comments(tmp_path):
     hostfile.write_text("node1 gpus=4\n")
     with pytest.raises(ConfigError, match=r"hosts:1: expected '\[user@\]host \[slots=N\]'"):
         read_hostfile(str(hostfile))
+    hostfile.write_bytes("nœud1\n".encode("cp1252"))
+    with pytest.raises(ConfigError, match=r"^--hostfile '.*hosts' is not UTF-8 text \(byte 0x9c at offset 1\)$"):
+        read_hostfile(str(hostfile))
 
 
 @pytest.mark.parametrize("argv, message", [
