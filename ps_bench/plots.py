@@ -3,6 +3,8 @@ imported only when a figure is asked for."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ps_bench.config import ConfigError
 
 
@@ -17,3 +19,15 @@ def pyplot(command: str = "report"):
     except ImportError:
         raise ConfigError(f"{command} --plot needs matplotlib: pip install -e '.[plot]'") from None
     return plt
+
+
+def check_plot_file(path: str, command: str) -> None:
+    """A ConfigError, before any work, unless matplotlib is installed and writes the kind of
+    figure ``path``'s extension names (without one it would add ``.png`` to the name)."""
+    pyplot(command)
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = sorted(FigureCanvasBase.get_supported_filetypes())
+    if Path(path).suffix[1:].lower() not in kinds:
+        raise ConfigError(f"--plot {path!r}: name a kind of figure by its extension, one of "
+                          f".{', .'.join(kinds)}")

@@ -20,7 +20,7 @@ from ps_bench.compare.sides import ENTRIES, ignored_fields
 from ps_bench.config import ConfigError
 from ps_bench.options import typed
 from ps_bench.places import check_output_file, write_output
-from ps_bench.plots import pyplot
+from ps_bench.plots import check_plot_file, pyplot
 
 DESCRIPTION = (
     "Did it get faster? Compare two sides, each a results file, a sweep folder or a folder of "
@@ -186,12 +186,12 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> None:
     for flag, path in (("--csv", args.csv), ("--json", args.json), ("--plot", args.plot)):
         if path is not None:
             check_output_file(path, flag)
+    if args.plot is not None:
+        check_plot_file(args.plot, "compare")
 
 
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     check(args, bench_argv)
-    if args.plot:
-        pyplot("compare")  # a missing matplotlib is said before anything is read
     comparison = compare(args.base, args.new, args.match, args.threshold, args.fail_over)
     print(render(comparison, markdown=args.format == "markdown"))
     if args.csv:

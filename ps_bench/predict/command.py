@@ -12,6 +12,7 @@ from pathlib import Path
 from ps_bench.config import ConfigError
 from ps_bench.options import HookKeyValue, KeyValue
 from ps_bench.places import check_output_file, write_output
+from ps_bench.plots import check_plot_file
 from ps_bench.predict import memory, pipelines
 from ps_bench.predict.inputs import (LINK_KINDS, LOCAL_KINDS, NETWORK_KINDS, TargetLink, count_list,
                                      model_buckets, parse_phases, target_link)
@@ -201,6 +202,8 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         if path is not None:
             check_output_file(path, flag)
+    if args.plot is not None:
+        check_plot_file(args.plot, "predict")
     if args.servers is not None:
         count_list(args.servers, "servers", allow_auto=True)
     places = [place.strip() for place in args.servers_on.split(",")]

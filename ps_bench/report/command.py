@@ -13,6 +13,7 @@ from tabulate import tabulate
 from ps_bench.config import ConfigError
 from ps_bench.metrics.costs import Link, byteps_bound_ms, ps_bound_ms
 from ps_bench.places import check_output_file, write_output
+from ps_bench.plots import check_plot_file
 from ps_bench.report.figures import plot, plot_convergence
 from ps_bench.report.rows import WORKLOAD, Row, load_rows, varying_options
 from ps_bench.runtime.network import parse_rate
@@ -300,5 +301,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
         if path is not None:
             check_output_file(path, flag)
+    if args.plot is not None:
+        check_plot_file(args.plot, "report")
     return run_report(args.sources, args.baseline, args.metric, args.csv, args.plot, args.scaling,
                       link_gbps)

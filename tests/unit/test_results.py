@@ -129,6 +129,24 @@ def test_report_compare_and_predict_refuse_an_output_they_cannot_write_before_re
             assert flag in captured.err
 
 
+def test_a_plot_whose_extension_names_no_kind_of_figure_is_refused_before_the_work(tmp_path, capsys):
+    """matplotlib infers the kind from the extension: ``.txt`` failed after the work with its
+    traceback, and a name without one was written with ``.png`` added, under another name."""
+    argvs = [["report", str(EARLIER)], ["compare", str(EARLIER), str(EARLIER)],
+             ["predict", str(EARLIER), "--trainers", "4"]]
+    for argv in argvs:
+        for name in ("speed.txt", "speed"):
+            assert main([*argv, "--plot", str(tmp_path / name)]) == 2, argv
+            captured = capsys.readouterr()
+            assert captured.out == "" and captured.err == (
+                f"ps_bench: error: --plot {str(tmp_path / name)!r}: name a kind of figure by its "
+                f"extension, one of {captured.err.split('one of ', 1)[1]}")
+            assert ".png, " in captured.err and ".svg, " in captured.err
+    assert not list(tmp_path.iterdir())
+    assert main([*argvs[0], "--plot", str(tmp_path / "speed.SVG")]) == 0
+    assert (tmp_path / "speed.SVG").read_text().lstrip().startswith("<?xml")
+
+
 def test_report_and_compare_make_the_folder_of_a_csv(tmp_path, capsys):
     assert main(["report", str(EARLIER), "--csv", str(tmp_path / "new" / "r.csv")]) == 0
     assert main(["compare", str(EARLIER), str(EARLIER), "--csv", str(tmp_path / "other" / "c.csv")]) == 0
