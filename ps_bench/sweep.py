@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ps_bench.config import ConfigError, build_config, option_values, read_json
+from tabulate import tabulate
+
+from ps_bench.config import ConfigError, RunConfig, build_config, option_values, read_json
 from ps_bench.job import Job, cuda_device_count, validate
 from ps_bench.options import typed
 from ps_bench.places import check_writable_folder
@@ -143,6 +145,23 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
     return name, points
 
 
+def plan_table(runs: list[tuple[Point, int]], todo: list[tuple[Point, int]]) -> str:
+    """``--dry-run``'s table: each run of each point, its processes, and whether it is to run."""
+    repeated = runs[0][0].repeats > 1
+    return tabulate([[point.index, point.name, *([repeat] if repeated else []),
+                      processes(point.job.config),
+                      "to run" if (point, repeat) in todo else "done"] for point, repeat in runs],
+                    headers=["point", "options", *(["run"] if repeated else []), "processes",
+                             "state"])
+
+
+def processes(cfg: RunConfig) -> str:
+    """``4: 2 trainers, 1 server, 1 master`` for a point's job."""
+    trainers, servers = cfg.ntrainer + cfg.ncudatrainer, cfg.nserver + cfg.ncudaserver
+    return (f"{cfg.world_size}: {trainers} trainer{'s' * (trainers != 1)}, "
+            f"{servers} server{'s' * (servers != 1)}, 1 master")
+
+
 def duration(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
@@ -212,6 +231,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS",
                         help="stop a point that runs longer than this and record it as failed "
                              "(default: 900)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="list the points (their options and processes, and with --resume "
+                             "which are done) and run none; creates nothing")
 
 
 def check(args: argparse.Namespace, bench_argv: list[str]) -> None:
@@ -224,16 +246,15 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> None:
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, raise_terminated)
-    return run_sweep(args.file, args.out, args.resume, args.point_timeout, debug=args.debug)
+    return run_sweep(args.file, args.out, args.resume, args.point_timeout, debug=args.debug,
+                     dry_run=args.dry_run)
 
 
 def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None,
-              debug: bool = False) -> int:
+              debug: bool = False, dry_run: bool = False) -> int:
     name, points = load_sweep(path)
     check_writable_folder(out, "--out")
     out_dir = Path(out)
-    (out_dir / "points").mkdir(parents=True, exist_ok=True)
-    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     results_path = out_dir / RESULTS_NAME
     done = {(line["point"]["hash"], line["point"].get("repeat", 1))
             for line in load_lines(results_path)
@@ -250,6 +271,11 @@ def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None,
     print(f"sweep {name}: {len(points)} points{each}, "
           f"{len(runs) - len(todo)}{' runs' if each else ''} already done, "
           f"{len(todo)} to run; results in {results_path}", flush=True)
+    if dry_run:
+        print(plan_table(runs, todo))
+        return 0
+    (out_dir / "points").mkdir(parents=True, exist_ok=True)
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     if todo:
         preload.start(debug, models=[point.job.config.model for point, _ in todo])
     try:

@@ -173,3 +173,34 @@ def test_repeat_runs_each_point_several_times_and_report_shows_every_run(tmp_pat
     rows = load_rows([str(tmp_path)])
     headers, body = table(rows, "batch", Baseline(tuple(rows[3:])))
     assert body[1][headers.index("speedup")] == "0.33x"  # ps's run 2 against all-reduce's first: its 2nd failed
+
+
+def test_a_dry_run_lists_the_points_and_what_resume_would_skip(tmp_path, capsys):
+    """``sweep --dry-run``: every run the sweep would make, with its processes and whether
+    ``--resume`` would skip it; nothing created, no process started."""
+    from ps_bench.cli import main
+
+    path = sweep(tmp_path, {"name": "dry", "base": {"rounds": 1}, "grid": {"hook": ["allreduce", "ps"]},
+                            "repeat": 2})
+    out = tmp_path / "out"
+    assert main(["sweep", path, "--out", str(out), "--dry-run"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert not out.exists()
+    assert printed[0] == f"sweep dry: 2 points x 2 runs each, 0 runs already done, 4 to run; results in {out / 'results.jsonl'}"
+    rows = [line.split() for line in printed[3:]]
+    assert [row[:3] for row in rows] == [["1", "hook=allreduce", "1"], ["2", "hook=ps", "1"],
+                                         ["1", "hook=allreduce", "2"], ["2", "hook=ps", "2"]]
+    assert " ".join(rows[1][3:]) == "4: 2 trainers, 1 server, 1 master to run"
+    assert " ".join(rows[0][3:]) == "3: 2 trainers, 0 servers, 1 master to run"
+
+    _, points = load_sweep(path)
+    out.mkdir()
+    (out / "results.jsonl").write_text(json.dumps(dict(result("ps", 4.0), point={
+        "index": 2, "name": "hook=ps", "hash": points[1].config_hash, "repeat": 1})) + "\n")
+    assert main(["sweep", path, "--out", str(out), "--dry-run", "--resume"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "1 runs already done, 3 to run" in printed[0]
+    assert [line.split()[-1] for line in printed[3:]] == ["run", "done", "run", "run"]
+    assert sorted(path.name for path in out.iterdir()) == ["results.jsonl"]
+    assert main(["sweep", path, "--out", str(out), "--dry-run"]) == 2  # as the sweep itself would
+    assert "already holds results: add --resume" in capsys.readouterr().err
