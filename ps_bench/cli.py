@@ -23,7 +23,7 @@ from tabulate import tabulate
 
 from ps_bench.runtime import preload
 from ps_bench.config import ConfigError, RunConfig, build_config
-from ps_bench.places import check_output_file
+from ps_bench.places import check_results_file
 from ps_bench.runtime.failures import Terminated, raise_terminated
 from ps_bench.job import cuda_device_count, default_servers, validate
 from ps_bench.processes.launch import (JobFailed, LaunchSpec, run_torchrun_rank, spawn,
@@ -204,7 +204,7 @@ def launch_spec(cfg: RunConfig, argv: list[str], launched_at: float, imported: f
     job = validate(cfg, trainers_on_node=sum(r < cfg.num_trainers for r in node_ranks))
     results = results_path(cfg.out, cfg.hook, cfg.num_trainers, cfg.num_servers)
     if cfg.world_size - 1 in node_ranks:  # the master writes it: checked before any process starts
-        check_output_file(str(results), "--out")
+        check_results_file(str(results), "--out")
     return LaunchSpec(job, ["bench.py", *argv], "", str(results), local_world_size,
                       cuda_device_count(), torchrun, launched_at,
                       milestones={"imported": imported, "validated": time.time()})

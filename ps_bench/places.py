@@ -52,6 +52,19 @@ def check_output_file(path: str, option_name: str) -> None:
     check_writable_folder(str(Path(path).absolute().parent), f"{option_name}'s folder")
 
 
+def check_results_file(path: str, option_name: str) -> None:
+    """``check_output_file`` for a run's results, a new file that never replaces another (a name
+    taken gets a number): not ``-`` (standard output carries the run's table) and not a device,
+    pipe or socket, beside which a numbered file would go (``/dev/null-1``)."""
+    if path == "-":
+        raise ConfigError(f"{option_name} -: the results are a file (standard output carries the "
+                          f"run's table); give a file name")
+    if Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir():
+        raise ConfigError(f"{option_name} {path!r} is not a regular file: the results are "
+                          f"written as a new file, never into another; give a file name")
+    check_output_file(path, option_name)
+
+
 def write_output(path: str, flag: str, writer: Callable[[str], object]) -> None:
     """``writer(path)``, its folder made first: a file the command was asked for that cannot be
     written after all (checked before the work, but a disk or a quota fills, a folder goes) is

@@ -51,6 +51,8 @@ BAD_INPUTS = [
     (["--data-config-path", "missing.json"], "'missing.json' does not exist"),
     (["--config", "missing.json"], "run config 'missing.json' does not exist"),
     (["--config", "{bad_json}"], "not valid JSON: Expecting ',' delimiter at line 2 column 2"),
+    (["--out", "-"], "--out -: the results are a file (standard output carries the run's table)"),
+    (["--out", "/dev/null"], "--out '/dev/null' is not a regular file: the results are written as a new file"),
     (["--config", "{latin1}"], "not valid JSON: not UTF-8 text (byte 0xe8 at offset 14)"),
     (["--config", "{unknown_key}"], "unknown option 'trainers'; did you mean 'trainer'? valid options:"),
     (["--config", "{wrong_type}"], "'rounds' must be a whole number, got \"3\""),
