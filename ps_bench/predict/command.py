@@ -12,6 +12,7 @@ from pathlib import Path
 from ps_bench.config import ConfigError
 from ps_bench.options import HookKeyValue, KeyValue
 from ps_bench.places import check_output_file, write_output
+from ps_bench.registry import UnknownNameError
 from ps_bench.plots import check_plot_file
 from ps_bench.predict import memory, pipelines
 from ps_bench.predict.inputs import (LINK_KINDS, LOCAL_KINDS, NETWORK_KINDS, TargetLink, count_list,
@@ -184,6 +185,8 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
                           f"{args.grad_accum}")
     if args.per_node < 1:
         raise ConfigError(f"--per-node must be at least 1 (trainers per node); got {args.per_node}")
+    if args.hooks is not None:
+        strategies(args.hooks)
     if args.nodes is not None:
         trainers = sorted({nodes * args.per_node for nodes in count_list(args.nodes, "nodes")})
     else:
@@ -229,15 +232,26 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
                   list(dict.fromkeys(places)), compute_ms, checked_options(args.hook_options))
 
 
+def strategy(name: str, flag: str) -> str:
+    """A strategy's registered name for ``name`` (a name or alias), or a ConfigError as a run's
+    ``--hook`` gives (with "did you mean")."""
+    try:
+        return HOOKS.canonical(name.strip())
+    except UnknownNameError as error:
+        raise ConfigError(f"{flag}: {error}") from None
+
+
+def strategies(text: str) -> list[str]:
+    """``--hooks``' strategies by their registered names."""
+    return [strategy(name, "--hooks") for name in text.split(",")]
+
+
 def checked_options(given: dict[str, dict]) -> dict[str, dict]:
     """``--hook-option``, each strategy by its registered name and its options checked as a
     run checks them."""
     checked = {}
     for name, options in given.items():
-        if name not in HOOKS:
-            raise ConfigError(f"--hook-option {name}: unknown strategy; one of "
-                              f"{', '.join(HOOKS.names())}")
-        hook = HOOKS.canonical(name)
+        hook = strategy(name, "--hook-option")
         try:
             checked[hook] = {**checked.get(hook, {}), **check_hook_options(hook, options)}
         except ValueError as error:
@@ -342,11 +356,7 @@ def choose_hooks(text: str | None, runs: list[Run], calibration: Calibration,
         names = list(dict.fromkeys([run.hook for run in runs] + defaults))
         return [name for name in names if predict(calibration, name, 2, 1) is not None]
     hooks = []
-    for name in text.split(","):
-        if name.strip() not in HOOKS:
-            raise ConfigError(f"--hooks: unknown strategy {name.strip()!r}; one of "
-                              f"{', '.join(HOOKS.names())}")
-        hook = HOOKS.canonical(name.strip())
+    for hook in strategies(text):
         if predict(calibration, hook, 2, 1) is None:
             raise ConfigError(f"--hooks: {hook} sends low-rank factors whose size depends on the "
                               f"layers' shapes, which these results files do not record: give "

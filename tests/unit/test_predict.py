@@ -307,7 +307,11 @@ BAD_INPUTS = [
     (lambda p: [results_file(p), "--hook-option", "topk:ratio=-1"],
      "--hook-option topk: hook option 'ratio' must be above 0 and at most 1; got -1"),
     (lambda p: [results_file(p), "--hook-option", "topk:bogus=1"], "hook 'topk' has no option 'bogus'"),
-    (lambda p: [results_file(p), "--hook-option", "nope:ratio=1"], "--hook-option nope: unknown strategy"),
+    (lambda p: [results_file(p), "--hook-option", "psnode:partition_mb=2"],
+     "--hook-option: unknown hook 'psnode'; did you mean 'ps_node'? known: allreduce,"),
+    # named before anything that needs the runs (here, a link they lack)
+    (lambda p: [results_file(p, limits=False), "--hooks", "allreduce,alreduce"],
+     "--hooks: unknown hook 'alreduce'; did you mean 'allreduce'? known: allreduce,"),
 ]
 
 
