@@ -50,7 +50,9 @@ DESCRIPTION = (
     "cartesian product of grid (times each variant), each base plus its overrides; "
     "\"repeat\": N runs each point N times, every run recorded (bench.py compare reads them all).")
 EPILOG = (
-    "example:\n"
+    "examples:\n"
+    "  python bench.py sweep configs/sweeps/hooks.json --out results/hooks --dry-run"
+    "   # its points; none run\n"
     "  python bench.py sweep configs/sweeps/hooks.json --out results/hooks "
     "&& python bench.py report results/hooks\n")
 
