@@ -272,8 +272,26 @@ def field_type(name: str) -> type:
     raise TypeError(f"unsupported option type {annotation}")
 
 
-def read_json(path: str | os.PathLike, what: str) -> Any:
-    """Loads a JSON file; a missing file or bad syntax is a ``ConfigError`` naming the place."""
+class DuplicateKey(ValueError):
+    """A key given twice in one JSON object (JSON's readers keep the last, silently)."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook`` for ps_bench's own files: a key given twice in one
+    object is a mistake to say, not a value to drop."""
+    values: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in values:
+            raise DuplicateKey(f"key {key!r} is given twice in one object "
+                               f"({json.dumps(values[key])}, then {json.dumps(value)})")
+        values[key] = value
+    return values
+
+
+def read_json(path: str | os.PathLike, what: str, own_format: bool = True) -> Any:
+    """Loads a JSON file; a missing file, bad syntax or (in ``own_format``, ps_bench's own kinds
+    of file, not DeepSpeed's or Hugging Face's) a key given twice is a ``ConfigError`` naming
+    the place."""
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
@@ -284,10 +302,12 @@ def read_json(path: str | os.PathLike, what: str) -> Any:
     except OSError as error:
         raise ConfigError(f"{what} {str(path)!r} cannot be read: {error.strerror}") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=unique_keys if own_format else None)
     except json.JSONDecodeError as error:
         raise ConfigError(f"{what} {str(path)!r} is not valid JSON: {error.msg} at line "
                           f"{error.lineno} column {error.colno}") from None
+    except DuplicateKey as error:
+        raise ConfigError(f"{what} {str(path)!r}: {error}") from None
 
 
 def coerce(name: str, value: Any, source: str) -> Any:

@@ -80,7 +80,7 @@ def resolve(name: str, options: dict[str, Any]) -> dict[str, Any]:
     """The config ``name`` gives, as transformers completes it, with ps_bench's float32 and no
     dropout, and then ``options``; one line naming the input for anything wrong."""
     path = config_path(name)
-    raw = read_json(path, f"--model {name}: config")
+    raw = read_json(path, f"--model {name}: config", own_format=False)
     if not isinstance(raw, dict):
         raise ConfigError(f"--model {name}: {str(path)!r} must hold a JSON object (a model's "
                           f"config.json)")

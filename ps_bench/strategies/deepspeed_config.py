@@ -44,7 +44,7 @@ def resolve_config(cfg: RunConfig, stage: int, gpus: int) -> tuple[dict[str, Any
     user's config the run leaves out, in a line each. ConfigError names the input for anything
     that cannot run here."""
     source = f"--ds-config {cfg.ds_config}" if cfg.ds_config else f"--hook deepspeed_zero{stage}"
-    given = read_json(cfg.ds_config, "--ds-config") if cfg.ds_config else {}
+    given = read_json(cfg.ds_config, "--ds-config", own_format=False) if cfg.ds_config else {}
     if not isinstance(given, dict):
         raise ConfigError(f"{source} must hold a JSON object (a DeepSpeed config)")
     config = {key: value for key, value in given.items()

@@ -53,6 +53,7 @@ BAD_INPUTS = [
     (["--config", "{bad_json}"], "not valid JSON: Expecting ',' delimiter at line 2 column 2"),
     (["--out", "-"], "--out -: the results are a file (standard output carries the run's table)"),
     (["--out", "/dev/null"], "--out '/dev/null' is not a regular file: the results are written as a new file"),
+    (["--config", "{twice}"], "': key 'ntrainer' is given twice in one object (2, then 4)"),
     (["--config", "{latin1}"], "not valid JSON: not UTF-8 text (byte 0xe8 at offset 14)"),
     (["--config", "{unknown_key}"], "unknown option 'trainers'; did you mean 'trainer'? valid options:"),
     (["--config", "{wrong_type}"], "'rounds' must be a whole number, got \"3\""),
@@ -108,6 +109,7 @@ BAD_INPUTS = [
 CONFIG_FILES = {
     "{bad_json}": '{"ntrainer": 2\n "rounds": 3}',
     "{latin1}": '{"model": "Modèle"}'.encode("latin-1"),
+    "{twice}": '{"ntrainer": 2, "rounds": 1, "ntrainer": 4}',
     "{unknown_key}": '{"trainers": 2}',
     "{wrong_type}": '{"rounds": "3"}',
     "{negative_target}": '{"target_loss": -1, "labels": "teacher"}',

@@ -204,3 +204,16 @@ def test_a_dry_run_lists_the_points_and_what_resume_would_skip(tmp_path, capsys)
     assert sorted(path.name for path in out.iterdir()) == ["results.jsonl"]
     assert main(["sweep", path, "--out", str(out), "--dry-run"]) == 2  # as the sweep itself would
     assert "already holds results: add --resume" in capsys.readouterr().err
+
+
+def test_a_key_given_twice_in_a_sweep_is_refused_where_a_foreign_file_keeps_the_last(tmp_path):
+    """JSON's readers keep the last of a key given twice; ps_bench's own files say it (one of
+    the two was meant), DeepSpeed's and Hugging Face's configs are read as their tools read them."""
+    from ps_bench.config import read_json
+
+    path = tmp_path / "sweep.json"
+    path.write_text('{"grid": {"hook": ["ps"]}, "base": {"rounds": 1, "warmup_rounds": 1, "rounds": 2}}')
+    with pytest.raises(ConfigError, match=r"^sweep file '.*sweep.json': key 'rounds' is given twice in one "
+                                          r"object \(1, then 2\)$"):
+        load_sweep(str(path))
+    assert read_json(path, "--ds-config", own_format=False)["base"] == {"rounds": 2, "warmup_rounds": 1}
