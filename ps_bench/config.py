@@ -272,6 +272,11 @@ def field_type(name: str) -> type:
     raise TypeError(f"unsupported option type {annotation}")
 
 
+def not_text(error: UnicodeDecodeError) -> str:
+    """``not UTF-8 text (byte 0xe8 at offset 14)``: where a file read as text is not."""
+    return f"not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start})"
+
+
 class DuplicateKey(ValueError):
     """A key given twice in one JSON object (JSON's readers keep the last, silently)."""
 
@@ -297,8 +302,7 @@ def read_json(path: str | os.PathLike, what: str, own_format: bool = True) -> An
     except FileNotFoundError:
         raise ConfigError(f"{what} {str(path)!r} does not exist") from None
     except UnicodeDecodeError as error:
-        raise ConfigError(f"{what} {str(path)!r} is not valid JSON: not UTF-8 text (byte "
-                          f"{error.object[error.start]:#04x} at offset {error.start})") from None
+        raise ConfigError(f"{what} {str(path)!r} is not valid JSON: {not_text(error)}") from None
     except OSError as error:
         raise ConfigError(f"{what} {str(path)!r} cannot be read: {error.strerror}") from None
     try:

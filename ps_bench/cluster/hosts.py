@@ -21,7 +21,7 @@ from typing import Sequence
 from ps_bench.cluster.ssh import HostJob, HostsFailed, SshOptions, Target, preflight, run
 from ps_bench.cluster.torchrun import (UNKNOWN_GPUS, NodeLayout, add_engine_arguments, cluster_job,
                                        with_iface)
-from ps_bench.config import ConfigError, RunConfig
+from ps_bench.config import ConfigError, RunConfig, not_text
 from ps_bench.options import EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM, typed
 from ps_bench.runtime.failures import Terminated, raise_terminated
 from ps_bench.runtime.topology import Topology
@@ -60,8 +60,7 @@ def read_hostfile(path: str) -> list[Target]:
     try:
         lines = Path(path).read_text().splitlines()
     except UnicodeDecodeError as error:
-        raise ConfigError(f"--hostfile {path!r} is not UTF-8 text (byte "
-                          f"{error.object[error.start]:#04x} at offset {error.start})") from None
+        raise ConfigError(f"--hostfile {path!r} is {not_text(error)}") from None
     except OSError as error:
         raise ConfigError(f"--hostfile {path!r} cannot be read: {error.strerror}") from None
     targets = []

@@ -12,7 +12,6 @@ from pathlib import Path
 from ps_bench.config import ConfigError
 from ps_bench.options import HookKeyValue, KeyValue
 from ps_bench.places import check_output_file, write_output
-from ps_bench.registry import UnknownNameError
 from ps_bench.plots import check_plot_file
 from ps_bench.predict import memory, pipelines
 from ps_bench.predict.inputs import (LINK_KINDS, LOCAL_KINDS, NETWORK_KINDS, TargetLink, count_list,
@@ -22,6 +21,7 @@ from ps_bench.predict.calibration import (Calibration, add_payloads, from_comput
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.rows import prediction_rows, unplaced
 from ps_bench.predict.runs import Run
+from ps_bench.registry import UnknownNameError
 from ps_bench.runtime.network import parse_delay
 from ps_bench.predict.tables import (describe_calibration, ethernet_note, plot, render,
                                      render_winners, winners)
