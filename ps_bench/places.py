@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,8 +33,9 @@ def check_interface(name: str) -> None:
 
 
 def check_writable_folder(path: str, option_name: str) -> None:
-    """A ConfigError unless the folder exists and is writable, or could be created; creates
-    nothing (a ``--dry-run`` leaves no trace; the folder is made where the files are written)."""
+    """A ConfigError unless the folder exists and a file can be made in it, or it could be
+    created; leaves nothing (a ``--dry-run`` leaves no trace; the folder is made where the files
+    are written)."""
     existing = Path(path).absolute()
     while not existing.exists():  # the nearest part of the path that exists
         existing = existing.parent
@@ -42,6 +44,12 @@ def check_writable_folder(path: str, option_name: str) -> None:
                           f"{str(existing)!r} is not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{option_name} {path!r} is not writable; choose another folder")
+    try:  # os.access answers yes to root almost everywhere (/proc, /sys): a file says
+        with tempfile.TemporaryFile(dir=existing):  # unnamed where it can be (O_TMPFILE)
+            pass
+    except OSError as error:
+        raise ConfigError(f"{option_name} {path!r} is not writable ({error.strerror}); choose "
+                          f"another folder") from None
 
 
 def check_output_file(path: str, option_name: str) -> None:

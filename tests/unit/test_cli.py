@@ -51,6 +51,8 @@ BAD_INPUTS = [
     (["--data-config-path", "missing.json"], "'missing.json' does not exist"),
     (["--config", "missing.json"], "run config 'missing.json' does not exist"),
     (["--config", "{bad_json}"], "not valid JSON: Expecting ',' delimiter at line 2 column 2"),
+    # a folder that takes no file, though os.access says yes to root
+    (["--out", "/proc/ps_bench.json"], "--out's folder '/proc' is not writable"),
     (["--out", "-"], "--out -: the results are a file (standard output carries the run's table)"),
     (["--out", "/dev/null"], "--out '/dev/null' is not a regular file: the results are written as a new file"),
     (["--config", "{twice}"], "': key 'ntrainer' is given twice in one object (2, then 4)"),
