@@ -73,6 +73,14 @@ def check_results_file(path: str, option_name: str) -> None:
     check_output_file(path, option_name)
 
 
+def why_not_written(error: OSError) -> str:
+    """What stopped a write, for a user: the system's words (``No space left on device``), but
+    for mkdir's ``File exists``, which means a file stands where a folder of the path should."""
+    if isinstance(error, FileExistsError) and error.filename:
+        return f"{error.filename} is a file, not a folder"
+    return error.strerror or str(error)
+
+
 def write_output(path: str, flag: str, writer: Callable[[str], object]) -> None:
     """``writer(path)``, its folder made first: a file the command was asked for that cannot be
     written after all (checked before the work, but a disk or a quota fills, a folder goes) is
@@ -81,7 +89,7 @@ def write_output(path: str, flag: str, writer: Callable[[str], object]) -> None:
         Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)
         writer(path)
     except OSError as error:
-        raise ConfigError(f"{flag} {path}: {error.strerror or error}") from None
+        raise ConfigError(f"{flag} {path}: {why_not_written(error)}") from None
 
 
 def check_port(flag: str, port: int) -> None:

@@ -33,7 +33,7 @@ from tabulate import tabulate
 from ps_bench.config import ConfigError, RunConfig, build_config, option_values, read_json
 from ps_bench.job import Job, cuda_device_count, validate
 from ps_bench.options import typed
-from ps_bench.places import check_writable_folder
+from ps_bench.places import check_writable_folder, why_not_written
 from ps_bench.registry import did_you_mean
 from ps_bench.results.files import (RESULTS_NAME, append_line, config_hash, environment,
                                     failed_results, iso_now, kept_since)
@@ -276,8 +276,11 @@ def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None,
     if dry_run:
         print(plan_table(runs, todo))
         return 0
-    (out_dir / "points").mkdir(parents=True, exist_ok=True)
-    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    try:
+        for folder in ("points", "logs"):
+            (out_dir / folder).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"--out {out}: {why_not_written(error)}") from None
     if todo:
         preload.start(debug, models=[point.job.config.model for point, _ in todo])
     try:
@@ -310,7 +313,7 @@ def run_points(name: str, points: list[Point], todo: list[tuple[Point, int]], ou
             return stopped.exit_code
         except OSError as error:  # the sweep's own files: a disk or a quota filled, a folder went
             print(f"ps_bench: error: sweep stopped at point {point.index} ({which}): "
-                  f"{error.filename or out_dir}: {error.strerror or error}; {kept}",
+                  f"{error.filename or out_dir}: {why_not_written(error)}; {kept}",
                   file=sys.stderr, flush=True)
             return 1
         elapsed = time.monotonic() - point_start

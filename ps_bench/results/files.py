@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ps_bench.places import why_not_written
+
 SCHEMA = "ps_bench.result/1"
 RESULTS_NAME = "results.jsonl"  # a sweep's lines, in its --out folder
 # Options a sweep sets itself, and options that change how a run reports, not what it measures.
@@ -141,12 +143,8 @@ def keep_results(results: dict, path: str | os.PathLike) -> Path | None:
         try:
             return write_results(results, where)
         except OSError as error:
-            # mkdir's "File exists": a file where a folder of the path should be
-            why = (f"{error.filename} is a file, not a folder"
-                   if isinstance(error, FileExistsError) and error.filename
-                   else error.strerror or str(error))
-            print(f"ps_bench: warning: the results could not be written to {where}: {why}",
-                  file=sys.stderr, flush=True)
+            print(f"ps_bench: warning: the results could not be written to {where}: "
+                  f"{why_not_written(error)}", file=sys.stderr, flush=True)
     return None
 
 

@@ -217,3 +217,15 @@ def test_a_key_given_twice_in_a_sweep_is_refused_where_a_foreign_file_keeps_the_
                                           r"object \(1, then 2\)$"):
         load_sweep(str(path))
     assert read_json(path, "--ds-config", own_format=False)["base"] == {"rounds": 2, "warmup_rounds": 1}
+
+
+def test_a_file_where_the_sweep_keeps_its_points_is_one_line(tmp_path, capsys):
+    """The sweep's own folders are made after every point is checked; a file standing in the way
+    was mkdir's FileExistsError traceback."""
+    from ps_bench.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "points").write_text("")
+    assert main(["sweep", sweep(tmp_path, {"grid": {"hook": ["ps"]}}), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"ps_bench: error: --out {out}: {out / 'points'} is a file, not a folder\n"
