@@ -147,12 +147,14 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
     return name, points
 
 
-def plan_table(runs: list[tuple[Point, int]], todo: list[tuple[Point, int]]) -> str:
-    """``--dry-run``'s table: each run of each point, its processes, and whether it is to run."""
+def plan_table(runs: list[tuple[Point, int]], done: set[tuple[str, int]]) -> str:
+    """``--dry-run``'s table: each run of each point, its processes, and whether it is ``done``
+    (its configuration hash and repeat recorded ok) or to run."""
     repeated = runs[0][0].repeats > 1
     return tabulate([[point.index, point.name, *([repeat] if repeated else []),
                       processes(point.job.config),
-                      "to run" if (point, repeat) in todo else "done"] for point, repeat in runs],
+                      "done" if (point.config_hash, repeat) in done else "to run"]
+                     for point, repeat in runs],
                     headers=["point", "options", *(["run"] if repeated else []), "processes",
                              "state"])
 
@@ -274,7 +276,7 @@ def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None,
           f"{len(runs) - len(todo)}{' runs' if each else ''} already done, "
           f"{len(todo)} to run; results in {results_path}", flush=True)
     if dry_run:
-        print(plan_table(runs, todo))
+        print(plan_table(runs, done))
         return 0
     try:
         for folder in ("points", "logs"):
