@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ps_bench.config import ConfigError
+from ps_bench.places import check_output_file
 
 
 def pyplot(command: str = "report"):
@@ -22,8 +23,10 @@ def pyplot(command: str = "report"):
 
 
 def check_plot_file(path: str, command: str) -> None:
-    """A ConfigError, before any work, unless matplotlib is installed and writes the kind of
-    figure ``path``'s extension names (without one it would add ``.png`` to the name)."""
+    """``check_output_file`` for ``--plot``, and a ConfigError, before any work, unless
+    matplotlib is installed and writes the kind of figure ``path``'s extension names (without
+    one it would add ``.png`` to the name)."""
+    check_output_file(path, "--plot")
     pyplot(command)
     from matplotlib.backend_bases import FigureCanvasBase
 

@@ -183,7 +183,7 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> None:
         if value is not None and (not math.isfinite(value) or value < 0):
             raise ConfigError(f"{flag} is a percentage, 0 or more; got {value:g}")
     ignored_fields(args.match)
-    for flag, path in (("--csv", args.csv), ("--json", args.json), ("--plot", args.plot)):
+    for flag, path in (("--csv", args.csv), ("--json", args.json)):
         if path is not None:
             check_output_file(path, flag)
     if args.plot is not None:

@@ -202,9 +202,8 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
                          args.intra_link_efficiency, None) if args.intra_link is not None else None)
     if not 0 < args.bucket_cap_mb < math.inf:
         raise ConfigError(f"--bucket-cap-mb must be positive; got {args.bucket_cap_mb}")
-    for flag, path in (("--out", args.out), ("--plot", args.plot)):
-        if path is not None:
-            check_output_file(path, flag)
+    if args.out is not None:
+        check_output_file(args.out, "--out")
     if args.plot is not None:
         check_plot_file(args.plot, "predict")
     if args.servers is not None:

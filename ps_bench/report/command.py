@@ -298,9 +298,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     link_gbps = None if args.link is None else parse_rate(args.link, "--link") / 8e9
-    for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
-        if path is not None:
-            check_output_file(path, flag)
+    if args.csv is not None:
+        check_output_file(args.csv, "--csv")
     if args.plot is not None:
         check_plot_file(args.plot, "report")
     return run_report(args.sources, args.baseline, args.metric, args.csv, args.plot, args.scaling,
