@@ -21,7 +21,7 @@ from typing import NoReturn
 
 from tabulate import tabulate
 
-from ps_bench.runtime import preload
+from ps_bench.runtime import preload, streams
 from ps_bench.config import ConfigError, RunConfig, build_config
 from ps_bench.places import check_results_file
 from ps_bench.runtime.failures import Terminated, raise_terminated
@@ -264,6 +264,7 @@ def run_job(argv: list[str], launched_at: float, imported: float) -> int:
 def main(argv: list[str] | None = None, launched_at: float | None = None) -> int:
     """``launched_at``: when the command started (``bench.py`` notes it before its imports)."""
     imported = time.time()
+    streams.outlive_reader()  # `bench.py | head` ends the output, not the job
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
         argv = argv[1:]

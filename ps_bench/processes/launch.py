@@ -41,7 +41,7 @@ from ps_bench.job import Job
 from ps_bench.options import plural
 from ps_bench.results.files import environment, failed_results, keep_results, read_snapshot
 from ps_bench.processes import orphans, rendezvous
-from ps_bench.runtime import failures, network, preload
+from ps_bench.runtime import failures, network, preload, streams
 from ps_bench.runtime.addresses import interface_env, loopback
 from ps_bench.processes.master import Master
 from ps_bench.processes.supervision import (JobFailed, listen_for_stack_requests, supervise,
@@ -237,6 +237,7 @@ def _spawned(rank: int, spec: LaunchSpec) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
+    streams.outlive_reader()  # the launcher's reader may leave before the job ends
     worker(rank, spec, started)
     # The rank's work is done and RPC and its process group are shut down: end here rather than
     # in the interpreter's teardown of torch, which took 1.3 s per rank on the development machine,

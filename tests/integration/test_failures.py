@@ -94,6 +94,20 @@ def test_a_local_job_listens_on_loopback_only_and_dies_with_its_launcher(results
     assert not list(temporary.glob("ps_bench-*"))
 
 
+def test_a_reader_that_leaves_ends_the_output_not_the_run(results_path):
+    """``bench.py 2>&1 | head -1``: the reader leaves before the rounds; every process of the job
+    goes on printing nothing, and the run ends ok, every round measured and in its file."""
+    process = subprocess.Popen([sys.executable, str(ROOT / "bench.py"), "--rounds", "2", "--out", str(results_path)],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    assert process.stdout.readline().startswith("ps_bench: 4 processes")
+    process.stdout.close()
+    finish(process, 180)
+    results = json.loads(results_path.read_text())
+    assert (process.returncode, results["status"], results.get("error")) == (0, "ok", None)
+    assert results["rounds_completed"] == 2 and results["summary"]
+
+
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
 def test_under_torchrun_a_job_completes_and_only_torchruns_own_store_listens_beyond_loopback(results_path):
     """A job torchrun starts on this host runs to its results; its ranks bind RPC and gloo to
