@@ -54,7 +54,11 @@ def check_writable_folder(path: str, option_name: str) -> None:
 
 def check_output_file(path: str, option_name: str) -> None:
     """A ConfigError unless a file can be written at ``path`` (not a folder; its folder writable,
-    or one that could be made), said before any work; creates nothing."""
+    or one that could be made), said before any work; creates nothing. ``-`` is refused: a
+    file of that name is what it would make (``/dev/stdout`` is standard output)."""
+    if path == "-":
+        raise ConfigError(f"{option_name} -: give a file name (a file named '-' is what this would "
+                          f"write; /dev/stdout writes to standard output)")
     if Path(path).is_dir():
         raise ConfigError(f"{option_name} {path!r} is a folder; give a file name")
     check_writable_folder(str(Path(path).absolute().parent), f"{option_name}'s folder")

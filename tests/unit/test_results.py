@@ -122,11 +122,13 @@ def test_report_compare_and_predict_refuse_an_output_they_cannot_write_before_re
     argvs = {"report": ["report", str(EARLIER)], "compare": ["compare", str(EARLIER), str(EARLIER)],
              "predict": ["predict", str(EARLIER), "--trainers", "4"]}
     for command in commands:
-        for target, words in ((blocker / "x.out", "is not a folder"), (tmp_path, "is a folder; give a file name")):
+        for target, words in ((blocker / "x.out", "is not a folder"), (tmp_path, "is a folder; give a file name"),
+                              ("-", "-: give a file name (a file named '-' is what this would write")):
             assert main([*argvs[command], flag, str(target)]) == 2, command
             captured = capsys.readouterr()
             assert captured.out == "" and captured.err.count("\n") == 1 and words in captured.err, captured.err
             assert flag in captured.err
+    assert not Path("-").exists()
 
 
 def test_a_plot_whose_extension_names_no_kind_of_figure_is_refused_before_the_work(tmp_path, capsys):
