@@ -50,6 +50,15 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
 
 
+def largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest |a - b| element by element, counting the elements ``same_values`` calls alike
+    (NaN beside NaN, inf beside the same inf) as 0 apart, and a NaN beside anything else as
+    infinitely far: identical replicas are 0 apart even where they diverged."""
+    alike = (a == b) | (a.isnan() & b.isnan())
+    apart = (a - b).abs().nan_to_num(nan=math.inf, posinf=math.inf)
+    return torch.where(alike, torch.zeros_like(apart), apart).max().item() if a.numel() else 0.0
+
+
 def replica_summary(vectors: list[torch.Tensor], checked_at: str = EVERY_ITERATION) -> dict:
     """Whether every trainer holds the same parameters (flattened), and how far apart they are;
     ``checked_at`` says which parameters each trainer handed over (its strategy record's
@@ -59,7 +68,7 @@ def replica_summary(vectors: list[torch.Tensor], checked_at: str = EVERY_ITERATI
     return {
         "identical": all(same_values(v, reference) for v in vectors),
         "param_norm": parameter_norm(reference),
-        "max_abs_diff": max((v - reference).abs().max().item() for v in vectors),
+        "max_abs_diff": max(largest_difference(v, reference) for v in vectors),
         "checked_at": checked_at,
     }
 

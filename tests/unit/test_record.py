@@ -249,15 +249,20 @@ def test_the_printed_report_and_the_file_come_from_the_same_record(tmp_path, cap
 def test_replicas_that_diverged_alike_are_identical_and_the_report_says_they_diverged(capsys):
     nan = float("nan")
     alike = replica_summary([torch.tensor([1.0, nan]), torch.tensor([1.0, nan])])
-    assert alike["identical"] is True and math.isnan(alike["param_norm"])
-    assert replica_summary([torch.tensor([1.0, nan]), torch.tensor([nan, 1.0])])["identical"] is False
-    assert replica_summary([torch.tensor([1.0, nan]), torch.tensor([2.0, nan])])["identical"] is False
+    assert alike["identical"] is True and math.isnan(alike["param_norm"]) and alike["max_abs_diff"] == 0.0
+    crossed = replica_summary([torch.tensor([1.0, nan]), torch.tensor([nan, 1.0])])
+    assert crossed["identical"] is False and crossed["max_abs_diff"] == math.inf
+    apart = replica_summary([torch.tensor([1.0, nan]), torch.tensor([2.0, nan])])
+    assert apart["identical"] is False and apart["max_abs_diff"] == 1.0
+    inf = float("inf")
+    assert replica_summary([torch.tensor([inf, -inf]), torch.tensor([inf, -inf])])["max_abs_diff"] == 0.0
     record = make_record()
     two_rounds(record)
     record.replicas = alike
     print_report(record.results("ok"), record.rows())
     printed = capsys.readouterr().out
-    assert "identical=true param_norm=nan" in printed and "the training diverged; a smaller --lr?" in printed
+    assert ("identical=true param_norm=nan max_abs_diff=0 (parameters not finite: the training diverged; "
+            "a smaller --lr?)") in printed
 
 
 def test_a_report_whose_every_iteration_was_verified_says_why_it_has_no_batch_times(capsys):
