@@ -224,14 +224,15 @@ def summarise_failures(failed: Sequence[Agent], job: HostJob, role_of: Callable[
 
 
 def run(job: HostJob, role_of: Callable[[int], str],
-        write: Callable[[str], None] = sys.stdout.write) -> int:
+        write: Callable[[str], None] | None = None) -> int:
     """Starts every host's agent and waits; returns 0, or raises HostsFailed naming the first
-    host that failed, after every remote process is stopped."""
+    host that failed, after every remote process is stopped. ``write``: where the hosts' lines
+    go, standard output as it is when they come (``ps_bench.runtime.streams``) by default."""
     lock = threading.Lock()
 
     def locked_write(text: str) -> None:
         with lock:
-            write(text)
+            (write or sys.stdout.write)(text)
             sys.stdout.flush()
 
     agents: list[Agent] = []
