@@ -19,20 +19,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import fcntl
 import json
+import os
 import signal
+import socket
 import sys
 import time
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from tabulate import tabulate
 
 from ps_bench.config import ConfigError, RunConfig, build_config, option_values, read_json
 from ps_bench.job import Job, cuda_device_count, validate
-from ps_bench.options import typed
+from ps_bench.options import plural, typed
 from ps_bench.places import check_writable_folder, why_not_written
 from ps_bench.registry import did_you_mean
 from ps_bench.results.files import (RESULTS_NAME, append_line, config_hash, environment,
@@ -57,6 +60,7 @@ EPILOG = (
     "&& python bench.py report results/hooks\n")
 
 SWEEP_KEYS = ("name", "base", "grid", "variants", "repeat")
+LOCK_NAME = "sweep.lock"  # held by the sweep running into the folder (hold_folder)
 
 
 @dataclass
@@ -254,10 +258,45 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
                      dry_run=args.dry_run)
 
 
+def hold_folder(out: str) -> IO[str]:
+    """The sweep's hold on its folder (``points/`` and ``logs/`` made first): an exclusive lock
+    on ``OUT/sweep.lock`` for as long as the returned file is open, dropped by the kernel however
+    the sweep ends. A second sweep into a folder held is refused: it would run again every point
+    the first has not recorded yet, beside it, on the same cores."""
+    try:
+        for folder in ("points", "logs"):
+            (Path(out) / folder).mkdir(parents=True, exist_ok=True)
+        hold = open(Path(out) / LOCK_NAME, "a+")
+    except OSError as error:
+        raise ConfigError(f"--out {out}: {why_not_written(error)}") from None
+    try:
+        fcntl.flock(hold, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        hold.seek(0)
+        holder = hold.read().strip() or "a process on this machine"
+        hold.close()
+        raise ConfigError(f"--out {out}: another sweep is running into it ({holder}); wait for it "
+                          f"to end, or choose another --out") from None
+    hold.truncate(0)
+    hold.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}")
+    hold.flush()
+    return hold
+
+
 def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None,
               debug: bool = False, dry_run: bool = False) -> int:
     name, points = load_sweep(path)
     check_writable_folder(out, "--out")
+    hold = None if dry_run else hold_folder(out)  # before the results are read
+    try:
+        return sweep_points(name, points, out, resume, timeout_s, debug, dry_run)
+    finally:
+        if hold is not None:
+            hold.close()
+
+
+def sweep_points(name: str, points: list[Point], out: str, resume: bool,
+                 timeout_s: float | None, debug: bool, dry_run: bool) -> int:
     out_dir = Path(out)
     results_path = out_dir / RESULTS_NAME
     done = {(line["point"]["hash"], line["point"].get("repeat", 1))
@@ -272,17 +311,12 @@ def run_sweep(path: str, out: str, resume: bool, timeout_s: float | None,
     runs = [(point, repeat) for repeat in range(1, repeats + 1) for point in points]
     todo = [(point, repeat) for point, repeat in runs if (point.config_hash, repeat) not in done]
     each = f" x {repeats} runs each" if repeats > 1 else ""
-    print(f"sweep {name}: {len(points)} points{each}, "
+    print(f"sweep {name}: {plural(len(points), 'point')}{each}, "
           f"{len(runs) - len(todo)}{' runs' if each else ''} already done, "
           f"{len(todo)} to run; results in {results_path}", flush=True)
     if dry_run:
         print(plan_table(runs, done))
         return 0
-    try:
-        for folder in ("points", "logs"):
-            (out_dir / folder).mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"--out {out}: {why_not_written(error)}") from None
     if todo:
         preload.start(debug, models=[point.job.config.model for point, _ in todo])
     try:

@@ -1,6 +1,8 @@
 """Sweep files expand and validate without starting anything; reports read results files."""
 
 import json
+import os
+import socket
 
 import pytest
 
@@ -229,3 +231,27 @@ def test_a_file_where_the_sweep_keeps_its_points_is_one_line(tmp_path, capsys):
     (out / "points").write_text("")
     assert main(["sweep", sweep(tmp_path, {"grid": {"hook": ["ps"]}}), "--out", str(out)]) == 2
     assert capsys.readouterr().err == f"ps_bench: error: --out {out}: {out / 'points'} is a file, not a folder\n"
+
+
+def test_a_folder_another_sweep_is_running_into_is_refused(tmp_path, capsys):
+    """Two sweeps into one folder each ran every point not yet recorded, side by side on the same
+    cores, and both recorded them. While one holds the folder (here this test holds it, as a
+    sweep does: ``hold_folder``) another is refused at once, naming the holder; a --dry-run still
+    answers; once the hold is let go, the folder is free."""
+    from ps_bench.cli import main
+    from ps_bench.sweep import hold_folder
+
+    out, path = tmp_path / "out", sweep(tmp_path, {"grid": {"hook": ["ps"]}})
+    hold = hold_folder(str(out))
+    try:
+        assert main(["sweep", path, "--out", str(out), "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"ps_bench: error: --out {out}: another sweep is running into it (pid {os.getpid()} "
+                              f"on {socket.gethostname()}, since ") and err.count("\n") == 1, err
+        assert err.endswith("); wait for it to end, or choose another --out\n"), err
+        assert main(["sweep", path, "--out", str(out), "--resume", "--dry-run"]) == 0
+        assert "1 point, 0 already done, 1 to run" in capsys.readouterr().out
+    finally:
+        hold.close()
+    assert not (out / "results.jsonl").exists()
+    hold_folder(str(out)).close()
