@@ -8,6 +8,7 @@ shell itself, so the script hands each task a single-quoted command that expands
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import shutil
 import subprocess
@@ -23,6 +24,9 @@ from ps_bench.options import EXIT_OK, typed
 from ps_bench.places import check_output_file, write_output
 
 OUTPUT = "%x-%j.out"  # job name and id: one log per job, next to where it was submitted
+# sbatch --time's forms: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+# days-hours:minutes, days-hours:minutes:seconds; and no limit
+SLURM_TIME = re.compile(r"\d+(-\d+)?(:\d+){0,2}|infinite|unlimited", re.IGNORECASE)
 BENCH_OPTIONS = True
 DESCRIPTION = (
     "Write an sbatch script that runs this benchmark on N nodes: srun starts one task per node, "
@@ -60,13 +64,19 @@ class SlurmJob:
     extra_directives: list[str] = field(default_factory=list)
 
 
+def directive_value(value: str) -> str:
+    """A directive's value as sbatch reads it: quoted where it holds a space (``check_words``
+    refuses what quotes cannot carry)."""
+    return f'"{value}"' if any(character.isspace() for character in value) else value
+
+
 def directives(job: SlurmJob) -> list[str]:
-    lines = [f"--job-name={job.job_name}", f"--nodes={job.layout.nodes}", "--ntasks-per-node=1",
+    lines = [f"--job-name={directive_value(job.job_name)}", f"--nodes={job.layout.nodes}", "--ntasks-per-node=1",
              f"--output={OUTPUT}"]
     if job.gpus_per_node:
         lines.append(f"--gpus-per-node={job.gpus_per_node}")
     if job.partition:
-        lines.append(f"--partition={job.partition}")
+        lines.append(f"--partition={directive_value(job.partition)}")
     if job.time:
         lines.append(f"--time={job.time}")
     return [f"#SBATCH {line}" for line in lines + job.extra_directives]
@@ -152,6 +162,15 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> tuple[RunConfig, N
     """The engine's options and the bench options, for the job as it will run on the nodes."""
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be 0 or more; got {args.max_restarts}")
+    if args.time is not None and not SLURM_TIME.fullmatch(args.time):
+        raise ConfigError(f"--time {args.time!r}: sbatch takes minutes, minutes:seconds, "
+                          f"hours:minutes:seconds, days-hours, days-hours:minutes or "
+                          f"days-hours:minutes:seconds (e.g. 00:30:00), or UNLIMITED")
+    for flag, value in (("--job-name", args.job_name), ("--partition", args.partition)):
+        if value is not None and (not value.strip() or '"' in value or
+                                  not all(c.isprintable() or c == " " for c in value)):
+            raise ConfigError(f"{flag} {value!r}: the script's #SBATCH line cannot carry it (a "
+                              f"name, not empty, without quotes or control characters)")
     if args.output is not None:
         check_output_file(args.output, "-o")
     return cluster_job(args, bench_argv, args.nodes, args.gpus_per_node)

@@ -81,3 +81,22 @@ def test_scancel_ends_every_process_of_the_job(local_slurm, tmp_path):
     while job_processes(job_id) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert job_processes(job_id) == [], "processes of the cancelled job survived"
+
+
+
+def test_sbatch_itself_reads_the_directives_and_refuses_the_times_bench_py_refuses(local_slurm, tmp_path, capsys):
+    """``--time`` is checked against sbatch's forms before anything is written: sbatch, asked to
+    only test the script (``--test-only``), takes exactly the times ``bench.py slurm`` takes, and
+    a job name with a space reaches it quoted."""
+    from ps_bench.cli import main
+    from ps_bench.cluster.slurm import SLURM_TIME
+
+    assert main(["slurm", "--nodes", "2", "--time", "5", "--job-name", "a job", "--", "--ntrainer", "2"]) == 0
+    script = capsys.readouterr().out
+    assert '#SBATCH --job-name="a job"\n' in script and "#SBATCH --time=5\n" in script
+    for limit in ["30", "30:00", "1:30:00", "2-3", "2-3:30", "2-3:30:15", "UNLIMITED", "forever", "1:2:3:4",
+                  "1-2-3", "1.5", " 30"]:
+        (tmp_path / "job.sbatch").write_text(script.replace("#SBATCH --time=5\n", f"#SBATCH --time={limit}\n"))
+        tested = local_slurm.run("sbatch", "--test-only", str(tmp_path / "job.sbatch"))
+        assert (tested.returncode == 0) == bool(SLURM_TIME.fullmatch(limit)), (limit, tested.stderr)
+        assert "Invalid directive" not in tested.stderr, tested.stderr

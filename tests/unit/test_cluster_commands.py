@@ -65,6 +65,10 @@ def test_sbatch_script_expands_the_node_rank_in_each_task():
     (["--nodes", "2", "--port", "70000", "--"], "--port must be in 1..65535"),
     (["--", "--ntrainer", "2"], "the following arguments are required: --nodes"),
     (["--nodes", "2", "--", "--ntrainer", "-1"], "--ntrainer must be 0 or more; got -1"),
+    (["--nodes", "2", "--time", "forever", "--"], "--time 'forever': sbatch takes minutes, minutes:seconds, "),
+    (["--nodes", "2", "--time", "1:2:3:4", "--"], "--time '1:2:3:4': sbatch takes"),
+    (["--nodes", "2", "--job-name", "a\nb", "--"], "--job-name 'a\\nb': the script's #SBATCH line cannot carry it"),
+    (["--nodes", "2", "--partition", "", "--"], "--partition '': the script's #SBATCH line cannot carry it"),
 ])
 def test_slurm_refuses_bad_input_in_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exited:
