@@ -26,6 +26,9 @@ from ps_bench.options import EXIT_OK, typed
 from ps_bench.places import check_output_file, write_output
 
 ACCELERATORS = re.compile(r"[A-Za-z0-9_-]+(:\d+)?")
+# SkyPilot's rule for a cluster name (sky launch -c NAME); tests/unit/test_cluster_commands.py
+# holds it to SkyPilot's own check
+CLUSTER_NAME = re.compile(r"[a-zA-Z]([-_.a-zA-Z0-9]*[a-zA-Z0-9])?")
 BENCH_OPTIONS = True
 DESCRIPTION = ("Write a SkyPilot task YAML that runs this benchmark on N cloud machines, and print "
                "the sky launch command that runs it.")
@@ -65,6 +68,9 @@ def gpus_of(accelerators: str | None) -> int:
         raise ConfigError(f"--accelerators: expected NAME or NAME:COUNT, e.g. H100:8; "
                           f"got {accelerators!r}")
     name, _, count = accelerators.partition(":")
+    if count and int(count) < 1:
+        raise ConfigError(f"--accelerators {accelerators}: COUNT must be at least 1 (leave "
+                          f"--accelerators out for machines without GPUs)")
     return int(count) if count else 1
 
 
@@ -159,6 +165,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace, bench_argv: list[str]) -> tuple[RunConfig, NodeLayout]:
     """The engine's options and the bench options, for the job as it will run on the nodes."""
     check_output_file(args.output, "-o")
+    if CLUSTER_NAME.fullmatch(args.name) is None:
+        raise ConfigError(f"--name {args.name!r}: SkyPilot names a cluster with a letter, then "
+                          f"letters, digits, '-', '_' or '.', ending with a letter or digit")
     return cluster_job(args, bench_argv, args.nodes, gpus_of(args.accelerators))
 
 

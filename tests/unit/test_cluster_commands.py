@@ -189,3 +189,25 @@ def test_cloud_refuses_bad_accelerators_in_one_line(capsys):
     assert main(["cloud", "--nodes", "2", "--accelerators", "H100:x", "--"]) == 2
     assert capsys.readouterr().err == ("ps_bench: error: --accelerators: expected NAME or NAME:COUNT, e.g. H100:8; "
                                        "got 'H100:x'\n")
+
+
+def test_cloud_takes_exactly_the_cluster_names_skypilot_takes(tmp_path, capsys):
+    """``sky launch -c NAME`` refused a name with a space (after the YAML was written and the
+    command printed); --name is now held to SkyPilot's rule before, checked here against
+    SkyPilot's own check."""
+    pytest.importorskip("sky", reason="SkyPilot is not installed: pip install -e '.[test]'")
+    from sky.utils.common_utils import check_cluster_name_is_valid
+
+    for name in ["ps-bench", "a", "run_2.x", "my job", "-x", "2024", "x-", "a/b", "é"]:
+        try:
+            check_cluster_name_is_valid(name)
+            valid = True
+        except Exception:  # noqa: BLE001 - SkyPilot's InvalidClusterNameError
+            valid = False
+        code = main(["cloud", "--nodes", "2", f"--name={name}", "-o", str(tmp_path / "t.yaml"), "--", "--ntrainer", "2"])
+        err = capsys.readouterr().err
+        assert code == (0 if valid else 2), (name, err)
+        assert valid or err == (f"ps_bench: error: --name {name!r}: SkyPilot names a cluster with a letter, then "
+                                f"letters, digits, '-', '_' or '.', ending with a letter or digit\n")
+    assert main(["cloud", "--nodes", "2", "--accelerators", "H100:0", "--"]) == 2
+    assert "--accelerators H100:0: COUNT must be at least 1" in capsys.readouterr().err
