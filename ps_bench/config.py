@@ -361,11 +361,20 @@ def option_values(raw: dict, where: str, refused: dict[str, str] | None = None) 
     return values
 
 
+RESULTS_SCHEMA = "ps_bench.result/1"  # a results file's "schema" (ps_bench.results.files)
+# what a results file's "config" holds beside the run's options: resolved entries, its own file
+NOT_RERUN = ("model_config", "data_config", "model_size", "out", "dry_run")
+
+
 def load_run_file(path: str) -> dict[str, Any]:
-    """Reads a run JSON whose keys are option names (``option_values``)."""
+    """Reads a run JSON whose keys are option names (``option_values``), or a results file:
+    the options of its run, but where its results went, so that the run can be made again."""
     raw = read_json(path, "run config")
     if not isinstance(raw, dict):
         raise ConfigError(f"run config {path!r} must hold a JSON object of options")
+    if raw.get("schema") == RESULTS_SCHEMA and isinstance(raw.get("config"), dict):
+        return option_values({key: value for key, value in raw["config"].items()
+                              if key not in NOT_RERUN}, f"results file {path!r}'s config")
     return option_values(raw, f"run config {path!r}")
 
 

@@ -154,7 +154,8 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     """One flag per ``RunConfig`` field, grouped as the field says; given options only (argparse
     sets no defaults, so a --config file fills the rest)."""
     parser.add_argument("--config", "--config-file", metavar="FILE",
-                        help="run options as a JSON object whose keys are these option names")
+                        help="run options as a JSON object whose keys are these option names, or "
+                             "a results file (its run's options, but --out: that run again)")
     groups = {name: parser.add_argument_group(name)
               for name in (TOPOLOGY, STRATEGY, CONVERGENCE, RUN, NETWORK)}
     for name, field in OPTIONS.items():

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
+from ps_bench.config import RESULTS_SCHEMA
 from ps_bench.places import why_not_written
 
-SCHEMA = "ps_bench.result/1"
+SCHEMA = RESULTS_SCHEMA
 RESULTS_NAME = "results.jsonl"  # a sweep's lines, in its --out folder
 # Options a sweep sets itself, and options that change how a run reports, not what it measures.
 NOT_HASHED = ("out", "dry_run", "per_rank", "debug", "verbose", "emulate_keep")

@@ -1,10 +1,14 @@
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
-from ps_bench.config import ConfigError, RunConfig, build_config, load_run_file
+from ps_bench.config import NOT_RERUN, ConfigError, RunConfig, build_config, load_run_file
 from ps_bench.job import validate
 from ps_bench.registry import Registry
+
+EARLIER = Path(__file__).resolve().parents[1] / "fixtures" / "ps-2t1s-32d8e0b.json"
 
 
 def write(tmp_path, data, name="run.json"):
@@ -214,3 +218,20 @@ def test_zoo_model_brings_its_own_data_and_size():
     dlrm = validate(RunConfig(model="dlrm"), gpus=0).model
     assert dlrm.size["sparse_gradient_bytes"] == 4 * 8 * 250_000 * 64  # the tables' gradients are sparse
 
+
+
+def test_a_results_file_is_a_run_config_of_the_run_it_holds(tmp_path):
+    """``--config RESULTS.json`` makes that run again: its options as the run resolved them, but
+    where its results went; the command line still changes any of them."""
+    results = json.loads(EARLIER.read_text())
+    results["config"]["out"] = "/elsewhere/r.json"
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(results))
+    again = dataclasses.asdict(build_config({}, str(path)))
+    options = {key: value for key, value in results["config"].items() if key not in NOT_RERUN}
+    assert {key: again[key] for key in options} == options and again["out"] is None
+    assert build_config({"rounds": 9}, str(path)).rounds == 9
+    results["config"]["warp"] = 9
+    path.write_text(json.dumps(results))
+    with pytest.raises(ConfigError, match=r"^results file '.*r\.json''s config: unknown option 'warp'"):
+        build_config({}, str(path))

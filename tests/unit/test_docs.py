@@ -38,7 +38,9 @@ def script_constant(script: str, name: str):
 # docs show (what the docs say they hold).
 READER_FILES = {"hosts.txt": "node1 slots=4\nnode2 slots=4\n",
                 # strategy_floors.py --keep results/ab
-                "results/ab/models.json": json.dumps(script_constant("strategy_floors.py", "MODEL"))}
+                "results/ab/models.json": json.dumps(script_constant("strategy_floors.py", "MODEL")),
+                # a run's results file (python bench.py --out results/r.json)
+                "results/r.json": (ROOT / "tests" / "fixtures" / "ps-2t1s-32d8e0b.json").read_text()}
 
 
 @dataclass(frozen=True)
