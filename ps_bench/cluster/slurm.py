@@ -71,8 +71,8 @@ def directive_value(value: str) -> str:
 
 
 def directives(job: SlurmJob) -> list[str]:
-    lines = [f"--job-name={directive_value(job.job_name)}", f"--nodes={job.layout.nodes}", "--ntasks-per-node=1",
-             f"--output={OUTPUT}"]
+    lines = [f"--job-name={directive_value(job.job_name)}", f"--nodes={job.layout.nodes}",
+             "--ntasks-per-node=1", f"--output={OUTPUT}"]
     if job.gpus_per_node:
         lines.append(f"--gpus-per-node={job.gpus_per_node}")
     if job.partition:
