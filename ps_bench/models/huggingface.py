@@ -91,11 +91,13 @@ def resolve(name: str, options: dict[str, Any]) -> dict[str, Any]:
     library = transformers()
     values = {key: value for key, value in raw.items()
               if key not in DROPPED and key != "model_type"}
+    if model_type not in library.CONFIG_MAPPING:
+        raise ConfigError(f"--model {name}: model_type {model_type!r} is not an architecture "
+                          f"transformers {library.__version__} knows")
     try:
         known = library.AutoConfig.for_model(model_type, **values).to_dict()
-    except (ValueError, KeyError):
-        raise ConfigError(f"--model {name}: model_type {model_type!r} is not an architecture "
-                          f"transformers {library.__version__} knows") from None
+    except Exception as error:  # noqa: BLE001 - whatever the config's own checks raise
+        raise ConfigError(f"--model {name}: {str(path)!r}: {refusal(error)}") from None
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise ConfigError(f"--model-option {unknown[0]}: the {model_type} config has no such key; "
@@ -104,9 +106,17 @@ def resolve(name: str, options: dict[str, Any]) -> dict[str, Any]:
     no_dropout = {key: 0.0 for key, value in known.items() if is_dropout(key, value)}
     try:
         config = library.AutoConfig.for_model(model_type, **{**values, **no_dropout, **options})
-    except (ValueError, TypeError) as error:
-        raise ConfigError(f"--model-option: {str(error).strip().splitlines()[0]}") from None
+    except Exception as error:  # noqa: BLE001 - whatever the config's own checks raise
+        raise ConfigError(f"--model-option: {refusal(error)}") from None
     return {key: value for key, value in config.to_diff_dict().items() if key not in DROPPED}
+
+
+def refusal(error: BaseException) -> str:
+    """What a config's checks said, in one line: transformers 5 validates a config's values
+    (``The hidden size (100) is not a multiple of the number of attention heads (32).``) and
+    huggingface_hub wraps that in an error of its own, which says only which check failed."""
+    said = str(error.__cause__ or error).strip() or type(error).__name__
+    return said.splitlines()[0]
 
 
 def is_dropout(key: str, value: Any) -> bool:

@@ -104,6 +104,11 @@ def test_model_options_shrink_a_zoo_model_too():
     (["--model", "hf:{tmp}/unknown.json"], "model_type 'no-such-architecture' is not an architecture transformers"),
     (["--model", "hf:{tmp}/malformed.json"], "is not valid JSON"),
     (["--model", "hf:{tmp}/no-type.json"], "has no \"model_type\""),
+    # transformers 5's own checks of a config's values (a traceback and exit 1 before)
+    (["--model", "hf:{tmp}/uneven.json"], "--model hf:{tmp}/uneven.json: '{tmp}/uneven.json': The hidden size (100) is "
+                                          "not a multiple of the number of attention heads (32)."),
+    (["--model", "hf:llama-tiny", "--model-option", "hidden_size=66"],
+     "--model-option: The hidden size (66) is not a multiple of the number of attention heads (4)."),
     (["--model", "hf:llama-tiny", "--model-option", "num_hidden_layer=2"],
      "--model-option num_hidden_layer: the llama config has no such key"),
     (["--model", "gpt2_tiny", "--model-option", "depth=2"], "--model-option: --model gpt2_tiny has no configuration"),
@@ -116,6 +121,8 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_starts(argv, words, tm
     (tmp_path / "unknown.json").write_text(json.dumps({"model_type": "no-such-architecture", "hidden_size": 8}))
     (tmp_path / "malformed.json").write_text('{"model_type": "llama", "hidden_size": 64,')
     (tmp_path / "no-type.json").write_text(json.dumps({"hidden_size": 64}))
+    (tmp_path / "uneven.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 100,
+                                                      "num_attention_heads": 32}))
     code = main([word.replace("{tmp}", str(tmp_path)) for word in argv])
     captured = capsys.readouterr()
     assert code == 2 and captured.out == ""
