@@ -113,11 +113,17 @@ def take_batch(cfg: RunConfig, config: dict, source: str) -> None:
         conflict(cfg, "grad_accum", steps, source, "gradient_accumulation_steps")
         cfg.grad_accum = steps
     total = config.get("train_batch_size", "auto")
+    if total != "auto" and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
+        raise ConfigError(f"{source}: train_batch_size must be a whole number of samples; "
+                          f"got {total!r}")
     if micro == "auto" and total != "auto":
         per = world * cfg.grad_accum
-        micro = total // per if isinstance(total, int) and total % per == 0 else total
+        if total % per:
+            raise ConfigError(f"{source}: train_batch_size {total} does not divide into {world} "
+                              f"trainers x gradient_accumulation_steps {cfg.grad_accum}")
+        micro = total // per
     if micro != "auto":
-        if not isinstance(micro, int) or micro < 1:
+        if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
             raise ConfigError(f"{source}: train_micro_batch_size_per_gpu must be a whole number; "
                               f"got {micro!r}")
         conflict(cfg, "batch_size", micro, source, "train_micro_batch_size_per_gpu")

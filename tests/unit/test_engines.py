@@ -73,6 +73,10 @@ def test_the_configs_values_become_the_runs_unless_an_option_given_disagrees(tmp
     ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be a whole number of micro-batches; "
                                          "got 0"),
     ({"gradient_accumulation_steps": 2.5}, "got 2.5"),
+    # a total the micro-batch was derived from was named as the micro-batch
+    ({"train_batch_size": "x"}, "train_batch_size must be a whole number of samples; got 'x'"),
+    ({"train_batch_size": 3}, "train_batch_size 3 does not divide into 2 trainers x gradient_accumulation_steps 1"),
+    ({"train_micro_batch_size_per_gpu": True}, "train_micro_batch_size_per_gpu must be a whole number; got True"),
     ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 16}, "train_batch_size 64 is not "
                                                                      "train_micro_batch_size_per_gpu 16 x "
                                                                      "gradient_accumulation_steps 1 x 2 trainers"),
