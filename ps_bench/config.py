@@ -333,7 +333,8 @@ def coerce(name: str, value: Any, source: str) -> Any:
         raise ConfigError(f"{source}: {name!r} {error}, got {json.dumps(value)}") from None
 
 
-TYPE_WORDS = {int: "a whole number", float: "a number", str: "a string", bool: "true or false"}
+TYPE_WORDS = {int: "a whole number", float: "a number", str: "a string", bool: "true or false",
+              dict: "an object of KEY: VALUE"}
 
 
 def as_type(value: Any, kind: type) -> Any:

@@ -118,7 +118,7 @@ def test_hook_options_from_json_and_command_line(tmp_path):
     cfg = build_config({"hook_options": {"matrix_approximation_rank": 8}}, path)
     validate(cfg, gpus=0)
     assert cfg.hook_options == {"matrix_approximation_rank": 8, "warm_start": False}
-    with pytest.raises(ConfigError, match="'hook_options' must be dict"):
+    with pytest.raises(ConfigError, match=r"'hook_options' must be an object of KEY: VALUE, got \[1\]$"):
         load_run_file(write(tmp_path, {"hook_options": [1]}))
     with pytest.raises(ConfigError, match="--hook powersgd: hook 'powersgd' has no option 'rank'"):
         validate(RunConfig(hook="powersgd", hook_options={"rank": 2}), gpus=0)
