@@ -15,7 +15,8 @@ from ps_bench.metrics.costs import Link, byteps_bound_ms, ps_bound_ms
 from ps_bench.places import check_output_file, write_output
 from ps_bench.plots import check_plot_file
 from ps_bench.report.figures import plot, plot_convergence
-from ps_bench.report.rows import WORKLOAD, Row, load_rows, varying_options
+from ps_bench.registry import did_you_mean
+from ps_bench.report.rows import HIDDEN, WORKLOAD, Row, load_rows, varying_options
 from ps_bench.runtime.network import parse_rate
 from ps_bench.strategies import SERVER_COUNTS, sends_to_servers
 
@@ -63,6 +64,17 @@ class Baseline:
                 f"{', '.join(self.by)}")
 
 
+def what_points_have(rows: list[Row], key: str) -> str:
+    """For a --baseline that matched no point: the values ``key`` takes, or, where no point has
+    such an option, the options the points differ in."""
+    options = [name for name in rows[0].results.get("config", {}) if name not in HIDDEN]
+    if key in options:
+        values = sorted({str(row.option(key)) for row in rows})
+        return f"{key} is {', '.join(values)} in these points"
+    varying = ", ".join(varying_options(rows)) or "no option"
+    return f"{key!r} is not an option; {did_you_mean(key, options)}the points differ in {varying}"
+
+
 def find_baseline(rows: list[Row], baseline: str | None) -> Baseline:
     if baseline is None:  # the first point, each of its runs
         return Baseline(tuple(row for row in rows if row.point == rows[0].point))
@@ -73,7 +85,8 @@ def find_baseline(rows: list[Row], baseline: str | None) -> Baseline:
     points = ([row for row in named if row.point == named[0].point]
               or [row for row in rows if str(row.option(key)) == value])
     if not points:
-        raise ConfigError(f"--baseline {baseline}: no point has {key}={value}")
+        raise ConfigError(f"--baseline {baseline}: no point has {key}={value}; "
+                          f"{what_points_have(rows, key)}")
     return Baseline(tuple(points), baseline,
                     tuple(varying_options(points)) if len(points) > 1 else ())
 

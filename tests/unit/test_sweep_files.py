@@ -1,6 +1,7 @@
 """Sweep files expand and validate without starting anything; reports read results files."""
 
 import json
+import re
 import os
 import socket
 
@@ -113,6 +114,19 @@ def test_report_gives_no_speedup_across_workloads(tmp_path, capsys):
                       "batch", None, None) == 0
     assert ("no speedup for 2 point(s) of another workload than ps's (its model, model_options, data, "
             "batch_size, grad_accum): their iterations do other work") in capsys.readouterr().out
+
+
+def test_a_baseline_no_point_has_says_what_the_points_have(tmp_path):
+    """It said only "no point has hok=ps": now the values the option takes, or, for a name that
+    is no option, the closest one and the options the points differ in."""
+    for hook, p50 in (("ps", 4.0), ("allreduce", 2.0)):
+        (tmp_path / f"{hook}.json").write_text(json.dumps(result(hook, p50)))
+    files = [str(tmp_path / "ps.json"), str(tmp_path / "allreduce.json")]
+    for baseline, said in (("hook=fp16", "no point has hook=fp16; hook is allreduce, ps in these points"),
+                           ("hok=ps", "no point has hok=ps; 'hok' is not an option; did you mean 'hook'? the "
+                                      "points differ in hook")):
+        with pytest.raises(ConfigError, match=f"^--baseline {baseline}: {re.escape(said)}$"):
+            run_report(files, baseline, "batch", None, None)
 
 
 def test_a_baseline_in_a_grid_is_the_one_alike_each_point(tmp_path, capsys):
