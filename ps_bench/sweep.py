@@ -277,6 +277,8 @@ def hold_folder(out: str) -> IO[str]:
         hold.close()
         raise ConfigError(f"--out {out}: another sweep is running into it ({holder}); wait for it "
                           f"to end, or choose another --out") from None
+    except OSError:  # a file system without locks: the sweep runs, unguarded
+        return hold
     hold.truncate(0)
     hold.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}")
     hold.flush()
