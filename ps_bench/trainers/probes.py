@@ -3,6 +3,8 @@ part of the trainer), and ``--profile``'s trace of a few iterations."""
 
 from __future__ import annotations
 
+import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -123,6 +125,7 @@ def scaler_like(scaler: torch.amp.GradScaler, device_type: str) -> torch.amp.Gra
 
 
 PROFILED_OPERATORS = 30  # rows of each table of --profile's summary
+KINETO_QUIET = "6"  # above Kineto's every level (its USDT markers are 5, errors 4)
 
 
 def finish_profile(profiler: torch.profiler.profile, path: str) -> None:
@@ -143,7 +146,14 @@ def finish_profile(profiler: torch.profiler.profile, path: str) -> None:
     trace.with_suffix(".txt").write_text("\n".join(tables))
 
 
-def start_profiler(device: torch.device) -> torch.profiler.profile:
+def start_profiler(device: torch.device, debug: bool = False) -> torch.profiler.profile:
+    """torch.profiler, started, on the CPU and ``device``. Unless ``debug``, quiet: without a
+    line from Kineto at each start and stop (``USDT: ... profiler_start``; its log level, which
+    it reads as it logs), and without autograd's warning, for each RPC a traced iteration makes,
+    that the call's far side is not traced (docs/floors.md, Traces, says whose work is)."""
+    if not debug:
+        os.environ["KINETO_LOG_LEVEL"] = KINETO_QUIET
+        warnings.filterwarnings("ignore", message="Profiling a distributed call with the Kineto")
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)

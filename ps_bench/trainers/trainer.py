@@ -134,6 +134,7 @@ class DdpTrainer(FloorProbes, Resident):
                             for t in inputs)
         self.targets = targets.to(self.device)
         self.batch_size, self.accum = config.batch_size, config.grad_accum
+        self.debug = config.debug  # --profile's logs and warnings kept
         self.epochs = config.epochs
         self.iterations_per_epoch = len(targets) // (config.batch_size * config.grad_accum)
         self.micro_step = self.synchroniser.micro_step
@@ -228,7 +229,7 @@ class DdpTrainer(FloorProbes, Resident):
                 ctx.capturing, ctx.noting = step in checked, step == last
                 ctx.batch = (x, y) if ctx.capturing else None
                 if step in traced and profiler is None:
-                    profiler = start_profiler(self.device)
+                    profiler = start_profiler(self.device, self.debug)
             if fault is not None:
                 maybe_inject(fault, "trainer", self.index, iteration)
             capturing, micro_losses = ctx.capturing, []

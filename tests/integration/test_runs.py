@@ -168,6 +168,8 @@ def test_limits_memory_profile_and_per_rank_tables_in_one_run(tmp_path):
     run = run_bench("--limits", "--profile", str(traces), "--per-rank", *QUICK, out=tmp_path / "run.json",
                     timeout_s=180)
     assert run.returncode == 0, run.output
+    # tracing is quiet: no Kineto line at each start and stop, no warning at each RPC it traces
+    assert "profiler_start" not in run.output and "Profiling a distributed call" not in run.output, run.output
     assert "trainer 0" in run.stdout and "trainer 1" in run.stdout and "server 2" in run.stdout
     results = run.results
     check_contract(results)
