@@ -143,7 +143,8 @@ def ethernet_note(kind: str | None, rows: list[dict]) -> str | None:
     return (f"note: every published cluster of {ETHERNET_CHECKED_NODES} nodes or more over "
             f"Ethernet (TCP) that predict was checked against ran slower than predicted "
             f"(benchmarks/published_check.py, docs/predict.md): read the rows of "
-            f"{', '.join(map(str, far))} nodes as what the links allow, not as a forecast")
+            f"{', '.join(map(str, far))} nodes as what the links allow, not as a forecast "
+            f"(--link-kind ethernet, the default: give infiniband or roce for an RDMA network)")
 
 
 def render_winners(best: list[dict], why_none: str = "no strategy fits --gpu-memory") -> str:

@@ -211,7 +211,8 @@ def test_rows_from_4_nodes_over_ethernet_are_read_as_what_the_links_allow(tmp_pa
     assert capsys.readouterr().out.splitlines()[-1] == (
         "note: every published cluster of 4 nodes or more over Ethernet (TCP) that predict was checked against "
         "ran slower than predicted (benchmarks/published_check.py, docs/predict.md): read the rows of 4, 8 nodes "
-        "as what the links allow, not as a forecast")
+        "as what the links allow, not as a forecast (--link-kind ethernet, the default: give infiniband or roce "
+        "for an RDMA network)")
     for others in (["--nodes", "1,2"], ["--nodes", "8", "--link-kind", "infiniband"]):
         assert main([*common, *others]) == 0
         assert "note: every published cluster" not in capsys.readouterr().out
