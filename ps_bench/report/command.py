@@ -144,9 +144,18 @@ def table(rows: list[Row], metric: str, baseline: Baseline) -> tuple[list[str], 
             f"{speedup:.2f}x" if speedup else None,
             *([staleness_column(row)] if stale else []),
             *(convergence_columns(row, reference_s) if converging else []),
-            row.results.get("status", "failed"),
+            status_of(row),
         ])
     return headers, body
+
+
+def status_of(row: Row) -> str:
+    """The run's status, and ``ok, diverged`` for a run that finished with parameters that are
+    not finite (its times hold; its training did not: a smaller --lr?)."""
+    status = row.results.get("status", "failed")
+    replicas = row.results.get("replicas") or {}
+    return "ok, diverged" if status == "ok" and "param_norm" in replicas and \
+        replicas["param_norm"] is None else status
 
 
 def speedup_of(row: Row, ref: Row | None, metric: str) -> float | None:

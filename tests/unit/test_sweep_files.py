@@ -97,6 +97,21 @@ def test_report_columns_and_speedups(tmp_path):
     assert body[0][headers.index("speedup")] == "0.25x" and body[1][headers.index("speedup")] == "1.00x"
 
 
+def test_report_says_which_runs_diverged(tmp_path):
+    """A run whose parameters ended not finite (its file's param_norm is null) is ``ok, diverged``:
+    its times hold, its training did not; a run with a finite norm, or under --staleness (no
+    replicas, the servers' norm), is ``ok``."""
+    diverged, fine, stale = result("allreduce", 2.0), result("ps", 4.0), result("ps", 3.0)
+    diverged["replicas"] = {"identical": True, "param_norm": None, "max_abs_diff": 0.0}
+    fine["replicas"] = {"identical": True, "param_norm": 23.3, "max_abs_diff": 0.0}
+    stale["replicas"] = {"identical": None, "param_norm": 20.0, "max_abs_diff": None}
+    for name, results in (("a", diverged), ("b", fine), ("c", stale)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(results))
+    rows = load_rows([str(tmp_path / f"{name}.json") for name in "abc"])
+    headers, body = table(rows, "batch", Baseline((rows[0],)))
+    assert [line[headers.index("status")] for line in body] == ["ok, diverged", "ok", "ok"]
+
+
 def test_report_gives_no_speedup_across_workloads(tmp_path, capsys):
     """Points of another model, data, batch or accumulation than the baseline's do other work in an
     iteration: no speedup against it, and a line says so."""
