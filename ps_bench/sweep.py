@@ -40,7 +40,7 @@ from ps_bench.places import check_writable_folder, why_not_written
 from ps_bench.registry import did_you_mean
 from ps_bench.results.files import (RESULTS_NAME, append_line, config_hash, environment,
                                     failed_results, iso_now, kept_since)
-from ps_bench.results.load import load_file, load_lines
+from ps_bench.results.load import diverged, load_file, load_lines
 from ps_bench.runtime import preload
 from ps_bench.runtime.failures import Terminated, raise_terminated
 from ps_bench.processes.launch import JobFailed, LaunchSpec, spawn
@@ -358,8 +358,10 @@ def run_points(name: str, points: list[Point], todo: list[tuple[Point, int]], ou
         status = results.get("status", "failed")
         failed += status != "ok"
         mean = (time.monotonic() - started) / number
-        detail = ("ok" if status == "ok"
-                  else f"FAILED: {str(results.get('error', '')).splitlines()[0][:160]}")
+        if status != "ok":
+            detail = f"FAILED: {str(results.get('error', '')).splitlines()[0][:160]}"
+        else:
+            detail = "ok, diverged (parameters not finite)" if diverged(results) else "ok"
         print(f"[{point.index}/{len(points)}] {which}  {elapsed:.1f} s  {detail}  "
               f"(elapsed {duration(time.monotonic() - started)}, "
               f"~{duration(mean * (len(todo) - number))} left)",

@@ -16,6 +16,7 @@ from ps_bench.places import check_output_file, write_output
 from ps_bench.plots import check_plot_file
 from ps_bench.report.figures import plot, plot_convergence
 from ps_bench.registry import did_you_mean
+from ps_bench.results.load import diverged
 from ps_bench.report.rows import HIDDEN, WORKLOAD, Row, load_rows, varying_options
 from ps_bench.runtime.network import parse_rate
 from ps_bench.strategies import SERVER_COUNTS, sends_to_servers
@@ -152,10 +153,7 @@ def table(rows: list[Row], metric: str, baseline: Baseline) -> tuple[list[str], 
 def status_of(row: Row) -> str:
     """The run's status, and ``ok, diverged`` for a run that finished with parameters that are
     not finite (its times hold; its training did not: a smaller --lr?)."""
-    status = row.results.get("status", "failed")
-    replicas = row.results.get("replicas") or {}
-    return "ok, diverged" if status == "ok" and "param_norm" in replicas and \
-        replicas["param_norm"] is None else status
+    return "ok, diverged" if diverged(row.results) else row.results.get("status", "failed")
 
 
 def speedup_of(row: Row, ref: Row | None, metric: str) -> float | None:

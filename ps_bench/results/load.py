@@ -13,6 +13,7 @@ a file of a folder that is not a results file.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,15 @@ def load_file(path: str | Path) -> dict:
     """One results file, checked."""
     where = f"results file {str(path)!r}"
     return check(parse(read_text(Path(path), where), where), where)
+
+
+def diverged(results: dict) -> bool:
+    """Whether a run finished with parameters that are not finite (``param_norm`` null in its
+    file, NaN before it is written): its times hold, its training did not."""
+    replicas = results.get("replicas") or {}
+    norm = replicas.get("param_norm", 0.0)
+    return (results.get("status") == "ok" and "param_norm" in replicas
+            and (norm is None or not math.isfinite(norm)))
 
 
 def load_lines(path: str | Path) -> list[dict]:

@@ -11,6 +11,7 @@ from ps_bench.config import ConfigError, build_config
 from ps_bench.job import validate
 from ps_bench.report import load_rows, run_report, scaling_table, table, varying_options
 from ps_bench.report.command import Baseline
+from ps_bench.results.load import diverged
 from ps_bench.sweep import load_sweep
 from tests.benchrun import ROOT
 
@@ -110,6 +111,9 @@ def test_report_says_which_runs_diverged(tmp_path):
     rows = load_rows([str(tmp_path / f"{name}.json") for name in "abc"])
     headers, body = table(rows, "batch", Baseline((rows[0],)))
     assert [line[headers.index("status")] for line in body] == ["ok, diverged", "ok", "ok"]
+    # before it is written (the sweep's line for the point): NaN, not null
+    assert diverged({"status": "ok", "replicas": {"param_norm": float("nan")}})
+    assert not diverged({"status": "failed", "replicas": {"param_norm": None}})
 
 
 def test_report_gives_no_speedup_across_workloads(tmp_path, capsys):
