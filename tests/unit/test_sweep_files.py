@@ -102,11 +102,11 @@ def test_report_says_which_runs_diverged(tmp_path):
     """A run whose parameters ended not finite (its file's param_norm is null) is ``ok, diverged``:
     its times hold, its training did not; a run with a finite norm, or under --staleness (no
     replicas, the servers' norm), is ``ok``."""
-    diverged, fine, stale = result("allreduce", 2.0), result("ps", 4.0), result("ps", 3.0)
-    diverged["replicas"] = {"identical": True, "param_norm": None, "max_abs_diff": 0.0}
+    nan, fine, stale = result("allreduce", 2.0), result("ps", 4.0), result("ps", 3.0)
+    nan["replicas"] = {"identical": True, "param_norm": None, "max_abs_diff": 0.0}
     fine["replicas"] = {"identical": True, "param_norm": 23.3, "max_abs_diff": 0.0}
     stale["replicas"] = {"identical": None, "param_norm": 20.0, "max_abs_diff": None}
-    for name, results in (("a", diverged), ("b", fine), ("c", stale)):
+    for name, results in (("a", nan), ("b", fine), ("c", stale)):
         (tmp_path / f"{name}.json").write_text(json.dumps(results))
     rows = load_rows([str(tmp_path / f"{name}.json") for name in "abc"])
     headers, body = table(rows, "batch", Baseline((rows[0],)))
