@@ -65,8 +65,8 @@ class SlurmJob:
 
 
 def directive_value(value: str) -> str:
-    """A directive's value as sbatch reads it: quoted where it holds a space (``check_words``
-    refuses what quotes cannot carry)."""
+    """A directive's value as sbatch reads it: quoted where it holds a space (``check`` refuses
+    what quotes cannot carry)."""
     return f'"{value}"' if any(character.isspace() for character in value) else value
 
 
