@@ -26,6 +26,7 @@ class Entry:
     kwargs: dict[str, Any]
     source: str  # the file it came from, or ZOO
     size: dict[str, int] | None = None  # models: parameters and gradient bytes (see model_size)
+    options: dict[str, Any] | None = None  # the --model-option values over the entry's own
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "class": self.class_name, "configurations": self.kwargs,
@@ -80,7 +81,7 @@ def with_options(entry: Entry, options: dict[str, Any], registry: Registry) -> E
         return entry
     check_keys(registry.get(entry.class_name), options,
                f"--model-option: --model {entry.id} has no configuration")
-    return dataclasses.replace(entry, kwargs={**entry.kwargs, **options})
+    return dataclasses.replace(entry, kwargs={**entry.kwargs, **options}, options=dict(options))
 
 
 class SkipMetaInit(TorchFunctionMode):
@@ -110,6 +111,9 @@ def construct(entry: Entry, registry: Registry) -> Any:
     except Exception as error:  # noqa: BLE001 - a constructor may raise anything on bad sizes
         text = str(error).strip()
         reason = text.splitlines()[0] if text else type(error).__name__
+        if entry.options:  # what the user gave, rather than the file's entry it changed
+            given = ",".join(f"{key}={value}" for key, value in entry.options.items())
+            raise ConfigError(f"--model-option {given}: --model {entry.id}: {reason}") from None
         raise ConfigError(f"{entry.source}: entry {entry.id!r}: {reason}") from None
 
 

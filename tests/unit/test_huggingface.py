@@ -112,6 +112,9 @@ def test_model_options_shrink_a_zoo_model_too():
     (["--model", "hf:llama-tiny", "--model-option", "num_hidden_layer=2"],
      "--model-option num_hidden_layer: the llama config has no such key"),
     (["--model", "gpt2_tiny", "--model-option", "depth=2"], "--model-option: --model gpt2_tiny has no configuration"),
+    # the option given, not the file's entry it changed, is named
+    (["--model", "DummyModelSmall", "--model-option", "dense_layers_count=0"],
+     "--model-option dense_layers_count=0: --model DummyModelSmall: dense_layers_count must be at least 1; got 0"),
     (["--model", "hf:llama-tiny", "--hook", "sparse_ps"], "--hook sparse_ps is made for sparse embedding gradients"),
     (["--model", "hf:llama-tiny", "--data", "tokens1024"], "draws tokens below vocab_size=50257 but the model has 512"),
     (["--model", "hf:llama-tiny", "--model-option", "max_position_embeddings=32", "--data", "tokens64"],
