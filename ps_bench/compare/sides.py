@@ -12,7 +12,7 @@ from typing import Any
 
 from ps_bench.config import JSON_KEYS, ConfigError
 from ps_bench.results.files import NOT_HASHED, config_hash
-from ps_bench.results.load import load_source
+from ps_bench.results.load import diverged, load_source
 from ps_bench.strategies import SERVER_COUNTS, sends_to_servers
 
 # Resolved options that say where a run wrote or listened, or what it derived, not what it measured.
@@ -60,6 +60,9 @@ class Side:
         extra += ([f"{len(self.skipped)} file(s) that are not results skipped "
                    f"({', '.join(self.skipped)})"] if self.skipped else [])
         extra += [f"{self.torn} torn line(s) skipped"] if self.torn else []
+        lost = sum(diverged(run.results) for run in self.runs)
+        extra += ([f"{lost} run(s) diverged: parameters not finite, their times hold, their "
+                   f"training did not"] if lost else [])
         return (f"{self.role}: {self.path} ({self.kind}, {len(self.runs)} run(s), torch "
                 f"{', '.join(torch)}{''.join('; ' + e for e in extra)})")
 

@@ -181,6 +181,20 @@ def test_one_run_a_side_compares_the_iterations_and_warns(tmp_path, capsys):
     assert "optimistic" in out and "1 point(s) matched by configuration" in out
 
 
+def test_a_side_says_how_many_of_its_runs_diverged(tmp_path, capsys):
+    """Runs whose parameters ended not finite are compared (their times hold), and their side's
+    line says how many there are: their training did not."""
+    lost = results(2, 2.0)
+    lost["replicas"] = {"identical": True, "param_norm": None, "max_abs_diff": 0.0}
+    new = write_runs(tmp_path / "new", [lost, results(3, 2.0)])
+    code, out, err = run_compare(capsys, str(write_runs(tmp_path / "base", [results(1, 2.0)])), str(new))
+    assert code == 0, err
+    base_line, new_line = out.splitlines()[:2]
+    assert "diverged" not in base_line
+    assert new_line.endswith("2 run(s), torch 2.14.1; 1 run(s) diverged: parameters not finite, their times hold, "
+                             "their training did not)"), new_line
+
+
 def test_a_few_iterations_say_their_interval_is_wide(tmp_path, capsys):
     base, new = tmp_path / "a.json", tmp_path / "b.json"
     base.write_text(json.dumps(results(1, 2.0, count=3)))
