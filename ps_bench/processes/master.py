@@ -16,6 +16,7 @@ from ps_bench.metrics import limits, messages
 from ps_bench.metrics.startup import render_startup, startup_phases
 from ps_bench.models import build_data, build_held_out
 from ps_bench.models.entries import Entry
+from ps_bench.options import plural
 from ps_bench.results.files import environment, keep_results, write_snapshot
 from ps_bench.results.printed import format_bytes, print_report
 from ps_bench.results.record import (RunRecord, mean_loss, replica_summary, replicas_alike,
@@ -262,7 +263,7 @@ class Master:
         follow = (f"training until the averaged model's smoothed loss is at most {cfg.target_loss} "
                   f"or {record.progress.max_iterations} iterations are done"
                   if cfg.target_loss is not None
-                  else f"{cfg.warmup_rounds} warmup and {cfg.rounds} timed rounds follow")
+                  else f"{cfg.warmup_rounds} warmup and {plural(cfg.rounds, 'timed round')} follow")
         print(f"ps_bench: ready after {ready_at - self.launched_at:.1f} s (every rank started, "
               f"servers created, DDP built on every trainer); {follow}", flush=True)
         if self.startup is not None:

@@ -87,6 +87,7 @@ def test_a_local_job_listens_on_loopback_only_and_dies_with_its_launcher(results
     following = run_bench("--rounds", "1", "--warmup-rounds", "0", out=tmp_path / "next.json",
                           env={"TMPDIR": str(temporary)}, timeout_s=120)
     assert following.returncode == 0, following.stderr
+    assert "; 0 warmup and 1 timed round follow\n" in following.stdout  # one round, not "1 timed rounds"
     assert f"results (an earlier run on this machine, its launcher killed): {results_path}" in following.stdout
     killed = json.loads(results_path.read_text())
     assert killed["status"] == "failed" and "launcher was killed outright" in killed["error"]
