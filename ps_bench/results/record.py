@@ -43,20 +43,15 @@ def servers_model_summary(vectors: list[torch.Tensor]) -> dict:
             "max_abs_diff": None, "checked_at": None}
 
 
-def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal element by element, NaN where the other is NaN: replicas that diverged alike are
-    alike (``torch.equal`` calls no NaN equal)."""
-    nan = a.isnan()
-    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
-
-
-def largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest |a - b| element by element, counting the elements ``same_values`` calls alike
-    (NaN beside NaN, inf beside the same inf) as 0 apart, and a NaN beside anything else as
-    infinitely far: identical replicas are 0 apart even where they diverged."""
+def difference(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
+    """Whether ``a`` and ``b`` are alike element by element, NaN where the other is NaN
+    (replicas that diverged alike are alike; ``torch.equal`` calls no NaN equal), and the
+    largest |a - b|, alike elements 0 apart and a NaN beside anything else infinitely far:
+    identical replicas are 0 apart even where they diverged."""
     alike = (a == b) | (a.isnan() & b.isnan())
     apart = (a - b).abs().nan_to_num(nan=math.inf, posinf=math.inf)
-    return torch.where(alike, torch.zeros_like(apart), apart).max().item() if a.numel() else 0.0
+    largest = torch.where(alike, torch.zeros_like(apart), apart).max().item() if a.numel() else 0.0
+    return bool(alike.all()), largest
 
 
 def replica_summary(vectors: list[torch.Tensor], checked_at: str = EVERY_ITERATION) -> dict:
@@ -65,10 +60,11 @@ def replica_summary(vectors: list[torch.Tensor], checked_at: str = EVERY_ITERATI
     ``identical``: the end of the run, its last synchronisation, or the full parameters gathered
     from the shards)."""
     reference = vectors[0]
+    differences = [difference(v, reference) for v in vectors]
     return {
-        "identical": all(same_values(v, reference) for v in vectors),
+        "identical": all(alike for alike, _ in differences),
         "param_norm": parameter_norm(reference),
-        "max_abs_diff": max(largest_difference(v, reference) for v in vectors),
+        "max_abs_diff": max(largest for _, largest in differences),
         "checked_at": checked_at,
     }
 
