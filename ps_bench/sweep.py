@@ -166,8 +166,8 @@ def plan_table(runs: list[tuple[Point, int]], done: set[tuple[str, int]]) -> str
 def processes(cfg: RunConfig) -> str:
     """``4: 2 trainers, 1 server, 1 master`` for a point's job."""
     trainers, servers = cfg.ntrainer + cfg.ncudatrainer, cfg.nserver + cfg.ncudaserver
-    return (f"{cfg.world_size}: {trainers} trainer{'s' * (trainers != 1)}, "
-            f"{servers} server{'s' * (servers != 1)}, 1 master")
+    return (f"{cfg.world_size}: {plural(trainers, 'trainer')}, {plural(servers, 'server')}, "
+            f"1 master")
 
 
 def duration(seconds: float) -> str:
