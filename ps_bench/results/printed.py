@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import math
 
 from tabulate import tabulate
 
 from ps_bench.metrics.stats import TABLE_HEADERS, SummaryRow
+from ps_bench.results.load import diverged
 
 MIB = 1024 * 1024
 
@@ -52,12 +52,12 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
         print(f"replicas: do not apply (--staleness: the servers hold the one model) "
               f"param_norm={replicas['param_norm']:.6f}")
     else:
-        diverged = ("" if math.isfinite(replicas["param_norm"])
-                    else " (parameters not finite: the training diverged; a smaller --lr?)")
+        why = (" (parameters not finite: the training diverged; a smaller --lr?)"
+               if diverged(results) else "")
         print(
             f"replicas: identical={str(replicas['identical']).lower()} "
             f"param_norm={replicas['param_norm']:.6f} max_abs_diff={replicas['max_abs_diff']:.3g}"
-            f"{diverged}"
+            f"{why}"
         )
     held = held_line(results.get("timeline"))
     if held:
