@@ -80,8 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", nargs="+", default=[], metavar="RESULTS.json",
                         help="more results files, shown beside the predictions they match but not "
                         "used to calibrate (a check)")
-    parser.add_argument("--trainers", default="8,64,256,1024", metavar="N,...",
-                        help="trainer counts to predict (default: 8,64,256,1024)")
+    parser.add_argument("--trainers", metavar="N,...",
+                        help=f"trainer counts to predict (default: {DEFAULT_TRAINERS})")
     parser.add_argument("--servers", metavar="K,...|auto",
                         help="server counts for parameter-server strategies, auto for the best "
                         "(default: the runs' server counts)")
@@ -156,6 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 PLACES = ("dedicated", "colocated")
+DEFAULT_TRAINERS = "8,64,256,1024"
 
 
 def kinds(names: tuple[str, ...]) -> str:
@@ -187,10 +188,12 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
         raise ConfigError(f"--per-node must be at least 1 (trainers per node); got {args.per_node}")
     if args.hooks is not None:
         strategies(args.hooks)
+    if args.nodes is not None and args.trainers is not None:
+        raise ConfigError("give --trainers or --nodes (trainers = nodes x --per-node), not both")
     if args.nodes is not None:
         trainers = sorted({nodes * args.per_node for nodes in count_list(args.nodes, "nodes")})
     else:
-        trainers = sorted(set(count_list(args.trainers, "trainers")))
+        trainers = sorted(set(count_list(args.trainers or DEFAULT_TRAINERS, "trainers")))
         uneven = [n for n in trainers if n % args.per_node]
         if uneven:
             raise ConfigError(f"--per-node {args.per_node} does not divide --trainers {uneven[0]} "

@@ -288,6 +288,7 @@ BAD_INPUTS = [
     (lambda p: [results_file(p), "--compute", other_model(p)], "give a run of the same model and batch size"),
     (lambda p: [], "predict needs results files to calibrate on"),
     (lambda p: [results_file(p), "--servers-on", "nearby"], "--servers-on: 'nearby' is not one of"),
+    (lambda p: [results_file(p), "--nodes", "2", "--trainers", "4"], "give --trainers or --nodes"),
 ]
 
 
