@@ -164,6 +164,9 @@ def check(cfg: RunConfig, machine: bool = True) -> None:
                           f"this one would have {hosts}: set --hosts (--emulate-hosts)")
     if cfg.emulate_delay is not None:
         parse_delay(cfg.emulate_delay)
+    if cfg.iface is not None:  # each rank binds its host's link, in its own namespace
+        raise ConfigError(f"--iface {cfg.iface}: on an emulated network every rank uses its "
+                          f"host's own link ({HOST_IFACE}); leave --iface out")
     if not machine:
         return
     if not privileged():
