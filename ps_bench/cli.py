@@ -21,7 +21,7 @@ from typing import NoReturn
 
 from tabulate import tabulate
 
-from ps_bench.runtime import preload, streams
+from ps_bench.runtime import network, preload, streams
 from ps_bench.config import ConfigError, RunConfig, build_config
 from ps_bench.places import check_results_file
 from ps_bench.runtime.failures import Terminated, raise_terminated
@@ -186,8 +186,14 @@ def dry_run_table(cfg: RunConfig, topology: Topology, spec: LaunchSpec) -> str:
     header = (f"{topology.world_size} processes: {plural(topology.num_trainers, 'trainer')}, "
               f"{plural(topology.num_servers, 'server')}, 1 master; hook {cfg.hook}, "
               f"server {cfg.server}, mapping {cfg.mapping}, backend {cfg.backend}")
-    return header + "\n" + tabulate(rows, headers=["rank", "role", "rpc name", "rpc tensors",
-                                                   "device", "mapping"])
+    headers = ["rank", "role", "rpc name", "rpc tensors", "device", "mapping"]
+    if cfg.emulate_link is not None:  # which host each rank is on, as the run will place it
+        emulated = network.planned(cfg)
+        header += "\n" + emulated.describe().removeprefix("ps_bench: ")
+        headers.insert(3, "host")
+        for row in rows:
+            row.insert(3, network.host_name(emulated.host_of(row[0])))
+    return header + "\n" + tabulate(rows, headers=headers)
 
 
 def launch_spec(cfg: RunConfig, argv: list[str], launched_at: float, imported: float) -> LaunchSpec:

@@ -262,15 +262,17 @@ class EmulatedNetwork:
                 "shaping": "tc tbf on both ends of every host's link"
                 + (", netem delay" if self.delay_s else ""), "rpc_transport": "tcp"}
 
-    def describe(self, name_of) -> str:
+    def describe(self, name_of=None) -> str:
+        """The network in a line; with ``name_of`` (a rank's name), each host's ranks."""
         rate = format_rate(self.rate_bps)
         delay = (f", {self.delay_s * 1e6:.0f} us added delay each way" if self.delay_s
                  else ", no added delay")
-        hosts = " | ".join(f"{self.hosts[index].hostname} ({self.address(index)}): "
+        hosts = " | ".join(f"{host_name(index)} ({self.address(index)}): "
                            f"{', '.join(map(name_of, ranks))}"
-                           for index, ranks in enumerate(self.placement))
+                           for index, ranks in enumerate(self.placement)) if name_of else ""
         return (f"ps_bench: emulated network: {len(self.placement)} hosts (network namespaces) on "
-                f"one switch, each link {rate} both ways (tc tbf){delay}; RPC over TCP; {hosts}")
+                f"one switch, each link {rate} both ways (tc tbf){delay}; RPC over TCP"
+                + (f"; {hosts}" if hosts else ""))
 
     def build(self) -> None:
         """Makes the switch and every host, their links and shaping (about 0.1 s for three)."""
@@ -278,7 +280,7 @@ class EmulatedNetwork:
         self.switch.run("ip", "-batch", "-",
                         batch="link set lo up\nlink add br0 type bridge\nlink set br0 up\n")
         for index in range(len(self.placement)):
-            host = start_holder(f"emulated-h{index}", self.keep)
+            host = start_holder(host_name(index), self.keep)
             self.hosts.append(host)
             port = f"s{index}"
             self.switch.run("ip", "link", "add", port, "type", "veth", "peer", "name", HOST_IFACE,
@@ -316,11 +318,20 @@ def format_rate(bps: float) -> str:
     return f"{bps:g} bit/s"
 
 
+def host_name(index: int) -> str:
+    return f"emulated-h{index}"
+
+
+def planned(cfg: RunConfig) -> EmulatedNetwork:
+    """The network ``cfg`` asks for (already checked), not yet built."""
+    return EmulatedNetwork(parse_rate(cfg.emulate_link),
+                           parse_delay(cfg.emulate_delay) if cfg.emulate_delay else None,
+                           placement(cfg), keep=cfg.emulate_keep)
+
+
 def build(cfg: RunConfig) -> EmulatedNetwork:
     """The network ``cfg`` asks for (already checked), built; ``close`` it when the job ends."""
-    network = EmulatedNetwork(parse_rate(cfg.emulate_link),
-                              parse_delay(cfg.emulate_delay) if cfg.emulate_delay else None,
-                              placement(cfg), keep=cfg.emulate_keep)
+    network = planned(cfg)
     try:
         network.build()
     except BaseException:

@@ -213,6 +213,20 @@ def test_bad_input_is_one_line_and_creates_nothing(argv, message, nothing_left_b
     assert captured.err.count("\n") == 1 and message in captured.err, captured.err
 
 
+def test_a_dry_run_shows_the_network_and_each_ranks_host_and_builds_nothing(nothing_left_behind, capsys):
+    """Two hosts of two trainers, a server on each: the table places every rank as the run will."""
+    assert main(command_line(["--link", "250mbit", "--", *TWO_BY_TWO, "--servers-on", "colocated", "--nserver", "2",
+                              "--dry-run"])) == 0
+    out = capsys.readouterr().out
+    assert ("emulated network: 2 hosts (network namespaces) on one switch, each link 250 Mbit/s both ways (tc tbf), "
+            "no added delay; RPC over TCP\n") in out
+    rows = [row.split() for row in out.splitlines()]
+    hosts = {row[2]: row[3] for row in rows if row[1:2] in (["trainer"], ["server"], ["master"])}
+    assert hosts == {"trainer0": "emulated-h0", "trainer1": "emulated-h0", "trainer2": "emulated-h1",
+                     "trainer3": "emulated-h1", "server4": "emulated-h0", "server5": "emulated-h1",
+                     "master": "emulated-h1"}, out
+
+
 @pytest.mark.skipif(netem_available(), reason="this kernel has netem: --delay is accepted here")
 def test_delay_without_netem_is_refused(nothing_left_behind, bare_import_s):
     run = emulate("--link", "1gbit", "--delay", "1ms", "--", timeout_s=60)
