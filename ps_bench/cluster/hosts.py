@@ -23,6 +23,7 @@ from ps_bench.cluster.torchrun import (UNKNOWN_GPUS, NodeLayout, add_engine_argu
                                        with_iface)
 from ps_bench.config import ConfigError, RunConfig, not_text
 from ps_bench.options import EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM, typed
+from ps_bench.places import check_port
 from ps_bench.runtime.failures import Terminated, raise_terminated
 from ps_bench.runtime.topology import Topology
 
@@ -49,10 +50,13 @@ file (--out, relative to --workdir). Ctrl-C or a failed host stops every host's 
 
 # -- reading hosts ------------------------------------------------------------------------------
 def parse_hosts(text: str) -> list[Target]:
-    targets = [Target(item.strip()) for item in text.split(",") if item.strip()]
-    if not targets:
+    items = [item.strip() for item in text.split(",")]
+    if not any(items):
         raise ConfigError("--hosts: expected [user@]host[,[user@]host...]; got none")
-    return targets
+    if not all(items):
+        raise ConfigError(f"--hosts {text!r}: a host between two commas, or after the last, is "
+                          f"empty")
+    return [Target(item) for item in items]
 
 
 def read_hostfile(path: str) -> list[Target]:
@@ -123,10 +127,25 @@ def parse_env(items: list[str]) -> dict[str, str]:
     env = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--env: expected KEY=VALUE; got {item!r}")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ConfigError(f"--env: expected KEY=VALUE, KEY a variable's name (letters, digits "
+                              f"and _, not first a digit); got {item!r}")
         env[key] = value
     return env
+
+
+def check_ssh(args: argparse.Namespace) -> None:
+    """What ssh would refuse only once it runs, refused before any host is reached."""
+    if args.ssh_port is not None:
+        check_port("--ssh-port", args.ssh_port)
+    for option in args.ssh_option:
+        key, sep, _ = option.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z]+", key):
+            raise ConfigError(f"--ssh-option: expected KEY=VALUE, KEY an ssh_config keyword (e.g. "
+                              f"StrictHostKeyChecking=accept-new); got {option!r}")
+    if not args.python.strip():
+        raise ConfigError("--python: expected the interpreter on the hosts, e.g. "
+                          "/opt/venv/bin/python; got an empty one")
 
 
 def check(args: argparse.Namespace,
@@ -135,6 +154,7 @@ def check(args: argparse.Namespace,
     is reached."""
     targets = parse_hosts(args.hosts) if args.hostfile is None else read_hostfile(args.hostfile)
     parse_env(args.env)
+    check_ssh(args)
     cfg, layout = cluster_job(args, bench_argv, len(targets), UNKNOWN_GPUS, hosts=True)
     check_targets(targets, layout)
     return targets, cfg, layout

@@ -119,11 +119,17 @@ def test_hostfile_takes_deepspeed_lines_and_comments(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["launch", "--hosts", "", "--", "--ntrainer", "2"], "--hosts: expected [user@]host"),
+    # each refused before any host is reached (these hosts do not exist: ssh's own error otherwise)
+    (["launch", "--hosts", "nowhere1,,nowhere2"], "--hosts 'nowhere1,,nowhere2': a host between two commas"),
+    (["launch", "--hosts", "nowhere1", "--ssh-port", "0"], "--ssh-port must be in 1..65535; got 0"),
+    (["launch", "--hosts", "nowhere1", "--ssh-option", "accept-new"], "--ssh-option: expected KEY=VALUE"),
+    (["launch", "--hosts", "nowhere1", "--env", "A B=1"], "--env: expected KEY=VALUE, KEY a variable's name"),
+    (["launch", "--hosts", "nowhere1", "--python", ""], "--python: expected the interpreter on the hosts"),
     (["sweep", str(EXAMPLES.parents[1] / "configs" / "sweeps" / "hooks.json"), "--out", "{file}"], "is not a folder"),
     (["slurm", "--nodes", "2", "-o", "{file}/job.sbatch", "--", "--ntrainer", "2"], "-o's folder"),
     (["cloud", "--nodes", "2", "-o", "{file}/task.yaml", "--", "--ntrainer", "2"], "-o's folder"),
 ])
-def test_empty_hosts_and_a_sweep_folder_that_is_a_file_are_refused_in_one_line(capsys, tmp_path, argv, message):
+def test_bad_hosts_ssh_flags_and_output_paths_are_refused_in_one_line(capsys, tmp_path, argv, message):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     argv = [word.replace("{file}", str(blocker)) for word in argv]
