@@ -23,7 +23,6 @@ import torch
 from ps_bench.config import RESULTS_SCHEMA
 from ps_bench.places import why_not_written
 
-SCHEMA = RESULTS_SCHEMA
 RESULTS_NAME = "results.jsonl"  # a sweep's lines, in its --out folder
 # Options a sweep sets itself, and options that change how a run reports, not what it measures.
 NOT_HASHED = ("out", "dry_run", "per_rank", "debug", "verbose", "emulate_keep")
@@ -182,8 +181,8 @@ def failed_results(results: dict | None, error: str, *, config: dict,
     nothing finished, the contract's identifying keys are kept and nothing is measured:
     ``rounds_completed`` 0, an empty ``summary``."""
     if results is None:
-        results = {"schema": SCHEMA, "started": iso_now(), "argv": argv or [], "config": config,
-                   "env": env or {}, "rounds_completed": 0, "summary": []}
+        results = {"schema": RESULTS_SCHEMA, "started": iso_now(), "argv": argv or [],
+                   "config": config, "env": env or {}, "rounds_completed": 0, "summary": []}
     return {**results, "status": "failed", "error": error, "finished": iso_now()}
 
 

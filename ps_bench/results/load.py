@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ps_bench.config import ConfigError
-from ps_bench.results.files import RESULTS_NAME, SCHEMA
+from ps_bench.config import RESULTS_SCHEMA, ConfigError
+from ps_bench.results.files import RESULTS_NAME
 
-READS = (SCHEMA,)  # the schema versions this ps_bench reads
+READS = (RESULTS_SCHEMA,)  # the schema versions this ps_bench reads
 # besides "schema", in every results object
 REQUIRED = {"status": str, "config": dict, "summary": list}
 
@@ -31,7 +31,7 @@ def check(results: Any, where: str) -> dict:
     ``where``."""
     if not isinstance(results, dict) or not isinstance(results.get("schema"), str):
         raise ConfigError(f"{where} is not a ps_bench results file "
-                          f"(it has no \"schema\": \"{SCHEMA}\")")
+                          f"(it has no \"schema\": \"{RESULTS_SCHEMA}\")")
     if results["schema"] not in READS:
         raise ConfigError(f"{where} has schema {results['schema']!r}, and this ps_bench reads "
                           f"{', '.join(READS)}: read it with the ps_bench that wrote it")

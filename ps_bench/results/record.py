@@ -15,13 +15,14 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from ps_bench.config import RESULTS_SCHEMA
 from ps_bench.job import Job
 from ps_bench.metrics.costs import collective_bytes
 from ps_bench.metrics.memory import combine_peaks, peak_memory
 from ps_bench.metrics.stats import SummaryRow, summary_rows
 from ps_bench.metrics.wire import host_links
 from ps_bench.results import floors
-from ps_bench.results.files import SCHEMA, iso_now
+from ps_bench.results.files import iso_now
 from ps_bench.results.progress import Progress
 from ps_bench.runtime.topology import Topology
 from ps_bench.strategies.base import parameter_norm
@@ -224,7 +225,7 @@ class RunRecord:
         cfg, topo = self.config, self.topology
         measured_floors = self.limits()
         return {
-            "schema": SCHEMA,
+            "schema": RESULTS_SCHEMA,
             "status": status,
             **({"error": error} if error is not None else {}),
             "started": self.started,

@@ -8,7 +8,8 @@ import tempfile
 from pathlib import Path
 
 from ps_bench.processes import orphans
-from ps_bench.results.files import SCHEMA, write_snapshot
+from ps_bench.config import RESULTS_SCHEMA
+from ps_bench.results.files import write_snapshot
 
 
 def run_folder(temporary: Path) -> Path:
@@ -21,7 +22,7 @@ def claimed_by_a_process_now_gone(run_dir: Path, results_path: Path) -> None:
 
 
 def snapshot(rounds: int) -> dict:
-    return {"schema": SCHEMA, "status": "running", "argv": ["bench.py"], "config": {"rounds": 9},
+    return {"schema": RESULTS_SCHEMA, "status": "running", "argv": ["bench.py"], "config": {"rounds": 9},
             "rounds_completed": rounds, "summary": []}
 
 
