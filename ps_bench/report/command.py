@@ -317,6 +317,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
+    if args.link is not None and not args.scaling:
+        raise ConfigError("--link is the bandwidth of --scaling's bounds: give --scaling too")
+    if args.scaling:
+        ignored = [flag for flag, value in (("--baseline", args.baseline), ("--plot", args.plot))
+                   if value is not None]
+        if ignored:
+            verb = "does" if len(ignored) == 1 else "do"
+            raise ConfigError(f"--scaling prints its own table, against the analytic bounds: "
+                              f"{' and '.join(ignored)} {verb} not apply to it")
     link_gbps = None if args.link is None else parse_rate(args.link, "--link") / 8e9
     if args.csv is not None:
         check_output_file(args.csv, "--csv")

@@ -66,12 +66,30 @@ class Row:
                 for v in entry.get("metrics", {}).get(metric, [])]
 
 
+def files_of(loaded) -> set[Path]:
+    """The files a source's runs were read from, resolved."""
+    lines = loaded.kind in ("sweep folder", "sweep results")  # where: PATH:LINE
+    return {Path(where.rsplit(":", 1)[0] if lines else where).resolve()
+            for where, _ in loaded.runs}
+
+
 def load_rows(sources: list[str]) -> list[Row]:
     """Points from sweep folders (their results.jsonl; a re-run point's latest line wins, each
     run of a point the sweep repeats a row of its own, ``run``), .jsonl files, folders of
     results files and single results files, in the order given."""
     rows: list[Row] = []
     sources_read = [load_source(source) for source in sources]
+    read_by: dict[Path, str] = {}
+    for source, loaded in zip(sources, sources_read):
+        for file in files_of(loaded):
+            if read_by.get(file) == source:
+                raise ConfigError(f"{source!r} is given twice: give it once (a run counted twice "
+                                  f"weighs twice in the medians)")
+            if file in read_by:
+                raise ConfigError(f"{read_by[file]!r} and {source!r} both hold the runs of "
+                                  f"{file}: give each once (a run counted twice weighs twice in "
+                                  f"the medians)")
+            read_by[file] = source
     passed_over = [what for loaded in sources_read for what in loaded.passed_over()]
     for source, loaded in zip(sources, sources_read):
         if loaded.kind in ("sweep folder", "sweep results"):

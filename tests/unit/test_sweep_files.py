@@ -210,6 +210,33 @@ def test_repeat_runs_each_point_several_times_and_report_shows_every_run(tmp_pat
     assert body[1][headers.index("speedup")] == "0.33x"  # ps's run 2 against all-reduce's first: its 2nd failed
 
 
+REPORT_REFUSALS = [
+    (["{dir}", "{dir}"], "'{dir}' is given twice: give it once"),
+    (["{dir}", "{dir}/results.jsonl"], "'{dir}' and '{dir}/results.jsonl' both hold the runs of"),
+    (["{dir}/ps.json", "{dir}/./ps.json"], "both hold the runs of"),
+    (["{dir}", "--link", "10gbit"], "--link is the bandwidth of --scaling's bounds: give --scaling too"),
+    (["{dir}", "--scaling", "--plot", "{dir}/p.png"], "--scaling prints its own table, against the analytic bounds: "
+                                                      "--plot does not apply to it"),
+    (["{dir}", "--scaling", "--baseline", "hook=ps", "--plot", "{dir}/p.png"], "--baseline and --plot do not apply"),
+]
+
+
+@pytest.mark.parametrize("argv, message", REPORT_REFUSALS, ids=[message[:40] for _, message in REPORT_REFUSALS])
+def test_report_refuses_runs_read_twice_and_flags_that_would_do_nothing(tmp_path, capsys, argv, message):
+    """The same runs given twice counted twice in every median; --link without --scaling, and
+    --plot or --baseline with it, were taken and did nothing."""
+    from ps_bench.cli import main
+
+    lines = [dict(result("ps", 4.0), point={"index": 1, "name": "hook=ps", "hash": "a"})]
+    (tmp_path / "results.jsonl").write_text(json.dumps(lines[0]) + "\n")
+    (tmp_path / "ps.json").write_text(json.dumps(result("ps", 4.0)))
+    fill = [word.replace("{dir}", str(tmp_path)) for word in argv]
+    assert main(["report", *fill]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message.replace("{dir}", str(tmp_path)) in err, err
+    assert not (tmp_path / "p.png").exists()
+
+
 def test_a_dry_run_lists_the_points_and_what_resume_would_skip(tmp_path, capsys):
     """``sweep --dry-run``: every run the sweep would make, with its processes and whether
     ``--resume`` would skip it; nothing created, no process started."""
