@@ -131,6 +131,11 @@ def split_bench_argv(module: ModuleType, argv: list[str]) -> tuple[list[str], li
 def run_subcommand(name: str, argv: list[str], launched_at: float) -> int:
     module, parser = subcommand_parser(name)
     own, bench_argv = split_bench_argv(module, argv)
+    if getattr(module, "BENCH_OPTIONS", False):
+        misplaced = run_flag_among(own, parser)
+        if misplaced:
+            parser.error(f"{misplaced} is a run option: give run options after --, e.g. "
+                         f"bench.py {name} {SUBCOMMANDS[name][1].replace('[options]', misplaced)}")
     args = parser.parse_args(own)
     args.launched_at = launched_at  # a subcommand that runs a job counts its start-up from here
     try:
@@ -139,6 +144,17 @@ def run_subcommand(name: str, argv: list[str], launched_at: float) -> int:
         return module.main(args, bench_argv)
     except ConfigError as error:
         return usage_error(error, args.debug)
+
+
+def spellings(parser: argparse.ArgumentParser) -> set[str]:
+    return {flag for action in parser._actions for flag in action.option_strings}
+
+
+def run_flag_among(words: list[str], parser: argparse.ArgumentParser) -> str | None:
+    """The first of ``words`` that is a run option and not one of ``parser``'s own flags."""
+    own, run_flags = spellings(parser), spellings(build_parser())
+    return next((word.split("=", 1)[0] for word in words
+                 if word.split("=", 1)[0] in run_flags - own), None)
 
 
 def check_run(argv: list[str], gpus: int) -> RunConfig:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import argparse
 
-from ps_bench.options import typed
+from ps_bench.config import ConfigError
+from ps_bench.options import flags, typed
 
 BENCH_OPTIONS = True
 DESCRIPTION = (
@@ -53,8 +54,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(prints how to enter and remove it)")
 
 
+RUN_FLAGS = {"--link": "emulate_link", "--hosts": "emulate_hosts", "--delay": "emulate_delay",
+             "--keep": "emulate_keep"}  # each of this command's flags, and the run option it sets
+
+
 def run_argv(args: argparse.Namespace, bench_argv: list[str]) -> list[str]:
     """The run's own command line: the bench options and the emulation."""
+    for own, option in RUN_FLAGS.items():
+        given = [word for word in bench_argv
+                 if word.split("=", 1)[0] in flags(option)]
+        if given:
+            raise ConfigError(f"{given[0]} after --: this command's {own} sets it; give it once, "
+                              f"as {own}")
     emulation = ["--emulate-link", args.link]
     emulation += ["--emulate-hosts", str(args.hosts)] if args.hosts is not None else []
     emulation += ["--emulate-delay", args.delay] if args.delay is not None else []

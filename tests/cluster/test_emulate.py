@@ -176,6 +176,9 @@ BAD_INPUTS = [
     (["--link", "100mbps"], "--link (--emulate-link) 100mbps: 'mbps' means bytes a second to tc (800mbit) and bits a "
                             "second in network specifications (100mbit); write the rate in bits, e.g. 100mbit"),
     (["--link", "0gbit"], "--link (--emulate-link) must be at least 1kbit"),
+    (["--link", "1gbit", "--ntrainer", "2"], "--ntrainer is a run option: give run options after --"),
+    (["--link", "1gbit", "--", "--emulate-link", "2gbit"], "--emulate-link after --: this command's --link sets it"),
+    (["--link", "1gbit", "--", "--emulate_hosts=2"], "--emulate_hosts=2 after --: this command's --hosts sets it"),
     (["--link", "1gbit", "--", "--iface", "lo"], "--iface lo: on an emulated network every rank uses its host's own"),
     (["--link", "1gbit", "--hosts", "0"], "--hosts (--emulate-hosts) must be from 1 to this job's 4 processes"),
     (["--link", "1gbit", "--hosts", "5"], "--hosts (--emulate-hosts) must be from 1 to this job's 4 processes"),

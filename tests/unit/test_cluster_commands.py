@@ -125,6 +125,11 @@ def test_hostfile_takes_deepspeed_lines_and_comments(tmp_path):
     (["launch", "--hosts", "nowhere1", "--ssh-option", "accept-new"], "--ssh-option: expected KEY=VALUE"),
     (["launch", "--hosts", "nowhere1", "--env", "A B=1"], "--env: expected KEY=VALUE, KEY a variable's name"),
     (["launch", "--hosts", "nowhere1", "--python", ""], "--python: expected the interpreter on the hosts"),
+    # a run option before --: argparse's "unrecognized arguments" said nothing of where it goes
+    (["slurm", "--nodes", "2", "--ntrainer=2"], "--ntrainer is a run option: give run options after --, e.g. "
+                                                "bench.py slurm --nodes N -- --ntrainer"),
+    (["launch", "--hosts", "nowhere1", "--hook", "ps"], "--hook is a run option: give run options after --"),
+    (["cloud", "--nodes", "2", "--rounds", "3"], "--rounds is a run option: give run options after --"),
     (["sweep", str(EXAMPLES.parents[1] / "configs" / "sweeps" / "hooks.json"), "--out", "{file}"], "is not a folder"),
     (["slurm", "--nodes", "2", "-o", "{file}/job.sbatch", "--", "--ntrainer", "2"], "-o's folder"),
     (["cloud", "--nodes", "2", "-o", "{file}/task.yaml", "--", "--ntrainer", "2"], "-o's folder"),
