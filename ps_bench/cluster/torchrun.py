@@ -123,6 +123,9 @@ def cluster_job(args: argparse.Namespace, bench_argv: list[str], nodes: int, gpu
     if cfg.emulate_link is not None:
         raise ConfigError("--emulate-link emulates a network of hosts on this one machine: run it "
                           "with bench.py (bench.py emulate), not across real nodes")
+    if args.iface and cfg.iface and cfg.iface != args.iface:  # with_iface's would win
+        raise ConfigError(f"--iface {args.iface} and, in the run options, --iface {cfg.iface}: "
+                          f"give the interface once")
     # each option on its own, before the counts are laid out over the nodes
     check_options(cfg, machine=False)
     layout = layout_for(cfg, nodes, hosts)

@@ -130,6 +130,8 @@ def test_hostfile_takes_deepspeed_lines_and_comments(tmp_path):
                                                 "bench.py slurm --nodes N -- --ntrainer"),
     (["launch", "--hosts", "nowhere1", "--hook", "ps"], "--hook is a run option: give run options after --"),
     (["cloud", "--nodes", "2", "--rounds", "3"], "--rounds is a run option: give run options after --"),
+    (["slurm", "--nodes", "2", "--iface", "eth1", "--", "--iface", "eth0"],
+     "--iface eth1 and, in the run options, --iface eth0: give the interface once"),
     (["sweep", str(EXAMPLES.parents[1] / "configs" / "sweeps" / "hooks.json"), "--out", "{file}"], "is not a folder"),
     (["slurm", "--nodes", "2", "-o", "{file}/job.sbatch", "--", "--ntrainer", "2"], "-o's folder"),
     (["cloud", "--nodes", "2", "-o", "{file}/task.yaml", "--", "--ntrainer", "2"], "-o's folder"),
