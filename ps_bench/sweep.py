@@ -80,7 +80,8 @@ def run_options(values: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ConfigError(f"{where} must be a JSON object of run options")
     return option_values(values, where, refused={
-        "out": "'out' is set by the sweep (each point writes into the sweep's folder)"})
+        "out": "'out' is set by the sweep (each point writes into the sweep's folder)",
+        "dry_run": "'dry_run' would run no point (bench.py sweep --dry-run lists them)"})
 
 
 def describe(overrides: dict[str, Any]) -> str:
@@ -118,6 +119,9 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
         if not isinstance(variant, dict):
             raise ConfigError(f"sweep {path!r}: variant {number} must be an object")
         label = variant.get("name", f"variant{number}")
+        if label in [named for named, _ in variants]:
+            raise ConfigError(f"sweep {path!r}: two variants are named {label!r}: the report "
+                              f"could not tell their points apart")
         options = run_options({k: v for k, v in variant.items() if k != "name"},
                               f"sweep {path!r}: variant {label!r}")
         clash = set(options) & set(grid)
@@ -146,6 +150,11 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
                 raise ConfigError(f"sweep {path!r}: point {index} ({label}): {error}") from None
             resolved = {**job.config.to_dict(), "model_config": job.model.to_dict(),
                         "data_config": job.data.to_dict()}
+            twin = next((p for p in points if p.config_hash == config_hash(resolved)), None)
+            if twin is not None:
+                raise ConfigError(f"sweep {path!r}: points {twin.index} ({twin.name}) and {index} "
+                                  f"({label}) are the same run: list each once (\"repeat\": N "
+                                  f"runs every point N times)")
             points.append(Point(index, label, {**overrides, **variant_options}, options,
                                 config_hash(resolved), resolved, job, repeats))
     return name, points

@@ -53,9 +53,10 @@ def test_variants_times_grid_and_either_alone(tmp_path):
 
 
 def test_hash_follows_the_resolved_configuration(tmp_path):
-    _, points = load_sweep(sweep(tmp_path, {"grid": {"hook": ["ps", "rpc_hook", "allreduce"]}}))
-    assert points[0].config_hash == points[1].config_hash  # an alias resolves to the same run
-    assert points[0].config_hash != points[2].config_hash
+    (ps, allreduce), (alias,) = (load_sweep(sweep(tmp_path, {"grid": {"hook": hooks}}))[1]
+                                 for hooks in (["ps", "allreduce"], ["rpc_hook"]))
+    assert ps.config_hash == alias.config_hash  # an alias resolves to the same run
+    assert ps.config_hash != allreduce.config_hash
 
 
 @pytest.mark.parametrize(
@@ -67,6 +68,11 @@ def test_hash_follows_the_resolved_configuration(tmp_path):
         ({"grid": {"hook": []}}, "needs a non-empty list"),
         ({"grid": {"ntrainer": ["two"]}}, "'ntrainer' must be a whole number"),
         ({"base": {"out": "x.json"}, "grid": {"hook": ["ps"]}}, "'out' is set by the sweep"),
+        ({"base": {"dry_run": True}, "grid": {"hook": ["ps"]}}, "'dry_run' would run no point"),
+        ({"grid": {"hook": ["ps", "allreduce", "rpc_hook"]}},
+         "points 1 (hook=ps) and 3 (hook=rpc_hook) are the same run: list each once"),
+        ({"variants": [{"name": "v"}, {"name": "v", "rounds": 2}]}, "two variants are named 'v'"),
+        ({"grid": {"hook": ["ps"], "verbose": [True, False]}}, "are the same run"),  # it reports, not measures
         ({"grid": {"hook": ["ps"]}, "variants": [{"name": "v", "hook": "fp16"}]}, "variant 'v' sets hook"),
         ({"base": {"rounds": 2}}, "has no points"),
         ({"grid": {"hook": ["ps"]}, "extra": 1}, "unknown key 'extra'; valid keys: name, base, grid, variants"),
