@@ -64,6 +64,20 @@ def check_output_file(path: str, option_name: str) -> None:
     check_writable_folder(str(Path(path).absolute().parent), f"{option_name}'s folder")
 
 
+def check_apart(outputs: dict[str, str | None]) -> None:
+    """A ConfigError where two of a command's output flags (flag -> path) name one file: the
+    one written last would replace the other."""
+    seen: dict[Path, str] = {}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        file = Path(path).resolve()
+        if file in seen:
+            raise ConfigError(f"{seen[file]} and {flag} both name {path!r}: the one written last "
+                              f"would replace the other; give each its own file")
+        seen[file] = flag
+
+
 def check_results_file(path: str, option_name: str) -> None:
     """``check_output_file`` for a run's results, a new file that never replaces another (a name
     taken gets a number): not ``-`` (standard output carries the run's table) and not a device,

@@ -19,7 +19,7 @@ from ps_bench.compare.intervals import CONFIDENCE, MIN_RUNS, OPTIMISTIC
 from ps_bench.compare.sides import ENTRIES, ignored_fields
 from ps_bench.config import ConfigError
 from ps_bench.options import typed
-from ps_bench.places import check_output_file, write_output
+from ps_bench.places import check_apart, check_output_file, write_output
 from ps_bench.plots import check_plot_file, pyplot
 
 DESCRIPTION = (
@@ -183,6 +183,7 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> None:
         if value is not None and (not math.isfinite(value) or value < 0):
             raise ConfigError(f"{flag} is a percentage, 0 or more; got {value:g}")
     ignored_fields(args.match)
+    check_apart({"--csv": args.csv, "--json": args.json, "--plot": args.plot})
     for flag, path in (("--csv", args.csv), ("--json", args.json)):
         if path is not None:
             check_output_file(path, flag)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ps_bench.config import ConfigError
 from ps_bench.options import HookKeyValue, KeyValue
-from ps_bench.places import check_output_file, write_output
+from ps_bench.places import check_apart, check_output_file, write_output
 from ps_bench.plots import check_plot_file
 from ps_bench.predict import memory, pipelines
 from ps_bench.predict.inputs import (LINK_KINDS, LOCAL_KINDS, NETWORK_KINDS, TargetLink, count_list,
@@ -205,6 +205,7 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
                          args.intra_link_efficiency, None) if args.intra_link is not None else None)
     if not 0 < args.bucket_cap_mb < math.inf:
         raise ConfigError(f"--bucket-cap-mb must be positive; got {args.bucket_cap_mb}")
+    check_apart({"--out": args.out, "--plot": args.plot})
     if args.out is not None:
         check_output_file(args.out, "--out")
     if args.plot is not None:

@@ -12,7 +12,7 @@ from tabulate import tabulate
 
 from ps_bench.config import ConfigError
 from ps_bench.metrics.costs import Link, byteps_bound_ms, ps_bound_ms
-from ps_bench.places import check_output_file, write_output
+from ps_bench.places import check_apart, check_output_file, write_output
 from ps_bench.plots import check_plot_file
 from ps_bench.report.figures import plot, plot_convergence
 from ps_bench.registry import did_you_mean
@@ -327,6 +327,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
             raise ConfigError(f"--scaling prints its own table, against the analytic bounds: "
                               f"{' and '.join(ignored)} {verb} not apply to it")
     link_gbps = None if args.link is None else parse_rate(args.link, "--link") / 8e9
+    check_apart({"--csv": args.csv, "--plot": args.plot})
     if args.csv is not None:
         check_output_file(args.csv, "--csv")
     if args.plot is not None:

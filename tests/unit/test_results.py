@@ -131,6 +131,21 @@ def test_report_compare_and_predict_refuse_an_output_they_cannot_write_before_re
     assert not Path("-").exists()
 
 
+def test_two_outputs_of_one_command_naming_one_file_are_refused_before_the_work(tmp_path, capsys):
+    """The one written last replaced the other, and both were reported written."""
+    same = tmp_path / "out.png"
+    for argv, flags in ((["report", str(EARLIER), "--csv", str(same), "--plot", str(same)], "--csv and --plot"),
+                        (["compare", str(EARLIER), str(EARLIER), "--csv", str(same), "--json",
+                          str(tmp_path / "." / "out.png")], "--csv and --json"),
+                        (["predict", str(EARLIER), "--trainers", "4", "--out", str(same), "--plot", str(same)],
+                         "--out and --plot")):
+        assert main(argv) == 2, argv
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+        assert f"{flags} both name" in captured.err and "give each its own file" in captured.err, captured.err
+    assert not same.exists()
+
+
 def test_a_plot_whose_extension_names_no_kind_of_figure_is_refused_before_the_work(tmp_path, capsys):
     """matplotlib infers the kind from the extension: ``.txt`` failed after the work with its
     traceback, and a name without one was written with ``.png`` added, under another name."""
