@@ -64,14 +64,18 @@ def check_output_file(path: str, option_name: str) -> None:
     check_writable_folder(str(Path(path).absolute().parent), f"{option_name}'s folder")
 
 
-def check_apart(outputs: dict[str, str | None]) -> None:
-    """A ConfigError where two of a command's output flags (flag -> path) name one file: the
-    one written last would replace the other."""
+def check_apart(outputs: dict[str, str | None], inputs: set[Path] = frozenset()) -> None:
+    """A ConfigError where two of a command's output flags (flag -> path) name one file (the one
+    written last would replace the other), or one names a file it reads (``inputs``, resolved):
+    it would be lost."""
     seen: dict[Path, str] = {}
     for flag, path in outputs.items():
         if path is None:
             continue
         file = Path(path).resolve()
+        if file in inputs:
+            raise ConfigError(f"{flag} {path!r} is a file this command reads: writing it would "
+                              f"lose what it holds; give another file")
         if file in seen:
             raise ConfigError(f"{seen[file]} and {flag} both name {path!r}: the one written last "
                               f"would replace the other; give each its own file")

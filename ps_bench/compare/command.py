@@ -21,6 +21,7 @@ from ps_bench.config import ConfigError
 from ps_bench.options import typed
 from ps_bench.places import check_apart, check_output_file, write_output
 from ps_bench.plots import check_plot_file, pyplot
+from ps_bench.results.load import files_read
 
 DESCRIPTION = (
     "Did it get faster? Compare two sides, each a results file, a sweep folder or a folder of "
@@ -183,7 +184,8 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> None:
         if value is not None and (not math.isfinite(value) or value < 0):
             raise ConfigError(f"{flag} is a percentage, 0 or more; got {value:g}")
     ignored_fields(args.match)
-    check_apart({"--csv": args.csv, "--json": args.json, "--plot": args.plot})
+    check_apart({"--csv": args.csv, "--json": args.json, "--plot": args.plot},
+                files_read([args.base, args.new]))
     for flag, path in (("--csv", args.csv), ("--json", args.json)):
         if path is not None:
             check_output_file(path, flag)

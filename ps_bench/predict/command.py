@@ -22,6 +22,7 @@ from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.rows import prediction_rows, unplaced
 from ps_bench.predict.runs import Run
 from ps_bench.registry import UnknownNameError
+from ps_bench.results.load import files_read
 from ps_bench.runtime.network import parse_delay
 from ps_bench.predict.tables import (describe_calibration, ethernet_note, plot, render,
                                      render_winners, winners)
@@ -205,7 +206,8 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
                          args.intra_link_efficiency, None) if args.intra_link is not None else None)
     if not 0 < args.bucket_cap_mb < math.inf:
         raise ConfigError(f"--bucket-cap-mb must be positive; got {args.bucket_cap_mb}")
-    check_apart({"--out": args.out, "--plot": args.plot})
+    check_apart({"--out": args.out, "--plot": args.plot},
+                files_read([*args.results, *args.compare, *filter(None, [args.compute])]))
     if args.out is not None:
         check_output_file(args.out, "--out")
     if args.plot is not None:

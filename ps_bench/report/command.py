@@ -16,7 +16,7 @@ from ps_bench.places import check_apart, check_output_file, write_output
 from ps_bench.plots import check_plot_file
 from ps_bench.report.figures import plot, plot_convergence
 from ps_bench.registry import did_you_mean
-from ps_bench.results.load import diverged
+from ps_bench.results.load import diverged, files_read
 from ps_bench.report.rows import HIDDEN, WORKLOAD, Row, load_rows, varying_options
 from ps_bench.runtime.network import parse_rate
 from ps_bench.strategies import SERVER_COUNTS, sends_to_servers
@@ -327,7 +327,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
             raise ConfigError(f"--scaling prints its own table, against the analytic bounds: "
                               f"{' and '.join(ignored)} {verb} not apply to it")
     link_gbps = None if args.link is None else parse_rate(args.link, "--link") / 8e9
-    check_apart({"--csv": args.csv, "--plot": args.plot})
+    check_apart({"--csv": args.csv, "--plot": args.plot}, files_read(args.sources))
     if args.csv is not None:
         check_output_file(args.csv, "--csv")
     if args.plot is not None:

@@ -129,6 +129,18 @@ class Source:
             [f"{self.torn} torn line(s) of {self.path}"] if self.torn else [])
 
 
+def files_read(sources: list[str]) -> set[Path]:
+    """The files ``load_source`` reads for ``sources`` (as far as they exist), resolved."""
+    files = set()
+    for source in map(Path, sources):
+        if source.is_dir():
+            jsonl = source / RESULTS_NAME
+            files |= {jsonl} if jsonl.exists() else set(source.glob("*.json"))
+        else:
+            files.add(source)
+    return {file.resolve() for file in files}
+
+
 def load_source(source: str) -> Source:
     """A results file, a sweep folder, a ``.jsonl`` of a sweep's lines, or a folder of results
     files."""

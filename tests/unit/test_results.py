@@ -146,6 +146,27 @@ def test_two_outputs_of_one_command_naming_one_file_are_refused_before_the_work(
     assert not same.exists()
 
 
+def test_an_output_that_names_a_file_the_command_reads_is_refused_before_the_work(tmp_path, capsys):
+    """``report r.json --csv r.json`` replaced the results file with the table, and ``report DIR --csv
+    DIR/results.jsonl`` a whole sweep's lines."""
+    run = tmp_path / "r.json"
+    run.write_bytes(EARLIER.read_bytes())
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "results.jsonl").write_text(json.dumps(json.loads(EARLIER.read_text())) + "\n")
+    kept = {path: path.read_bytes() for path in (run, sweep / "results.jsonl")}
+    for argv in (["report", str(run), "--csv", str(run)],
+                 ["report", str(sweep), "--csv", str(sweep / "results.jsonl")],
+                 ["compare", str(EARLIER), str(sweep), "--json", str(sweep / "results.jsonl")],
+                 ["predict", str(run), "--trainers", "4", "--out", str(tmp_path / "." / "r.json")],
+                 ["predict", str(EARLIER), "--trainers", "4", "--compare", str(run), "--plot", str(run)]):
+        assert main(argv) == 2, argv
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+        assert "is a file this command reads: writing it would lose what it holds" in captured.err, captured.err
+    assert {path: path.read_bytes() for path in kept} == kept
+
+
 def test_a_plot_whose_extension_names_no_kind_of_figure_is_refused_before_the_work(tmp_path, capsys):
     """matplotlib infers the kind from the extension: ``.txt`` failed after the work with its
     traceback, and a name without one was written with ``.png`` added, under another name."""
