@@ -17,12 +17,13 @@ import argparse
 import shlex
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from ps_bench.config import ConfigError, RunConfig, build_config
 from ps_bench.job import check_options, validate
 from ps_bench.options import parse_run_options, plural, typed
-from ps_bench.places import check_port
+from ps_bench.places import check_apart, check_port
 from ps_bench.runtime.addresses import interface_env
 
 DEFAULT_PORT = 29500
@@ -120,6 +121,9 @@ def cluster_job(args: argparse.Namespace, bench_argv: list[str], nodes: int, gpu
     check_port("--port", args.port)
     values, config_path = parse_run_options(bench_argv)
     cfg = build_config(values, config_path)
+    read = [config_path, cfg.ds_config, cfg.model_config_path, cfg.data_config_path]
+    check_apart({"-o": getattr(args, "output", None)},  # slurm's and cloud's script
+                {Path(path).resolve() for path in read if path})
     if cfg.emulate_link is not None:
         raise ConfigError("--emulate-link emulates a network of hosts on this one machine: run it "
                           "with bench.py (bench.py emulate), not across real nodes")

@@ -148,6 +148,17 @@ def test_bad_hosts_ssh_flags_and_output_paths_are_refused_in_one_line(capsys, tm
     assert blocker.read_text() == ""
 
 
+@pytest.mark.parametrize("command", ["slurm", "cloud"])
+def test_a_script_written_over_the_run_file_it_names_is_refused(command, tmp_path, capsys):
+    """``slurm -o run.json -- --config run.json`` replaced the run file with the script."""
+    run_file = tmp_path / "run.json"
+    run_file.write_text('{"ntrainer": 2}')
+    assert main([command, "--nodes", "2", "-o", str(run_file), "--", "--config", str(run_file)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a file this command reads: writing it would lose" in err, err
+    assert run_file.read_text() == '{"ntrainer": 2}'
+
+
 def test_each_host_runs_torchrun_under_ssh_with_a_terminal():
     from ps_bench.cluster.ssh import HostJob, SshOptions, Target, agent_command, failed_rank
 
