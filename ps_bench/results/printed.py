@@ -10,6 +10,7 @@ from ps_bench.metrics.stats import TABLE_HEADERS, SummaryRow
 from ps_bench.results.load import diverged
 
 MIB = 1024 * 1024
+IMBALANCE = 1.1  # the busiest server's bytes over the mean at which the line names them
 
 
 def format_bytes(nbytes: float) -> str:
@@ -43,10 +44,14 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
                 else "")
     print(f"\nthroughput: {rate:.1f} samples/s ({1000.0 / rate if rate else 0.0:.3f} ms a "
           f"sample) over {throughput['iterations']} iterations{steps} per trainer{left_out}")
+    busiest = moved.get("server_recv_busiest_per_iter", 0.0)
+    uneven = (f" (the busiest server {busiest:.0f})"
+              if busiest > IMBALANCE * moved["server_recv_per_iter"] else "")
     print(
         "bytes per iteration: trainer sent {trainer_sent_per_iter:.0f}, "
-        "recv {trainer_recv_per_iter:.0f}; "
-        "server recv {server_recv_per_iter:.0f}, sent {server_sent_per_iter:.0f}".format(**moved)
+        "recv {trainer_recv_per_iter:.0f}; ".format(**moved)
+        + f"server recv {moved['server_recv_per_iter']:.0f}{uneven}, "
+        f"sent {moved['server_sent_per_iter']:.0f}"
     )
     if replicas["identical"] is None:
         print(f"replicas: do not apply (--staleness: the servers hold the one model) "

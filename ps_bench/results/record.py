@@ -261,6 +261,9 @@ class RunRecord:
                                                             topo.num_trainers),
                 "server_recv_per_iter": self.per_iteration(self.server_bytes, 0, topo.num_servers),
                 "server_sent_per_iter": self.per_iteration(self.server_bytes, 1, topo.num_servers),
+                "server_recv_busiest_per_iter": max(
+                    (self.per_iteration({rank: counts}, 0, 1) for rank, counts
+                     in self.server_bytes.items()), default=0.0),
                 **host_links(self.host_traffic, self.environment.get("hosts") or [],
                              self.iterations),
             },

@@ -75,7 +75,8 @@ def test_an_ok_run_meets_the_contract_with_numbers_derived_from_the_rounds():
                                      "untimed_s": 0.0,
                                      "per_trainer": [{"index": 0, "rank": 0, **each}, {"index": 1, "rank": 1, **each}]}
     assert results["bytes"] == {"trainer_sent_per_iter": 3200, "trainer_recv_per_iter": 3200,
-                                "server_recv_per_iter": 6400, "server_sent_per_iter": 6400}
+                                "server_recv_per_iter": 6400, "server_sent_per_iter": 6400,
+                                "server_recv_busiest_per_iter": 6400}
     assert results["loss"] == {"first": 1.5, "last": 0.75}
     assert results["verify"] == {"grad_rel_error_p50": 2e-7, "grad_rel_error_max": 3e-7, "iterations": 2,
                                  "buckets_checked": 4}
@@ -263,6 +264,25 @@ def test_replicas_that_diverged_alike_are_identical_and_the_report_says_they_div
     printed = capsys.readouterr().out
     assert ("identical=true param_norm=nan max_abs_diff=0 (parameters not finite: the training diverged; "
             "a smaller --lr?)") in printed
+
+
+def test_servers_that_receive_unevenly_are_named_by_the_busiest(capsys):
+    """Three servers and one piece: the mean per server (a third) hid that one took everything."""
+    record = make_record(nserver=3)
+    for elapsed in (0.5, 0.25):
+        record.add_round(elapsed, [trainer_round(0.0, 3200, [1.0]), trainer_round(1.0, 3200, [1.0])],
+                         [server_round(2 * 3200 * ITERATIONS), server_round(0), server_round(0)])
+    record.replicas = replica_summary([torch.ones(1), torch.ones(1)])
+    results = record.results("ok")
+    check_contract(results)
+    assert results["bytes"]["server_recv_per_iter"] == pytest.approx(6400 / 3)
+    assert results["bytes"]["server_recv_busiest_per_iter"] == 6400
+    print_report(results, record.rows())
+    assert "server recv 2133 (the busiest server 6400), sent 2133" in capsys.readouterr().out
+    two_rounds(even := make_record())
+    even.replicas = results["replicas"]
+    print_report(even.results("ok"), even.rows())
+    assert "server recv 6400, sent 6400\n" in capsys.readouterr().out
 
 
 def test_a_report_whose_every_iteration_was_verified_says_why_it_has_no_batch_times(capsys):
