@@ -376,6 +376,8 @@ def load_run_file(path: str) -> dict[str, Any]:
     if raw.get("schema") == RESULTS_SCHEMA and isinstance(raw.get("config"), dict):
         return option_values({key: value for key, value in raw["config"].items()
                               if key not in NOT_RERUN}, f"results file {path!r}'s config")
+    if {"grid", "variants"} & set(raw) and not set(raw) & set(OPTIONS):
+        raise ConfigError(f"{path!r} is a sweep file: run it with bench.py sweep {path} --out DIR")
     return option_values(raw, f"run config {path!r}")
 
 

@@ -33,7 +33,8 @@ from typing import IO, Any
 
 from tabulate import tabulate
 
-from ps_bench.config import ConfigError, RunConfig, build_config, option_values, read_json
+from ps_bench.config import (OPTIONS, RESULTS_SCHEMA, ConfigError, RunConfig, build_config,
+                             option_values, read_json)
 from ps_bench.job import Job, cuda_device_count, validate
 from ps_bench.options import plural, typed
 from ps_bench.places import check_writable_folder, why_not_written
@@ -95,6 +96,12 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
     raw = read_json(path, "sweep file")
     if not isinstance(raw, dict):
         raise ConfigError(f"sweep file {path!r} must hold a JSON object")
+    if raw.get("schema") == RESULTS_SCHEMA:
+        raise ConfigError(f"{path!r} is a results file: make its run again with bench.py --config "
+                          f"{path}, or give its options as a sweep's base")
+    if raw and not set(raw) & set(SWEEP_KEYS) and all(key in OPTIONS for key in raw):
+        raise ConfigError(f"{path!r} is a run config: run it with bench.py --config {path}, or "
+                          f"give its options as a sweep's base")
     for key in raw:
         if key not in SWEEP_KEYS:
             raise ConfigError(f"sweep file {path!r}: unknown key {key!r}; "

@@ -216,6 +216,29 @@ def test_repeat_runs_each_point_several_times_and_report_shows_every_run(tmp_pat
     assert body[1][headers.index("speedup")] == "0.33x"  # ps's run 2 against all-reduce's first: its 2nd failed
 
 
+def test_a_file_given_to_the_wrong_command_is_named_for_what_it_is(tmp_path, capsys):
+    """A sweep file as --config, a run or results file as a sweep, a run file as results: each
+    was an 'unknown option' or 'not a results file' line that did not say which command reads it."""
+    from ps_bench.cli import main
+
+    run_file = ROOT / "configs" / "runs" / "upstream_ps.json"
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps(result("ps", 4.0)))
+    sweep_file = sweep(tmp_path, {"grid": {"hook": ["ps", "allreduce"]}})
+    for argv, message in (
+            (["--config", sweep_file, "--dry-run"], f"'{sweep_file}' is a sweep file: run it with bench.py sweep"),
+            (["sweep", str(results), "--out", str(tmp_path / "o"), "--dry-run"],
+             f"'{results}' is a results file: make its run again with bench.py --config {results}"),
+            (["sweep", str(run_file), "--out", str(tmp_path / "o"), "--dry-run"],
+             f"'{run_file}' is a run config: run it with bench.py --config {run_file}"),
+            (["report", str(run_file)], "holds a run config, not results: run it with bench.py --config FILE"),
+            (["predict", str(run_file), "--trainers", "4"], "holds a run config, not results")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "o").exists()
+
+
 REPORT_REFUSALS = [
     (["{dir}", "{dir}"], "'{dir}' is given twice: give it once"),
     (["{dir}", "{dir}/results.jsonl"], "'{dir}' and '{dir}/results.jsonl' both hold the runs of"),
