@@ -251,7 +251,7 @@ def host_store(cfg: RunConfig) -> tuple[dist.TCPStore, int]:
     """The job's store and its port, listening on a socket bound to ``--master-addr`` (loopback
     by default) at ``--master-port`` (else a free port). torch's own TCPStore server would
     listen on every interface; handed a bound socket, it listens only there (and closes it)."""
-    port = f"port {cfg.master_port}" if cfg.master_port else "a free port"
+    port = f" port {cfg.master_port}" if cfg.master_port else ""
     listener = socket.socket(socket.AF_INET6 if ":" in cfg.master_addr else socket.AF_INET)
     try:
         listener.bind((cfg.master_addr, cfg.master_port or 0))
@@ -270,7 +270,7 @@ def host_store(cfg: RunConfig) -> tuple[dist.TCPStore, int]:
         if cfg.master_port and "address already in use" in reason.lower():
             reason = ("it is already in use; pick another --master-port "
                       "or leave it out for a free one")
-        raise ConfigError(f"cannot listen on --master-addr {cfg.master_addr} {port}: "
+        raise ConfigError(f"cannot listen on --master-addr {cfg.master_addr}{port}: "
                           f"{reason}") from None
 
 

@@ -254,3 +254,10 @@ def test_help_describes_every_hook_server_and_trainer_in_whole_sentences():
             assert any(line.strip().startswith(f"{name}: ") for line in help_text.splitlines()), name
     words = [line.split()[-1] for line in help_text.splitlines() if line.strip()]
     assert not [word for word in words if word.rstrip(";") in ("the", "and", "of", "a") and word.endswith(";")]
+
+
+def test_a_master_addr_not_of_this_machine_is_one_line_naming_it(capsys):
+    """192.0.2.1 (a documentation address) is on no interface here: the store cannot bind it."""
+    assert main(["--master-addr", "192.0.2.1", "--rounds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == "ps_bench: error: cannot listen on --master-addr 192.0.2.1: Cannot assign requested address\n"
