@@ -108,6 +108,7 @@ def check_options(cfg: RunConfig, machine: bool = True) -> None:
              f"--straggler {text}: there is no trainer {straggler.index}; "
              f"this run has {cfg.num_trainers} trainer(s), numbered from 0")
     if cfg.profile is not None:
+        need(cfg.profile.strip() != "", "--profile: give the folder for the traces, e.g. traces/")
         check_writable_folder(cfg.profile, "--profile")
     need(cfg.num_trainers >= 1,
          "at least one trainer is needed: set --ntrainer or --ncudatrainer to 1 or more")

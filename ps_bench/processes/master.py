@@ -331,6 +331,10 @@ class Master:
             raise OSError("the results could be written neither to --out nor to the system's "
                           "temporary folder (see the warnings above)")
         print(f"results: {path}", flush=True)
+        if cfg.profile is not None:  # written by each trainer, on its own host
+            print(f"traces: {Path(cfg.profile) / 'trainer<index>-rank<rank>.json'}, one a trainer "
+                  f"(open at https://ui.perfetto.dev), each with its table of operators (.txt)",
+                  flush=True)
         return results
 
     def snapshot(self) -> None:

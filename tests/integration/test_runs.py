@@ -176,6 +176,7 @@ def test_limits_memory_profile_and_per_rank_tables_in_one_run(tmp_path):
     # tracing is quiet: no Kineto line at each start and stop, no warning at each RPC it traces
     assert "profiler_start" not in run.output and "Profiling a distributed call" not in run.output, run.output
     assert "trainer 0" in run.stdout and "trainer 1" in run.stdout and "server 2" in run.stdout
+    assert f"traces: {traces}/trainer<index>-rank<rank>.json, one a trainer" in run.stdout  # where they went
     results = run.results
     check_contract(results)
     assert results["replicas"]["identical"] is True

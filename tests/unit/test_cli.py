@@ -60,6 +60,7 @@ BAD_INPUTS = [
     (["--config", "{unknown_key}"], "unknown option 'trainers'; did you mean 'trainer'? valid options:"),
     (["--config", "{wrong_type}"], "'rounds' must be a whole number, got \"3\""),
     (["--master-port", "70000"], "--master-port must be in 1..65535"),
+    (["--profile", ""], "--profile: give the folder for the traces"),  # wrote the traces into the working folder
     (["--backend", "nccl"], "CUDA is needed for --backend nccl"),
     (["--ncudaserver", "1"], "CUDA is needed for --ncudaserver 1"),
     (["--mapping", "group", "--nserver", "3"], "3 servers need 3 trainers; got 2"),
