@@ -313,6 +313,10 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
         raise ConfigError(f"--per-node {target.per_node}: no local link between a node's trainers: "
                           f"give --intra-link RATE, or a run made with --limits whose trainers all "
                           f"shared one emulated host")
+    if target.intra is not None and target.per_node == 1 and not any(r.per_host > 1 for r in runs):
+        calibration.notes.append("--intra-link is the link between a node's trainers: with one "
+                                 "trainer a node (--per-node 1, the default) and no run of several "
+                                 "trainers a host, nothing crosses it; give --per-node G")
     hooks = choose_hooks(args.hooks, runs, calibration, target.per_node)
     servers = (count_list(args.servers, "servers", allow_auto=True) if args.servers is not None
                else sorted({run.servers for run in runs if run.servers} or {1}))

@@ -350,3 +350,14 @@ def test_auto_servers_on_the_nodes_are_the_best_of_1_2_4_a_node(tmp_path, capsys
     assert auto["auto"] is True and auto["servers_on"] == "colocated"
     assert auto["servers"] == min(each, key=each.get) and auto["batch_ms"] == each[auto["servers"]]
     capsys.readouterr()
+
+
+def test_an_intra_link_with_one_trainer_a_node_is_said_to_carry_nothing(capsys):
+    """--intra-link without --per-node was taken and crossed by nothing, unsaid."""
+    common = ["predict", "--compute-ms", "forward=10,backward=20,optimizer=1", "--model", "resnet18",
+              "--batch-size", "32", "--link", "10gbit", "--intra-link", "100gbit", "--hooks", "allreduce"]
+    assert main([*common, "--trainers", "8"]) == 0
+    assert "note: --intra-link is the link between a node's trainers: with one trainer a node" in \
+        capsys.readouterr().out
+    assert main([*common, "--trainers", "8", "--per-node", "4"]) == 0
+    assert "nothing crosses it" not in capsys.readouterr().out
