@@ -162,6 +162,8 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> tuple[RunConfig, N
     """The engine's options and the bench options, for the job as it will run on the nodes."""
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be 0 or more; got {args.max_restarts}")
+    if args.gpus_per_node < 0:  # cluster_job reads -1 as "unknown", not as a count
+        raise ConfigError(f"--gpus-per-node must be 0 or more; got {args.gpus_per_node}")
     if args.time is not None and not SLURM_TIME.fullmatch(args.time):
         raise ConfigError(f"--time {args.time!r}: sbatch takes minutes, minutes:seconds, "
                           f"hours:minutes:seconds, days-hours, days-hours:minutes or "

@@ -130,6 +130,7 @@ def test_hostfile_takes_deepspeed_lines_and_comments(tmp_path):
                                                 "bench.py slurm --nodes N -- --ntrainer"),
     (["launch", "--hosts", "nowhere1", "--hook", "ps"], "--hook is a run option: give run options after --"),
     (["cloud", "--nodes", "2", "--rounds", "3"], "--rounds is a run option: give run options after --"),
+    (["slurm", "--nodes", "2", "--gpus-per-node", "-1"], "--gpus-per-node must be 0 or more; got -1"),
     (["slurm", "--nodes", "2", "--iface", "eth1", "--", "--iface", "eth0"],
      "--iface eth1 and, in the run options, --iface eth0: give the interface once"),
     (["sweep", str(EXAMPLES.parents[1] / "configs" / "sweeps" / "hooks.json"), "--out", "{file}"], "is not a folder"),
