@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 import fcntl
 import json
+import math
 import os
 import signal
 import socket
@@ -263,11 +264,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace, bench_argv: list[str]) -> None:
     """The sweep file, every point of it validated (as on a machine that can run it), and a
     folder for its results."""
+    check_point_timeout(args.point_timeout)
     load_sweep(args.file, machine=False)
     check_writable_folder(args.out, "--out")
 
 
+def check_point_timeout(seconds: float) -> None:
+    if not 0 < seconds < math.inf:
+        raise ConfigError(f"--point-timeout must be a positive number of seconds; got {seconds:g}")
+
+
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
+    check_point_timeout(args.point_timeout)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, raise_terminated)
     return run_sweep(args.file, args.out, args.resume, args.point_timeout, debug=args.debug,

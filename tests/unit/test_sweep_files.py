@@ -239,6 +239,18 @@ def test_a_file_given_to_the_wrong_command_is_named_for_what_it_is(tmp_path, cap
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("seconds", ["0", "-1", "nan", "inf"])
+def test_a_point_timeout_that_is_no_time_is_refused(seconds, tmp_path, capsys):
+    """-1 was taken: every point failed, its watchdog fired at once."""
+    from ps_bench.cli import main
+
+    assert main(["sweep", sweep(tmp_path, {"grid": {"hook": ["ps"]}}), "--out", str(tmp_path / "o"),
+                 "--point-timeout", seconds]) == 2
+    assert capsys.readouterr().err == (f"ps_bench: error: --point-timeout must be a positive number of "
+                                       f"seconds; got {float(seconds):g}\n")
+    assert not (tmp_path / "o").exists()
+
+
 REPORT_REFUSALS = [
     (["{dir}", "{dir}"], "'{dir}' is given twice: give it once"),
     (["{dir}", "{dir}/results.jsonl"], "'{dir}' and '{dir}/results.jsonl' both hold the runs of"),
