@@ -10,6 +10,7 @@ import argparse
 import atexit
 import importlib
 import os
+import platform
 import shutil
 import signal
 import sys
@@ -21,6 +22,8 @@ from typing import NoReturn
 
 from tabulate import tabulate
 
+import ps_bench
+from ps_bench.registry import did_you_mean
 from ps_bench.runtime import network, preload, streams
 from ps_bench.config import ConfigError, RunConfig, build_config
 from ps_bench.places import check_results_file
@@ -29,8 +32,9 @@ from ps_bench.job import cuda_device_count, default_servers, validate
 from ps_bench.processes.launch import (JobFailed, LaunchSpec, run_torchrun_rank, spawn,
                                        under_torchrun)
 from ps_bench.results.files import results_path
-from ps_bench.options import (EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, HelpFormatter,
-                              Parser, add_run_options, parse_run_options, plural, usage_error)
+from ps_bench.options import (EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE,
+                              HelpFormatter, Parser, add_run_options, parse_run_options, plural,
+                              usage_error)
 from ps_bench.runtime.topology import Topology
 
 # name -> (module, usage, summary, docs page). Each module has DESCRIPTION and EPILOG (its --help),
@@ -102,7 +106,25 @@ def build_parser() -> Parser:
     parser = Parser(prog="bench.py", description=DESCRIPTION, epilog=epilog(),
                     formatter_class=HelpFormatter, argument_default=argparse.SUPPRESS)
     add_run_options(parser)
+    parser.add_argument("--version", action="version", version=version(),
+                        help="print ps_bench's version, torch's and Python's, and exit")
     return parser
+
+
+def version() -> str:
+    import torch  # loaded by then: the launcher's imports need it
+
+    return (f"ps_bench {ps_bench.__version__} (torch {torch.__version__}, "
+            f"Python {platform.python_version()})")
+
+
+def unknown_command(word: str) -> str | None:
+    """The error for a first word that is neither a command nor an option nor a run file."""
+    if word.startswith("-") or word.endswith(".json"):
+        return None
+    commands = ["run", *SUBCOMMANDS]
+    return (f"unknown command {word!r}; {did_you_mean(word, commands)}commands: "
+            f"{', '.join(commands)} (a run's options start with --)")
 
 
 def subcommand_parser(name: str) -> tuple[ModuleType, Parser]:
@@ -292,6 +314,9 @@ def main(argv: list[str] | None = None, launched_at: float | None = None) -> int
         argv = argv[1:]
     elif argv[:1] and argv[0] in SUBCOMMANDS:
         return run_subcommand(argv[0], argv[1:], imported if launched_at is None else launched_at)
+    elif argv[:1] and unknown_command(argv[0]):
+        sys.stderr.write(f"bench.py: error: {unknown_command(argv[0])} (see --help)\n")
+        return EXIT_USAGE
     return run(argv, imported if launched_at is None else launched_at, imported)
 
 

@@ -262,3 +262,26 @@ def test_a_master_addr_not_of_this_machine_is_one_line_naming_it(capsys):
     assert main(["--master-addr", "192.0.2.1", "--rounds", "1"]) == 2
     err = capsys.readouterr().err
     assert err == "ps_bench: error: cannot listen on --master-addr 192.0.2.1: Cannot assign requested address\n"
+
+
+def test_version_names_ps_bench_torch_and_python(capsys):
+    import platform
+
+    import torch
+
+    import ps_bench
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == (f"ps_bench {ps_bench.__version__} (torch {torch.__version__}, "
+                                       f"Python {platform.python_version()})\n")
+
+
+@pytest.mark.parametrize("word, hint", [("reprot", "did you mean 'report'? "), ("help", "")])
+def test_an_unknown_command_is_named_with_the_commands(word, hint, capsys):
+    """It was 'unrecognized arguments: reprot', as if it were a run's option."""
+    assert main([word, "results/hooks"]) == 2
+    assert capsys.readouterr().err == (
+        f"bench.py: error: unknown command {word!r}; {hint}commands: run, sweep, report, compare, slurm, launch, "
+        f"cloud, emulate, predict (a run's options start with --) (see --help)\n")
