@@ -29,7 +29,7 @@ PRELOAD = ["ps_bench.runtime.forkserver", "ps_bench.processes.launch", "torch._d
 # only when a run names one (--model hf:...): a missing transformers is passed over here and
 # reported by the run's validation.
 HF_MODULES = ("transformers.modeling_utils",)
-RUN_ONLY_FLAGS = ("-h", "--help", "--dry-run", "--dry_run")
+RUN_ONLY_FLAGS = ("-h", "--help", "--dry-run", "--dry_run", "--version")
 RUNNING_SUBCOMMANDS = ("emulate",)  # subcommands that run one job from this machine's launcher
 
 
@@ -100,8 +100,8 @@ def stop() -> None:
 
 def starts_ranks(argv: list[str]) -> bool:
     """Whether this command line will start local ranks: a run (its words are all options; a
-    subcommand's first word is its name) or ``emulate``, not under torchrun, not --help or
-    --dry-run. Judged
+    subcommand's first word is its name) or ``emulate``, not under torchrun, not --help,
+    --dry-run or --version. Judged
     from the words alone, before they are parsed: a wrong guess costs an idle forkserver for a
     moment, never a wrong result."""
     if "TORCHELASTIC_RUN_ID" in os.environ:

@@ -20,6 +20,7 @@ from ps_bench.runtime.preload import starts_ranks
     (["--ntrainer", "4", "--hook", "allreduce"], True),
     (["run", "--rounds", "3"], True),
     (["--dry-run"], False),
+    (["--version"], False),
     (["--ntrainer", "4", "--help"], False),
     (["sweep", "configs/sweeps/hooks.json", "--out", "r"], False),
     (["report", "r"], False),
