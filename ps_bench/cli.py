@@ -314,8 +314,8 @@ def main(argv: list[str] | None = None, launched_at: float | None = None) -> int
         argv = argv[1:]
     elif argv[:1] and argv[0] in SUBCOMMANDS:
         return run_subcommand(argv[0], argv[1:], imported if launched_at is None else launched_at)
-    elif argv[:1] and unknown_command(argv[0]):
-        sys.stderr.write(f"bench.py: error: {unknown_command(argv[0])} (see --help)\n")
+    elif argv[:1] and (unknown := unknown_command(argv[0])):
+        sys.stderr.write(f"bench.py: error: {unknown} (see --help)\n")
         return EXIT_USAGE
     return run(argv, imported if launched_at is None else launched_at, imported)
 

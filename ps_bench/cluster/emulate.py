@@ -61,8 +61,7 @@ RUN_FLAGS = {"--link": "emulate_link", "--hosts": "emulate_hosts", "--delay": "e
 def run_argv(args: argparse.Namespace, bench_argv: list[str]) -> list[str]:
     """The run's own command line: the bench options and the emulation."""
     for own, option in RUN_FLAGS.items():
-        given = [word for word in bench_argv
-                 if word.split("=", 1)[0] in flags(option)]
+        given = [word for word in bench_argv if word.split("=", 1)[0] in flags(option)]
         if given:
             raise ConfigError(f"{given[0]} after --: this command's {own} sets it; give it once, "
                               f"as {own}")

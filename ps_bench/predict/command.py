@@ -194,7 +194,8 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
     if args.nodes is not None:
         trainers = sorted({nodes * args.per_node for nodes in count_list(args.nodes, "nodes")})
     else:
-        trainers = sorted(set(count_list(args.trainers or DEFAULT_TRAINERS, "trainers")))
+        given = DEFAULT_TRAINERS if args.trainers is None else args.trainers
+        trainers = sorted(set(count_list(given, "trainers")))
         uneven = [n for n in trainers if n % args.per_node]
         if uneven:
             raise ConfigError(f"--per-node {args.per_node} does not divide --trainers {uneven[0]} "

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ps_bench.config import ConfigError
-from ps_bench.results.load import load_source
+from ps_bench.results.load import files_read, load_source
 from ps_bench.strategies import SERVER_COUNTS
 
 # Resolved options never shown as columns: they describe the output, or repeat another column.
@@ -66,13 +66,6 @@ class Row:
                 for v in entry.get("metrics", {}).get(metric, [])]
 
 
-def files_of(loaded) -> set[Path]:
-    """The files a source's runs were read from, resolved."""
-    lines = loaded.kind in ("sweep folder", "sweep results")  # where: PATH:LINE
-    return {Path(where.rsplit(":", 1)[0] if lines else where).resolve()
-            for where, _ in loaded.runs}
-
-
 def load_rows(sources: list[str]) -> list[Row]:
     """Points from sweep folders (their results.jsonl; a re-run point's latest line wins, each
     run of a point the sweep repeats a row of its own, ``run``), .jsonl files, folders of
@@ -80,8 +73,8 @@ def load_rows(sources: list[str]) -> list[Row]:
     rows: list[Row] = []
     sources_read = [load_source(source) for source in sources]
     read_by: dict[Path, str] = {}
-    for source, loaded in zip(sources, sources_read):
-        for file in files_of(loaded):
+    for source in sources:
+        for file in files_read([source]):
             if read_by.get(file) == source:
                 raise ConfigError(f"{source!r} is given twice: give it once (a run counted twice "
                                   f"weighs twice in the medians)")
