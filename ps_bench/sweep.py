@@ -99,7 +99,7 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
         raise ConfigError(f"sweep file {path!r} must hold a JSON object")
     if raw.get("schema") == RESULTS_SCHEMA:
         raise ConfigError(f"{path!r} is a results file: make its run again with bench.py --config "
-                          f"{path}, or give its options as a sweep's base")
+                          f"{path}")
     if raw and not set(raw) & set(SWEEP_KEYS) and all(key in OPTIONS for key in raw):
         raise ConfigError(f"{path!r} is a run config: run it with bench.py --config {path}, or "
                           f"give its options as a sweep's base")
@@ -158,13 +158,14 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
                 raise ConfigError(f"sweep {path!r}: point {index} ({label}): {error}") from None
             resolved = {**job.config.to_dict(), "model_config": job.model.to_dict(),
                         "data_config": job.data.to_dict()}
-            twin = next((p for p in points if p.config_hash == config_hash(resolved)), None)
+            hashed = config_hash(resolved)
+            twin = next((p for p in points if p.config_hash == hashed), None)
             if twin is not None:
                 raise ConfigError(f"sweep {path!r}: points {twin.index} ({twin.name}) and {index} "
                                   f"({label}) are the same run: list each once (\"repeat\": N "
                                   f"runs every point N times)")
             points.append(Point(index, label, {**overrides, **variant_options}, options,
-                                config_hash(resolved), resolved, job, repeats))
+                                hashed, resolved, job, repeats))
     return name, points
 
 
