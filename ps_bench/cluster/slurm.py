@@ -20,7 +20,7 @@ from pathlib import Path
 from ps_bench.cluster.torchrun import (DEFAULT_PORT, NodeLayout, add_engine_arguments, cluster_job,
                                        export_line, summary, torchrun_command, with_iface)
 from ps_bench.config import ConfigError, RunConfig
-from ps_bench.options import EXIT_OK, typed
+from ps_bench.options import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, typed
 from ps_bench.places import check_output_file, write_output
 
 OUTPUT = "%x-%j.out"  # job name and id: one log per job, next to where it was submitted
@@ -113,18 +113,50 @@ def sbatch_script(job: SlurmJob) -> str:
     return "\n".join(lines)
 
 
-def submit(script: str, path: str | None) -> int:
+def submit(script: str, path: str | None, job_name: str) -> int:
     """``sbatch --wait``: returns the job's exit status (0 when every node succeeded)."""
     if shutil.which("sbatch") is None:
         raise ConfigError("--submit: sbatch is not on PATH; run this on a SLURM login node, or "
                           "write the script with -o FILE and submit it where SLURM is")
     if path is not None:
         write_output(path, "-o", lambda where: Path(where).write_text(script))
-        return subprocess.run(["sbatch", "--wait", path]).returncode
+        return wait_for(path, job_name, kept=True)
     with tempfile.NamedTemporaryFile("w", prefix="ps_bench-", suffix=".sbatch") as stream:
         stream.write(script)  # sbatch keeps its own copy once the job is queued
         stream.flush()
-        return subprocess.run(["sbatch", "--wait", stream.name]).returncode
+        return wait_for(stream.name, job_name, kept=False)
+
+
+def wait_for(path: str, job_name: str, kept: bool) -> int:
+    """``sbatch --wait PATH``, its lines passed on; then a line saying what became of the job
+    (sbatch's status alone does not tell a job that failed from one never submitted)."""
+    process = subprocess.Popen(["sbatch", "--wait", path], stdout=subprocess.PIPE, text=True)
+    job = None
+    try:
+        for line in process.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            submitted = re.match(r"Submitted batch job (\d+)", line)
+            if submitted and job is None:
+                job = submitted.group(1)
+        code = process.wait()
+    except KeyboardInterrupt:
+        process.wait()
+        sys.stderr.write("ps_bench: interrupted; sbatch stopped waiting"
+                         + (f", and job {job} goes on unless cancelled: scancel {job}\n" if job
+                            else "\n"))
+        return EXIT_SIGINT
+    if job is None:
+        sys.stderr.write(f"ps_bench: error: sbatch did not submit the job (its error is above)"
+                         f"{f'; the script is {path}' if kept else ''}\n")
+        return code or EXIT_FAILED
+    log = OUTPUT.replace("%x", job_name).replace("%j", job)
+    if code:
+        sys.stderr.write(f"ps_bench: error: SLURM job {job} ended with status {code}; its log: "
+                         f"{log}\n")
+    else:
+        print(f"ps_bench: SLURM job {job} finished; its log: {log}")
+    return code
 
 
 def write_or_print(script: str, path: str | None) -> None:
@@ -186,6 +218,6 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
                    python=args.python, summary=summary(cfg))
     script = sbatch_script(job)
     if args.submit:
-        return submit(script, args.output)
+        return submit(script, args.output, args.job_name)
     write_or_print(script, args.output)
     return EXIT_OK

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -34,6 +35,19 @@ def test_the_generated_script_runs_on_two_nodes(local_slurm, tmp_path):
     assert results["status"] == "ok" and results["replicas"]["identical"] is True
     assert sorted(rank for host in results["env"]["hosts"] for rank in host["ranks"]) == [0, 1, 2, 3]
     assert "results: " in job_log  # the master's output reaches the job log %x-%j.out
+    # what became of the job, and where its log is
+    job_id = re.search(r"^Submitted batch job (\d+)$", output, re.MULTILINE).group(1)
+    assert f"ps_bench: SLURM job {job_id} finished; its log: ps_bench-{job_id}.out" in output, output
+    assert (tmp_path / f"ps_bench-{job_id}.out").exists()
+
+
+def test_a_job_sbatch_refuses_is_said_not_submitted(local_slurm, tmp_path):
+    """sbatch's status alone (1) read as a job that ran and failed."""
+    code, output = bench_slurm(local_slurm, tmp_path, "--nodes", "2", "--partition", "nosuch", "--submit", "-o",
+                               "job.sbatch", "--", "--ntrainer", "2", "--nserver", "1", *QUICK)
+    assert code != 0, output
+    assert output.splitlines()[-1] == ("ps_bench: error: sbatch did not submit the job (its error is above); "
+                                       "the script is job.sbatch"), output
 
 
 def job_processes(job_id: str) -> list[int]:
