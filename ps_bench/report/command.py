@@ -239,6 +239,10 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
                plot_path: str | None, scaling: bool = False, link_gbps: float | None = None) -> int:
     rows = load_rows(sources)
     if not any(row.stat(metric, "p50") is not None for row in rows):
+        if not any(row.ok or row.results.get("summary") for row in rows):
+            first = rows[0].results.get("error", "no error recorded")
+            raise ConfigError(f"report: no run in {', '.join(sources)} finished a timed round "
+                              f"({len(rows)} failed; the first: {first}): nothing to compare")
         known = sorted({r["metric"] for row in rows for r in row.results.get("summary", [])})
         raise ConfigError(f"--metric {metric!r} is in no results; known: "
                           f"{', '.join(known) or 'none'}")

@@ -356,3 +356,15 @@ def test_a_folder_another_sweep_is_running_into_is_refused(tmp_path, capsys):
         hold.close()
     assert not (out / "results.jsonl").exists()
     hold_folder(str(out)).close()
+
+
+def test_a_report_of_runs_that_all_failed_before_a_timed_round_says_so(tmp_path, capsys):
+    """It said "--metric 'batch' is in no results; known: none", as if the metric were wrong."""
+    from ps_bench.cli import main
+
+    failed = {**result("ps", 4.0, status="failed"), "summary": [], "error": "trainer 0 (rank 0, trainer0) failed: X"}
+    (tmp_path / "f.json").write_text(json.dumps(failed))
+    assert main(["report", str(tmp_path / "f.json")]) == 2
+    assert capsys.readouterr().err == (
+        f"ps_bench: error: report: no run in {tmp_path / 'f.json'} finished a timed round (1 failed; the first: "
+        f"trainer 0 (rank 0, trainer0) failed: X): nothing to compare\n")
