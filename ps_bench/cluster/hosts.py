@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import signal
 import sys
 from pathlib import Path
 from typing import Sequence
 
-from ps_bench.cluster.ssh import HostJob, HostsFailed, SshOptions, Target, preflight, run
+from ps_bench.cluster.ssh import (HostJob, HostsFailed, SshOptions, Target, agent_command,
+                                  preflight, preflight_command, run)
 from ps_bench.cluster.torchrun import (UNKNOWN_GPUS, NodeLayout, add_engine_arguments, cluster_job,
                                        with_iface)
 from ps_bench.config import ConfigError, RunConfig, not_text
-from ps_bench.options import EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM, typed
+from ps_bench.options import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, typed
 from ps_bench.places import check_port
 from ps_bench.runtime.failures import Terminated, raise_terminated
 from ps_bench.runtime.topology import Topology
@@ -118,6 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder to run in on every host (default: the login folder)")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="environment variable for the job on every host (repeat for more)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the ssh commands for each host (the version check, then the "
+                             "torchrun agent) and run none; reaches no host")
     parser.add_argument("--master-addr", metavar="ADDR",
                         help="address the hosts reach the first host at "
                              "(default: the first host's name as given)")
@@ -167,6 +172,12 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
                   SshOptions(args.ssh_key, args.ssh_port, args.ssh_option), python=args.python,
                   workdir=args.workdir, env=env, iface=args.iface, port=args.port,
                   master_addr=args.master_addr)
+    if args.dry_run:  # what would run on each host; no host is reached
+        for node, target in enumerate(targets):
+            print(f"# {target.host} (node {node}): the check, then the agent")
+            print(shlex.join(preflight_command(job, target)))
+            print(shlex.join(agent_command(job, node)))
+        return EXIT_OK
     preflight(job)
     topology = Topology(cfg.ntrainer, cfg.ncudatrainer, cfg.nserver, cfg.ncudaserver, cfg.mapping,
                         cuda_collectives=cfg.backend != "gloo")

@@ -160,6 +160,20 @@ def test_a_script_written_over_the_run_file_it_names_is_refused(command, tmp_pat
     assert run_file.read_text() == '{"ntrainer": 2}'
 
 
+def test_launch_dry_run_prints_each_hosts_commands_and_reaches_none(capsys):
+    """The hosts do not exist: a launch that tried them would say 'cannot connect over ssh'."""
+    assert main(["launch", "--hosts", "alice@nowhere1,nowhere2", "--python", "/venv/bin/python", "--dry-run",
+                 "--", "--ntrainer", "2", "--out", "r.json"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "# nowhere1 (node 0): the check, then the agent"
+    assert lines[3] == "# nowhere2 (node 1): the check, then the agent"
+    for node, (check, agent) in enumerate((lines[1:3], lines[4:6])):
+        check, agent = shlex.split(check), shlex.split(agent)
+        assert check[0] == "ssh" and "import ps_bench, torch" in check[-1]
+        assert agent[:2] == ["ssh", "-tt"] and agent[-2] == ("alice@nowhere1", "nowhere2")[node]
+        assert f"--node-rank {node}" in agent[-1] and "-m ps_bench --ntrainer 2 --out r.json" in agent[-1]
+
+
 def test_each_host_runs_torchrun_under_ssh_with_a_terminal():
     from ps_bench.cluster.ssh import HostJob, SshOptions, Target, agent_command, failed_rank
 
