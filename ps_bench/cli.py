@@ -208,6 +208,12 @@ def check(argv: list[str], gpus: int = 8) -> None:
         check_run(bench_argv, gpus)
 
 
+def strategy_words(cfg: RunConfig) -> str:
+    """The hook, the servers' aggregation and mapping where the job has servers, the backend."""
+    servers = f", server {cfg.server}, mapping {cfg.mapping}" if cfg.num_servers else ""
+    return f"hook {cfg.hook}{servers}, backend {cfg.backend}"
+
+
 def dry_run_table(cfg: RunConfig, topology: Topology, spec: LaunchSpec) -> str:
     # a strategy that sends nothing to servers leaves them idle
     idle = {} if spec.job.strategy.needs_servers else {
@@ -222,8 +228,7 @@ def dry_run_table(cfg: RunConfig, topology: Topology, spec: LaunchSpec) -> str:
             idle.get(info.role) or topology.describe_mapping(info),
         ])
     header = (f"{topology.world_size} processes: {plural(topology.num_trainers, 'trainer')}, "
-              f"{plural(topology.num_servers, 'server')}, 1 master; hook {cfg.hook}, "
-              f"server {cfg.server}, mapping {cfg.mapping}, backend {cfg.backend}")
+              f"{plural(topology.num_servers, 'server')}, 1 master; {strategy_words(cfg)}")
     headers = ["rank", "role", "rpc name", "rpc tensors", "device", "mapping"]
     if cfg.emulate_link is not None:  # which host each rank is on, as the run will place it
         emulated = network.planned(cfg)
@@ -281,8 +286,7 @@ def run_job(argv: list[str], launched_at: float, imported: float) -> int:
         # even if started with SIGINT ignored
         signal.signal(signal.SIGINT, signal.default_int_handler)
         print(f"ps_bench: {cfg.world_size} processes ({plural(cfg.num_trainers, 'trainer')}, "
-              f"{plural(cfg.num_servers, 'server')}, 1 master), hook {cfg.hook}, "
-              f"server {cfg.server}, mapping {cfg.mapping}, backend {cfg.backend}", flush=True)
+              f"{plural(cfg.num_servers, 'server')}, 1 master), {strategy_words(cfg)}", flush=True)
         for note in spec.job.notes:
             print(f"ps_bench: note: {note}", flush=True)
         return spawn(spec)

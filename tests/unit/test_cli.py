@@ -196,6 +196,17 @@ def test_servers_a_strategy_sends_nothing_to_are_shown_idle_and_said_so(capsys):
         assert "note" not in capsys.readouterr().out, argv
 
 
+def test_a_job_without_servers_names_no_server_aggregation_or_mapping(capsys):
+    """--hook allreduce starts no server: its first line had still said "server average, mapping
+    shard", as if a server averaged and the buckets were mapped to one."""
+    assert main(["--dry-run", "--hook", "allreduce"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == ("3 processes: 2 trainers, 0 servers, 1 master; "
+                                                       "hook allreduce, backend gloo")
+    assert main(["--dry-run", "--mapping", "group"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith(
+        "hook ps, server average, mapping group, backend gloo")
+
+
 @pytest.mark.parametrize("argv, servers", [
     ([], 1), (["--hook", "ps_node", "--ntrainer", "4", "--per-host", "2"], 1),
     (["--hook", "allreduce"], 0), (["--hook", "allreduce_hook"], 0),  # upstream's name
