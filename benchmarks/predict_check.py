@@ -51,6 +51,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ps_bench.options import plural
 from ps_bench.results.load import load_file
 from ps_bench.runtime.network import parse_rate
 from running import ROOT, batch_p50 as results_batch_p50, bench
@@ -225,7 +226,7 @@ def given_its_run(points: list[Point], paths: dict, measured: dict, repeated: di
                   for point, path in paths.items()}
     predicted, _ = predictions("hosts", list(calibrated), calibrated, out / f"prediction-hosts-{hook}.json",
                                repeats=tuple(repeated[own][1:]))
-    print(f"\n{hook} given its {len(repeated[own])} run(s) at {own.name} among the calibration runs:")
+    print(f"\n{hook} given its {plural(len(repeated[own]), 'run')} at {own.name} among the calibration runs:")
     errors = compare(list(calibrated), measured, predicted, hook)
     print(f"|error| over the other {len(errors)} layouts: largest {max(errors):.1f} % (target 15 %: "
           f"{'held' if max(errors) <= 15 else 'missed'})")

@@ -22,6 +22,7 @@ from ps_bench.models import DATA, DATA_PRESETS, MODELS, RANDOM, TEACHER, default
 from ps_bench.models.base import SyntheticData
 from ps_bench.models.huggingface import is_hf
 from ps_bench.models.entries import Entry, construct, load_entry, model_size
+from ps_bench.options import plural
 from ps_bench.places import check_interface, check_port, check_writable_folder
 from ps_bench.registry import UnknownNameError
 from ps_bench.runtime import network
@@ -98,7 +99,7 @@ def check_options(cfg: RunConfig, machine: bool = True) -> None:
             raise ConfigError(f"--inject-fault: {error}") from None
         count = {"trainer": cfg.num_trainers, "server": cfg.num_servers, "master": 1}[fault.role]
         need(fault.index < count, f"--inject-fault: there is no {fault.role} {fault.index}; "
-                                  f"this run has {count} {fault.role}(s), numbered from 0")
+                                  f"this run has {plural(count, fault.role)}, numbered from 0")
     for text in cfg.straggler:
         try:
             straggler = Straggler.parse(text)
@@ -106,7 +107,7 @@ def check_options(cfg: RunConfig, machine: bool = True) -> None:
             raise ConfigError(f"--straggler {text}: {error}") from None
         need(straggler.index is None or straggler.index < cfg.num_trainers,
              f"--straggler {text}: there is no trainer {straggler.index}; "
-             f"this run has {cfg.num_trainers} trainer(s), numbered from 0")
+             f"this run has {plural(cfg.num_trainers, 'trainer')}, numbered from 0")
     if cfg.profile is not None:
         need(cfg.profile.strip() != "", "--profile: give the folder for the traces, e.g. traces/")
         check_writable_folder(cfg.profile, "--profile")
@@ -200,7 +201,7 @@ def check_pieces(cfg: RunConfig) -> Strategy:
                                            "every rank")
         need(cfg.num_servers >= hosts and cfg.num_servers % hosts == 0,
              f"--servers-on colocated puts as many servers on each trainer host: this job has "
-             f"{hosts} trainer host(s), so --nserver {hosts} or a multiple of it; got "
+             f"{plural(hosts, 'trainer host')}, so --nserver {hosts} or a multiple of it; got "
              f"{cfg.num_servers}")
     if record.per_host:
         hosts = cfg.num_trainers // cfg.per_host if cfg.per_host else 1
@@ -301,7 +302,8 @@ def check_network(cfg: RunConfig, machine: bool = True) -> None:
         given = [flag(name) for name in ("emulate_hosts", "emulate_delay")
                  if getattr(cfg, name) is not None]
         given += ["--emulate-keep"] if cfg.emulate_keep else []
-        need(not given, f"{', '.join(given)} shape(s) an emulated network: set --emulate-link too")
+        need(not given, f"{', '.join(given)} shape{'s' * (len(given) == 1)} an emulated network: "
+                        f"set --emulate-link too")
         return
     network.check(cfg, machine)
     cfg.rpc_transport = "tcp"
@@ -358,7 +360,8 @@ def check_training(cfg: RunConfig, record: Strategy) -> Strategy:
     on_cpu = cfg.ntrainer > 0 and cfg.backend not in ("nccl", "multi")
     need(cfg.precision != "fp16" or not on_cpu,
          f"--precision fp16 needs the trainers on GPUs (fp16 autocast with a gradient scaler); "
-         f"{cfg.ntrainer} trainer(s) compute on the CPU here: use --precision bf16")
+         f"{plural(cfg.ntrainer, 'trainer')} compute{'s' * (cfg.ntrainer == 1)} on the CPU here: "
+         f"use --precision bf16")
     if cfg.reduce_dtype is None:
         return record
     need(record.reduce_dtype,

@@ -359,11 +359,12 @@ def run_points(name: str, points: list[Point], todo: list[tuple[Point, int]], ou
     results_path = out_dir / RESULTS_NAME
     failed = 0
     started = time.monotonic()
-    unit = "point(s)" if points[0].repeats == 1 else "run(s)"
+    unit = "point" if points[0].repeats == 1 else "run"
     for number, (point, repeat) in enumerate(todo, start=1):
         point_start = time.monotonic()
         which = f"{point.name} run {repeat}/{point.repeats}" if point.repeats > 1 else point.name
-        kept = f"{number - 1} {unit} of this run are in {results_path}; --resume continues"
+        kept = (f"{plural(number - 1, unit)} of this run {'is' if number == 2 else 'are'} in "
+                f"{results_path}; --resume continues")
         try:
             results = run_point(point, out_dir, timeout_s)
             results["point"] = {"index": point.index, "name": point.name,

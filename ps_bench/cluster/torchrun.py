@@ -57,8 +57,9 @@ def layout_for(cfg: RunConfig, nodes: int, hosts: bool = False) -> NodeLayout:
         counts = ", ".join(str(n) for n in range(1, world + 1) if world % n == 0)
         raise ConfigError(
             f"{given} do{'' if hosts else 'es'} not divide this job's {world} processes "
-            f"({cfg.num_trainers} trainer(s) + {cfg.num_servers} server(s) + 1 master), and "
-            f"torchrun starts the same number on every node: add {more} trainer(s) "
+            f"({plural(cfg.num_trainers, 'trainer')} + {plural(cfg.num_servers, 'server')} + 1 "
+            f"master), and torchrun starts the same number on every node: add "
+            f"{plural(more, 'trainer')} "
             f"(--ntrainer {cfg.ntrainer + more}) or use "
             f"{'a number of hosts' if hosts else '--nodes'} among {counts}")
     return NodeLayout(nodes, world // nodes)

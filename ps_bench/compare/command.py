@@ -18,7 +18,7 @@ from ps_bench.compare.comparison import (COMPARISON_SCHEMA, DEFAULT_THRESHOLD_PC
 from ps_bench.compare.intervals import CONFIDENCE, MIN_RUNS, OPTIMISTIC
 from ps_bench.compare.sides import ENTRIES, ignored_fields
 from ps_bench.config import ConfigError
-from ps_bench.options import typed
+from ps_bench.options import plural, typed
 from ps_bench.places import check_apart, check_output_file, write_output
 from ps_bench.plots import check_plot_file, pyplot
 from ps_bench.results.load import files_read
@@ -91,7 +91,7 @@ def render(comparison: Comparison, markdown: bool = False) -> str:
             f"{name}: {before} -> {after}" for name, (before, after) in first.differs.items()
             if name not in ENTRIES.values())
     else:
-        matched = f"{len(comparison.pairings)} point(s) matched by configuration"
+        matched = f"{plural(len(comparison.pairings), 'point')} matched by configuration"
         matched += f", ignoring {', '.join(ignoring)} (--match)" if ignoring else ""
         matched += f": {first.label}" if single else ""
     lines.append(matched)

@@ -15,6 +15,7 @@ from ps_bench.compare.intervals import (CONFIDENCE, MIN_RUNS, Interval, runs_int
                                         within_run_interval)
 from ps_bench.compare.sides import (Pairing, Run, Side, ignored_fields, load_side, pair_points,
                                     point_label, varying)
+from ps_bench.options import plural
 from ps_bench.results.files import iso_now
 
 COMPARISON_SCHEMA = "ps_bench.comparison/1"
@@ -205,7 +206,7 @@ class Comparison:
 
     def unmatched_labels(self, groups: list[list[Run]]) -> list[str]:
         columns = varying([runs for runs in groups] + [p.base + p.new for p in self.pairings])
-        return [f"{point_label(runs, columns)} ({len(runs)} run(s))" for runs in groups]
+        return [f"{point_label(runs, columns)} ({plural(len(runs), 'run')})" for runs in groups]
 
     def record(self, argv: list[str]) -> dict:
         def side(which: Side) -> dict:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ps_bench.config import JSON_KEYS, ConfigError
+from ps_bench.options import plural
 from ps_bench.results.files import NOT_HASHED, config_hash
 from ps_bench.results.load import diverged, load_source
 from ps_bench.strategies import SERVER_COUNTS, sends_to_servers
@@ -56,14 +57,14 @@ class Side:
 
     def describe(self) -> str:
         torch = sorted({str((run.results.get("env") or {}).get("torch")) for run in self.runs})
-        extra = [f"{len(self.failed)} failed run(s) left out"] if self.failed else []
-        extra += ([f"{len(self.skipped)} file(s) that are not results skipped "
+        extra = [f"{plural(len(self.failed), 'failed run')} left out"] if self.failed else []
+        extra += ([f"{plural(len(self.skipped), 'file')} that are not results skipped "
                    f"({', '.join(self.skipped)})"] if self.skipped else [])
-        extra += [f"{self.torn} torn line(s) skipped"] if self.torn else []
+        extra += [f"{plural(self.torn, 'torn line')} skipped"] if self.torn else []
         lost = sum(diverged(run.results) for run in self.runs)
-        extra += ([f"{lost} run(s) diverged: parameters not finite, their times hold, their "
-                   f"training did not"] if lost else [])
-        return (f"{self.role}: {self.path} ({self.kind}, {len(self.runs)} run(s), torch "
+        extra += ([f"{plural(lost, 'run')} diverged: parameters not finite, their times hold, "
+                   f"their training did not"] if lost else [])
+        return (f"{self.role}: {self.path} ({self.kind}, {plural(len(self.runs), 'run')}, torch "
                 f"{', '.join(torch)}{''.join('; ' + e for e in extra)})")
 
 

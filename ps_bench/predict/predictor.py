@@ -32,6 +32,7 @@ from ps_bench.config import ConfigError
 from ps_bench.metrics import costs
 from ps_bench.metrics.costs import Link
 from ps_bench.metrics.messages import ELEMENT_BYTES, PRECISIONS
+from ps_bench.options import plural
 from ps_bench.predict import pipelines
 from ps_bench.predict.buckets import communication_end
 from ps_bench.predict.calibration import (Calibration, add_payloads, backward_compute,
@@ -77,7 +78,7 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
         link = measured_link
         if latency_s is not None:
             link = Link(latency_s * 1000.0, link.bytes_per_ms)
-        link_from = f"fitted to the --limits link probe of {len(fitted)} run(s)"
+        link_from = f"fitted to the --limits link probe of {plural(len(fitted), 'run')}"
     intra_link, intra_from = None, ("none: give --intra-link RATE, or a run whose trainers "
                                     "shared one host")
     if intra is not None:
@@ -85,7 +86,8 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
     elif fitted_intra:
         intra_link = Link.of(statistics.median(f["latency_us"] for f in fitted_intra),
                              statistics.median(f["bandwidth_gbit_s"] for f in fitted_intra))
-        intra_from = f"fitted to the --limits link probe of {len(fitted_intra)} run(s) on one host"
+        intra_from = (f"fitted to the --limits link probe of {plural(len(fitted_intra), 'run')} "
+                      f"on one host")
     timed = [compute] if compute is not None else runs
     forward = statistics.median(run.forward_ms for run in timed)
     optimizer = statistics.median(run.optimizer_ms for run in timed)
@@ -106,7 +108,7 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
                                 dense)
         backward = backward_compute(buckets, statistics.median(computes) if computes else None,
                                     forward, optimizer)
-        overlap_from = f"the bucket timeline of {len(timelines)} run(s)"
+        overlap_from = f"the bucket timeline of {plural(len(timelines), 'run')}"
     elif computes:
         backward = backward_compute([], statistics.median(computes), forward, optimizer)
         buckets = [(backward, *dense[index]) for index in sorted(dense)]

@@ -4,6 +4,7 @@ servers, each server count and place, with the given runs of the same point besi
 from __future__ import annotations
 
 from ps_bench.metrics import costs
+from ps_bench.options import plural
 from ps_bench.predict.calibration import Calibration
 from ps_bench.predict.predictor import at_options, predict
 from ps_bench.predict.runs import Run
@@ -36,7 +37,7 @@ def unplaced(servers: list[int | str], trainers: list[int], per_node: int) -> st
         return None
     instead = "auto's best" if "auto" in servers else None
     return "--servers-on colocated places as many servers on every node: " + "; ".join(
-        f"{nodes} node(s) cannot hold {', '.join(map(str, dropped))} (predicted with "
+        f"{plural(nodes, 'node')} cannot hold {', '.join(map(str, dropped))} (predicted with "
         f"{', '.join(map(str, fit)) if fit else instead or nodes})"
         for nodes, (dropped, fit) in sorted(left.items()))
 

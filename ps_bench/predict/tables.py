@@ -61,9 +61,10 @@ def describe_calibration(calibration: Calibration) -> str:
     times = [f"{bucket['ready_ms']:.1f}" for bucket in c["buckets"]]
     ratios = c["payload_ratio"]
     ready = ", ".join(times if len(times) <= 8 else [*times[:4], "...", *times[-2:]])
-    return (f"calibration: {c['model']} at batch {c['batch_size']}, from {len(c['runs'])} run(s)\n"
+    return (f"calibration: {c['model']} at batch {c['batch_size']}, from "
+            f"{plural(len(c['runs']), 'run')}\n"
             f"  compute: forward {phases['forward']:.1f} ms, backward {phases['backward']:.1f} ms, "
-            f"optimizer {phases['optimizer']:.1f} ms; {len(c['buckets'])} bucket(s), "
+            f"optimizer {phases['optimizer']:.1f} ms; {plural(len(c['buckets']), 'bucket')}, "
             f"{format_bytes(calibration.gradient_bytes)}, "
             f"ready at {ready} ms ({c['overlap_from']})\n"
             f"  link: latency {link['latency_us']:.1f} us, {link['bandwidth_gbit_s']:.3f} Gbit/s "

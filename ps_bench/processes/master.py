@@ -119,8 +119,8 @@ def round_progress(trainers: list, elapsed_s: float) -> str:
         except RuntimeError:  # it did not answer in time: said below
             pass
     silent = [str(index) for index in range(len(trainers)) if index not in at]
-    quiet = (f"; trainer(s) {', '.join(silent)} did not say where they are within "
-             f"{PROGRESS_ASK_S:g} s" if silent else "")
+    quiet = (f"; trainer{'s' * (len(silent) > 1)} {', '.join(silent)} did not say where they are "
+             f"within {PROGRESS_ASK_S:g} s" if silent else "")
     if not at:
         return f"{elapsed_s:.0f} s so far{quiet}"
     slowest = min(at, key=lambda index: at[index][0])

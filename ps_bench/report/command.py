@@ -12,6 +12,7 @@ from tabulate import tabulate
 
 from ps_bench.config import ConfigError
 from ps_bench.metrics.costs import Link, byteps_bound_ms, ps_bound_ms
+from ps_bench.options import plural
 from ps_bench.places import check_apart, check_output_file, write_output
 from ps_bench.plots import check_plot_file
 from ps_bench.report.figures import plot, plot_convergence
@@ -267,12 +268,12 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
     refs = [reference.of(row) for row in rows]
     unmatched = refs.count(None)
     if unmatched:
-        print(f"no speedup for {unmatched} point(s) with no point of {reference.named} at their "
-              f"{', '.join(reference.by)}")
+        print(f"no speedup for {plural(unmatched, 'point')} with no point of {reference.named} "
+              f"at their {', '.join(reference.by)}")
     others = sum(ref is not None and row.workload != ref.workload for row, ref in zip(rows, refs))
     if others:
-        print(f"no speedup for {others} point(s) of another workload than {reference.against()} "
-              f"(its {', '.join(WORKLOAD)}): their iterations do other work")
+        print(f"no speedup for {plural(others, 'point')} of another workload than "
+              f"{reference.against()} (its {', '.join(WORKLOAD)}): their iterations do other work")
     converging = any(row.results.get("convergence") for row in rows)
     if converging:
         print(f"speedup to target: {reference.against('seconds of training to the target loss')} "
@@ -293,7 +294,8 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
                 path, rows, metric, f"{named}trainer {metric} time per iteration"))
         print(f"plot: {plot_path}")
         if curves and without:
-            print(f"plot: {metric} times, as {without} point(s) have no loss curve; report the "
+            print(f"plot: {metric} times, as {plural(without, 'point')} "
+                  f"{'has' if without == 1 else 'have'} no loss curve; report the "
                   f"{curves} with one on their own for the loss against seconds of training")
     return 0
 

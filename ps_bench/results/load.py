@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ps_bench.config import OPTIONS, RESULTS_SCHEMA, ConfigError
+from ps_bench.options import plural
 from ps_bench.results.files import RESULTS_NAME
 
 READS = (RESULTS_SCHEMA,)  # the schema versions this ps_bench reads
@@ -128,9 +129,9 @@ class Source:
 
     def passed_over(self) -> list[str]:
         """What of it was not read, in words (empty where it was all read)."""
-        return ([f"{len(self.skipped)} file(s) of {self.path} that are not results files "
+        return ([f"{plural(len(self.skipped), 'file')} of {self.path} that are not results files "
                  f"({', '.join(self.skipped)})"] if self.skipped else []) + (
-            [f"{self.torn} torn line(s) of {self.path}"] if self.torn else [])
+            [f"{plural(self.torn, 'torn line')} of {self.path}"] if self.torn else [])
 
 
 def files_read(sources: list[str]) -> set[Path]:

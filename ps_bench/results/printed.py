@@ -7,6 +7,7 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from ps_bench.metrics.stats import TABLE_HEADERS, SummaryRow
+from ps_bench.options import plural
 from ps_bench.results.load import diverged
 
 MIB = 1024 * 1024
@@ -173,8 +174,8 @@ def render_limits(limits: dict, efficiency: dict | None) -> str:
                      None])
     lines = [
         f"\nFloors (--limits: {limits['bytes_per_iter']} B per trainer per iteration in "
-        f"{limits['buckets']} bucket(s), {collective['count']} samples taken after each timed "
-        f"round, pooled over trainers)",
+        f"{plural(limits['buckets'], 'bucket')}, {collective['count']} samples taken after each "
+        f"timed round, pooled over trainers)",
         tabulate(rows, headers=["floor", "p50 ms", "p90 ms", "algbw GB/s", "busbw GB/s"],
                  floatfmt=".3f", missingval="-"),
     ]

@@ -184,7 +184,7 @@ BAD_INPUTS = [
     (["--link", "1gbit", "--hosts", "5"], "--hosts (--emulate-hosts) must be from 1 to this job's 4 processes"),
     (["--link", "1gbit", "--hosts", "2", "--", *TWO_BY_TWO], "--hosts (--emulate-hosts) 2 disagrees with --per-host"),
     (["--link", "1gbit", "--", *TWO_BY_TWO, "--servers-on", "colocated"],
-     "--servers-on colocated puts as many servers on each trainer host: this job has 2 trainer host(s), so "
+     "--servers-on colocated puts as many servers on each trainer host: this job has 2 trainer hosts, so "
      "--nserver 2 or a multiple of it"),
     (["--link", "1gbit", "--", "--ntrainer", "3", "--per-host", "2"], "--per-host 2 does not divide the 3 trainers"),
     (["--link", "1gbit", "--", "--ntrainer", "2", "--per-host", "2", "--hook", "hierarchical", "--nserver", "0"],

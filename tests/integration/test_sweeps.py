@@ -130,7 +130,7 @@ def test_a_sweep_whose_disk_fills_stops_with_one_line_saying_where_and_how_to_go
     assert run.returncode == 1, run.output
     assert run.stderr.strip() == (
         f"ps_bench: error: sweep stopped at point 1 (hook=ps): {full / 'sweep'}: No space left on "
-        f"device; 0 point(s) of this run are in {full / 'sweep' / 'results.jsonl'}; --resume continues")
+        f"device; 0 points of this run are in {full / 'sweep' / 'results.jsonl'}; --resume continues")
 
 
 def test_a_point_whose_results_find_no_room_is_recorded_from_the_temporary_folder(tmp_path):

@@ -104,6 +104,12 @@ BAD_INPUTS = [
     (["--grad-accum", "many"], "--grad-accum/--grad_accum: expected a whole number, got 'many'"),
     (["--grad-accum", "64"], "fewer than --batch-size 16 x --grad-accum 64"),
     (["--precision", "fp16"], "--precision fp16 needs the trainers on GPUs"),
+    # counts and their verbs agree, one or many (they said "2 trainer(s) compute")
+    (["--precision", "fp16", "--ntrainer", "1"], "1 trainer computes on the CPU here"),
+    (["--precision", "fp16", "--ntrainer", "3"], "3 trainers compute on the CPU here"),
+    (["--inject-fault", "server:1:1:exit"], "there is no server 1; this run has 1 server, numbered from 0"),
+    (["--emulate-keep"], "--emulate-keep shapes an emulated network: set --emulate-link too"),
+    (["--emulate-keep", "--emulate-hosts", "2"], "--emulate-hosts, --emulate-keep shape an emulated network"),
     (["--precision", "fp8"], "invalid choice: 'fp8'"),
     (["--hook", "allreduce", "--nserver", "0", "--reduce-dtype", "bf16"],
      "--reduce-dtype is for strategies whose engine communicates in a dtype of its own"),

@@ -178,7 +178,7 @@ def test_one_run_a_side_compares_the_iterations_and_warns(tmp_path, capsys):
     code, out, err = run_compare(capsys, str(base), str(new), "--fail-over", "5")
     assert code == 0, err
     assert "200 vs 200 iterations (within-run)" in row_of(out, "batch p50")
-    assert "optimistic" in out and "1 point(s) matched by configuration" in out
+    assert "optimistic" in out and "1 point matched by configuration" in out
 
 
 def test_a_side_says_how_many_of_its_runs_diverged(tmp_path, capsys):
@@ -191,7 +191,7 @@ def test_a_side_says_how_many_of_its_runs_diverged(tmp_path, capsys):
     assert code == 0, err
     base_line, new_line = out.splitlines()[:2]
     assert "diverged" not in base_line
-    assert new_line.endswith("2 run(s), torch 2.14.1; 1 run(s) diverged: parameters not finite, their times hold, "
+    assert new_line.endswith("2 runs, torch 2.14.1; 1 run diverged: parameters not finite, their times hold, "
                              "their training did not)"), new_line
 
 
@@ -225,10 +225,10 @@ def test_points_match_by_configuration_and_the_rest_is_listed(tmp_path, capsys):
     (tmp_path / "new" / "notes.json").write_text('{"not": "results"}')  # a folder may hold other files
     code, out, err = run_compare(capsys, str(base), str(new))
     assert code == 0, err
-    assert "1 point(s) matched by configuration: hook=ps" in out
-    assert "unmatched, only in base: hook=allreduce (1 run(s))" in out
-    assert "unmatched, only in new: hook=fp16 (1 run(s))" in out
-    assert "1 file(s) that are not results skipped (notes.json)" in out
+    assert "1 point matched by configuration: hook=ps" in out
+    assert "unmatched, only in base: hook=allreduce (1 run)" in out
+    assert "unmatched, only in new: hook=fp16 (1 run)" in out
+    assert "1 file that are not results skipped (notes.json)" in out
 
 
 def test_a_server_the_strategy_sends_nothing_to_does_not_part_two_points(tmp_path, capsys):
@@ -238,7 +238,7 @@ def test_a_server_the_strategy_sends_nothing_to_does_not_part_two_points(tmp_pat
     new = write_runs(tmp_path / "new", [results(3, 2.0, hook="ps"), results(4, 3.0, hook="allreduce", nserver=0)])
     code, out, err = run_compare(capsys, str(base), str(new), "--format", "markdown")
     assert code == 0, err
-    assert "2 point(s) matched by configuration" in out and "unmatched" not in out
+    assert "2 points matched by configuration" in out and "unmatched" not in out
     assert "hook=allreduce (nserver: 1 -> 0)" in out
     new = write_runs(tmp_path / "new2", [results(5, 2.0, hook="ps", nserver=2)])  # ps's servers count
     base = write_runs(tmp_path / "base2", [results(6, 2.0, hook="ps"), results(7, 2.0, hook="allreduce")])
@@ -254,7 +254,7 @@ def test_match_ignores_a_field_and_shows_it(tmp_path, capsys):
     assert code == 2  # two points a side, none with the other's configuration
     code, out, err = run_compare(capsys, str(base), str(new), "--match", "hook", "--format", "markdown")
     assert code == 0, err
-    assert "2 point(s) matched by configuration, ignoring hook (--match)" in out
+    assert "2 points matched by configuration, ignoring hook (--match)" in out
     assert "| batch_size=16 (hook: ps -> allreduce) |" in out.replace("  ", " ")
 
 
@@ -271,7 +271,7 @@ def test_a_sweeps_repeats_are_runs_and_a_rerun_repeat_replaces_its_line(tmp_path
     assert record["points"] == [{"label": "plain", "hash": record["points"][0]["hash"], "base_runs": 3,
                                  "new_runs": 3, "differs": {}, "interval_from": "runs"}]
     assert all(m["change_pct"] == 0 for m in record["metrics"])
-    assert "3 vs 3 runs" in out and "(sweep folder, 3 run(s)" in out
+    assert "3 vs 3 runs" in out and "(sweep folder, 3 runs" in out
 
 
 def test_plot_draws_each_points_runs(tmp_path, capsys):
@@ -299,7 +299,7 @@ def two_files(tmp_path) -> tuple[Path, Path]:
     ("not json", "results file '{tmp}/text.json' is not JSON"),
     ("not results", "results file '{tmp}/other.json' is not a ps_bench results file"),
     ("empty folder", "new '{tmp}/empty' holds no results (give a results file, a sweep folder or a folder of "
-                     "results files); passed over 1 file(s) of {tmp}/empty that are not results files (notes.json)"),
+                     "results files); passed over 1 file of {tmp}/empty that are not results files (notes.json)"),
     ("other model", "base runs model DummyModelSmall and new runs resnet18"),
     ("newer schema", "has schema 'ps_bench.result/2', and this ps_bench reads ps_bench.result/1"),
     ("negative gate", "--fail-over is a percentage, 0 or more; got -5"),

@@ -104,7 +104,7 @@ def test_a_folder_of_runs_with_and_without_loss_curves_plots_what_all_have(tmp_p
     (tmp_path / "target.json").write_text(json.dumps(converged))
     assert main(["report", str(tmp_path), "--plot", str(tmp_path / "both.png")]) == 0
     out = capsys.readouterr().out
-    assert "plot: batch times, as 1 point(s) have no loss curve; report the 1 with one on their own" in out
+    assert "plot: batch times, as 1 point has no loss curve; report the 1 with one on their own" in out
     (tmp_path / "plain.json").unlink()
     assert main(["report", str(tmp_path), "--plot", str(tmp_path / "loss.png")]) == 0
     assert "no loss curve" not in capsys.readouterr().out

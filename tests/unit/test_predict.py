@@ -406,7 +406,7 @@ def test_a_small_models_memory_reads_in_its_own_units(capsys):
                  "--link", "10gbit"]) == 0
     printed = capsys.readouterr().out
     assert "memory: 43.9 K parameters, the largest layer 16.38 K" in printed
-    assert f"bucket(s), {43_904 * 4 / 1024:.1f} KiB, ready at" in printed
+    assert f"bucket, {43_904 * 4 / 1024:.1f} KiB, ready at" in printed
     states = next(line for line in printed.splitlines() if line.startswith("2 ")).split()[-2]
     assert states == f"{43_904 * 4 * 2 / 2 ** 30:.3g}"  # parameters and gradients, float32
 

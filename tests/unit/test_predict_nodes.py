@@ -332,7 +332,7 @@ def test_server_counts_the_nodes_cannot_hold_colocated_are_named(tmp_path, capsy
                  "forward=10,backward=20,optimizer=1", "--link", "10gbit", "--hooks", "ps",
                  "--servers", "3", "--servers-on", "colocated", "--nodes", "2,3", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "2 node(s) cannot hold 3 (predicted with 2)" in printed and "3 node(s) cannot" not in printed
+    assert "2 nodes cannot hold 3 (predicted with 2)" in printed and "3 nodes cannot" not in printed
     assert [(r["trainers"], r["servers"]) for r in json.loads(out.read_text())["predictions"]] == [(2, 2), (3, 3)]
 
 

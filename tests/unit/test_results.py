@@ -211,13 +211,13 @@ def test_report_says_which_files_of_a_folder_it_passed_over(tmp_path, capsys):
     (tmp_path / "half.json").write_text(EARLIER.read_text()[:50])
     assert main(["report", str(tmp_path)]) == 0
     captured = capsys.readouterr()
-    assert captured.err == (f"ps_bench: report: passed over 2 file(s) of {tmp_path} that are not results "
+    assert captured.err == (f"ps_bench: report: passed over 2 files of {tmp_path} that are not results "
                             f"files (half.json, notes.json)\n")
     assert captured.out.count(" ok") == 1
     (tmp_path / "run.json").unlink()
     assert main(["report", str(tmp_path)]) == 2
     assert capsys.readouterr().err == (f"ps_bench: error: report: no results in {tmp_path} (passed over 2 "
-                                       f"file(s) of {tmp_path} that are not results files (half.json, notes.json))\n")
+                                       f"files of {tmp_path} that are not results files (half.json, notes.json))\n")
 
 
 def test_a_sweeps_torn_line_is_passed_over_and_the_next_line_stays_whole(tmp_path):
