@@ -58,8 +58,17 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return lines
 
 
+# A negative number, with an exponent or a unit (-1e-3, -5us, -1gbit): an option's value, which
+# its own check refuses in words, where argparse's own pattern takes it for a flag
+NEGATIVE_VALUE = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?[A-Za-z%]*$")
+
+
 class Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line and exit status 2."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_VALUE
 
     def error(self, message: str) -> NoReturn:
         unknown = "unrecognized arguments: "

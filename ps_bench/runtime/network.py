@@ -65,7 +65,7 @@ sys.stdin.read() if not keep else signal.pause()
 def parse_rate(text: str, name: str = "--link (--emulate-link)") -> float:
     """A link rate in bits (``1gbit``, ``500mbit``) as bits per second; ``name``: the option's,
     for the error."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]+)", text.strip().lower())
+    match = re.fullmatch(r"(-?\d+(?:\.\d+)?)([a-z]+)", text.strip().lower())
     if match is not None and match.group(2) in BYTE_RATE_UNITS:
         number, unit = match.groups()
         bits = unit[:-3] + "bit"
@@ -84,10 +84,12 @@ def parse_rate(text: str, name: str = "--link (--emulate-link)") -> float:
 
 def parse_delay(text: str, name: str = "--delay (--emulate-delay)") -> float:
     """A one-way delay (``100us``, ``2ms``) in seconds; ``name``: the option's, for the error."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]+)", text.strip().lower())
+    match = re.fullmatch(r"(-?\d+(?:\.\d+)?)([a-z]+)", text.strip().lower())
     if match is None or match.group(2) not in DELAY_UNITS:
         raise ConfigError(f"{name}: expected a time with its unit, e.g. 5us, 100us or 2ms; "
                           f"got {text!r}")
+    if match.group(1).startswith("-"):
+        raise ConfigError(f"{name} must be 0 or more; got {text!r}")
     return float(match.group(1)) * DELAY_UNITS[match.group(2)]
 
 

@@ -104,6 +104,11 @@ BAD_INPUTS = [
     (["--grad-accum", "many"], "--grad-accum/--grad_accum: expected a whole number, got 'many'"),
     (["--grad-accum", "64"], "fewer than --batch-size 16 x --grad-accum 64"),
     (["--precision", "fp16"], "--precision fp16 needs the trainers on GPUs"),
+    # a negative value with an exponent or a unit reaches the option's own check (argparse took
+    # it for a flag: "argument --lr: expected one argument")
+    (["--lr", "-1e-3"], "--lr must be positive; got -0.001"),
+    (["--emulate-link", "1gbit", "--emulate-delay", "-5ms"], "--delay (--emulate-delay) must be 0 or more; got '-5ms'"),
+    (["--emulate-link", "-1gbit"], "--link (--emulate-link) must be at least 1kbit; got '-1gbit'"),
     # counts and their verbs agree, one or many (they said "2 trainer(s) compute")
     (["--precision", "fp16", "--ntrainer", "1"], "1 trainer computes on the CPU here"),
     (["--precision", "fp16", "--ntrainer", "3"], "3 trainers compute on the CPU here"),

@@ -279,7 +279,7 @@ def other_model(folder) -> str:
 BAD_INPUTS = [
     (lambda p: [results_file(p), "--per-node", "0"], "--per-node must be at least 1"),
     (lambda p: [results_file(p), "--per-node", "4", "--trainers", "6"], "--per-node 4 does not divide --trainers 6"),
-    (lambda p: [results_file(p), "--per-node", "2", "--intra-link=-5gbit"], "--intra-link: expected a rate"),
+    (lambda p: [results_file(p), "--per-node", "2", "--intra-link", "-5gbit"], "--intra-link must be at least 1kbit; got '-5gbit'"),
     (lambda p: [results_file(p), "--per-node", "2", "--intra-link", "900"], "--intra-link: expected a rate"),
     (lambda p: [results_file(p), "--per-node", "2"], "--per-node 2: no local link between a node's trainers"),
     (lambda p: ["--compute-ms", "forward=1,backward=2", "--model", "resnet18", "--batch-size", "8", "--link",
