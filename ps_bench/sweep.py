@@ -392,7 +392,7 @@ def run_points(name: str, points: list[Point], todo: list[tuple[Point, int]], ou
               f"(elapsed {duration(time.monotonic() - started)}, "
               f"~{duration(mean * (len(todo) - number))} left)",
               flush=True)
-    print(f"sweep {name}: ran {len(todo)} {unit}: {len(todo) - failed} ok, {failed} failed; "
+    print(f"sweep {name}: ran {plural(len(todo), unit)}: {len(todo) - failed} ok, {failed} failed; "
           f"`bench.py report {out_dir}` compares them"
           f"{f', `bench.py compare` two such folders' if points[0].repeats > 1 else ''}",
           flush=True)

@@ -40,6 +40,7 @@ def test_sweep_resume_and_report(tmp_path):
     assert [r["point"]["overrides"] for r in recorded] == [{"hook": h} for h in ("allreduce", "ps")]
     assert all(r["schema"] == "ps_bench.result/1" and r["summary"] for r in recorded)
     assert "[2/2] hook=ps" in run.stdout and "left)" in run.stdout
+    assert "sweep two: ran 2 points: 2 ok, 0 failed;" in run.stdout
     assert len(list((out / "logs").glob("*.log"))) == 2
 
     point_files = sorted((out / "points").iterdir())
