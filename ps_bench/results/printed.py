@@ -48,12 +48,11 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
     busiest = moved.get("server_recv_busiest_per_iter", 0.0)
     uneven = (f" (the busiest server {busiest:.0f})"
               if busiest > IMBALANCE * moved["server_recv_per_iter"] else "")
-    print(
-        "bytes per iteration: trainer sent {trainer_sent_per_iter:.0f}, "
-        "recv {trainer_recv_per_iter:.0f}; ".format(**moved)
-        + f"server recv {moved['server_recv_per_iter']:.0f}{uneven}, "
-        f"sent {moved['server_sent_per_iter']:.0f}"
-    )
+    servers = (f"; server recv {moved['server_recv_per_iter']:.0f}{uneven}, "
+               f"sent {moved['server_sent_per_iter']:.0f}"
+               if config.get("nserver", 0) + config.get("ncudaserver", 0) else "")
+    print(f"bytes per iteration: trainer sent {moved['trainer_sent_per_iter']:.0f}, "
+          f"recv {moved['trainer_recv_per_iter']:.0f}{servers}")
     if replicas["identical"] is None:
         print(f"replicas: do not apply (--staleness: the servers hold the one model) "
               f"param_norm={replicas['param_norm']:.6f}")

@@ -247,6 +247,18 @@ def test_the_printed_report_and_the_file_come_from_the_same_record(tmp_path, cap
     assert json.loads(write_results(results, tmp_path / "r.json").read_text()) == results
 
 
+def test_a_run_without_servers_prints_no_server_bytes(capsys):
+    """--hook allreduce starts no server: its bytes line had ended "server recv 0, sent 0"."""
+    record = make_record(hook="allreduce", nserver=0)
+    for elapsed, losses in ((0.5, [2.0, 1.0]), (0.25, [1.0, 0.5])):
+        record.add_round(elapsed, [trainer_round(0.0, 3200, losses), trainer_round(1.0, 3200, losses)], [])
+    record.replicas = replica_summary([torch.ones(2), torch.ones(2)])
+    results = record.results("ok")
+    print_report(results, record.rows())
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("bytes per iteration")]
+    assert line == "bytes per iteration: trainer sent 3200, recv 3200"
+
+
 def test_replicas_that_diverged_alike_are_identical_and_the_report_says_they_diverged(capsys):
     nan = float("nan")
     alike = replica_summary([torch.tensor([1.0, nan]), torch.tensor([1.0, nan])])
