@@ -26,7 +26,7 @@ from ps_bench.processes.rendezvous import crowded_warning, one_machine_warning, 
 from ps_bench.runtime.topology import RankInfo, Topology
 from ps_bench.servers import SERVERS
 from ps_bench.strategies import HOOKS, hook_options
-from ps_bench.strategies.record import SERVER_OWNED, SERVERS_MODEL
+from ps_bench.strategies.record import DDP, ENGINE, FSDP, SERVER_OWNED, SERVERS_MODEL, Strategy
 from ps_bench.strategies.stale import parse_staleness
 from ps_bench.trainers.convergence import HELD_OUT_SAMPLES
 from ps_bench.trainers.trainer import TRAINERS
@@ -61,6 +61,16 @@ class SnapshotPacing:
 
 def device_name(index: int | None) -> str:
     return "cpu" if index is None else f"cuda:{index}"
+
+
+BUILT = {DDP: "DDP built on every trainer", FSDP: "every trainer's model sharded (FSDP2)",
+         ENGINE: "every trainer's engine built", SERVER_OWNED: "every trainer's model built"}
+
+
+def ready_words(strategy: Strategy, num_servers: int) -> str:
+    """What a job had done when it was ready: what ``ready after N s`` names."""
+    return ", ".join(["every rank started", *(["servers created"] if num_servers else []),
+                      BUILT[strategy.wrap]])
 
 
 def describe_buckets(buckets: list[dict], shards: bool = False) -> str:
@@ -264,8 +274,8 @@ class Master:
                   f"or {record.progress.max_iterations} iterations are done"
                   if cfg.target_loss is not None
                   else f"{cfg.warmup_rounds} warmup and {plural(cfg.rounds, 'timed round')} follow")
-        print(f"ps_bench: ready after {ready_at - self.launched_at:.1f} s (every rank started, "
-              f"servers created, DDP built on every trainer); {follow}", flush=True)
+        print(f"ps_bench: ready after {ready_at - self.launched_at:.1f} s "
+              f"({ready_words(self.job.strategy, cfg.num_servers)}); {follow}", flush=True)
         if self.startup is not None:
             times = self.startup()
             record.environment["startup_s"] = startup_phases(times["launcher"], times["ranks"],

@@ -8,11 +8,13 @@ import time
 
 import pytest
 
-from ps_bench.processes.master import short_warmup_warning
+from ps_bench.processes.master import ready_words, short_warmup_warning
 from ps_bench.processes.rendezvous import crowded_warning
 from ps_bench.processes.supervision import supervise
 from ps_bench.metrics.startup import render_startup, startup_phases
 from ps_bench.runtime.preload import starts_ranks
+from ps_bench.strategies import HOOKS
+from ps_bench.strategies.stale import STALE_SYNCHRONOUS
 
 
 @pytest.mark.parametrize("argv, starts", [
@@ -109,3 +111,17 @@ def test_a_warmup_of_fewer_than_two_iterations_is_named_with_the_rounds_that_cov
     assert short_warmup_warning(0, 1).endswith("--warmup-rounds 2 times only what follows")
     assert short_warmup_warning(1, 2) is None and short_warmup_warning(2, 1) is None
     assert short_warmup_warning(0, 0) is None  # no iteration at all: refused elsewhere
+
+
+@pytest.mark.parametrize("hook, servers, words", [
+    ("ps", 1, "every rank started, servers created, DDP built on every trainer"),
+    ("allreduce", 0, "every rank started, DDP built on every trainer"),
+    ("fsdp", 0, "every rank started, every trainer's model sharded (FSDP2)"),
+    (STALE_SYNCHRONOUS, 1, "every rank started, servers created, every trainer's model built"),
+    ("deepspeed_zero2", 0, "every rank started, every trainer's engine built"),
+])
+def test_ready_names_what_the_job_built(hook, servers, words):
+    """"ready after N s" said "servers created, DDP built on every trainer" of every job: of
+    --hook allreduce, which starts no server, and of fsdp, which builds no DDP."""
+    record = HOOKS.record(hook) if isinstance(hook, str) else hook
+    assert ready_words(record, servers) == words
