@@ -111,8 +111,11 @@ def held_line(timeline: list[dict] | None) -> str | None:
     ``held_ms`` summed over the buckets; CPU runs), and the bucket that held it longest."""
     if not timeline or any("held_ms" not in bucket for bucket in timeline):
         return None
+    held = sum(bucket["held_ms"] for bucket in timeline)
+    if round(held, 1) == 0:  # backward waited for nothing worth a line
+        return None
     longest = max(timeline, key=lambda bucket: bucket["held_ms"])
-    return (f"hooks held backward: {sum(bucket['held_ms'] for bucket in timeline):.1f} ms an "
+    return (f"hooks held backward: {held:.1f} ms an "
             f"iteration (bucket {longest['index']} {longest['held_ms']:.1f} ms) before their "
             f"collectives or RPCs went off: backward waited, predict counts it as the "
             f"strategy's own compute")

@@ -15,7 +15,7 @@ from ps_bench.results.files import failed_results, read_snapshot, write_snapshot
 from ps_bench.results.record import RunRecord, replica_summary, replicas_alike
 from ps_bench.strategies.base import fingerprint, parameter_norm
 from ps_bench.results.files import write_results
-from ps_bench.results.printed import print_report
+from ps_bench.results.printed import held_line, print_report
 from ps_bench.runtime.topology import Topology
 from tests.contract import TRAINER_METRICS, check_contract, check_failed_minimum, metrics_of
 
@@ -135,6 +135,14 @@ def test_the_bucket_timeline_says_how_long_the_hook_held_backward_on_the_cpu(cap
     assert [(row["index"], row["held_ms"]) for row in results["timeline"]] == [(0, 5.0), (1, 2.0)]
     print_report(results, record.rows())
     assert "hooks held backward: 7.0 ms an iteration (bucket 0 5.0 ms) before their" in capsys.readouterr().out
+
+
+def test_hooks_that_held_backward_for_no_time_get_no_line():
+    """--hook local_sgd's hook returns at once: "hooks held backward: 0.0 ms an iteration ...:
+    backward waited" said backward waited for nothing."""
+    assert held_line([{"index": 0, "held_ms": 0.01}, {"index": 1, "held_ms": 0.02}]) is None
+    assert held_line([{"index": 0, "held_ms": 0.04}, {"index": 1, "held_ms": 0.02}]).startswith(
+        "hooks held backward: 0.1 ms an iteration (bucket 0 0.0 ms)")
 
 
 def test_units_live_in_the_rows():
