@@ -36,6 +36,9 @@ SETTLING_ITERATIONS = 2  # DDP builds its buckets in the first, rebuilds them in
 # a round still running this long after it began prints a progress line, then every
 # PROGRESS_EVERY_S; each trainer has PROGRESS_ASK_S to say where it is
 PROGRESS_FIRST_S, PROGRESS_EVERY_S, PROGRESS_ASK_S = 10.0, 30.0, 5.0
+# what each way of wrapping the model had built on the trainers when the job is ready
+BUILT = {DDP: "DDP built on every trainer", FSDP: "every trainer's model sharded (FSDP2)",
+         ENGINE: "every trainer's engine built", SERVER_OWNED: "every trainer's model built"}
 
 
 class SnapshotPacing:
@@ -61,10 +64,6 @@ class SnapshotPacing:
 
 def device_name(index: int | None) -> str:
     return "cpu" if index is None else f"cuda:{index}"
-
-
-BUILT = {DDP: "DDP built on every trainer", FSDP: "every trainer's model sharded (FSDP2)",
-         ENGINE: "every trainer's engine built", SERVER_OWNED: "every trainer's model built"}
 
 
 def ready_words(strategy: Strategy, num_servers: int) -> str:
