@@ -207,7 +207,8 @@ def check_pieces(cfg: RunConfig) -> Strategy:
         hosts = cfg.num_trainers // cfg.per_host if cfg.per_host else 1
         need(hosts >= 2, f"--hook {cfg.hook} synchronises within each host, then across hosts: it "
                          f"needs 2 hosts or more (--per-host G with G a divisor of the trainers "
-                         f"below their number; got {cfg.num_trainers} trainers on {hosts} host)")
+                         f"below their number; got {plural(cfg.num_trainers, 'trainer')} on "
+                         f"{hosts} host)")
         need(not (record.needs_servers and cfg.mapping == "group" and cfg.num_servers > hosts),
              f"--hook {cfg.hook} --mapping group gives each server a group of hosts: "
              f"{cfg.num_servers} servers need {cfg.num_servers} hosts; got {hosts}")
@@ -242,7 +243,8 @@ def check_workload(cfg: RunConfig) -> tuple[Entry, Entry, torch.nn.Module]:
     accumulated = f" x --grad-accum {cfg.grad_accum}" if cfg.grad_accum > 1 else ""
     need(
         samples // cfg.num_trainers >= step,
-        f"--data {cfg.data} has {samples} samples: {cfg.num_trainers} trainers get "
+        f"--data {cfg.data} has {plural(samples, 'sample')}: {plural(cfg.num_trainers, 'trainer')} "
+        f"get{'s' * (cfg.num_trainers == 1)} "
         f"{samples // cfg.num_trainers} each, fewer than --batch-size {cfg.batch_size}"
         f"{accumulated}; lower --batch-size or use more samples",
     )
@@ -280,8 +282,9 @@ def check_devices(cfg: RunConfig, record: Strategy, network: torch.nn.Module, gp
         return
     need(
         trainers_on_node <= gpus,
-        f"--backend {cfg.backend} needs one GPU per trainer: {trainers_on_node} trainers on this "
-        f"node, {gpus} GPUs; lower --ntrainer/--ncudatrainer or use --backend gloo",
+        f"--backend {cfg.backend} needs one GPU per trainer: "
+        f"{plural(trainers_on_node, 'trainer')} on this node, {plural(gpus, 'GPU')}; lower "
+        f"--ntrainer/--ncudatrainer or use --backend gloo",
     )
     if not any(getattr(m, "sparse", False) for m in network.modules()):
         return

@@ -102,7 +102,9 @@ def typed(kind: type, flag: str):
 
 
 def plural(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
+    """``1 run``, ``3 runs``, ``2 processes``."""
+    ending = "es" if noun.endswith(("s", "sh", "ch", "x")) else "s"
+    return f"{count} {noun}{'' if count == 1 else ending}"
 
 
 def flags(name: str) -> list[str]:

@@ -338,8 +338,8 @@ def sweep_points(name: str, points: list[Point], out: str, resume: bool,
     runs = [(point, repeat) for repeat in range(1, repeats + 1) for point in points]
     todo = [(point, repeat) for point, repeat in runs if (point.config_hash, repeat) not in done]
     each = f" x {repeats} runs each" if repeats > 1 else ""
-    print(f"sweep {name}: {plural(len(points), 'point')}{each}, "
-          f"{len(runs) - len(todo)}{' runs' if each else ''} already done, "
+    finished = plural(len(runs) - len(todo), "run") if each else len(runs) - len(todo)
+    print(f"sweep {name}: {plural(len(points), 'point')}{each}, {finished} already done, "
           f"{len(todo)} to run; results in {results_path}", flush=True)
     if dry_run:
         print(plan_table(runs, done))

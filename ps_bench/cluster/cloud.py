@@ -22,7 +22,7 @@ import ps_bench
 from ps_bench.cluster.torchrun import (DEFAULT_PORT, NodeLayout, add_engine_arguments, cluster_job,
                                        export_line, summary, torchrun_command, with_iface)
 from ps_bench.config import PROJECT_ROOT, ConfigError, RunConfig
-from ps_bench.options import EXIT_OK, typed
+from ps_bench.options import EXIT_OK, plural, typed
 from ps_bench.places import check_output_file, write_output
 
 ACCELERATORS = re.compile(r"[A-Za-z0-9_-]+(:\d+)?")
@@ -120,7 +120,8 @@ def task_yaml(job: CloudJob) -> str:
         resources.append("  use_spot: true")
     layout = job.layout
     lines = [
-        f"# bench.py cloud: {layout.nodes} nodes x {layout.nproc_per_node} processes = "
+        f"# bench.py cloud: {plural(layout.nodes, 'node')} x "
+        f"{plural(layout.nproc_per_node, 'process')} = "
         f"{layout.world_size} ranks"
         + (f" ({job.summary})" if job.summary else ""),
         "# The master (last rank) runs on the last node: the results file is written there, under",

@@ -24,7 +24,7 @@ from ps_bench.cluster.ssh import (HostJob, HostsFailed, SshOptions, Target, agen
 from ps_bench.cluster.torchrun import (UNKNOWN_GPUS, NodeLayout, add_engine_arguments, cluster_job,
                                        with_iface)
 from ps_bench.config import ConfigError, RunConfig, not_text
-from ps_bench.options import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, typed
+from ps_bench.options import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, plural, typed
 from ps_bench.places import check_port
 from ps_bench.runtime.failures import Terminated, raise_terminated
 from ps_bench.runtime.topology import Topology
@@ -95,8 +95,8 @@ def check_targets(targets: Sequence[Target], layout: NodeLayout) -> None:
         seen.add(target.destination)
         if target.slots is not None and target.slots != layout.nproc_per_node:
             raise ConfigError(f"the hostfile gives {target.destination} slots={target.slots}, "
-                              f"but this job runs {layout.nproc_per_node} processes on each of "
-                              f"its {layout.nodes} hosts")
+                              f"but this job runs {plural(layout.nproc_per_node, 'process')} on "
+                              f"each of its {plural(layout.nodes, 'host')}")
 
 
 # -- the command line --------------------------------------------------------------------------
@@ -182,7 +182,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     topology = Topology(cfg.ntrainer, cfg.ncudatrainer, cfg.nserver, cfg.ncudaserver, cfg.mapping,
                         cuda_collectives=cfg.backend != "gloo")
     names = ", ".join(target.host for target in targets)
-    print(f"ps_bench: {layout.world_size} processes on {layout.nodes} hosts ({names}), "
+    print(f"ps_bench: {layout.world_size} processes on {plural(layout.nodes, 'host')} ({names}), "
           f"{layout.nproc_per_node} each; the master and the results file are on "
           f"{targets[-1].host}", flush=True)
     signal.signal(signal.SIGTERM, raise_terminated)

@@ -20,7 +20,7 @@ from pathlib import Path
 from ps_bench.cluster.torchrun import (DEFAULT_PORT, NodeLayout, add_engine_arguments, cluster_job,
                                        export_line, summary, torchrun_command, with_iface)
 from ps_bench.config import ConfigError, RunConfig
-from ps_bench.options import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, typed
+from ps_bench.options import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, plural, typed
 from ps_bench.places import check_output_file, write_output
 
 OUTPUT = "%x-%j.out"  # job name and id: one log per job, next to where it was submitted
@@ -89,7 +89,8 @@ def sbatch_script(job: SlurmJob) -> str:
                                     port=job.port, max_restarts=job.max_restarts, python=job.python)
     lines = [
         "#!/bin/bash",
-        f"# bench.py slurm: {layout.nodes} nodes x {layout.nproc_per_node} processes = "
+        f"# bench.py slurm: {plural(layout.nodes, 'node')} x "
+        f"{plural(layout.nproc_per_node, 'process')} = "
         f"{layout.world_size} ranks"
         + (f" ({job.summary})" if job.summary else ""),
         "# The master (last rank) runs on the last node: the results file is written there.",

@@ -15,6 +15,7 @@ from ps_bench.config import ConfigError, RunConfig
 from ps_bench.metrics.costs import Link
 from ps_bench.models import DATA, DATA_PRESETS, MODELS, default_data, model_entry
 from ps_bench.models.entries import construct, load_entry
+from ps_bench.options import plural
 from ps_bench.predict.memory import (ModelFacts, largest_layer, meta_friendly,
                                      saved_activations_bytes)
 from ps_bench.strategies.sharded import shard_units
@@ -240,7 +241,8 @@ def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
     facts.activations_from = (f"saved for backward by a forward of {shape} {data.id} "
                               f"({precision}) on the meta device")
     return sizes, [max(shares.get(id(p), 1.0) for p in bucket) for bucket in buckets], (
-        f"FLOPs of a forward of {batch_size} samples of --data {data.id} on the meta device"), facts
+        f"FLOPs of a forward of {plural(batch_size, 'sample')} of --data {data.id} on the meta "
+        f"device"), facts
 
 
 def spread(backward_ms: float, buckets: list[tuple[int, bool]]) -> list[tuple[float, int, bool]]:

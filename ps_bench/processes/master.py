@@ -270,7 +270,8 @@ class Master:
             print(warning, file=sys.stderr, flush=True)
         total = cfg.warmup_rounds + cfg.rounds
         follow = (f"training until the averaged model's smoothed loss is at most {cfg.target_loss} "
-                  f"or {record.progress.max_iterations} iterations are done"
+                  f"or {plural(record.progress.max_iterations, 'iteration')} "
+                  f"{'is' if record.progress.max_iterations == 1 else 'are'} done"
                   if cfg.target_loss is not None
                   else f"{cfg.warmup_rounds} warmup and {plural(cfg.rounds, 'timed round')} follow")
         print(f"ps_bench: ready after {ready_at - self.launched_at:.1f} s "

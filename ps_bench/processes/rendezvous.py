@@ -21,6 +21,7 @@ from urllib.parse import parse_qs, urlparse
 
 import torch.distributed as dist
 
+from ps_bench.options import plural
 from ps_bench.runtime import failures
 from ps_bench.runtime.addresses import own_address
 from ps_bench.runtime.faults import restart_count
@@ -171,7 +172,7 @@ def crowded_warning(hosts: list[dict], cpu_trainers: set[int]) -> str | None:
                                       {"names": [], "cpus": host["cpus"], "trainers": 0})
         machine["names"].append(host["hostname"])
         machine["trainers"] += len(cpu_trainers.intersection(host["ranks"]))
-    crowded = [f"{m['trainers']} CPU trainers on {m['cpus']} CPUs "
+    crowded = [f"{m['trainers']} CPU trainers on {plural(m['cpus'], 'CPU')} "
                f"({', '.join(dict.fromkeys(m['names']))})"
                for m in machines.values() if 0 < m["cpus"] < m["trainers"]]
     if not crowded:

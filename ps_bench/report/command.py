@@ -184,7 +184,7 @@ def over_runs(rows: list[Row], metric: str, baseline: Baseline) -> list[str]:
                 said.append(f"{what} {text.format(statistics.median(values))} (runs "
                             f"{text.format(values[0])} to {text.format(values[-1])})")
         failed = len(runs) - len(done)
-        out.append(f"{label}: over {len(done)} runs"
+        out.append(f"{label}: over {plural(len(done), 'run')}"
                    + (f" ({failed} failed, left out)" if failed else "")
                    + f", median {', '.join(said) or 'none'}")
     return out

@@ -44,7 +44,8 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
     left_out = (f", less the iterations {untimed} ({untimed_s:.2f} s)" if untimed_s > 0 and untimed
                 else "")
     print(f"\nthroughput: {rate:.1f} samples/s ({1000.0 / rate if rate else 0.0:.3f} ms a "
-          f"sample) over {throughput['iterations']} iterations{steps} per trainer{left_out}")
+          f"sample) over {plural(throughput['iterations'], 'iteration')}{steps} per trainer"
+          f"{left_out}")
     busiest = moved.get("server_recv_busiest_per_iter", 0.0)
     uneven = (f" (the busiest server {busiest:.0f})"
               if busiest > IMBALANCE * moved["server_recv_per_iter"] else "")
@@ -91,8 +92,9 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
                   "left out of the timings (rounds of one iteration); give a round more")
         if check["buckets_checked"]:
             print(f"gradient error vs exact mean: p50 {check['grad_rel_error_p50']:.3g}, max "
-                  f"{check['grad_rel_error_max']:.3g} over {check['iterations']} iterations "
-                  f"({check['buckets_checked']} buckets, every trainer)")
+                  f"{check['grad_rel_error_max']:.3g} over "
+                  f"{plural(check['iterations'], 'iteration')} "
+                  f"({plural(check['buckets_checked'], 'bucket')}, every trainer)")
         if "engine_sent_per_iter" in check:
             ours, theirs = results["bytes"]["trainer_sent_per_iter"], check["engine_sent_per_iter"]
             print(f"bytes per iteration against the engine's own comms logger: counted {ours:.0f}, "
@@ -176,8 +178,8 @@ def render_limits(limits: dict, efficiency: dict | None) -> str:
                      None])
     lines = [
         f"\nFloors (--limits: {limits['bytes_per_iter']} B per trainer per iteration in "
-        f"{plural(limits['buckets'], 'bucket')}, {collective['count']} samples taken after each "
-        f"timed round, pooled over trainers)",
+        f"{plural(limits['buckets'], 'bucket')}, {plural(collective['count'], 'sample')} taken "
+        f"after each timed round, pooled over trainers)",
         tabulate(rows, headers=["floor", "p50 ms", "p90 ms", "algbw GB/s", "busbw GB/s"],
                  floatfmt=".3f", missingval="-"),
     ]

@@ -272,7 +272,9 @@ class EmulatedNetwork:
         hosts = " | ".join(f"{host_name(index)} ({self.address(index)}): "
                            f"{', '.join(map(name_of, ranks))}"
                            for index, ranks in enumerate(self.placement)) if name_of else ""
-        return (f"ps_bench: emulated network: {len(self.placement)} hosts (network namespaces) on "
+        hosts_count = len(self.placement)
+        return (f"ps_bench: emulated network: {hosts_count} host{'s' * (hosts_count != 1)} "
+                f"(network namespaces) on "
                 f"one switch, each link {rate} both ways (tc tbf){delay}; RPC over TCP"
                 + (f"; {hosts}" if hosts else ""))
 

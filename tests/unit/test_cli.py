@@ -111,6 +111,7 @@ BAD_INPUTS = [
     (["--emulate-link", "-1gbit"], "--link (--emulate-link) must be at least 1kbit; got '-1gbit'"),
     # counts and their verbs agree, one or many (they said "2 trainer(s) compute")
     (["--precision", "fp16", "--ntrainer", "1"], "1 trainer computes on the CPU here"),
+    (["--ntrainer", "1", "--batch-size", "2000"], "has 1024 samples: 1 trainer gets 1024 each, fewer than"),
     (["--precision", "fp16", "--ntrainer", "3"], "3 trainers compute on the CPU here"),
     (["--inject-fault", "server:1:1:exit"], "there is no server 1; this run has 1 server, numbered from 0"),
     (["--emulate-keep"], "--emulate-keep shapes an emulated network: set --emulate-link too"),

@@ -82,6 +82,8 @@ def test_slurm_prints_the_script_for_valid_options(capsys):
     assert main(["slurm", "--nodes", "2", "--", "--ntrainer", "2", "--nserver", "1"]) == 0
     script = capsys.readouterr().out
     assert script.startswith("#!/bin/bash\n") and "2 nodes x 2 processes = 4 ranks" in script
+    assert main(["slurm", "--nodes", "1", "--", "--ntrainer", "2", "--nserver", "1"]) == 0
+    assert "# bench.py slurm: 1 node x 4 processes = 4 ranks" in capsys.readouterr().out  # not "1 nodes"
 
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "scripts" / "slurm"

@@ -94,7 +94,7 @@ def test_validation_rejects_with_a_message_that_says_what_to_change(overrides, m
 
 
 def test_nccl_needs_one_gpu_per_trainer():
-    with pytest.raises(ConfigError, match="one GPU per trainer: 2 trainers on this node, 1 GPUs"):
+    with pytest.raises(ConfigError, match="one GPU per trainer: 2 trainers on this node, 1 GPU;"):
         validate(RunConfig(backend="nccl"), gpus=1)
     validate(RunConfig(backend="nccl", ntrainer=1), gpus=1)
 

@@ -38,7 +38,7 @@ def test_each_gpu_example_is_a_valid_job_with_a_gpu_per_nccl_trainer(argv):
     if len(devices) > 1:  # more than one trainer: one GPU is not enough for NCCL, and says so in one line
         if cfg.backend != "gloo":
             with pytest.raises(ConfigError, match=f"needs one GPU per trainer: {len(devices)} trainers on this node, "
-                                                  f"1 GPUs"):
+                                                  f"1 GPU;"):
                 validate(build_config(*parse_run_options(argv)), gpus=1)
         else:
             validate(build_config(*parse_run_options(argv)), gpus=1)  # CUDA-RPC ranks share the GPU

@@ -399,6 +399,16 @@ def test_predict_compares_no_strategy_name():
     assert found == []
 
 
+def test_counts_of_one_read_in_the_singular(capsys):
+    """A batch of 1 was "a forward of 1 samples"; one bucket, "1 bucket(s)"."""
+    assert main(["predict", "--model", "gpt2_tiny", "--batch-size", "1", "--compute-ms",
+                 "forward=10,backward=20,optimizer=1", "--hooks", "allreduce", "--trainers", "2",
+                 "--link", "10gbit"]) == 0
+    printed = capsys.readouterr().out
+    assert "calibration: gpt2_tiny at batch 1, from 0 runs\n" in printed
+    assert "; 1 bucket, " in printed and "FLOPs of a forward of 1 sample of --data" in printed
+
+
 def test_a_small_models_memory_reads_in_its_own_units(capsys):
     """A test-sized model's memory line, gradient bytes and cells are not rounded to nothing
     (0.000 B parameters, 0.00 MB, 0.0 GiB): its 43.9 K parameters, its 171.5 KiB of gradients,

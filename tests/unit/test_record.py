@@ -263,8 +263,13 @@ def test_a_run_without_servers_prints_no_server_bytes(capsys):
     record.replicas = replica_summary([torch.ones(2), torch.ones(2)])
     results = record.results("ok")
     print_report(results, record.rows())
-    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("bytes per iteration")]
+    printed = capsys.readouterr().out.splitlines()
+    [line] = [line for line in printed if line.startswith("bytes per iteration")]
     assert line == "bytes per iteration: trainer sent 3200, recv 3200"
+    results["throughput"]["iterations"] = 1  # a round of one iteration: it said "1 iterations"
+    print_report(results, record.rows())
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("throughput")]
+    assert line.endswith(" over 1 iteration per trainer")
 
 
 def test_replicas_that_diverged_alike_are_identical_and_the_report_says_they_diverged(capsys):

@@ -302,7 +302,7 @@ def test_a_dry_run_lists_the_points_and_what_resume_would_skip(tmp_path, capsys)
         "index": 2, "name": "hook=ps", "hash": points[1].config_hash, "repeat": 1})) + "\n")
     assert main(["sweep", path, "--out", str(out), "--dry-run", "--resume"]) == 0
     printed = capsys.readouterr().out.splitlines()
-    assert "1 runs already done, 3 to run" in printed[0]
+    assert "1 run already done, 3 to run" in printed[0]
     assert [line.split()[-1] for line in printed[3:]] == ["run", "done", "run", "run"]
     assert sorted(path.name for path in out.iterdir()) == ["results.jsonl"]
     assert main(["sweep", path, "--out", str(out), "--dry-run"]) == 2  # as the sweep itself would
