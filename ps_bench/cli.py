@@ -214,6 +214,12 @@ def strategy_words(cfg: RunConfig) -> str:
     return f"hook {cfg.hook}{servers}, backend {cfg.backend}"
 
 
+def job_line(cfg: RunConfig) -> str:
+    """What a job is, its first line: its processes and strategy."""
+    return (f"ps_bench: {cfg.world_size} processes ({plural(cfg.num_trainers, 'trainer')}, "
+            f"{plural(cfg.num_servers, 'server')}, 1 master), {strategy_words(cfg)}")
+
+
 def dry_run_table(cfg: RunConfig, topology: Topology, spec: LaunchSpec) -> str:
     # a strategy that sends nothing to servers leaves them idle
     idle = {} if spec.job.strategy.needs_servers else {
@@ -281,12 +287,13 @@ def run_job(argv: list[str], launched_at: float, imported: float) -> int:
                 print(f"ps_bench: note: {note}")
             return EXIT_OK
         if spec.torchrun:
+            if int(os.environ["RANK"]) == cfg.world_size - 1:  # the master's: the job's one line
+                print(job_line(cfg), flush=True)
             return run_torchrun_rank(spec)
         signal.signal(signal.SIGTERM, raise_terminated)
         # even if started with SIGINT ignored
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        print(f"ps_bench: {cfg.world_size} processes ({plural(cfg.num_trainers, 'trainer')}, "
-              f"{plural(cfg.num_servers, 'server')}, 1 master), {strategy_words(cfg)}", flush=True)
+        print(job_line(cfg), flush=True)
         for note in spec.job.notes:
             print(f"ps_bench: note: {note}", flush=True)
         return spawn(spec)

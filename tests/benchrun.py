@@ -98,12 +98,15 @@ def start_bench(*args: str, env: dict | None = None) -> subprocess.Popen:
     )
 
 
-def read_until(process: subprocess.Popen, text: str, timeout_s: float = 120) -> None:
-    """Reads stdout until a line contains ``text`` (the rest stays in the pipe)."""
+def read_until(process: subprocess.Popen, text: str, timeout_s: float = 120) -> list[str]:
+    """Reads stdout until a line contains ``text`` (the rest stays in the pipe); returns the
+    lines read, that one included."""
     deadline = time.monotonic() + timeout_s
+    read = []
     for line in process.stdout:
+        read.append(line)
         if text in line:
-            return
+            return read
         if time.monotonic() > deadline:
             break
     os.killpg(process.pid, signal.SIGKILL)

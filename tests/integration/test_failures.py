@@ -119,13 +119,17 @@ def test_under_torchrun_a_job_completes_and_only_torchruns_own_store_listens_bey
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     try:
-        read_until(process, "[round 2/")
+        first = read_until(process, "[round 2/")
         sockets = listening_sockets([process.pid, *descendants(process.pid)])
         stdout, stderr, _ = communicate(process, 180, "torchrun's job")
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 0, stdout + stderr
+    # the job's line, once, from its master rank (no rank printed it under torchrun)
+    assert [line for line in first if line.startswith("ps_bench: 4 processes")] == [
+        "ps_bench: 4 processes (2 trainers, 1 server, 1 master), hook ps, server average, mapping shard, "
+        "backend gloo\n"], first
     assert "results:" in stdout and json.loads(results_path.read_text())["status"] == "ok"
     ranks = {pid: found for pid, found in sockets.items() if pid != process.pid}
     assert sum(len(found) for found in ranks.values()) >= 4, sockets
