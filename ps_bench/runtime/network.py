@@ -66,6 +66,8 @@ def parse_rate(text: str, name: str = "--link (--emulate-link)") -> float:
     """A link rate in bits (``1gbit``, ``500mbit``) as bits per second; ``name``: the option's,
     for the error."""
     match = re.fullmatch(r"(-?\d+(?:\.\d+)?)([a-z]+)", text.strip().lower())
+    if match is not None and match.group(1).startswith("-"):
+        raise ConfigError(f"{name} must be at least 1kbit; got {text!r}")
     if match is not None and match.group(2) in BYTE_RATE_UNITS:
         number, unit = match.groups()
         bits = unit[:-3] + "bit"

@@ -298,6 +298,7 @@ BAD_INPUTS = [
     (lambda p: [results_file(p), "--link", "10gbps"], "--link 10gbps: 'gbps' means bytes a second to tc (80gbit)"),
     (lambda p: [results_file(p), "--link", "0gbit"], "--link must be at least 1kbit; got '0gbit'"),
     (lambda p: [results_file(p), "--link", "-10gbit"], "--link must be at least 1kbit; got '-10gbit'"),
+    (lambda p: [results_file(p), "--link", "-10gbps"], "--link must be at least 1kbit; got '-10gbps'"),
     (lambda p: [results_file(p), "--link", "1gbit", "--latency", "-5us"], "--latency must be 0 or more; got '-5us'"),
     (lambda p: [results_file(p, limits=False)], "no link to predict with: give runs made with --limits"),
     (lambda p: [str(p / "missing.json")], "missing.json' does not exist"),
