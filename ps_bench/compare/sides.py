@@ -58,7 +58,9 @@ class Side:
     def describe(self) -> str:
         torch = sorted({str((run.results.get("env") or {}).get("torch")) for run in self.runs})
         extra = [f"{plural(len(self.failed), 'failed run')} left out"] if self.failed else []
-        extra += ([f"{plural(len(self.skipped), 'file')} that are not results skipped "
+        one = len(self.skipped) == 1
+        extra += ([f"{plural(len(self.skipped), 'file')} that "
+                   f"{'is not a results file' if one else 'are not results files'} skipped "
                    f"({', '.join(self.skipped)})"] if self.skipped else [])
         extra += [f"{plural(self.torn, 'torn line')} skipped"] if self.torn else []
         lost = sum(diverged(run.results) for run in self.runs)

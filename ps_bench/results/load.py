@@ -129,7 +129,9 @@ class Source:
 
     def passed_over(self) -> list[str]:
         """What of it was not read, in words (empty where it was all read)."""
-        return ([f"{plural(len(self.skipped), 'file')} of {self.path} that are not results files "
+        one = len(self.skipped) == 1
+        return ([f"{plural(len(self.skipped), 'file')} of {self.path} that "
+                 f"{'is not a results file' if one else 'are not results files'} "
                  f"({', '.join(self.skipped)})"] if self.skipped else []) + (
             [f"{plural(self.torn, 'torn line')} of {self.path}"] if self.torn else [])
 

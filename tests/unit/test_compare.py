@@ -228,7 +228,7 @@ def test_points_match_by_configuration_and_the_rest_is_listed(tmp_path, capsys):
     assert "1 point matched by configuration: hook=ps" in out
     assert "unmatched, only in base: hook=allreduce (1 run)" in out
     assert "unmatched, only in new: hook=fp16 (1 run)" in out
-    assert "1 file that are not results skipped (notes.json)" in out
+    assert "1 file that is not a results file skipped (notes.json)" in out
 
 
 def test_a_server_the_strategy_sends_nothing_to_does_not_part_two_points(tmp_path, capsys):
@@ -299,7 +299,7 @@ def two_files(tmp_path) -> tuple[Path, Path]:
     ("not json", "results file '{tmp}/text.json' is not JSON"),
     ("not results", "results file '{tmp}/other.json' is not a ps_bench results file"),
     ("empty folder", "new '{tmp}/empty' holds no results (give a results file, a sweep folder or a folder of "
-                     "results files); passed over 1 file of {tmp}/empty that are not results files (notes.json)"),
+                     "results files); passed over 1 file of {tmp}/empty that is not a results file (notes.json)"),
     ("other model", "base runs model DummyModelSmall and new runs resnet18"),
     ("newer schema", "has schema 'ps_bench.result/2', and this ps_bench reads ps_bench.result/1"),
     ("negative gate", "--fail-over is a percentage, 0 or more; got -5"),
