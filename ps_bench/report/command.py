@@ -269,11 +269,12 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
     unmatched = refs.count(None)
     if unmatched:
         print(f"no speedup for {plural(unmatched, 'point')} with no point of {reference.named} "
-              f"at their {', '.join(reference.by)}")
+              f"at {'its' if unmatched == 1 else 'their'} {', '.join(reference.by)}")
     others = sum(ref is not None and row.workload != ref.workload for row, ref in zip(rows, refs))
     if others:
         print(f"no speedup for {plural(others, 'point')} of another workload than "
-              f"{reference.against()} (its {', '.join(WORKLOAD)}): their iterations do other work")
+              f"{reference.against()} (its {', '.join(WORKLOAD)}): "
+              f"{'its' if others == 1 else 'their'} iterations do other work")
     converging = any(row.results.get("convergence") for row in rows)
     if converging:
         print(f"speedup to target: {reference.against('seconds of training to the target loss')} "

@@ -172,7 +172,7 @@ def test_a_baseline_in_a_grid_is_the_one_alike_each_point(tmp_path, capsys):
     assert speedups == ["1.00x", "0.50x", "1.00x", "2.00x", "-"], out
     assert ("speedup: the batch p50 of the point with hook=allreduce at the same emulate_link divided by "
             "each point's") in out
-    assert "no speedup for 1 point with no point of hook=allreduce at their emulate_link" in out
+    assert "no speedup for 1 point with no point of hook=allreduce at its emulate_link" in out
 
 
 def test_repeat_runs_each_point_several_times_and_report_shows_every_run(tmp_path, capsys):
