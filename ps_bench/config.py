@@ -367,6 +367,11 @@ RESULTS_SCHEMA = "ps_bench.result/1"  # a results file's "schema" (ps_bench.resu
 NOT_RERUN = ("model_config", "data_config", "model_size", "out", "dry_run")
 
 
+def is_run_options(raw: Any) -> bool:
+    """Whether a file's JSON is a run config: an object of run options and nothing else."""
+    return isinstance(raw, dict) and bool(raw) and all(key in OPTIONS for key in raw)
+
+
 def load_run_file(path: str) -> dict[str, Any]:
     """Reads a run JSON whose keys are option names (``option_values``), or a results file:
     the options of its run, but where its results went, so that the run can be made again."""

@@ -34,7 +34,7 @@ from typing import IO, Any
 
 from tabulate import tabulate
 
-from ps_bench.config import (OPTIONS, RESULTS_SCHEMA, ConfigError, RunConfig, build_config,
+from ps_bench.config import (RESULTS_SCHEMA, ConfigError, RunConfig, build_config, is_run_options,
                              option_values, read_json)
 from ps_bench.job import Job, cuda_device_count, validate
 from ps_bench.options import plural, typed
@@ -100,7 +100,7 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
     if raw.get("schema") == RESULTS_SCHEMA:
         raise ConfigError(f"{path!r} is a results file: make its run again with bench.py --config "
                           f"{path}")
-    if raw and not set(raw) & set(SWEEP_KEYS) and all(key in OPTIONS for key in raw):
+    if is_run_options(raw):
         raise ConfigError(f"{path!r} is a run config: run it with bench.py --config {path}, or "
                           f"give its options as a sweep's base")
     for key in raw:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ps_bench.config import OPTIONS, RESULTS_SCHEMA, ConfigError
+from ps_bench.config import RESULTS_SCHEMA, ConfigError, is_run_options
 from ps_bench.options import plural
 from ps_bench.results.files import RESULTS_NAME
 
@@ -30,8 +30,7 @@ REQUIRED = {"status": str, "config": dict, "summary": list}
 def check(results: Any, where: str) -> dict:
     """``results`` if it is a results object this ps_bench reads, else a ConfigError naming
     ``where``."""
-    if isinstance(results, dict) and not results.get("schema") and results and all(
-            key in OPTIONS for key in results):
+    if is_run_options(results):
         raise ConfigError(f"{where} holds a run config, not results: run it with bench.py "
                           f"--config FILE, then give the results file it writes")
     if not isinstance(results, dict) or not isinstance(results.get("schema"), str):
