@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.metrics.costs import Link
@@ -146,40 +148,39 @@ def meta_buckets(network: torch.nn.Module, bucket_cap_mb: float) -> list[tuple[i
             for bucket in bucket_parameters(network, bucket_cap_mb)]
 
 
+class FirstUses(TorchDispatchMode):
+    """Under ``counter`` (a ``FlopCounterMode`` entered before it), the FLOPs counted before each
+    of ``parameters`` is first an operand of an operation: ``first`` maps its id to that count."""
+
+    def __init__(self, counter: FlopCounterMode, parameters: set[int]) -> None:
+        super().__init__()
+        self.counter, self.parameters, self.first = counter, parameters, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for operand in tree_leaves((args, kwargs or {})):
+            if id(operand) in self.parameters:
+                self.first.setdefault(id(operand), self.counter.get_total_flops())
+        return func(*args, **(kwargs or {}))
+
+
 def backward_shares(network: torch.nn.Module,
                     inputs: tuple[torch.Tensor, ...]) -> dict[int, float]:
     """Parameter id -> the share of backward done when its gradient is ready, from the FLOPs of
     a forward pass on the meta device (``torch.utils.flop_counter.FlopCounterMode``): backward
     runs the forward's operations in reverse, each taken to cost in proportion to its forward
-    FLOPs, so a layer's parameters are ready once backward has undone everything from the
-    layer's first call on; a module's own parameters beside its children's (a head's bias) are
-    taken as used when it returns, so ready once backward has undone what followed it; a
-    parameter used by two modules (a tied embedding), by the earlier. A parameter no forward used
-    is ready at the end. Raises where the model's forward cannot run on the meta device (a step
-    whose shape depends on the data, as a mixture of experts' routing)."""
+    FLOPs, so a parameter's gradient is ready once backward has undone everything from the
+    first operation that used it on (its first use is its gradient's last contribution: a tied
+    embedding is ready at its earlier use; a weight that its module's parent uses itself, as
+    ``nn.MultiheadAttention`` uses its ``out_proj``, where the parent uses it). A parameter no
+    operation used is ready at the end. Raises where the model's forward cannot run on the meta
+    device (a step whose shape depends on the data, as a mixture of experts' routing)."""
     counter = FlopCounterMode(display=False)
-    started: dict[torch.nn.Module, int] = {}
-    owners = [module for module in network.modules()
-              if any(True for _ in module.parameters(recurse=False))]
-
-    def reached(module: torch.nn.Module, *args) -> None:
-        started.setdefault(module, counter.get_total_flops())
-
-    hooks = [module.register_forward_pre_hook(reached) if not any(True for _ in module.children())
-             else module.register_forward_hook(reached) for module in owners]
-    try:
-        with counter, torch.no_grad(), meta_friendly(network):
-            network(*inputs)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    uses = FirstUses(counter, {id(parameter) for parameter in network.parameters()})
+    with counter, uses, torch.no_grad(), meta_friendly(network):
+        network(*inputs)
     total = counter.get_total_flops() or 1
-    shares: dict[int, float] = {}
-    for module in owners:
-        share = (total - started[module]) / total if module in started else 1.0
-        for parameter in module.parameters(recurse=False):
-            shares[id(parameter)] = max(shares.get(id(parameter), 0.0), share)
-    return shares
+    return {id(parameter): (total - uses.first[id(parameter)]) / total
+            if id(parameter) in uses.first else 1.0 for parameter in network.parameters()}
 
 
 def fsdp_units(network: torch.nn.Module) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from ps_bench.metrics import costs
 from ps_bench.predict import pipelines
 from ps_bench.metrics.costs import Link, Nodes
 from ps_bench.predict.pipelines import Phases
-from ps_bench.predict.inputs import meta_buckets
+from ps_bench.predict.inputs import meta_buckets, model_buckets
 from ps_bench.predict.calibration import from_compute_ms
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.rows import colocated_counts, unplaced
@@ -180,6 +180,19 @@ def test_predict_builds_vgg16_on_the_meta_device_and_its_classifier_is_ready_fir
     assert early >= 0.5 * 4 * 138_357_544, buckets
     assert "FLOPs" in calibration["overlap_from"]
     capsys.readouterr()
+
+
+def test_a_transformers_blocks_are_ready_in_turn_over_backward():
+    """gpt2_small's blocks are torch.nn.TransformerEncoderLayer, whose attention uses its
+    out_proj's weight itself, never calling out_proj: each block's bucket is ready when backward
+    has undone that block, in turn, not at the end of backward with the token embedding."""
+    buckets, shares, how, _ = model_buckets("gpt2_small", 25.0, batch_size=2)
+    assert "FLOPs" in how and len(buckets) == 13
+    # the last bucket holds the token embedding (tied to the output): ready at the end
+    assert shares[-1] == 1.0
+    blocks = shares[1:-2]  # the buckets of blocks 10 to 1; block 0 shares the last but one
+    assert all(earlier < later < 1.0 for earlier, later in zip(blocks, blocks[1:])), shares
+    assert blocks[-1] < 0.95, shares
 
 
 def test_predicted_ps_node_on_8_nodes_of_4_is_within_a_fifth_of_its_bounds(tmp_path, capsys):
