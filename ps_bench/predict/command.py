@@ -148,7 +148,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "nor its measured column (default: the options its runs had, else its "
                         "defaults)")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="X",
-                        help="with --compute-ms: DDP's bucket cap (default: 25)")
+                        help="with --compute-ms: DDP's bucket cap, the first bucket's "
+                        "too, as a trainer gives it to DDP (default: 25)")
     memory.add_arguments(parser)
     parser.add_argument("--out", metavar="FILE.json", help="write the calibration and every "
                         "prediction as JSON")

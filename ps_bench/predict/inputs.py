@@ -129,13 +129,13 @@ def bucket_parameters(network: torch.nn.Module,
                       bucket_cap_mb: float) -> list[list[torch.nn.Parameter]]:
     """The parameters of each of DDP's buckets for ``network``, in the order backward makes them
     ready. DDP assigns the parameters in reverse order (the last layer's gradient is ready first)
-    to buckets of at most 1 MiB first, then ``bucket_cap_mb``, as
-    ``torch.distributed._compute_bucket_assignment_by_size`` does for it."""
+    to buckets of ``bucket_cap_mb``, as ``torch.distributed._compute_bucket_assignment_by_size``
+    does for it. Its first bucket is of 1 MiB only where ``bucket_cap_mb`` is not given; a
+    trainer gives it (``RunConfig.bucket_cap_mb``), and so does a user who sets the cap."""
     parameters = [p for p in network.parameters() if p.requires_grad][::-1]
     sparse = {id(module.weight) for module in network.modules() if getattr(module, "sparse", False)}
     indices, _ = dist._compute_bucket_assignment_by_size(
-        parameters, [dist._DEFAULT_FIRST_BUCKET_BYTES, int(bucket_cap_mb * 1024 * 1024)],
-        [id(p) in sparse for p in parameters])
+        parameters, [int(bucket_cap_mb * 1024 * 1024)], [id(p) in sparse for p in parameters])
     return [[parameters[i] for i in bucket] for bucket in indices]
 
 

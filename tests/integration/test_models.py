@@ -93,14 +93,16 @@ def test_powersgd_bytes_are_what_its_rule_predicts(bench_runs):
     model = "resnet18_small"
     # several buckets in flight: PowerSGD's chained all-reduces must still match across trainers
     results = results_of(bench_runs, model, "powersgd", "--hook-option", "matrix_approximation_rank=2",
-                         "--bucket-cap-mb", "2")
+                         "--bucket-cap-mb", "0.5")
     assert len(results["config"]["model_size"]["ddp_buckets"]) > 1
     network = build_model(MODEL_PRESETS[model]["model_class"], MODEL_PRESETS[model]["configurations"], 0)
     expected = 4 * powersgd_elements(network, rank=2)  # float32; a 2-rank ring moves the buffer once each way
     assert results["bytes"]["trainer_sent_per_iter"] == expected
     assert expected < 4 * sum(p.numel() for p in network.parameters()) / 10  # it does compress
-    # predict --compute-ms knows the same payload from the model built on the meta device
-    facts = model_buckets(model, 2.0)[3]
+    # predict --compute-ms knows the same buckets (DDP's first is of the cap given, not 1 MiB)
+    # and the same payload from the model built on the meta device
+    buckets, _, _, facts = model_buckets(model, 0.5)
+    assert [size for size, _ in buckets] == [b["bytes"] for b in results["config"]["model_size"]["ddp_buckets"]]
     assert low_rank_ratios(facts.bucket_shapes)["powersgd"] * 4 * facts.parameters == pytest.approx(expected)
     # PowerSGD computes in gloo's callback threads: they must round as the main thread does
     assert results["replicas"]["identical"] is True, results["replicas"]

@@ -244,9 +244,11 @@ class MadeUp(nn.Module):
 def test_compute_ms_builds_ddps_buckets_and_spreads_their_ready_times_over_backward():
     with torch.device("meta"):
         network = MadeUp()
-    buckets = meta_buckets(network, bucket_cap_mb=2.0)
-    # reverse order, a bucket closed once it reaches its cap (1 MiB for the first): third and
-    # second (1.5 MB), then first
+    # reverse order, a bucket closed once it reaches its cap, the first bucket too (DDP's 1 MiB
+    # first bucket is for a DDP given no cap; a trainer gives one): all three under 2 MiB
+    assert meta_buckets(network, bucket_cap_mb=2.0) == [(4_000_000, False)]
+    # third and second (1.5 MB), then first, under 1 MiB
+    buckets = meta_buckets(network, bucket_cap_mb=1.0)
     assert buckets == [(1_500_000, False), (2_500_000, False)]
     calibration = from_compute_ms("MadeUp", 8, Phases(10.0, 40.0, 2.0), buckets, NETWORK, "given")
     assert [ready for ready, _, _ in calibration.buckets] == pytest.approx([15.0, 40.0])
