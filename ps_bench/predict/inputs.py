@@ -238,11 +238,13 @@ def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
         return sizes, None, (f"the model's forward did not run on the meta device "
                              f"({type(error).__name__}), so by bytes"), facts
     shape = "x".join(str(n) for n in inputs[0].shape)
+    named = (data.id if sequence_length is None
+             else f"{data.id} at --sequence-length {sequence_length}")
     facts.activations_bytes = saved_activations_bytes(network, inputs, precision)
-    facts.activations_from = (f"saved for backward by a forward of {shape} {data.id} "
+    facts.activations_from = (f"saved for backward by a forward of {shape} {named} "
                               f"({precision}) on the meta device")
     return sizes, [max(shares.get(id(p), 1.0) for p in bucket) for bucket in buckets], (
-        f"FLOPs of a forward of {plural(batch_size, 'sample')} of --data {data.id} on the meta "
+        f"FLOPs of a forward of {plural(batch_size, 'sample')} of --data {named} on the meta "
         f"device"), facts
 
 

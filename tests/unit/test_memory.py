@@ -164,8 +164,10 @@ def test_what_a_strategy_keeps_between_iterations_is_in_its_memory(capsys):
     assert main(["predict", "--model", "hf:llama3-8b", "--batch-size", "1", "--sequence-length", "1024",
                  "--compute-ms", "forward=100,backward=200,optimizer=5", "--hooks", "allreduce,topk",
                  "--trainers", "8", "--link", "100gbit", "--gpu-memory", "80GB"]) == 0
-    rows = {line.split()[1]: line.split() for line in capsys.readouterr().out.splitlines()
-            if line.startswith("8 ")}
+    printed = capsys.readouterr().out
+    rows = {line.split()[1]: line.split() for line in printed.splitlines() if line.startswith("8 ")}
     assert rows["allreduce"][-1] == "yes" and rows["topk"][-1] == "NO"
+    # its data has sequences of 64 tokens: the calibration says what length it counted
+    assert "a forward of 1x1024 tokens64 at --sequence-length 1024 (fp32)" in printed
     assert float(rows["topk"][-2]) - float(rows["allreduce"][-2]) == pytest.approx(
         4 * facts.parameters / 2 ** 30, abs=0.1)
