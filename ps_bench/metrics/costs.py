@@ -197,6 +197,13 @@ def hsdp_reduce_ms(nodes: Nodes, nbytes: float, gloo: bool = False) -> float:
             ring_allreduce_ms(nodes.count, nbytes, nodes.network))
 
 
+def fsdp_reduce_ms(nodes: Nodes, nbytes: float, gloo: bool = False) -> float:
+    """FSDP2's gradient step for ``nbytes`` of gradients: a reduce-scatter over every trainer,
+    ring-ordered node by node (``collective_ms``), issued as backward finishes each unit (its
+    parameters' all-gathers are its record's ``sends``)."""
+    return collective_ms("reduce_scatter", nodes, nbytes, gloo)
+
+
 def collective_ms(collective: str, nodes: Nodes, nbytes: float, gloo: bool = False) -> float:
     """One collective over all N·G trainers on a whole buffer of ``nbytes`` (a reduce-scatter's
     input, an all-gather's output), ring-ordered node by node (``flat_ring_ms``): an all-reduce
@@ -208,7 +215,7 @@ def collective_ms(collective: str, nodes: Nodes, nbytes: float, gloo: bool = Fal
 
 
 def hsdp_gather_ms(nodes: Nodes, nbytes: float) -> float:
-    """HSDP's two all-gathers of the parameters within the node per iteration (before forward,
+    """HSDP's two all-gathers of the parameters within the node per micro-batch (before forward,
     and again before backward, having freed them), taken as not hidden behind compute (FSDP's
     prefetch hides part of them: an upper bound)."""
     return within_node_ms(nodes, nbytes, 2)

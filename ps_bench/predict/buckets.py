@@ -19,7 +19,8 @@ def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n
                       servers_on: str = "dedicated") -> float | None:
     """When the last bucket's combined gradient is back, ms after backward began (None: this
     strategy cannot be predicted from this calibration): its buckets through the pipeline its
-    record's ``cost`` names, then what it pays once an iteration besides (``cost.iteration_ms``).
+    record's ``cost`` names, then what it pays each micro-batch besides (``cost.micro_batch_ms``,
+    HSDP's gathers: every micro-batch's counted here, in the wire dtype).
     ``per_node`` trainers share a node (its local link, ``calibration.intra_link``, between
     them); at 1, every model is the flat one."""
     cost = strategy.cost
@@ -28,8 +29,9 @@ def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n
     nodes = costs.Nodes(n // per_node, per_node, calibration.link, calibration.intra_link)
     end = BUCKET_PIPELINES[cost.pipeline](calibration, strategy, hook, nodes, k, mapping,
                                           servers_on)
-    if end is not None and cost.iteration_ms is not None:
-        end += cost.iteration_ms(nodes, calibration.gradient_bytes)
+    if end is not None and cost.micro_batch_ms is not None:
+        end += calibration.micro_batches * cost.micro_batch_ms(
+            nodes, calibration.gradient_bytes * wire_factor(strategy))
     return end
 
 

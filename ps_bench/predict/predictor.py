@@ -229,7 +229,8 @@ def sends_ms(calibration: Calibration, strategy: Strategy, hook: str, n: int,
     """What a strategy's collectives over the whole model (its record's ``sends``: FSDP2's and
     ZeRO's gathers and scatters, local SGD's and DiLoCo's all-reduce once a period) cost an
     iteration, amortised over the period (``Calibration.options_of``), taken as not hidden
-    behind compute (FSDP2 prefetches some of its gathers: an upper bound)."""
+    behind compute (FSDP2 prefetches some of its gathers: an upper bound); those its buckets
+    carry through backward (``cost.overlapped``) are in ``communication_end`` instead."""
     if not strategy.sends:
         return 0.0
     nodes = costs.Nodes(n // per_node, per_node, calibration.link, calibration.intra_link)
@@ -239,7 +240,7 @@ def sends_ms(calibration: Calibration, strategy: Strategy, hook: str, n: int,
     return sum(costs.collective_ms(collective, nodes, calibration.gradient_bytes * factor,
                                    calibration.gloo)
                * calls_per_iteration(per, period, calibration.micro_batches)
-               for collective, per in strategy.sends)
+               for collective, per in strategy.sends if collective not in strategy.cost.overlapped)
 
 
 def predict(calibration: Calibration, hook: str, n: int, k: int, mapping: str = "shard",

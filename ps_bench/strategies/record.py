@@ -88,16 +88,19 @@ class Cost:
     nodes' links (default ``costs.flat_ring_ms``, a ring over every trainer), and
     ``bucket_ms_at(options)``, in its place, that cost at the hook's options where they change
     it (a compressor's ratio or levels);
-    ``iteration_ms(nodes, nbytes)``: what it pays once an iteration over the whole gradient's
-    ``nbytes`` besides, not hidden behind compute. ``like``: with no run of its own, the
-    strategy whose own compute (what its transfers do not account for) it takes (default: the
-    one it compresses)."""
+    ``micro_batch_ms(nodes, nbytes)``: what it pays each micro-batch over the whole gradient's
+    ``nbytes`` (in its wire dtype) besides, not hidden behind compute. ``like``: with no run of
+    its own, the strategy whose own compute (what its transfers do not account for) it takes
+    (default: the one it compresses). ``overlapped``: the collectives of its ``sends`` that its
+    pipeline's buckets carry as backward makes them (FSDP2's reduce-scatter, unit by unit),
+    which predict does not add again after backward."""
 
     pipeline: str | None = None
     bucket_ms: Callable[[Nodes, float, bool], float] | None = None
     bucket_ms_at: Callable[[dict], Callable[[Nodes, float, bool], float]] | None = None
-    iteration_ms: Callable[[Nodes, float], float] | None = None
+    micro_batch_ms: Callable[[Nodes, float], float] | None = None
     like: str | None = None
+    overlapped: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

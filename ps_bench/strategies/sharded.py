@@ -64,7 +64,11 @@ def shard_units(network: nn.Module) -> list[nn.Module]:
                                 # --grad-accum: the parameters gathered for every micro-batch's
                                 # forward and backward, the gradients reduced on the step's last
                                 sends=(("all_gather", "micro-batch"), ("all_gather", "micro-batch"),
-                                       ("reduce_scatter", "iteration"))))
+                                       ("reduce_scatter", "iteration")),
+                                # each unit's gradients reduce-scattered as backward finishes it,
+                                # the rest of backward going on: predicted bucket by bucket
+                                cost=Cost(COLLECTIVE_BUCKETS, bucket_ms=costs.fsdp_reduce_ms,
+                                          overlapped=("reduce_scatter",))))
 class FullyShard(Synchroniser):
     """FSDP2 over the trainers: the model's units (``shard_units``), each with its parameters
     all-gathered before its forward and again before its backward, having been freed in between,
@@ -189,7 +193,7 @@ def corrupt(ctx: HookContext, model: nn.Module) -> None:
                                 reduce_dtype=True,
                                 holds=Holds(MODEL_STATES, over="host", gathers="unit"),
                                 cost=Cost(COLLECTIVE_BUCKETS, bucket_ms=costs.hsdp_reduce_ms,
-                                          iteration_ms=costs.hsdp_gather_ms)))
+                                          micro_batch_ms=costs.hsdp_gather_ms)))
 class HybridShard(FullyShard):
     """FSDP2 on a 2-D mesh (HSDP): parameters sharded among the trainers of a host (--per-host)
     and replicated across hosts; gradients reduce-scattered within the host, then each shard

@@ -363,7 +363,7 @@ def declared_here(monkeypatch, name: str, record) -> None:
 
 def test_a_strategy_declared_in_a_test_predicts_from_its_record_alone(monkeypatch):
     """What predict knows of a strategy is its record: a new one with a cost of its own (each
-    bucket two rings, a fixed term an iteration, the own compute of allreduce) is predicted with
+    bucket two rings, a fixed term a micro-batch, the own compute of allreduce) is predicted with
     no line of ``predict/`` naming it."""
     def twice(nodes, nbytes, gloo):
         return 2 * costs.flat_ring_ms(nodes, nbytes)
@@ -373,7 +373,7 @@ def test_a_strategy_declared_in_a_test_predicts_from_its_record_alone(monkeypatc
 
     declared_here(monkeypatch, "two_rings", Strategy(
         COLLECTIVE, "float16", lossless=False, sparse_buckets=None, uncompressed="allreduce",
-        cost=Cost(bucket_ms=twice, iteration_ms=fixed)))
+        cost=Cost(bucket_ms=twice, micro_batch_ms=fixed)))
     calibration = from_compute_ms("m", 8, Phases(1.0, 2.0, 0.5), [(8 * MB, False), (4 * MB, False)], LINK, "test")
     calibration.own_ms = {"allreduce": 0.25}
     got = predict(calibration, "two_rings", 4, 0)
