@@ -20,7 +20,7 @@ from ps_bench.predict.calibration import (Calibration, add_payloads, from_comput
                                           give_options)
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.rows import prediction_rows, unplaced
-from ps_bench.predict.runs import Run
+from ps_bench.predict.runs import Run, runs_of
 from ps_bench.registry import UnknownNameError
 from ps_bench.results.load import files_read
 from ps_bench.runtime.network import parse_delay
@@ -77,10 +77,12 @@ its parameters' (counted on the meta device over a batch of the model's own data
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("results", nargs="*", metavar="RESULTS.json",
                         help="results files of finished runs of one model and batch size (with "
-                        "--limits, unless --link is given); none with --compute-ms")
+                        "--limits, unless --link is given), or sweep folders, their "
+                        "results.jsonl or folders of results files (their finished runs); none "
+                        "with --compute-ms")
     parser.add_argument("--compare", nargs="+", default=[], metavar="RESULTS.json",
-                        help="more results files, shown beside the predictions they match but not "
-                        "used to calibrate (a check)")
+                        help="more results files (or sweep folders), shown beside the predictions "
+                        "they match but not used to calibrate (a check)")
     parser.add_argument("--trainers", metavar="N,...",
                         help=f"trainer counts to predict (default: {DEFAULT_TRAINERS})")
     parser.add_argument("--servers", metavar="K,...|auto",
@@ -290,7 +292,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     trainers = target.trainers
     link_bps = target.link.line_bps if target.link is not None else None
     gpu_memory = memory.check_arguments(args)
-    runs = [Run.load(path) for path in args.results]
+    runs = runs_of(args.results)
     facts = None
     if target.compute_ms is not None:
         calibration, facts = no_run_calibration(args, target)
@@ -322,7 +324,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     hooks = choose_hooks(args.hooks, runs, calibration, target.per_node)
     servers = (count_list(args.servers, "servers", allow_auto=True) if args.servers is not None
                else sorted({run.servers for run in runs if run.servers} or {1}))
-    compared = [Run.load(path) for path in args.compare]
+    compared = runs_of(args.compare)
     for run in compared:
         if run.grad_accum != args.grad_accum:
             raise ConfigError(f"--compare {run.path} ran --grad-accum {run.grad_accum}; this "

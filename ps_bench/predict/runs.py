@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from ps_bench.config import ConfigError
 from ps_bench.metrics.limits import fit_link
-from ps_bench.results.load import load_file
+from ps_bench.options import plural
+from ps_bench.results.load import load_file, load_source
 from ps_bench.strategies import HOOKS
 
 
@@ -55,7 +56,11 @@ class Run:
 
     @classmethod
     def load(cls, path: str) -> "Run":
-        results = load_file(path)
+        return cls.of(load_file(path), path)
+
+    @classmethod
+    def of(cls, results: dict, path: str) -> "Run":
+        """The run of ``results``, read from ``path`` (a file, or a sweep's line)."""
         if results.get("status") != "ok":
             raise ConfigError(f"{path} is a failed run "
                               f"({results.get('error', 'no error recorded')}): predict from "
@@ -85,6 +90,29 @@ class Run:
                                                 "model_options") if key in cfg},
             hook_options=dict(cfg.get("hook_options") or {}),
         )
+
+
+def runs_of(sources: list[str]) -> list[Run]:
+    """The runs of ``sources``, as report and compare read them (``load_source``): results files,
+    sweep folders, a sweep's ``results.jsonl``, folders of results files. A failed run named on
+    its own is refused; a sweep's or a folder's failed runs are passed over (a sweep records
+    every point), and one with no run that finished is refused."""
+    runs = []
+    for source in sources:
+        loaded = load_source(source)
+        if loaded.kind == "results file":
+            runs += [Run.of(results, where) for where, results in loaded.runs]
+            continue
+        finished = [Run.of(results, where) for where, results in loaded.runs
+                    if results.get("status") == "ok"]
+        if not loaded.runs:
+            raise ConfigError(f"{source}: a {loaded.kind} with no results in it")
+        if not finished:
+            raise ConfigError(f"{source}: every run of this {loaded.kind} failed "
+                              f"({plural(len(loaded.runs), 'run')}): predict from runs that "
+                              f"finished")
+        runs += finished
+    return runs
 
 
 def refitted(link: dict | None) -> dict | None:

@@ -162,6 +162,30 @@ def results_file(tmp_path, name: str = "r.json", hook: str = "allreduce", traine
     return str(path)
 
 
+def test_predict_reads_a_sweep_folder_as_the_runs_it_holds(tmp_path, capsys):
+    """A sweep's folder (its results.jsonl), or that file, calibrates as the runs it holds, as
+    report and compare read it, its failed points passed over; a folder whose every run failed
+    is one line and exit 2 (it was "not JSON: Extra data at line 2")."""
+    ar, ps, failed = (json.loads(open(results_file(tmp_path, name, **kw)).read()) for name, kw in (
+        ("ar.json", {"batch_ms": 80.0}), ("ps.json", {"hook": "ps", "servers": 1, "batch_ms": 150.0}),
+        ("fp16.json", {"hook": "fp16", "status": "failed", "error": "trainer 1 exited"})))
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (ar, failed, ps)))
+    predictions = []
+    for sources in ([tmp_path / "ar.json", tmp_path / "ps.json"], [sweep], [sweep / "results.jsonl"]):
+        out = tmp_path / "predict.json"
+        assert main(["predict", *map(str, sources), "--trainers", "8", "--out", str(out)]) == 0
+        predictions.append(json.loads(out.read_text())["predictions"])
+    assert predictions[0] == predictions[1] == predictions[2]
+    assert {row["strategy"] for row in predictions[0]} >= {"allreduce", "ps"}
+    (sweep / "results.jsonl").write_text(json.dumps(failed) + "\n")
+    capsys.readouterr()
+    assert main(["predict", str(sweep), "--trainers", "8"]) == 2
+    assert capsys.readouterr().err == (f"ps_bench: error: {sweep}: every run of this sweep folder failed "
+                                       f"(1 run): predict from runs that finished\n")
+
+
 def test_a_run_faster_than_its_own_compute_allows_gets_no_negative_own_compute(tmp_path):
     # the model gives a 2-trainer all-reduce 62.02 ms with this run's compute and link (below);
     # a batch of 40 ms means its compute-only iteration ran slower than its rounds
