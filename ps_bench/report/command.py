@@ -43,7 +43,7 @@ class Baseline:
     one that finished: the sweep runs them in turns, so each pair ran closest in time."""
 
     points: tuple[Row, ...]
-    named: str = ""  # --baseline as given; empty: the first point
+    named: str = ""  # --baseline as given, else the options the first point differs in
     by: tuple[str, ...] = ()  # the options the points differ in (find_baseline finds them)
 
     def of(self, row: Row) -> Row | None:
@@ -60,10 +60,10 @@ class Baseline:
 
     def against(self, what: str = "") -> str:
         """Whose ``what`` each point's is measured against, for the table's footnotes."""
-        if not self.by:
+        if not self.named:
             return f"{self.points[0].label}'s{' ' + what if what else ''}"
-        return (f"{'the ' + what if what else 'that'} of the point with {self.named} at the same "
-                f"{', '.join(self.by)}")
+        alike = f" at the same {', '.join(self.by)}" if self.by else ""
+        return f"{'the ' + what if what else 'that'} of the point with {self.named}{alike}"
 
 
 def what_points_have(rows: list[Row], key: str) -> str:
@@ -78,8 +78,10 @@ def what_points_have(rows: list[Row], key: str) -> str:
 
 
 def find_baseline(rows: list[Row], baseline: str | None) -> Baseline:
-    if baseline is None:  # the first point, each of its runs
-        return Baseline(tuple(row for row in rows if row.point == rows[0].point))
+    if baseline is None:  # the first point, each of its runs, named as the table shows it
+        named = ", ".join(f"{name}={rows[0].option(name)}" for name in varying_options(rows)
+                          if rows[0].option(name) is not None)
+        return Baseline(tuple(row for row in rows if row.point == rows[0].point), named)
     key, sep, value = baseline.partition("=")
     if not sep:
         raise ConfigError(f"--baseline must be KEY=VALUE, e.g. hook=allreduce; got {baseline!r}")

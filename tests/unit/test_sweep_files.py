@@ -137,8 +137,20 @@ def test_report_gives_no_speedup_across_workloads(tmp_path, capsys):
     assert [line[headers.index("speedup")] for line in body] == ["1.00x", "2.00x", None, None]
     assert run_report([str(tmp_path / f"{name}.json") for name in ("ps", "ar", "model", "batch")], None,
                       "batch", None, None) == 0
-    assert ("no speedup for 2 points of another workload than ps's (its model, model_options, data, "
-            "batch_size, grad_accum): their iterations do other work") in capsys.readouterr().out
+    assert ("no speedup for 2 points of another workload than that of the point with hook=ps (its model, "
+            "model_options, data, batch_size, grad_accum): their iterations do other work") in capsys.readouterr().out
+
+
+def test_reports_baseline_is_named_as_the_table_shows_it(tmp_path, capsys):
+    """Results files' points are rows of the options they differ in: the speedup's line names the
+    baseline by them, where it named the file ("speedup: run-7's batch p50")."""
+    for name, hook, p50 in (("run-7", "ps", 4.0), ("run-8", "allreduce", 2.0)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(result(hook, p50)))
+    assert run_report([str(tmp_path / "run-7.json"), str(tmp_path / "run-8.json")], None, "batch",
+                      None, None) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[0] == "hook"
+    assert "\nspeedup: the batch p50 of the point with hook=ps divided by each point's (above 1 is faster)\n" in out
 
 
 def test_a_baseline_no_point_has_says_what_the_points_have(tmp_path):
