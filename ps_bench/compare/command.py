@@ -40,7 +40,8 @@ examples:
   python bench.py compare ps.json allreduce.json --format markdown --json comparison.json
 
 exit status: 0, 1 when --fail-over is given and a matched point is significantly slower by more
-than it, 2 for bad input (a side that is not there or not results, two different models).
+than it, 2 for bad input (a side that is not there or not results, two different models, the same
+runs on both sides).
 """
 
 
@@ -184,6 +185,10 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> None:
         if value is not None and (not math.isfinite(value) or value < 0):
             raise ConfigError(f"{flag} is a percentage, 0 or more; got {value:g}")
     ignored_fields(args.match)
+    base = files_read([args.base])
+    if base and base == files_read([args.new]):
+        raise ConfigError(f"compare: BASE and NEW are the same runs ({args.base}, {args.new}): "
+                          f"give the runs before a change, then those after it")
     check_apart({"--csv": args.csv, "--json": args.json, "--plot": args.plot},
                 files_read([args.base, args.new]))
     for flag, path in (("--csv", args.csv), ("--json", args.json)):
