@@ -40,8 +40,7 @@ examples:
   python bench.py compare ps.json allreduce.json --format markdown --json comparison.json
 
 exit status: 0, 1 when --fail-over is given and a matched point is significantly slower by more
-than it, 2 for bad input (a side that is not there or not results, two different models, the same
-runs on both sides).
+than it, 2 for bad input (a side that is not there or not results, two different models).
 """
 
 
@@ -185,10 +184,6 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> None:
         if value is not None and (not math.isfinite(value) or value < 0):
             raise ConfigError(f"{flag} is a percentage, 0 or more; got {value:g}")
     ignored_fields(args.match)
-    base = files_read([args.base])
-    if base and base == files_read([args.new]):
-        raise ConfigError(f"compare: BASE and NEW are the same runs ({args.base}, {args.new}): "
-                          f"give the runs before a change, then those after it")
     check_apart({"--csv": args.csv, "--json": args.json, "--plot": args.plot},
                 files_read([args.base, args.new]))
     for flag, path in (("--csv", args.csv), ("--json", args.json)):
@@ -202,6 +197,9 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     check(args, bench_argv)
     comparison = compare(args.base, args.new, args.match, args.threshold, args.fail_over)
     print(render(comparison, markdown=args.format == "markdown"))
+    if files_read([args.base]) == files_read([args.new]):
+        print(f"note: base and new are the same runs ({args.base}, {args.new}): every change is 0 "
+              f"by construction; compare the runs before a change with those after it")
     if args.csv:
         write_output(args.csv, "--csv", lambda path: write_csv(path, comparison.rows))
         print(f"csv: {args.csv}")

@@ -90,6 +90,7 @@ def test_a_persistent_straggler_is_slower_and_fails_the_gate(sweep, tmp_path, ca
 def test_a_sweep_folder_against_itself_matches_every_point(sweep, tmp_path, capsys):
     code, out, record = compare(capsys, tmp_path, str(sweep / "runs"), str(sweep / "runs"), "--fail-over", "0")
     assert code == 0, out
+    assert "\nnote: base and new are the same runs (" in out  # a user's slip, said
     assert sorted(p["label"] for p in record["points"]) == ["plain", "straggler"]
     assert all(p["base_runs"] == p["new_runs"] == 6 for p in record["points"])
     assert record["unmatched"] == {"base": [], "new": []}
