@@ -222,7 +222,8 @@ def timed(collective: str, started: float, work):
     return work
 
 
-def host_links(traffic: dict[tuple[int, int], int], hosts: list[dict], iterations: int) -> dict:
+def host_links(traffic: dict[tuple[int, int], int], hosts: list[dict],
+               iterations: float) -> dict:
     """With ranks on two hosts or more: the bytes per iteration that crossed between hosts, in all
     (``across_hosts_per_iter``) and on each host's link each way (``host_links``), from the
     trainers' ``crossing`` counts summed over a run (``traffic``)."""

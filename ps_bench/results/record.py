@@ -105,7 +105,7 @@ class RunRecord:
         self.server_bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # received, sent
         # (from host, to host) -> bytes
         self.host_traffic: dict[tuple[int, int], int] = defaultdict(int)
-        self.iterations = self.rounds_done = 0
+        self.rounds_done = 0
         # rank -> iterations, samples
         self.trainer_work: dict[int, list[int]] = defaultdict(lambda: [0, 0])
         # --staleness: each applied update's observed staleness, every server
@@ -151,9 +151,6 @@ class RunRecord:
         untimed_s = min(elapsed_s, min(result.get("untimed_s", 0.0) for result in rounds))
         self.timed_s += elapsed_s - untimed_s
         self.untimed_s += untimed_s
-        # per trainer (with --staleness each runs as many iterations as it can in the round: their
-        # mean)
-        self.iterations += round(sum(result["iterations"] for result in rounds) / len(rounds))
         self.verified_iterations += rounds[0]["verified_iterations"]
         for info, result in zip(topo.trainers, rounds):
             self.trainer_work[info.rank][0] += result["iterations"]
@@ -265,7 +262,7 @@ class RunRecord:
                     (self.per_iteration({rank: counts}, 0, 1) for rank, counts
                      in self.server_bytes.items()), default=0.0),
                 **host_links(self.host_traffic, self.environment.get("hosts") or [],
-                             self.iterations),
+                             self.mean_iterations),
             },
             "timeline": self.timeline(),
             "replicas": self.replicas,
@@ -289,11 +286,23 @@ class RunRecord:
             ],
         }
 
+    @property
+    def mean_iterations(self) -> float:
+        """The timed iterations of a trainer (with --staleness each runs as many as it can in a
+        round: their mean, over the whole run)."""
+        done = [work[0] for work in self.trainer_work.values()]
+        return sum(done) / len(done) if done else 0.0
+
+    @property
+    def iterations(self) -> int:
+        return round(self.mean_iterations)
+
     def per_iteration(self, counts: dict[int, list[int]], column: int, processes: int) -> float:
-        """Bytes per iteration, mean per process of the role."""
-        if not processes or not self.iterations:
+        """Bytes per iteration, mean per process of the role (over ``mean_iterations``,
+        unrounded)."""
+        if not processes or not self.mean_iterations:
             return 0.0
-        return sum(c[column] for c in counts.values()) / processes / self.iterations
+        return sum(c[column] for c in counts.values()) / processes / self.mean_iterations
 
     def timeline(self) -> list[dict] | None:
         """Each DDP bucket in the order it became ready: its payload bytes, and p50 over every

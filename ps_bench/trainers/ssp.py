@@ -90,9 +90,11 @@ class StaleSynchronousTrainer(Resident):
         ``optimizer``) and bytes."""
         readings, moved, losses = [], [], []
         clock = time.perf_counter
-        status, self.round_began = GO, self.clock
-        if not self.fresh:
-            status = self.read(self.ask("pull", self.clock))
+        status, self.round_began, pulled = GO, self.clock, 0
+        if not self.fresh:  # the last round's last push was answered without parameters
+            answers = self.ask("pull", self.clock)
+            pulled = parameter_bytes(answers)  # counted with the first iteration's, as it feeds it
+            status = self.read(answers)
         accum, size = self.accum, self.batch_size
         while status == GO:
             first = (self.clock % self.per_epoch) * size * accum
@@ -125,8 +127,8 @@ class StaleSynchronousTrainer(Resident):
             t4 = clock()
             readings.append((*times, t3, t4))
             moved.append((sum(tensor_bytes(g) for shard in gradients for g in shard),
-                          sum(tensor_bytes(p) for reply in answers if reply[0] is not None
-                              for p in reply[0])))
+                          parameter_bytes(answers) + pulled))
+            pulled = 0
             losses.append(step_loss)
             self.trained_s += t4 - times[0]
         return self.round_result(readings, moved, losses, status)
@@ -216,3 +218,9 @@ class StaleSynchronousTrainer(Resident):
 
     def close(self) -> None:
         """Training is over: nothing of its own to stop."""
+
+
+def parameter_bytes(answers: list[tuple]) -> int:
+    """The bytes of the parameters the servers' ``answers`` carry (none where a server answered
+    that the round or training is over)."""
+    return sum(tensor_bytes(p) for reply in answers if reply[0] is not None for p in reply[0])

@@ -47,6 +47,12 @@ def test_without_waiting_for_a_slow_trainer_the_others_do_more(bench_runs):
     assert len({entry["iterations"] for entry in synchronous["throughput"]["per_trainer"]}) == 1
     assert free["staleness"]["max"] > 2 and synchronous["staleness"]["max"] == 0
     assert free["config"]["straggler"] == ["trainer:1:10ms"]
+    # each iteration pushes the gradients and reads the parameters, whatever the trainers' counts
+    # (the bytes were over a rounded count, and a round's first pull went uncounted: recv 3125)
+    dense = free["config"]["model_size"]["dense_gradient_bytes"]
+    moved = free["bytes"]
+    assert moved["trainer_sent_per_iter"] == pytest.approx(dense) == moved["trainer_recv_per_iter"]
+    assert moved["server_recv_per_iter"] == pytest.approx(3 * dense)
 
 
 TRANSIENT = ("--ntrainer", "3", "--nserver", "1", "--straggler", "any:30ms:0.2", "--rounds", "2")
