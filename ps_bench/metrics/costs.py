@@ -197,10 +197,11 @@ def hsdp_reduce_ms(nodes: Nodes, nbytes: float, gloo: bool = False) -> float:
             ring_allreduce_ms(nodes.count, nbytes, nodes.network))
 
 
-def fsdp_reduce_ms(nodes: Nodes, nbytes: float, gloo: bool = False) -> float:
-    """FSDP2's gradient step for ``nbytes`` of gradients: a reduce-scatter over every trainer,
-    ring-ordered node by node (``collective_ms``), issued as backward finishes each unit (its
-    parameters' all-gathers are its record's ``sends``)."""
+def sharded_reduce_ms(nodes: Nodes, nbytes: float, gloo: bool = False) -> float:
+    """A sharded strategy's gradient step for ``nbytes`` of gradients, as FSDP2 issues it when
+    backward finishes each unit and DeepSpeed's ZeRO-3 when backward fills a bucket: a
+    reduce-scatter over every trainer, ring-ordered node by node (``collective_ms``) (their
+    parameters' all-gathers are their records' ``sends``)."""
     return collective_ms("reduce_scatter", nodes, nbytes, gloo)
 
 

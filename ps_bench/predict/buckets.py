@@ -60,8 +60,30 @@ def collectives_end(calibration: Calibration, strategy: Strategy, hook: str, nod
         if sparse:
             return costs.allgather_ms(nodes.trainers, nbytes, slowest)
         return bucket_ms(nodes, nbytes * factor, calibration.gloo)
-    return pipelines.pipeline([(ready, (nbytes, sparse))
-                               for ready, nbytes, sparse in calibration.buckets], transfer)
+    buckets = calibration.buckets
+    if hook in calibration.bucket_elements:  # the engine's own buckets, not DDP's
+        buckets = engine_buckets(buckets, calibration.bucket_elements[hook])
+    return pipelines.pipeline([(ready, (nbytes, sparse)) for ready, nbytes, sparse in buckets],
+                              transfer)
+
+
+def engine_buckets(buckets: list[tuple[float, float, bool]],
+                   elements: int) -> list[tuple[float, float, bool]]:
+    """``buckets`` (``(ready ms, float32 bytes, sparse)``, as backward makes them ready) gathered
+    into an engine's buckets of at most ``elements`` as its backward fills them: one is reduced
+    when the next gradient would take it past ``elements`` (DeepSpeed's ``reduce_bucket_size``),
+    and the last when backward ends; ready when its last gradient is."""
+    merged: list[tuple[float, float, bool]] = []
+    held = 0.0
+    for ready, nbytes, sparse in buckets:
+        if merged and held and (held + nbytes) / 4 > elements:
+            held = 0.0
+        if held:
+            merged[-1] = (ready, merged[-1][1] + nbytes, merged[-1][2] or sparse)
+        else:
+            merged.append((ready, nbytes, sparse))
+        held += nbytes
+    return merged
 
 
 def low_rank_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes,

@@ -5,12 +5,15 @@ alone (``from_compute_ms``)."""
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, field
 
 from ps_bench.metrics.costs import Link
 from ps_bench.metrics.messages import bucket_factors
-from ps_bench.predict.inputs import spread
+from ps_bench.options import plural
+from ps_bench.predict.inputs import model_buckets, spread
+from ps_bench.predict.memory import ModelFacts
 from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.runs import Run
 from ps_bench.strategies import HOOKS, LOW_RANK_BUCKETS, hook_options
@@ -45,6 +48,12 @@ class Calibration:
     # strategy -> the hook options it is predicted at where not its defaults: those every run of
     # it was given (``run_options``), or --hook-option's (``give_options``)
     options: dict[str, dict] = field(default_factory=dict)
+    # strategy -> the share of the parameters it gathers again for backward, having released
+    # them after forward (ZeRO-3: ``Cost.regathered``), and where that came from
+    regathered: dict[str, float] = field(default_factory=dict)
+    regathered_from: str = ""
+    # strategy -> the elements of the buckets its engine reduces in (``Cost.bucket_elements``)
+    bucket_elements: dict[str, int] = field(default_factory=dict)
     # what the calibration could not take as measured, said once where it is printed
     notes: list[str] = field(default_factory=list)
 
@@ -75,6 +84,8 @@ class Calibration:
                                if self.aggregate_bytes_per_ms else None),
             "own_ms": self.own_ms, "payload_ratio": self.payload_ratio,
             "payload_from": self.payload_from, "options": self.options,
+            "regathered": self.regathered, "regathered_from": self.regathered_from,
+            "bucket_elements": self.bucket_elements,
             "runs": [run.path for run in self.runs], "notes": self.notes,
         }
 
@@ -218,3 +229,35 @@ def from_compute_ms(model: str, batch_size: int, phases: Phases, buckets: list[t
         how = ("--compute-ms: bucket-ready times spread over backward in proportion to their bytes"
                + (f" ({shares_from})" if shares_from else ""))
     return Calibration(model, batch_size, phases, ready, link, link_from, None, how, [])
+
+
+def runs_model(run: Run, args: argparse.Namespace) -> ModelFacts:
+    """What predict needs of the runs' model, built on the meta device."""
+    training = run.training or {}
+    return model_buckets(run.model, args.bucket_cap_mb, training.get("model_options"),
+                         run.batch_size, None,
+                         args.precision or training.get("precision", "fp32"))[3]
+
+
+def add_engine_terms(calibration: Calibration, hooks: list[str], facts: ModelFacts,
+                     runs: list[Run]) -> None:
+    """What each of ``hooks`` does as its engine does it, from the model: the buckets it reduces
+    in, and the share of the parameters it gathers again for backward (at the engine config of
+    its runs, else the engine's defaults)."""
+    configs = {}
+    for hook in hooks:
+        cost = HOOKS.record(hook).cost
+        if cost.bucket_elements:
+            calibration.bucket_elements[hook] = cost.bucket_elements(facts)
+        if not cost.regathered:
+            continue
+        config = next((run.engine_config for run in runs if run.hook == hook and run.engine_config),
+                      None)
+        calibration.regathered[hook] = cost.regathered(facts.modules, config)
+        configs[hook] = "its runs' engine config" if config else "the engine's defaults"
+    if not configs:
+        return
+    calibration.regathered_from = (
+        f"released and gathered again as the engine's parameter coordinator does over forward's "
+        f"{plural(sum(starts for starts, _ in facts.modules), 'module call')} and backward's; "
+        + "; ".join(f"{hook} at {source}" for hook, source in configs.items()))

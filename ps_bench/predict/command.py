@@ -16,8 +16,8 @@ from ps_bench.plots import check_plot_file
 from ps_bench.predict import memory, pipelines
 from ps_bench.predict.inputs import (LINK_KINDS, LOCAL_KINDS, NETWORK_KINDS, TargetLink, count_list,
                                      model_buckets, parse_phases, target_link)
-from ps_bench.predict.calibration import (Calibration, add_payloads, from_compute_ms,
-                                          give_options)
+from ps_bench.predict.calibration import (Calibration, add_engine_terms, add_payloads,
+                                          from_compute_ms, give_options, runs_model)
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.rows import prediction_rows, unplaced
 from ps_bench.predict.runs import Run, runs_of
@@ -299,12 +299,8 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     else:
         if args.sequence_length is not None:
             raise ConfigError("--sequence-length goes with --compute-ms: a run's data is its own")
-        if gpu_memory is not None:  # the runs' model, on the meta device
-            run = runs[0]
-            facts = model_buckets(run.model, args.bucket_cap_mb,
-                                  (run.training or {}).get("model_options"), run.batch_size,
-                                  None, args.precision
-                                  or (run.training or {}).get("precision", "fp32"))[3]
+        if gpu_memory is not None:
+            facts = runs_model(runs[0], args)
         compute = Run.load(args.compute) if args.compute is not None else None
         for run in runs + ([compute] if compute else []):
             if run.grad_accum != 1:
@@ -322,6 +318,11 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
                                  "trainer a node (--per-node 1, the default) and no run of several "
                                  "trainers a host, nothing crosses it; give --per-node G")
     hooks = choose_hooks(args.hooks, runs, calibration, target.per_node)
+    engines = [hook for hook in hooks if HOOKS.record(hook).cost.regathered
+               or HOOKS.record(hook).cost.bucket_elements]
+    if engines:
+        facts = facts or runs_model(runs[0], args)
+        add_engine_terms(calibration, engines, facts, runs)
     servers = (count_list(args.servers, "servers", allow_auto=True) if args.servers is not None
                else sorted({run.servers for run in runs if run.servers} or {1}))
     compared = runs_of(args.compare)

@@ -183,6 +183,25 @@ def backward_shares(network: torch.nn.Module,
             if id(parameter) in uses.first else 1.0 for parameter in network.parameters()}
 
 
+def module_calls(network: torch.nn.Module, called: list[tuple[bool, torch.nn.Module]] | None = None
+                 ) -> list[tuple[bool, list[tuple[int, int]]]]:
+    """Forward's module calls, ``(True, parameters)`` as each module starts and ``(False,
+    parameters)`` as it ends, with the ``(parameter index, elements)`` it holds itself: those
+    ``called`` recorded (a forward on the meta device), else each module with parameters of its
+    own started and ended in the order the model registered them. The trace ZeRO-3 gathers and
+    releases its parameters by (``deepspeed_config.zero3_gathers``)."""
+    index = {id(parameter): place for place, parameter in enumerate(network.parameters())}
+
+    def own(module: torch.nn.Module) -> list[tuple[int, int]]:
+        return [(index[id(parameter)], parameter.numel())
+                for parameter in module.parameters(recurse=False)]
+
+    if called:
+        return [(starts, own(module)) for starts, module in called]
+    return [(starts, own(module)) for module in network.modules() if own(module)
+            for starts in (True, False)]
+
+
 def fsdp_units(network: torch.nn.Module) -> tuple[int, int]:
     """The parameters of FSDP2's root unit and of its largest other unit, as ``fsdp`` wraps the
     model: each parameter belongs to the innermost unit that holds it, the rest to the root."""
@@ -219,7 +238,8 @@ def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
     facts = ModelFacts(parameters, largest_layer(network), None, "no batch given",
                        sum(1 for _ in network.parameters()), *fsdp_units(network),
                        [[list(p.shape) for p in bucket]
-                        for bucket, (_, sparse) in zip(buckets, sizes) if not sparse])
+                        for bucket, (_, sparse) in zip(buckets, sizes) if not sparse],
+                       module_calls(network))
     if batch_size is None:
         return sizes, None, "no batch given", facts
     data = load_entry(RunConfig().data_config_path, default_data(entry), "data_class", DATA, "data",
@@ -230,13 +250,21 @@ def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
             raise ConfigError(f"--sequence-length: the data of {model} ({data.id}) has no "
                               f"sequences")
         kwargs["sequence_length"] = sequence_length
+    called: list[tuple[bool, torch.nn.Module]] = []
+    hooks = [hook for module in network.modules() for hook in (
+        module.register_forward_pre_hook(lambda module, _: called.append((True, module))),
+        module.register_forward_hook(lambda module, *_: called.append((False, module))))]
     try:
         inputs = tuple(t.to("meta") for t in DATA.get(data.class_name)(**kwargs).build(0).inputs)
         shares = backward_shares(network, inputs)
+        facts.modules = module_calls(network, called)
     except Exception as error:  # noqa: BLE001 - any op without a meta kernel: said, and passed over
         facts.activations_from = "the model's forward did not run on the meta device"
         return sizes, None, (f"the model's forward did not run on the meta device "
                              f"({type(error).__name__}), so by bytes"), facts
+    finally:
+        for hook in hooks:
+            hook.remove()
     shape = "x".join(str(n) for n in inputs[0].shape)
     named = (data.id if sequence_length is None
              else f"{data.id} at --sequence-length {sequence_length}")

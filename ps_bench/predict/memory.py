@@ -73,6 +73,9 @@ class ModelFacts:
     # the gradient shapes in each of DDP's dense buckets (a low-rank strategy's factors follow
     # them; a sparse bucket is all-reduced as it is, with no error feedback)
     bucket_shapes: list[list[list[int]]] = field(default_factory=list)
+    # forward's module calls, (starts, the (parameter, elements) it holds itself): the trace
+    # ZeRO-3 gathers and releases them by (``inputs.module_calls``)
+    modules: list[tuple[bool, list[tuple[int, int]]]] = field(default_factory=list)
 
 
 def moments_bytes(optimizer: str, momentum: float) -> int:

@@ -115,8 +115,11 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
         overlap_from = ("none: no run has a bucket timeline (GPU runs), every bucket ready when "
                         "backward's compute ends")
     else:
-        raise ConfigError("no backward compute to predict with: give runs made with --limits or on "
-                          "the CPU")
+        kinds = ", ".join(sorted({run.hook for run in timed}))
+        raise ConfigError(f"no backward compute to predict with: the runs given ({kinds}) have no "
+                          f"bucket timeline (a GPU run, or a strategy without DDP's buckets) and "
+                          f"no compute-only time: give a run of allreduce on the CPU beside them, "
+                          f"or runs made with --limits")
     memcpy = [run.memcpy_gbps for run in runs if run.memcpy_gbps]
     calibration = Calibration(first.model, first.batch_size, Phases(forward, backward, optimizer),
                               buckets, link, link_from,
@@ -230,17 +233,24 @@ def sends_ms(calibration: Calibration, strategy: Strategy, hook: str, n: int,
     ZeRO's gathers and scatters, local SGD's and DiLoCo's all-reduce once a period) cost an
     iteration, amortised over the period (``Calibration.options_of``), taken as not hidden
     behind compute (FSDP2 prefetches some of its gathers: an upper bound); those its buckets
-    carry through backward (``cost.overlapped``) are in ``communication_end`` instead."""
+    carry through backward (``cost.overlapped``) are in ``communication_end`` instead, but for
+    the micro-batches before the last; an engine that releases parameters after forward gathers
+    again its share of them for each backward (``Calibration.regathered``)."""
     if not strategy.sends:
         return 0.0
     nodes = costs.Nodes(n // per_node, per_node, calibration.link, calibration.intra_link)
     period = calibration.options_of(hook).get("period", 1)
     factor = (ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"]
               if strategy.payload in ELEMENT_BYTES else 1.0)
-    return sum(costs.collective_ms(collective, nodes, calibration.gradient_bytes * factor,
-                                   calibration.gloo)
-               * calls_per_iteration(per, period, calibration.micro_batches)
-               for collective, per in strategy.sends if collective not in strategy.cost.overlapped)
+    sent = calibration.gradient_bytes * factor
+    total = sum(costs.collective_ms(collective, nodes, sent, calibration.gloo)
+                * (calls_per_iteration(per, period, calibration.micro_batches)
+                   - (collective in strategy.cost.overlapped))
+                for collective, per in strategy.sends)
+    share = calibration.regathered.get(hook)
+    if share:
+        total += calibration.micro_batches * costs.collective_ms("all_gather", nodes, sent * share)
+    return total
 
 
 def predict(calibration: Calibration, hook: str, n: int, k: int, mapping: str = "shard",

@@ -42,6 +42,7 @@ class Run:
     # what predict's memory takes from it: optimizer, momentum, precision, model_options
     training: dict | None = None
     hook_options: dict = field(default_factory=dict)  # --hook-option, as given
+    engine_config: dict | None = None  # the config its engine (DeepSpeed) was built from
 
     @property
     def communicates_nothing(self) -> bool:
@@ -89,6 +90,7 @@ class Run:
             training={key: cfg[key] for key in ("optimizer", "momentum", "precision",
                                                 "model_options") if key in cfg},
             hook_options=dict(cfg.get("hook_options") or {}),
+            engine_config=cfg.get("engine_config"),
         )
 
 

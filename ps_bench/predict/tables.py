@@ -82,6 +82,10 @@ def describe_calibration(calibration: Calibration) -> str:
                + ", ".join(f"{hook} {ratio:.2%} ({c['payload_from'][hook]})"
                            for hook, ratio in sorted(ratios.items())) + "\n"
                if ratios else "")
+            + ("  parameters gathered again in a step: "
+               + ", ".join(f"{hook} {share:.1%}" for hook, share in sorted(c["regathered"].items()))
+               + f" ({c['regathered_from']})\n"
+               if c["regathered"] else "")
             + "".join(f"  note: {note}\n" for note in c["notes"]))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections import defaultdict, deque
 from typing import Any
 
 from ps_bench.config import ConfigError, RunConfig, read_json
@@ -227,3 +228,94 @@ def auto_keys(config: Any, prefix: str = "") -> list[str]:
         return [key for name, value in config.items()
                 for key in auto_keys(value, f"{prefix}{name}.")]
     return [prefix.rstrip(".")] if config == "auto" else []
+
+
+# DeepSpeed's own defaults for ZeRO-3's communication (its runtime/zero/config.py): a parameter
+# gathered for a module stays gathered while a module within stage3_max_reuse_distance elements of
+# the trace ahead uses it again, or while a prefetch has fetched it for a later use; a prefetch
+# gathers the parameters of the trace ahead up to stage3_prefetch_bucket_size elements not yet
+# gathered, while fewer than stage3_max_live_parameters are; the gradients are reduce-scattered
+# in buckets of reduce_bucket_size elements as backward fills them, on a stream of their own
+# (overlap_comm, on by default at stage 3 only).
+ZERO3_DEFAULTS = {"stage3_max_reuse_distance": 10 ** 9, "stage3_prefetch_bucket_size": 5 * 10 ** 7,
+                  "stage3_max_live_parameters": 10 ** 9}
+REDUCE_BUCKET = 5 * 10 ** 8  # reduce_bucket_size
+
+
+def zero3_gathers(calls: list[tuple[bool, list[tuple[int, int]]]], config: dict | None = None
+                  ) -> tuple[int, int]:
+    """The elements ZeRO-3 all-gathers in one micro-batch: each parameter's first gather, and
+    those after it (gathered again, having been released), as DeepSpeed 0.19's parameter
+    coordinator fetches, prefetches and releases them (``PartitionedParameterCoordinator``) at
+    the config's ``zero_optimization`` settings (its defaults, ``ZERO3_DEFAULTS``).
+    ``calls``: forward's module calls in order, each ``(True, parameters)`` as a module starts
+    and ``(False, parameters)`` as it ends, with the ``(parameter, elements)`` it holds itself;
+    backward calls the modules in reverse, each starting where forward ended it. A module's
+    start gathers its parameters (a step of the trace), takes its uses off the prefetch queue
+    and prefetches those of the trace ahead; its end releases each parameter that no prefetch
+    fetched for a later step and no module within the reuse distance (the elements of the
+    modules passed over) uses again; the step's end releases all."""
+    zero = {**ZERO3_DEFAULTS, **((config or {}).get("zero_optimization") or {})}
+    distance, window = zero["stage3_max_reuse_distance"], zero["stage3_prefetch_bucket_size"]
+    events = calls + [(not starts, held) for starts, held in reversed(calls)]
+    trace = [sorted(held) for starts, held in events if starts]  # the modules, as fetched
+    elements = {parameter: size for module in trace for parameter, size in module}
+    sizes = [sum(size for _, size in module) for module in trace]
+    used = [{parameter for parameter, _ in module} for module in trace]
+    queue = deque((parameter, step) for step, module in enumerate(trace) for parameter, _ in module)
+    fetched_for: dict[int, int] = defaultdict(lambda: -1)  # the latest use a fetch was for
+    held: set[int] = set()
+    seen: set[int] = set()  # gathered once already
+    gathered = [0, 0]
+
+    def gather(parameters: set[int]) -> None:
+        for parameter in parameters - held:
+            gathered[parameter in seen] += elements[parameter]
+            seen.add(parameter)
+        held.update(parameters)
+
+    step = 0
+    for starts, module in events:
+        mine = {parameter for parameter, _ in module}
+        if not starts:  # released, unless fetched for a later step or used again soon enough
+            for parameter in mine - {p for p in mine if fetched_for[p] > step}:
+                passed, ahead = 0, step
+                while ahead < len(trace) and passed < distance and parameter not in used[ahead]:
+                    passed += sizes[ahead]
+                    ahead += 1
+                if ahead == len(trace) or passed >= distance:
+                    held.discard(parameter)
+            continue
+        gather(mine)
+        pending = {parameter for parameter in mine if fetched_for[parameter] < step}
+        popped: set[int] = set()  # this module's uses, off the queue: not prefetched later
+        while queue and len(popped) < len(pending):
+            parameter, at = queue.popleft()
+            fetched_for[parameter] = at
+            popped.add(parameter)
+        budget = min(zero["stage3_max_live_parameters"] - sum(elements[p] for p in held), window)
+        prefetch: set[int] = set()
+        counted = 0
+        while queue and counted < budget:
+            parameter, at = queue.popleft()
+            fetched_for[parameter] = max(fetched_for[parameter], at)
+            if parameter not in held and parameter not in prefetch:
+                prefetch.add(parameter)
+                counted += elements[parameter]
+        gather(prefetch)
+        step += 1
+    return gathered[0], gathered[1]
+
+
+def reduce_bucket_elements(model: Any) -> int:
+    """The elements of the buckets ZeRO-3 reduce-scatters in, whatever the model: its
+    ``reduce_bucket_size``'s default."""
+    return REDUCE_BUCKET
+
+
+def regathered_share(calls: list[tuple[bool, list[tuple[int, int]]]],
+                     config: dict | None = None) -> float:
+    """The share of the parameters' elements ZeRO-3 gathers again, having released them
+    (``zero3_gathers``)."""
+    forward, backward = zero3_gathers(calls, config)
+    return backward / forward if forward else 0.0

@@ -38,11 +38,13 @@ from torch import nn
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.metrics.memory import state_tensors
 from ps_bench.strategies.base import HookContext, OptimizerSpec, Synchroniser, flat_parameters
-from ps_bench.strategies.deepspeed_config import (OPTIMIZER_PARAMS, precision_of, resolve_config,
-                                                  wire_of)
-from ps_bench.strategies.record import (COLLECTIVE, ENGINE, EVERY_ITERATION, GATHERED,
-                                        GRADIENTS, HOOKS, OPTIMIZER, PARAMETERS, SHARDED, Holds,
-                                        Strategy)
+from ps_bench.metrics import costs
+from ps_bench.strategies.deepspeed_config import (OPTIMIZER_PARAMS, precision_of,
+                                                  reduce_bucket_elements, regathered_share,
+                                                  resolve_config, wire_of)
+from ps_bench.strategies.record import (COLLECTIVE, COLLECTIVE_BUCKETS, ENGINE, EVERY_ITERATION,
+                                        GATHERED, GRADIENTS, HOOKS, OPTIMIZER, PARAMETERS, SHARDED,
+                                        Cost, Holds, Strategy)
 
 def deepspeed_record(stage: int) -> Strategy:
     # the gradients, then the stepped parameters gathered once; with micro-batches (--grad-accum),
@@ -53,9 +55,17 @@ def deepspeed_record(stage: int) -> Strategy:
              3: (("reduce_scatter", "micro-batch"), ("all_gather", "micro-batch"))}[stage]
     # stage 1 partitions the optimizer state, 2 the gradients too, 3 the parameters too
     sharded = (OPTIMIZER, GRADIENTS, PARAMETERS)[:stage]
+    # stage 3, at DeepSpeed's defaults (overlap_comm on): the gradients reduce-scattered in
+    # buckets of reduce_bucket_size as backward fills them, on a stream of their own; the
+    # parameters gathered for forward, and again for backward those it released after forward
+    # (stage3_max_reuse_distance). Stages 1 and 2 (overlap_comm off): after backward.
+    cost = (Cost(COLLECTIVE_BUCKETS, bucket_ms=costs.sharded_reduce_ms,
+                 overlapped=("reduce_scatter",), bucket_elements=reduce_bucket_elements,
+                 regathered=regathered_share)
+            if stage == 3 else None)
     return Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED,
                     wrap=ENGINE, identical=GATHERED if stage == 3 else EVERY_ITERATION, sends=sends,
-                    engine="deepspeed", reduce_dtype=True,
+                    engine="deepspeed", reduce_dtype=True, cost=cost,
                     holds=Holds(sharded, gathers="layer" if stage == 3 else "", master_copy=True,
                                 half_gradients=stage < 3))
 

@@ -57,6 +57,12 @@ def shard_units(network: nn.Module) -> list[nn.Module]:
             and all(holders[id(parameter)] == 1 for parameter in module.parameters(recurse=False))]
 
 
+def unit_elements(model: Any) -> int:
+    """The elements FSDP2 reduce-scatters at once: a unit's, taken as its largest (or its root's)
+    for the model (``predict.memory.ModelFacts``)."""
+    return max(model.largest_unit, model.root_unit)
+
+
 @HOOKS.register("fsdp", aliases=("fully_shard", "fsdp2"),
                 record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None,
                                 family=SHARDED, wrap=FSDP, identical=GATHERED, reduce_dtype=True,
@@ -66,8 +72,9 @@ def shard_units(network: nn.Module) -> list[nn.Module]:
                                 sends=(("all_gather", "micro-batch"), ("all_gather", "micro-batch"),
                                        ("reduce_scatter", "iteration")),
                                 # each unit's gradients reduce-scattered as backward finishes it,
-                                # the rest of backward going on: predicted bucket by bucket
-                                cost=Cost(COLLECTIVE_BUCKETS, bucket_ms=costs.fsdp_reduce_ms,
+                                # the rest of backward going on: predicted unit by unit
+                                cost=Cost(COLLECTIVE_BUCKETS, bucket_ms=costs.sharded_reduce_ms,
+                                          bucket_elements=unit_elements,
                                           overlapped=("reduce_scatter",))))
 class FullyShard(Synchroniser):
     """FSDP2 over the trainers: the model's units (``shard_units``), each with its parameters
@@ -193,6 +200,7 @@ def corrupt(ctx: HookContext, model: nn.Module) -> None:
                                 reduce_dtype=True,
                                 holds=Holds(MODEL_STATES, over="host", gathers="unit"),
                                 cost=Cost(COLLECTIVE_BUCKETS, bucket_ms=costs.hsdp_reduce_ms,
+                                          bucket_elements=unit_elements,
                                           micro_batch_ms=costs.hsdp_gather_ms)))
 class HybridShard(FullyShard):
     """FSDP2 on a 2-D mesh (HSDP): parameters sharded among the trainers of a host (--per-host)

@@ -12,6 +12,9 @@ import signal
 
 import pytest
 
+from ps_bench.cli import main
+from ps_bench.predict.inputs import model_buckets
+from ps_bench.strategies.deepspeed_config import zero3_gathers
 from tests.benchrun import ROOT, communicate, descendants, is_loopback, listening_sockets, rank_pids, read_until, \
     start_bench
 from tests.integration.shared_runs import DILOCO, QUICK, quick_run
@@ -36,6 +39,34 @@ def test_deepspeed_zero_trains_as_allreduce_and_sends_what_its_comms_logger_says
         assert engine["reduce_scatter_tensor"]["bytes_per_iter"] == 3200
         assert engine["all_gather_into_tensor"]["bytes_per_iter"] == 3200
     assert results["config"]["engine_config"]["zero_optimization"]["stage"] == stage
+
+
+
+def test_deepspeed_zero3_gathers_again_what_predict_says_it_releases(bench_runs, tmp_path, capsys):
+    """ZeRO-3 with a reuse distance and prefetch that keep some of DummyModelSmall's layers gathered
+    from forward to backward and release the rest: the bytes DeepSpeed's own comms logger saw it
+    all-gather are what predict's model of its parameter coordinator counts, once and again
+    (``zero3_gathers``), and predict from the run takes that share, at the run's engine config."""
+    config = tmp_path / "zero3.json"
+    config.write_text(json.dumps({"zero_optimization": {
+        "stage": 3, "stage3_max_reuse_distance": 100, "stage3_prefetch_bucket_size": 70}}))
+    results = run(bench_runs, "deepspeed_zero3", "--verify", "--ds-config", str(config))
+    assert results["replicas"]["identical"] is True
+    calls = model_buckets("DummyModelSmall", 25.0, None, 16)[3].modules
+    once, again = zero3_gathers(calls, results["config"]["engine_config"])
+    assert once == 800 and 0 < again < 800  # some kept, some released
+    gathered = results["verify"]["engine"]["all_gather_into_tensor"]["bytes_per_iter"]
+    assert gathered == 4 * (once + again)
+
+    saved, timed, out = tmp_path / "run.json", tmp_path / "allreduce.json", tmp_path / "predict.json"
+    saved.write_text(json.dumps(results))
+    options = ["--link", "10gbit", "--trainers", "2,8", "--out", str(out)]
+    assert main(["predict", str(saved), *options]) == 2  # ZeRO-3 builds no DDP buckets to time
+    assert "the runs given (deepspeed_zero3) have no bucket timeline" in capsys.readouterr().err
+    timed.write_text(json.dumps(run(bench_runs, "allreduce")))
+    assert main(["predict", str(saved), str(timed), *options]) == 0
+    assert "deepspeed_zero3 at its runs' engine config" in capsys.readouterr().out
+    assert json.loads(out.read_text())["calibration"]["regathered"]["deepspeed_zero3"] == again / once
 
 
 def test_a_seed_style_ds_config_runs_with_its_autos_filled_from_the_run(bench_runs):

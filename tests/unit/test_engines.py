@@ -16,7 +16,8 @@ from ps_bench.cli import main
 from ps_bench.config import ConfigError, RunConfig, build_config
 from ps_bench.job import validate
 from ps_bench.options import parse_run_options
-from ps_bench.strategies.deepspeed_config import OPTIMIZER_PARAMS, resolve_config
+from ps_bench.strategies.deepspeed_config import (OPTIMIZER_PARAMS, regathered_share, resolve_config,
+                                                  zero3_gathers)
 from ps_bench.strategies import HOOKS
 from ps_bench.strategies.base import HookContext, Synchroniser, optimizer_spec
 from ps_bench.strategies.record import expected_bytes
@@ -203,3 +204,30 @@ def test_bf16_enabled_moves_bf16_and_batchnorm_needs_its_buffers_cast_on_the_cpu
         job("--hook", "deepspeed_zero2", "--nserver", "0", "--ds-config", path, "--model", "resnet18_small")
     cast = written(tmp_path, {"bf16": {"enabled": True}, "data_types": {"buffer_dtype": "bf16"}})
     assert job("--hook", "deepspeed_zero2", "--nserver", "0", "--ds-config", cast, "--model", "resnet18_small")
+
+
+def test_zero3_gathers_again_what_its_coordinator_released():
+    """DeepSpeed's ZeRO-3 as its parameter coordinator fetches, prefetches and releases: a
+    parameter used again within the reuse distance (the elements of the modules passed over), or
+    prefetched for a later step, stays gathered; the rest are gathered again for backward."""
+    calls = [(True, [(0, 10)]), (False, [(0, 10)]), (True, [(1, 20)]), (False, [(1, 20)]),
+             (True, [(2, 30)]), (False, [(2, 30)])]
+
+    def again(distance: int, prefetch: int = 0) -> int:
+        forward, later = zero3_gathers(calls, {"zero_optimization": {
+            "stage3_max_reuse_distance": distance, "stage3_prefetch_bucket_size": prefetch}})
+        assert forward == 60
+        return later
+
+    # forward 10, 20, 30, backward 30, 20, 10: the last module's backward follows it at once,
+    # the middle one's after 30 + 30 elements, the first one's after 30 + 30 + 20 + 20
+    assert [again(d) for d in (0, 1, 60, 61, 100, 101)] == [60, 30, 30, 10, 10, 0]
+    wrapped = [(True, []), *calls, (False, [])]  # in a model: its backward starts before the last
+    prefetched = zero3_gathers(wrapped, {"zero_optimization": {"stage3_max_reuse_distance": 0,
+                                                               "stage3_prefetch_bucket_size": 1}})
+    assert prefetched[1] < 60  # a prefetch fetched some for backward before their release
+    assert zero3_gathers(calls) == (60, 0)  # DeepSpeed's defaults: 1e9 elements keep everything
+    assert regathered_share(calls, {"zero_optimization": {"stage3_max_reuse_distance": 61,
+                                                          "stage3_prefetch_bucket_size": 0}}) == 10 / 60
+    tied = calls + [(True, [(0, 10)]), (False, [(0, 10)])]  # the first module's weight used last
+    assert zero3_gathers(tied, {"zero_optimization": {"stage3_max_reuse_distance": 10 ** 9}}) == (60, 0)

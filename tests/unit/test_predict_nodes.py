@@ -14,6 +14,7 @@ from ps_bench.cli import main
 from ps_bench.metrics import costs
 from ps_bench.predict import pipelines
 from ps_bench.metrics.costs import Link, Nodes
+from ps_bench.predict.buckets import engine_buckets
 from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.inputs import meta_buckets, model_buckets
 from ps_bench.predict.calibration import from_compute_ms
@@ -397,3 +398,38 @@ def test_an_intra_link_with_one_trainer_a_node_is_said_to_carry_nothing(capsys):
         capsys.readouterr().out
     assert main([*common, "--trainers", "8", "--per-node", "4"]) == 0
     assert "nothing crosses it" not in capsys.readouterr().out
+
+
+def test_zero3_is_predicted_gathering_again_what_deepspeed_releases(tmp_path, capsys):
+    """DeepSpeed's ZeRO-3 keeps a parameter gathered from forward to backward only within its
+    reuse distance (1e9 elements) or its prefetch: on Llama 3 8B it gathers most of the parameters
+    again for backward, as FSDP2 gathers all of them twice (predict counted it once, and ranked
+    it first by that gather); on ResNet-50 it keeps them all. Both reduce-scatter in their
+    engines' buckets, FSDP2 unit by unit, ZeRO-3 in 5e8 elements, as backward fills them."""
+    out = tmp_path / "predict.json"
+    common = ["--batch-size", "1", "--compute-ms", "forward=50,backward=100,optimizer=5", "--link",
+              "100gbit", "--trainers", "16", "--hooks", "fsdp,deepspeed_zero3", "--out", str(out)]
+    assert main(["predict", "--model", "hf:llama3-8b", *common]) == 0
+    printed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    share = saved["calibration"]["regathered"]["deepspeed_zero3"]
+    assert 0.8 < share < 1.0
+    assert f"parameters gathered again in a step: deepspeed_zero3 {share:.1%}" in printed
+    units = model_buckets("hf:llama3-8b", 25.0)[3]
+    assert saved["calibration"]["bucket_elements"] == {
+        "fsdp": max(units.largest_unit, units.root_unit), "deepspeed_zero3": 5 * 10 ** 8}
+    rows = {row["strategy"]: row for row in saved["predictions"]}
+    assert 0.9 * rows["fsdp"]["sends_ms"] < rows["deepspeed_zero3"]["sends_ms"] < rows["fsdp"]["sends_ms"]
+
+    out.unlink()
+    assert main(["predict", "--model", "resnet50", *common]) == 0
+    capsys.readouterr()
+    assert json.loads(out.read_text())["calibration"]["regathered"] == {"deepspeed_zero3": 0.0}
+
+
+def test_an_engines_buckets_are_filled_as_backward_makes_the_gradients_ready():
+    """DeepSpeed's rule: a bucket is reduced when the next gradient would take it past its size."""
+    ready = [(1.0, 40.0, False), (2.0, 40.0, False), (3.0, 40.0, False), (4.0, 100.0, False)]
+    assert engine_buckets(ready, 20) == [(2.0, 80.0, False), (3.0, 40.0, False), (4.0, 100.0, False)]
+    assert engine_buckets(ready, 5) == ready  # no bucket smaller than DDP's
+    assert engine_buckets(ready, 10 ** 9) == [(4.0, 220.0, False)]
