@@ -24,7 +24,7 @@ def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n
     ``per_node`` trainers share a node (its local link, ``calibration.intra_link``, between
     them); at 1, every model is the flat one."""
     cost = strategy.cost
-    if cost.pipeline is None:
+    if cost.pipeline is None or not calibration.reduces_with_backward(hook, cost):
         return 0.0
     nodes = costs.Nodes(n // per_node, per_node, calibration.link, calibration.intra_link)
     end = BUCKET_PIPELINES[cost.pipeline](calibration, strategy, hook, nodes, k, mapping,

@@ -52,14 +52,21 @@ class Calibration:
     # them after forward (ZeRO-3: ``Cost.regathered``), and where that came from
     regathered: dict[str, float] = field(default_factory=dict)
     regathered_from: str = ""
-    # strategy -> the elements of the buckets its engine reduces in (``Cost.bucket_elements``)
+    # strategy -> the elements of the buckets its engine reduces in (``Cost.bucket_elements``),
+    # and whether it reduces them as backward goes on (``Cost.overlaps``), at its runs' config
     bucket_elements: dict[str, int] = field(default_factory=dict)
+    overlaps: dict[str, bool] = field(default_factory=dict)
     # what the calibration could not take as measured, said once where it is printed
     notes: list[str] = field(default_factory=list)
 
     def options_of(self, hook: str) -> dict:
         """The options ``hook`` is predicted at: its defaults, then ``options``."""
         return hook_options(hook, self.options.get(hook, {}))
+
+    def reduces_with_backward(self, hook: str, cost) -> bool:
+        """Whether ``hook``'s buckets go through its pipeline as backward makes them (its engine's
+        ``overlaps`` at its runs' config, else at the engine's defaults)."""
+        return cost.overlaps is None or self.overlaps.get(hook, cost.overlaps(None))
 
     @property
     def gradient_bytes(self) -> float:
@@ -85,7 +92,7 @@ class Calibration:
             "own_ms": self.own_ms, "payload_ratio": self.payload_ratio,
             "payload_from": self.payload_from, "options": self.options,
             "regathered": self.regathered, "regathered_from": self.regathered_from,
-            "bucket_elements": self.bucket_elements,
+            "bucket_elements": self.bucket_elements, "overlaps": self.overlaps,
             "runs": [run.path for run in self.runs], "notes": self.notes,
         }
 
@@ -247,12 +254,14 @@ def add_engine_terms(calibration: Calibration, hooks: list[str], facts: ModelFac
     configs = {}
     for hook in hooks:
         cost = HOOKS.record(hook).cost
-        if cost.bucket_elements:
-            calibration.bucket_elements[hook] = cost.bucket_elements(facts)
-        if not cost.regathered:
-            continue
         config = next((run.engine_config for run in runs if run.hook == hook and run.engine_config),
                       None)
+        if cost.bucket_elements:
+            calibration.bucket_elements[hook] = cost.bucket_elements(facts, config)
+        if cost.overlaps:
+            calibration.overlaps[hook] = cost.overlaps(config)
+        if not cost.regathered:
+            continue
         calibration.regathered[hook] = cost.regathered(facts.modules, config)
         configs[hook] = "its runs' engine config" if config else "the engine's defaults"
     if not configs:

@@ -319,7 +319,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
                                  "trainers a host, nothing crosses it; give --per-node G")
     hooks = choose_hooks(args.hooks, runs, calibration, target.per_node)
     engines = [hook for hook in hooks if HOOKS.record(hook).cost.regathered
-               or HOOKS.record(hook).cost.bucket_elements]
+               or HOOKS.record(hook).cost.bucket_elements or HOOKS.record(hook).cost.overlaps]
     if engines:
         facts = facts or runs_model(runs[0], args)
         add_engine_terms(calibration, engines, facts, runs)

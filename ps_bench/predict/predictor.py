@@ -243,9 +243,11 @@ def sends_ms(calibration: Calibration, strategy: Strategy, hook: str, n: int,
     factor = (ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"]
               if strategy.payload in ELEMENT_BYTES else 1.0)
     sent = calibration.gradient_bytes * factor
+    overlapped = (strategy.cost.overlapped
+                  if calibration.reduces_with_backward(hook, strategy.cost) else ())
     total = sum(costs.collective_ms(collective, nodes, sent, calibration.gloo)
                 * (calls_per_iteration(per, period, calibration.micro_batches)
-                   - (collective in strategy.cost.overlapped))
+                   - (collective in overlapped))
                 for collective, per in strategy.sends)
     share = calibration.regathered.get(hook)
     if share:

@@ -4,7 +4,9 @@ an optimizer step (``gradient_accumulation_steps``, ``--grad-accum``), the optim
 precision, ``"auto"`` taking the run's as the Hugging Face Trainer fills it, a value that
 conflicts with an option given on the command line refused naming both, and what cannot run
 here (an unknown stage, ZeRO++'s quantized weights and gradients and its hierarchical
-partitions, offload without a GPU) refused before anything starts.
+partitions, offload without a GPU) refused before anything starts. And what ZeRO-3 gathers at
+a config's settings, its parameter coordinator replayed over a model's module calls
+(``zero3_gathers``), for predict.
 """
 
 from __future__ import annotations
@@ -257,8 +259,8 @@ def zero3_gathers(calls: list[tuple[bool, list[tuple[int, int]]]], config: dict 
     modules passed over) uses again; the step's end releases all."""
     zero = {**ZERO3_DEFAULTS, **((config or {}).get("zero_optimization") or {})}
     distance, window = zero["stage3_max_reuse_distance"], zero["stage3_prefetch_bucket_size"]
-    events = calls + [(not starts, held) for starts, held in reversed(calls)]
-    trace = [sorted(held) for starts, held in events if starts]  # the modules, as fetched
+    events = calls + [(not starts, own) for starts, own in reversed(calls)]
+    trace = [sorted(own) for starts, own in events if starts]  # the modules, as fetched
     elements = {parameter: size for module in trace for parameter, size in module}
     sizes = [sum(size for _, size in module) for module in trace]
     used = [{parameter for parameter, _ in module} for module in trace]
@@ -307,10 +309,19 @@ def zero3_gathers(calls: list[tuple[bool, list[tuple[int, int]]]], config: dict 
     return gathered[0], gathered[1]
 
 
-def reduce_bucket_elements(model: Any) -> int:
-    """The elements of the buckets ZeRO-3 reduce-scatters in, whatever the model: its
-    ``reduce_bucket_size``'s default."""
-    return REDUCE_BUCKET
+def reduce_bucket_elements(model: Any, config: dict | None = None) -> int:
+    """The elements of the buckets ZeRO reduces the gradients in as backward fills them, whatever
+    the model: the config's ``reduce_bucket_size``, else its default."""
+    return int(((config or {}).get("zero_optimization") or {}).get("reduce_bucket_size",
+                                                                    REDUCE_BUCKET))
+
+
+def overlap_comm(stage: int, config: dict | None = None) -> bool:
+    """Whether ZeRO at ``stage`` reduces the gradients on a stream of their own as backward fills
+    its buckets, at a config (None: DeepSpeed's defaults): its ``overlap_comm``, on by default
+    at stage 3 only. Where it is off, its reductions wait on backward's stream."""
+    given = ((config or {}).get("zero_optimization") or {}).get("overlap_comm")
+    return stage == 3 if given is None else bool(given)
 
 
 def regathered_share(calls: list[tuple[bool, list[tuple[int, int]]]],

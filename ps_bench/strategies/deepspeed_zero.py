@@ -8,9 +8,11 @@ runs collectives on gloo, no oneCCL needed; on a GPU, NCCL). What DeepSpeed 0.19
 iteration, measured on ps_bench's models (``--verify`` shows it): stages 1 and 2 all-reduce the
 gradients in buckets (as DDP does) and all-gather the parameters each rank stepped; stage 3
 reduce-scatters the gradients and all-gathers the parameters once (its coalesced fetch holds them
-from forward through backward). Each also all-reduces a gradient norm of a few bytes. The byte
-counter counts all of it from the collectives themselves; with ``--verify`` the run also records
-what DeepSpeed's own comms logger saw, to hold one against the other.
+from forward through backward; a model past its prefetch and reuse distance has some gathered
+again for backward: ``deepspeed_config.zero3_gathers``). Each also all-reduces a gradient norm
+of a few bytes. The byte counter counts all of it from the collectives themselves; with
+``--verify`` the run also records what DeepSpeed's own comms logger saw, to hold one against
+the other.
 
 A ds_config gives the run its batch size, optimizer and precision (and ``"auto"`` takes the
 run's, as the Hugging Face Trainer fills it); a value that conflicts with an option given on the
@@ -30,6 +32,7 @@ import os
 import sys
 import warnings
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,7 +42,7 @@ from ps_bench.config import ConfigError, RunConfig
 from ps_bench.metrics.memory import state_tensors
 from ps_bench.strategies.base import HookContext, OptimizerSpec, Synchroniser, flat_parameters
 from ps_bench.metrics import costs
-from ps_bench.strategies.deepspeed_config import (OPTIMIZER_PARAMS, precision_of,
+from ps_bench.strategies.deepspeed_config import (OPTIMIZER_PARAMS, overlap_comm, precision_of,
                                                   reduce_bucket_elements, regathered_share,
                                                   resolve_config, wire_of)
 from ps_bench.strategies.record import (COLLECTIVE, COLLECTIVE_BUCKETS, ENGINE, EVERY_ITERATION,
@@ -55,14 +58,14 @@ def deepspeed_record(stage: int) -> Strategy:
              3: (("reduce_scatter", "micro-batch"), ("all_gather", "micro-batch"))}[stage]
     # stage 1 partitions the optimizer state, 2 the gradients too, 3 the parameters too
     sharded = (OPTIMIZER, GRADIENTS, PARAMETERS)[:stage]
-    # stage 3, at DeepSpeed's defaults (overlap_comm on): the gradients reduce-scattered in
-    # buckets of reduce_bucket_size as backward fills them, on a stream of their own; the
-    # parameters gathered for forward, and again for backward those it released after forward
-    # (stage3_max_reuse_distance). Stages 1 and 2 (overlap_comm off): after backward.
-    cost = (Cost(COLLECTIVE_BUCKETS, bucket_ms=costs.sharded_reduce_ms,
-                 overlapped=("reduce_scatter",), bucket_elements=reduce_bucket_elements,
-                 regathered=regathered_share)
-            if stage == 3 else None)
+    # with overlap_comm (DeepSpeed's default at stage 3 only), the gradients reduced in buckets
+    # of reduce_bucket_size as backward fills them, on a stream of their own (stage 1 on the
+    # step's last micro-batch); without, after backward. Stage 3 gathers the parameters for
+    # forward, and again for backward those it released after forward (zero3_gathers).
+    cost = Cost(COLLECTIVE_BUCKETS, bucket_ms=costs.sharded_reduce_ms if stage == 3 else None,
+                overlapped=(sends[0][0],), bucket_elements=reduce_bucket_elements,
+                overlaps=partial(overlap_comm, stage),
+                regathered=regathered_share if stage == 3 else None)
     return Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED,
                     wrap=ENGINE, identical=GATHERED if stage == 3 else EVERY_ITERATION, sends=sends,
                     engine="deepspeed", reduce_dtype=True, cost=cost,

@@ -94,10 +94,13 @@ class Cost:
     (default: the one it compresses). ``overlapped``: the collectives of its ``sends`` that its
     pipeline's buckets carry as backward makes them (FSDP2's reduce-scatter, unit by unit),
     which predict does not add again after backward (made every micro-batch: the last one's);
-    ``bucket_elements(model)``: with the collectives pipeline, the elements of the buckets its
-    engine reduces in (FSDP2's units, DeepSpeed's ``reduce_bucket_size``) for the model
-    (``predict.memory.ModelFacts``), made of the calibration's as backward fills them
-    (default: DDP's buckets); ``regathered(modules, engine_config)``: the share of the
+    ``bucket_elements(model, engine_config)``: with the collectives pipeline, the elements of the
+    buckets its engine reduces in (FSDP2's units, DeepSpeed's ``reduce_bucket_size``) for the
+    model (``predict.memory.ModelFacts``), made of the calibration's as backward fills them
+    (default: DDP's buckets); ``overlaps(engine_config)``: whether its engine reduces as
+    backward goes on at that config (None: its defaults); where it does not, no bucket goes
+    through the pipeline and every send comes after backward (default: it does);
+    ``regathered(modules, engine_config)``: the share of the
     parameters its engine releases after forward and gathers again for backward (ZeRO-3), from
     forward's module calls (``ModelFacts.modules``) and the engine config of its runs (None:
     the engine's defaults)."""
@@ -108,7 +111,8 @@ class Cost:
     micro_batch_ms: Callable[[Nodes, float], float] | None = None
     like: str | None = None
     overlapped: tuple[str, ...] = ()
-    bucket_elements: Callable[[Any], int] | None = None
+    bucket_elements: Callable[[Any, dict | None], int] | None = None
+    overlaps: Callable[[dict | None], bool] | None = None
     regathered: Callable[[list, dict | None], float] | None = None
 
 

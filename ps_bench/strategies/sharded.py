@@ -57,7 +57,7 @@ def shard_units(network: nn.Module) -> list[nn.Module]:
             and all(holders[id(parameter)] == 1 for parameter in module.parameters(recurse=False))]
 
 
-def unit_elements(model: Any) -> int:
+def unit_elements(model: Any, config: dict | None = None) -> int:
     """The elements FSDP2 reduce-scatters at once: a unit's, taken as its largest (or its root's)
     for the model (``predict.memory.ModelFacts``)."""
     return max(model.largest_unit, model.root_unit)

@@ -36,11 +36,12 @@ MID_MODEL = {"Mid": {"model_class": "DummyModel", "configurations": {
     "dense_layers_count": 4}}}
 
 
-def crossed_at_its_rate(floor_ms: float, wire_ms: float) -> bool:
+def crossed_at_its_rate(floor_ms: float, wire_ms: float, least: float = 0.9) -> bool:
     """A floor measured across a shaped link against the time its bytes take on the wire alone:
-    never under 0.9 of it (nothing crosses faster than the link allows), at most 1.45 of it (the
-    shared cores' serialising and summing only add); both well clear of half or twice the bytes."""
-    return 0.9 * wire_ms <= floor_ms <= 1.45 * wire_ms
+    never under ``least`` of it (0.9: nothing crosses faster than the link allows; less where
+    crossings in the two directions may overlap), at most 1.45 of it (the shared cores'
+    serialising and summing only add); both well clear of half or twice the bytes."""
+    return least * wire_ms <= floor_ms <= 1.45 * wire_ms
 
 
 def project_env(**extra: str) -> dict[str, str]:

@@ -71,8 +71,9 @@ def test_an_interface_missing_on_a_host_is_one_line(host_pair):
 
 def test_with_tcp_rpc_crosses_the_link_at_its_rate(host_pair, tmp_path):
     """A link of 200 Mbit/s each way: the RPC floor's round trip moves both trainers' buckets out
-    through psb-a's end and their averages back, so it takes 2 x 2 x bytes / rate
-    (``crossed_at_its_rate``)."""
+    through psb-a's end and their sums back, 2 x 2 x bytes / rate (``crossed_at_its_rate``). The
+    floor's server answers each push as it arrives, so one answer may come back while the other
+    push still goes out: 3 of the 4 crossings in turn at least (0.75; it measured 0.89 once)."""
     out, models = tmp_path / "results.json", tmp_path / "models.json"
     models.write_text(json.dumps(MID_MODEL))
     with shaped(host_pair, "200mbit"):
@@ -84,7 +85,7 @@ def test_with_tcp_rpc_crosses_the_link_at_its_rate(host_pair, tmp_path):
     assert "ps_bench: warning" not in "".join(outputs)
     limits = results["limits"]
     expected_ms = 2 * 2 * limits["bytes_per_iter"] * 8 / 200e6 * 1000
-    assert crossed_at_its_rate(limits["rpc"]["p50_ms"], expected_ms), (limits["rpc"], expected_ms)
+    assert crossed_at_its_rate(limits["rpc"]["p50_ms"], expected_ms, least=0.75), (limits["rpc"], expected_ms)
 
 
 def test_stale_hosts_of_a_dead_session_are_removed(host_pair):

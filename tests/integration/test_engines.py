@@ -69,7 +69,7 @@ def test_deepspeed_zero3_gathers_again_what_predict_says_it_releases(bench_runs,
     assert json.loads(out.read_text())["calibration"]["regathered"]["deepspeed_zero3"] == again / once
 
 
-def test_a_seed_style_ds_config_runs_with_its_autos_filled_from_the_run(bench_runs):
+def test_a_seed_style_ds_config_runs_with_its_autos_filled_from_the_run(bench_runs, tmp_path, capsys):
     """The Hugging Face Trainer's ZeRO-2 config: "auto" batch sizes, AdamW with "auto" parameters,
     a WarmupLR scheduler, fp16 and bf16 "auto"."""
     path = ROOT / "configs" / "deepspeed" / "zero2_auto.json"
@@ -84,6 +84,18 @@ def test_a_seed_style_ds_config_runs_with_its_autos_filled_from_the_run(bench_ru
     assert engine["gradient_clipping"] == 0.0 and engine["fp16"]["enabled"] is False
     assert "scheduler" not in engine and "optimizer" not in engine
     assert results["replicas"]["identical"] is True and results["loss"]["last"] < results["loss"]["first"]
+
+    # its overlap_comm: predict from the run reduces ZeRO-2's buckets as backward makes them,
+    # where DeepSpeed's default (off at stage 2) reduces them after backward
+    saved, timed, out = tmp_path / "zero2.json", tmp_path / "allreduce.json", tmp_path / "predict.json"
+    saved.write_text(json.dumps(results))
+    timed.write_text(json.dumps(run(bench_runs, "allreduce")))
+    assert main(["predict", str(saved), str(timed), "--link", "10gbit", "--trainers", "8",
+                 "--hooks", "deepspeed_zero2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    predicted = json.loads(out.read_text())
+    assert predicted["calibration"]["overlaps"] == {"deepspeed_zero2": True}
+    assert predicted["predictions"][0]["communication_end_ms"] > 0
 
 
 def test_the_configs_adamw_betas_reach_the_optimizer(bench_runs, tmp_path):

@@ -422,9 +422,15 @@ def test_zero3_is_predicted_gathering_again_what_deepspeed_releases(tmp_path, ca
     assert 0.9 * rows["fsdp"]["sends_ms"] < rows["deepspeed_zero3"]["sends_ms"] < rows["fsdp"]["sends_ms"]
 
     out.unlink()
-    assert main(["predict", "--model", "resnet50", *common]) == 0
+    assert main(["predict", "--model", "resnet50", *common[:-3], "fsdp,deepspeed_zero2,deepspeed_zero3",
+                 "--out", str(out)]) == 0
     capsys.readouterr()
-    assert json.loads(out.read_text())["calibration"]["regathered"] == {"deepspeed_zero3": 0.0}
+    saved = json.loads(out.read_text())
+    assert saved["calibration"]["regathered"] == {"deepspeed_zero3": 0.0}
+    # DeepSpeed's overlap_comm, on by default at stage 3 only: ZeRO-2 reduces after backward
+    assert saved["calibration"]["overlaps"] == {"deepspeed_zero2": False, "deepspeed_zero3": True}
+    rows = {row["strategy"]: row for row in saved["predictions"]}
+    assert rows["deepspeed_zero2"]["communication_end_ms"] == 0 < rows["deepspeed_zero3"]["communication_end_ms"]
 
 
 def test_an_engines_buckets_are_filled_as_backward_makes_the_gradients_ready():
