@@ -58,9 +58,10 @@ def shard_units(network: nn.Module) -> list[nn.Module]:
 
 
 def unit_elements(model: Any, config: dict | None = None) -> int:
-    """The elements FSDP2 reduce-scatters at once: a unit's, taken as its largest (or its root's)
-    for the model (``predict.memory.ModelFacts``)."""
-    return max(model.largest_unit, model.root_unit)
+    """The elements FSDP2 reduce-scatters at once: a unit's, taken as its largest besides the root
+    (a transformer's block; the root's, where it wraps no other) for the model
+    (``predict.memory.ModelFacts``)."""
+    return model.largest_unit or model.root_unit
 
 
 @HOOKS.register("fsdp", aliases=("fully_shard", "fsdp2"),
