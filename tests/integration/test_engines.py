@@ -41,7 +41,6 @@ def test_deepspeed_zero_trains_as_allreduce_and_sends_what_its_comms_logger_says
     assert results["config"]["engine_config"]["zero_optimization"]["stage"] == stage
 
 
-
 def test_deepspeed_zero3_gathers_again_what_predict_says_it_releases(bench_runs, tmp_path, capsys):
     """ZeRO-3 with a reuse distance and prefetch that keep some of DummyModelSmall's layers gathered
     from forward to backward and release the rest: the bytes DeepSpeed's own comms logger saw it
