@@ -318,8 +318,8 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
                                  "trainer a node (--per-node 1, the default) and no run of several "
                                  "trainers a host, nothing crosses it; give --per-node G")
     hooks = choose_hooks(args.hooks, runs, calibration, target.per_node)
-    engines = [hook for hook in hooks if HOOKS.record(hook).cost.regathered
-               or HOOKS.record(hook).cost.bucket_elements or HOOKS.record(hook).cost.overlaps]
+    engines = [hook for hook in hooks if (cost := HOOKS.record(hook).cost).regathered
+               or cost.bucket_elements or cost.overlaps]
     if engines:
         facts = facts or runs_model(runs[0], args)
         add_engine_terms(calibration, engines, facts, runs)

@@ -244,6 +244,11 @@ ZERO3_DEFAULTS = {"stage3_max_reuse_distance": 10 ** 9, "stage3_prefetch_bucket_
 REDUCE_BUCKET = 5 * 10 ** 8  # reduce_bucket_size
 
 
+def zero_section(config: dict | None) -> dict:
+    """A resolved config's ``zero_optimization`` (None: DeepSpeed's defaults, nothing set)."""
+    return (config or {}).get("zero_optimization") or {}
+
+
 def zero3_gathers(calls: list[tuple[bool, list[tuple[int, int]]]], config: dict | None = None
                   ) -> tuple[int, int]:
     """The elements ZeRO-3 all-gathers in one micro-batch: each parameter's first gather, and
@@ -257,7 +262,7 @@ def zero3_gathers(calls: list[tuple[bool, list[tuple[int, int]]]], config: dict 
     and prefetches those of the trace ahead; its end releases each parameter that no prefetch
     fetched for a later step and no module within the reuse distance (the elements of the
     modules passed over) uses again; the step's end releases all."""
-    zero = {**ZERO3_DEFAULTS, **((config or {}).get("zero_optimization") or {})}
+    zero = {**ZERO3_DEFAULTS, **zero_section(config)}
     distance, window = zero["stage3_max_reuse_distance"], zero["stage3_prefetch_bucket_size"]
     events = calls + [(not starts, own) for starts, own in reversed(calls)]
     trace = [sorted(own) for starts, own in events if starts]  # the modules, as fetched
@@ -312,15 +317,14 @@ def zero3_gathers(calls: list[tuple[bool, list[tuple[int, int]]]], config: dict 
 def reduce_bucket_elements(model: Any, config: dict | None = None) -> int:
     """The elements of the buckets ZeRO reduces the gradients in as backward fills them, whatever
     the model: the config's ``reduce_bucket_size``, else its default."""
-    return int(((config or {}).get("zero_optimization") or {}).get("reduce_bucket_size",
-                                                                    REDUCE_BUCKET))
+    return int(zero_section(config).get("reduce_bucket_size", REDUCE_BUCKET))
 
 
 def overlap_comm(stage: int, config: dict | None = None) -> bool:
     """Whether ZeRO at ``stage`` reduces the gradients on a stream of their own as backward fills
     its buckets, at a config (None: DeepSpeed's defaults): its ``overlap_comm``, on by default
     at stage 3 only. Where it is off, its reductions wait on backward's stream."""
-    given = ((config or {}).get("zero_optimization") or {}).get("overlap_comm")
+    given = zero_section(config).get("overlap_comm")
     return stage == 3 if given is None else bool(given)
 
 
