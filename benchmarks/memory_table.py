@@ -3,7 +3,8 @@ memory per GPU and predicted step time, from ``bench.py predict`` alone (no run:
 given, see ``compute_ms``), as docs/memory.md shows them.
 
 The inputs, one set for every row: bf16 with AdamW (DeepSpeed casts the model and keeps float32
-master weights; torch's strategies run autocast over float32 parameters), a micro-batch of one
+master weights; torch's strategies run autocast over float32 parameters), FSDP2 and HSDP
+gathering and reducing in bf16 (``--reduce-dtype bf16``, as DeepSpeed does), a micro-batch of one
 sequence of ``--sequence-length`` tokens a GPU, no activation checkpointing. The node: 8 GPUs on
 NVLink at 3600 Gbit/s each way (an H100's 900 GB/s, both ways together) and 3200 Gbit/s of
 InfiniBand (8 x 400 Gbit/s) as its one network link. The compute: forward 2 x parameters x
@@ -42,7 +43,7 @@ def predict(model: str, tokens: int, out: Path) -> dict:
                "--batch-size", "1", "--sequence-length", str(tokens),
                "--compute-ms", compute_ms(MODELS[model], tokens), "--nodes", NODES,
                "--per-node", "8", "--hooks", HOOKS, "--optimizer", "adamw",
-               "--precision", "bf16", "--gpu-memory", "80GB",
+               "--precision", "bf16", "--reduce-dtype", "bf16", "--gpu-memory", "80GB",
                "--link", "3200gbit", "--link-kind", "infiniband",
                "--intra-link", "3600gbit", "--intra-link-kind", "nvlink", "--out", str(out)]
     subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)

@@ -38,9 +38,12 @@ def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n
 def wire_factor(strategy: Strategy) -> float:
     """Bytes on the wire per float32 byte of gradient (a compressor's cost compresses them
     itself: its record's ``cost.bucket_ms_at``)."""
-    if strategy.payload not in ELEMENT_BYTES:
-        return 1.0
-    return ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"]
+    return float32_share(strategy.payload)
+
+
+def float32_share(dtype: str) -> float:
+    """A tensor's bytes in ``dtype`` over its float32 bytes (1 for a payload that is no dtype)."""
+    return ELEMENT_BYTES[dtype] / ELEMENT_BYTES["float32"] if dtype in ELEMENT_BYTES else 1.0
 
 
 def collectives_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: costs.Nodes,

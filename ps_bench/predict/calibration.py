@@ -10,13 +10,13 @@ import math
 from dataclasses import dataclass, field
 
 from ps_bench.metrics.costs import Link
-from ps_bench.metrics.messages import bucket_factors
+from ps_bench.metrics.messages import PRECISIONS, bucket_factors
 from ps_bench.options import plural
 from ps_bench.predict.inputs import model_buckets, spread
 from ps_bench.predict.memory import ModelFacts
 from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.runs import Run
-from ps_bench.strategies import HOOKS, LOW_RANK_BUCKETS, hook_options
+from ps_bench.strategies import HOOKS, LOW_RANK_BUCKETS, Strategy, hook_options
 
 
 @dataclass
@@ -43,8 +43,10 @@ class Calibration:
     # micro-batches of batch_size an optimizer step (--grad-accum): the compute of each, the
     # hooks' buckets synchronised on the last, each record's sends as often as it says
     micro_batches: int = 1
-    # --reduce-dtype: what the strategies that have one communicate in (None: their own)
+    # --reduce-dtype: what the strategies that have one communicate in (None: their runs', else
+    # their own); --precision: what the model trains in (an engine's wire, ``Cost.wire``)
     reduce_dtype: str | None = None
+    precision: str = "fp32"
     # strategy -> the hook options it is predicted at where not its defaults: those every run of
     # it was given (``run_options``), or --hook-option's (``give_options``)
     options: dict[str, dict] = field(default_factory=dict)
@@ -67,6 +69,26 @@ class Calibration:
         """Whether ``hook``'s buckets go through its pipeline as backward makes them (its engine's
         ``overlaps`` at its runs' config, else at the engine's defaults)."""
         return cost.overlaps is None or self.overlaps.get(hook, cost.overlaps(None))
+
+    def engine_config(self, hook: str) -> dict | None:
+        """The config ``hook``'s engine was built from in its runs (None: no run recorded one)."""
+        return next((run.engine_config for run in self.runs
+                     if run.hook == hook and run.engine_config), None)
+
+    def wire(self, strategy: Strategy, hook: str) -> tuple[str, str]:
+        """What ``hook`` moves the gradients and the parameters in: ``--reduce-dtype``'s (else its
+        runs') for the gradients of a strategy that has one, and for FSDP2's gathers too (its
+        mixed-precision policy's); an engine's own at its runs' config, else at ``precision``
+        (``Cost.wire``: DeepSpeed casts the model); else its record's payload."""
+        gradients = parameters = strategy.payload
+        if strategy.cost.wire is not None:
+            gradients, parameters = strategy.cost.wire(self.engine_config(hook), self.precision)
+        chosen = self.reduce_dtype or next((run.reduce_dtype for run in self.runs
+                                            if run.hook == hook and run.reduce_dtype), None)
+        if chosen and strategy.reduce_dtype:
+            gradients = PRECISIONS[chosen]
+            parameters = parameters if strategy.cost.wire is not None else gradients
+        return gradients, parameters
 
     @property
     def gradient_bytes(self) -> float:
@@ -246,16 +268,14 @@ def runs_model(run: Run, args: argparse.Namespace) -> ModelFacts:
                          args.precision or training.get("precision", "fp32"))[3]
 
 
-def add_engine_terms(calibration: Calibration, hooks: list[str], facts: ModelFacts,
-                     runs: list[Run]) -> None:
+def add_engine_terms(calibration: Calibration, hooks: list[str], facts: ModelFacts) -> None:
     """What each of ``hooks`` does as its engine does it, from the model: the buckets it reduces
     in, and the share of the parameters it gathers again for backward (at the engine config of
     its runs, else the engine's defaults)."""
     configs = {}
     for hook in hooks:
         cost = HOOKS.record(hook).cost
-        config = next((run.engine_config for run in runs if run.hook == hook and run.engine_config),
-                      None)
+        config = calibration.engine_config(hook)
         if cost.bucket_elements:
             calibration.bucket_elements[hook] = cost.bucket_elements(facts, config)
         if cost.overlaps:

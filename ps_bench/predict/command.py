@@ -141,7 +141,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "calibrate from runs of one (default: 1)")
     parser.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
                         help="what the strategies whose engine has one (fsdp, hsdp, DeepSpeed) "
-                        "communicate in, as a run's --reduce-dtype (default: float32)")
+                        "communicate in, as a run's --reduce-dtype; fsdp and hsdp gather in it "
+                        "too (default: their runs', else float32 for fsdp and hsdp and "
+                        "--precision's for DeepSpeed, which gathers in --precision's whatever "
+                        "this says)")
     parser.add_argument("--hook-option", "--hook_option", dest="hook_options",
                         action=HookKeyValue, default={}, metavar="HOOK:KEY=VALUE",
                         help="predict HOOK at this option (several: KEY=VALUE,KEY=VALUE, or the "
@@ -309,6 +312,8 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
         calibration = calibrate(runs, target.link, target.latency_s, target.intra, compute,
                                 target.options)
     calibration.micro_batches, calibration.reduce_dtype = args.grad_accum, args.reduce_dtype
+    calibration.precision = args.precision or next(
+        ((run.training or {}).get("precision") for run in runs), None) or "fp32"
     if target.per_node > 1 and calibration.intra_link is None:
         raise ConfigError(f"--per-node {target.per_node}: no local link between a node's trainers: "
                           f"give --intra-link RATE, or a run made with --limits whose trainers all "
@@ -322,7 +327,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
                or cost.bucket_elements or cost.overlaps]
     if engines:
         facts = facts or runs_model(runs[0], args)
-        add_engine_terms(calibration, engines, facts, runs)
+        add_engine_terms(calibration, engines, facts)
     servers = (count_list(args.servers, "servers", allow_auto=True) if args.servers is not None
                else sorted({run.servers for run in runs if run.servers} or {1}))
     compared = runs_of(args.compare)

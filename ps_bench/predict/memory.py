@@ -85,8 +85,10 @@ def moments_bytes(optimizer: str, momentum: float) -> int:
 
 def model_states(record: Strategy, facts: ModelFacts, trainers: int, per_node: int,
                  precision: str = "fp32", optimizer: str = "sgd",
-                 momentum: float = 0.0) -> dict[str, int]:
-    """The model states one trainer (GPU) holds, bytes, by kind, and their sum."""
+                 momentum: float = 0.0, reduce_dtype: str | None = None) -> dict[str, int]:
+    """The model states one trainer (GPU) holds, bytes, by kind, and their sum; the layers it
+    gathers whole in the type it gathers them in: an engine's, the one it casts the model to;
+    FSDP2's, ``--reduce-dtype`` (its mixed-precision policy's) else float32 (autocast)."""
     holds: Holds = record.holds
     p = facts.parameters
     engine_half = holds.master_copy and precision in HALF
@@ -108,9 +110,10 @@ def model_states(record: Strategy, facts: ModelFacts, trainers: int, per_node: i
     out = {"parameters_bytes": held(PARAMETERS, parameter_bytes) + p * 4 * holds.copies,
            "gradients_bytes": held(GRADIENTS, gradient_bytes),
            "optimizer_bytes": held(OPTIMIZER, optimizer_bytes) + 4 * steps,
-           # whole besides the shard, in the type it computes in: ZeRO-3 the layer computing and
-           # the next; FSDP2 its root unit from forward to backward, and a unit and the next
-           "gathered_bytes": (2 if precision in HALF else 4) * (
+           # whole besides the shard: ZeRO-3 the layer computing and the next; FSDP2 its root
+           # unit from forward to backward, and a unit and the next
+           "gathered_bytes": (2 if engine_half or not holds.master_copy and reduce_dtype in HALF
+                              else 4) * (
                2 * facts.largest_layer if holds.gathers == "layer" else
                facts.root_unit + 2 * facts.largest_unit if holds.gathers == "unit" else 0)}
     out["model_states_bytes"] = sum(out.values())
@@ -142,11 +145,12 @@ def kept_bytes(hook: str, facts: ModelFacts, given: dict | None = None) -> int:
 
 def memory(record: Strategy, facts: ModelFacts, trainers: int, per_node: int,
            precision: str, optimizer: str, momentum: float,
-           gpu_memory: int | None, kept: int = 0) -> dict:
+           gpu_memory: int | None, kept: int = 0, reduce_dtype: str | None = None) -> dict:
     """A prediction row's memory: the model states, the activations, what the strategy keeps
     between iterations besides (``kept_bytes``), their sum and, with ``gpu_memory``, whether it
     fits."""
-    states = model_states(record, facts, trainers, per_node, precision, optimizer, momentum)
+    states = model_states(record, facts, trainers, per_node, precision, optimizer, momentum,
+                          reduce_dtype)
     total = (None if facts.activations_bytes is None
              else states["model_states_bytes"] + facts.activations_bytes + kept)
     out = {**states, "activations_bytes": facts.activations_bytes, "kept_bytes": kept,
@@ -246,8 +250,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--momentum", type=float, default=None, metavar="M",
                         help="SGD's momentum, as a run's (default: the runs', else 0)")
     parser.add_argument("--precision", choices=tuple(DTYPES), default=None,
-                        help="what the memory counts the model in, as a run's --precision: "
-                        "DeepSpeed casts the model and keeps float32 master weights, torch's "
+                        help="what the model trains in, as a run's --precision: DeepSpeed casts "
+                        "the model, keeps float32 master weights and communicates in it, torch's "
                         "strategies run autocast over float32 (default: the runs', else fp32)")
     parser.add_argument("--sequence-length", type=int, metavar="T",
                         help="with --compute-ms: the tokens a sample of the model's data "
@@ -265,11 +269,13 @@ class MemoryTarget:
     gpu_memory: int | None
     # strategy -> the hook options it is predicted at, where not its defaults
     options: dict[str, dict] = field(default_factory=dict)
+    reduce_dtype: str | None = None  # --reduce-dtype, else the runs'
+
 
     def row(self, hook: str, trainers: int, per_node: int) -> dict:
         return memory(HOOKS.record(hook), self.facts, trainers, per_node, self.precision,
                       self.optimizer, self.momentum, self.gpu_memory,
-                      kept_bytes(hook, self.facts, self.options.get(hook)))
+                      kept_bytes(hook, self.facts, self.options.get(hook)), self.reduce_dtype)
 
     def describe(self) -> str:
         facts = self.facts
@@ -309,4 +315,5 @@ def target(args, facts: ModelFacts, run_configs: list[dict], gpu_memory: int | N
     return MemoryTarget(facts, args.precision or first.get("precision", "fp32"),
                         args.optimizer or first.get("optimizer", "sgd"),
                         args.momentum if args.momentum is not None
-                        else first.get("momentum", 0.0), gpu_memory, dict(options or {}))
+                        else first.get("momentum", 0.0), gpu_memory, dict(options or {}),
+                        args.reduce_dtype or first.get("reduce_dtype"))

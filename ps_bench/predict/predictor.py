@@ -4,7 +4,8 @@ from results files, each strategy's own compute from its own run, then ``pipelin
 Calibration (``calibrate``), from one or more results files of the same model and batch:
 
 - forward and optimizer p50 (trainer summary), backward's own compute (the ``--limits``
-  compute-only iteration minus forward and optimizer, at least the last bucket's ready time);
+  compute-only iteration minus forward and optimizer, at least the last bucket's ready time),
+  of the runs whose strategies communicate in backward's hooks alone (``compute_runs``);
 - when each DDP bucket became ready (``timeline``, p50 over the runs), less what the hooks of the
   buckets before it held backward for (``held_ms``: their strategy's own compute, below):
   overlap is computed from it; without one (a GPU run) every bucket is taken as ready when
@@ -31,10 +32,9 @@ from dataclasses import replace
 from ps_bench.config import ConfigError
 from ps_bench.metrics import costs
 from ps_bench.metrics.costs import Link
-from ps_bench.metrics.messages import ELEMENT_BYTES, PRECISIONS
 from ps_bench.options import plural
 from ps_bench.predict import pipelines
-from ps_bench.predict.buckets import communication_end
+from ps_bench.predict.buckets import communication_end, float32_share
 from ps_bench.predict.calibration import (Calibration, add_payloads, backward_compute,
                                           bucket_sizes, compute_ready, give_options, own_terms,
                                           ready_buckets, run_options)
@@ -43,6 +43,14 @@ from ps_bench.predict.pipelines import Phases
 from ps_bench.predict.runs import Run
 from ps_bench.strategies import HOOKS, LOW_RANK_BUCKETS, Strategy, hook_options
 from ps_bench.strategies.record import calls_per_iteration
+
+
+def compute_runs(runs: list[Run]) -> list[Run]:
+    """The runs whose forward and optimizer phases are the model's compute alone: those of
+    strategies that communicate in backward's hooks only (the rest gather parameters in forward,
+    as ZeRO-3 and FSDP2 do, or synchronise at the optimizer step, their ``sends``); all of them
+    where none does."""
+    return [run for run in runs if not HOOKS.record(run.hook).sends] or runs
 
 
 def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: float | None = None,
@@ -88,11 +96,17 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
                              statistics.median(f["bandwidth_gbit_s"] for f in fitted_intra))
         intra_from = (f"fitted to the --limits link probe of {plural(len(fitted_intra), 'run')} "
                       f"on one host")
-    timed = [compute] if compute is not None else runs
+    timed = [compute] if compute is not None else compute_runs(runs)
     forward = statistics.median(run.forward_ms for run in timed)
     optimizer = statistics.median(run.optimizer_ms for run in timed)
     timelines = [run.timeline for run in timed if run.timeline]
-    dense = bucket_sizes((compute or first).buckets)
+    sized = next((run for run in [*timed, *runs] if run.buckets), None)
+    if sized is None:
+        raise ConfigError(f"no gradient buckets to predict with: the runs given "
+                          f"({', '.join(sorted({run.hook for run in timed}))}) built no DDP "
+                          f"buckets (strategies that wrap the model in an engine of their own): "
+                          f"give a run of allreduce beside them")
+    dense = bucket_sizes(sized.buckets)
     computes = [run.compute_ms for run in timed if run.compute_ms is not None]
     if compute is not None and not timelines and not computes and compute.communicates_nothing:
         backward = compute.backward_ms  # nothing to wait for: backward's own compute
@@ -138,8 +152,8 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
             calibration.payload_from[run.hook] = "measured by its run"
     # the others from the layers in the runs' buckets (a results file older than their shapes:
     # none, and a low-rank strategy needs its run)
-    if all("shapes" in bucket for bucket in first.buckets):
-        add_payloads(calibration, [bucket["shapes"] for bucket in first.buckets
+    if all("shapes" in bucket for bucket in sized.buckets):
+        add_payloads(calibration, [bucket["shapes"] for bucket in sized.buckets
                                    if not bucket["sparse"]])
     # each strategy's own compute: its run against the model with the run's own compute phases and
     # timeline, on the network the run had (the fitted link; the target one for a run on an
@@ -228,7 +242,7 @@ def own_compute(calibration: Calibration, hook: str) -> float:
 
 
 def sends_ms(calibration: Calibration, strategy: Strategy, hook: str, n: int,
-             per_node: int = 1) -> float:
+             per_node: int = 1, gathered_in: str | None = None) -> float:
     """What a strategy's collectives over the whole model (its record's ``sends``: FSDP2's and
     ZeRO's gathers and scatters, local SGD's and DiLoCo's all-reduce once a period) cost an
     iteration, amortised over the period (``Calibration.options_of``), taken as not hidden
@@ -240,18 +254,20 @@ def sends_ms(calibration: Calibration, strategy: Strategy, hook: str, n: int,
         return 0.0
     nodes = costs.Nodes(n // per_node, per_node, calibration.link, calibration.intra_link)
     period = calibration.options_of(hook).get("period", 1)
-    factor = (ELEMENT_BYTES[strategy.payload] / ELEMENT_BYTES["float32"]
-              if strategy.payload in ELEMENT_BYTES else 1.0)
-    sent = calibration.gradient_bytes * factor
+    sent = calibration.gradient_bytes * float32_share(strategy.payload)
+    gathered = calibration.gradient_bytes * float32_share(gathered_in or strategy.payload)
     overlapped = (strategy.cost.overlapped
                   if calibration.reduces_with_backward(hook, strategy.cost) else ())
-    total = sum(costs.collective_ms(collective, nodes, sent, calibration.gloo)
+    total = sum(costs.collective_ms(collective, nodes,
+                                    gathered if collective == "all_gather" else sent,
+                                    calibration.gloo)
                 * (calls_per_iteration(per, period, calibration.micro_batches)
                    - (collective in overlapped))
                 for collective, per in strategy.sends)
     share = calibration.regathered.get(hook)
     if share:
-        total += calibration.micro_batches * costs.collective_ms("all_gather", nodes, sent * share)
+        total += calibration.micro_batches * costs.collective_ms("all_gather", nodes,
+                                                                 gathered * share)
     return total
 
 
@@ -261,13 +277,13 @@ def predict(calibration: Calibration, hook: str, n: int, k: int, mapping: str = 
     servers (dedicated, or colocated: one on each node) (None: not predictable): its hook's
     buckets overlapped with backward, then the collectives it issues besides (``sends_ms``)."""
     strategy = HOOKS.record(hook)
-    if calibration.reduce_dtype and strategy.reduce_dtype:  # --reduce-dtype: its wire dtype
-        strategy = replace(strategy, payload=PRECISIONS[calibration.reduce_dtype])
+    gradients, parameters = calibration.wire(strategy, hook)
+    strategy = replace(strategy, payload=gradients)
     end = communication_end(calibration, strategy, hook, n, k, mapping, per_node, servers_on)
     if end is None:
         return None
     own_ms = own_compute(calibration, hook) if own else 0.0
-    sent_ms = sends_ms(calibration, strategy, hook, n, per_node)
+    sent_ms = sends_ms(calibration, strategy, hook, n, per_node, parameters)
     phases, micro = calibration.phases, calibration.micro_batches
     # --grad-accum: the micro-batches before the last compute alone (their gradients only
     # accumulate); the last one's backward hands the buckets over

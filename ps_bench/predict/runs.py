@@ -39,10 +39,12 @@ class Run:
     per_host: int = 1
     servers_on: str = "dedicated"
     grad_accum: int = 1  # micro-batches an optimizer step
-    # what predict's memory takes from it: optimizer, momentum, precision, model_options
+    # what predict's memory takes from it: optimizer, momentum, precision, reduce_dtype,
+    # model_options
     training: dict | None = None
     hook_options: dict = field(default_factory=dict)  # --hook-option, as given
     engine_config: dict | None = None  # the config its engine (DeepSpeed) was built from
+    reduce_dtype: str | None = None  # its --reduce-dtype
 
     @property
     def communicates_nothing(self) -> bool:
@@ -88,9 +90,9 @@ class Run:
             servers_on=cfg.get("servers_on", "dedicated"), backend=cfg.get("backend", "gloo"),
             grad_accum=cfg.get("grad_accum", 1),
             training={key: cfg[key] for key in ("optimizer", "momentum", "precision",
-                                                "model_options") if key in cfg},
+                                                "reduce_dtype", "model_options") if key in cfg},
             hook_options=dict(cfg.get("hook_options") or {}),
-            engine_config=cfg.get("engine_config"),
+            engine_config=cfg.get("engine_config"), reduce_dtype=cfg.get("reduce_dtype"),
         )
 
 

@@ -209,6 +209,16 @@ def wire_of(config: dict | None) -> str | None:
     return given if given != "" else precision_of(config)
 
 
+def wire_dtypes(config: dict | None, precision: str = "fp32") -> tuple[str, str]:
+    """What ZeRO moves the gradients and the parameters in at a resolved config (a run's): its
+    ``communication_data_type``, else the dtype it trains in, and the dtype it trains in (its
+    parameters' own); with no config, DeepSpeed's defaults with ``precision`` (a run's
+    ``--precision``: bf16 or fp16 enabled, as ``check_precision`` enables it)."""
+    if config is None:
+        config = {} if precision == "fp32" else {precision: {"enabled": True}}
+    return wire_of(config) or "float32", precision_of(config) or "float32"
+
+
 def precision_of(config: dict | None) -> str | None:
     """The dtype a resolved config trains in (``bfloat16``, ``float16``), None for float32."""
     for name, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):

@@ -103,7 +103,9 @@ class Cost:
     ``regathered(modules, engine_config)``: the share of the
     parameters its engine releases after forward and gathers again for backward (ZeRO-3), from
     forward's module calls (``ModelFacts.modules``) and the engine config of its runs (None:
-    the engine's defaults)."""
+    the engine's defaults); ``wire(engine_config, precision)``: the dtypes its engine moves the
+    gradients and the parameters in, at its runs' config (None: its defaults at the run's
+    ``--precision``; default: the record's ``payload``)."""
 
     pipeline: str | None = None
     bucket_ms: Callable[[Nodes, float, bool], float] | None = None
@@ -114,6 +116,7 @@ class Cost:
     bucket_elements: Callable[[Any, dict | None], int] | None = None
     overlaps: Callable[[dict | None], bool] | None = None
     regathered: Callable[[list, dict | None], float] | None = None
+    wire: Callable[[dict | None, str], tuple[str, str]] | None = None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,10 @@ import signal
 import pytest
 
 from ps_bench.cli import main
-from ps_bench.predict.inputs import model_buckets
+from ps_bench.predict.inputs import TargetLink, model_buckets
+from ps_bench.predict.predictor import calibrate
+from ps_bench.predict.runs import Run
+from ps_bench.strategies import HOOKS
 from ps_bench.strategies.deepspeed_config import zero3_gathers
 from tests.benchrun import ROOT, communicate, descendants, is_loopback, listening_sockets, rank_pids, read_until, \
     start_bench
@@ -61,7 +64,7 @@ def test_deepspeed_zero3_gathers_again_what_predict_says_it_releases(bench_runs,
     saved.write_text(json.dumps(results))
     options = ["--link", "10gbit", "--trainers", "2,8", "--out", str(out)]
     assert main(["predict", str(saved), *options]) == 2  # ZeRO-3 builds no DDP buckets to time
-    assert "the runs given (deepspeed_zero3) have no bucket timeline" in capsys.readouterr().err
+    assert "the runs given (deepspeed_zero3) built no DDP buckets" in capsys.readouterr().err
     timed.write_text(json.dumps(run(bench_runs, "allreduce")))
     assert main(["predict", str(saved), str(timed), *options]) == 0
     assert "deepspeed_zero3 at its runs' engine config" in capsys.readouterr().out
@@ -121,6 +124,13 @@ def test_deepspeed_in_bf16_moves_half_the_bytes_and_verifies(bench_runs, tmp_pat
     assert engine["all_reduce"]["bytes_per_iter"] == pytest.approx(3200 / 2 + 4, abs=2)  # and the gradients
     assert results["bytes"]["trainer_sent_per_iter"] == pytest.approx(
         float32["bytes"]["trainer_sent_per_iter"] / 2, abs=4)
+    # predict from each run moves what it moved (it sent float32 whatever DeepSpeed trained in)
+    wires = []
+    for each in (results, float32):
+        calibration = calibrate([Run.of(each, "run"), Run.of(run(bench_runs, "allreduce"), "ar")],
+                                TargetLink("--link", 10e9, "ethernet", 0.8, 50e-6))
+        wires.append(calibration.wire(HOOKS.record("deepspeed_zero2"), "deepspeed_zero2"))
+    assert wires == [("bfloat16", "bfloat16"), ("float32", "float32")]
 
 
 def test_torchft_diloco_is_ps_bench_diloco(bench_runs):

@@ -24,8 +24,9 @@ FACTS = ModelFacts(P, 200_000, None, "by hand", tensors=10, root_unit=50_000, la
 
 
 def states(hook: str, n: int = 8, per_node: int = 1, precision: str = "fp32",
-           optimizer: str = "adamw", momentum: float = 0.0) -> dict:
-    return model_states(HOOKS.record(hook), FACTS, n, per_node, precision, optimizer, momentum)
+           optimizer: str = "adamw", momentum: float = 0.0, reduce_dtype: str | None = None) -> dict:
+    return model_states(HOOKS.record(hook), FACTS, n, per_node, precision, optimizer, momentum,
+                        reduce_dtype)
 
 
 def test_each_record_says_what_its_trainers_hold():
@@ -47,7 +48,11 @@ def test_each_record_says_what_its_trainers_hold():
     stale = model_states(STALE_SYNCHRONOUS, FACTS, 8, 1, "fp32", "adamw")  # --staleness
     assert stale["optimizer_bytes"] == 0 and stale["parameters_bytes"] == 4 * P  # servers step
     assert states("fsdp", precision="bf16")["parameters_bytes"] == P // 2  # autocast: float32 kept
-    assert states("fsdp", precision="bf16")["gathered_bytes"] == 2 * (50_000 + 2 * 100_000)
+    # autocast gathers FSDP2's float32 parameters; its mixed-precision policy (--reduce-dtype) in
+    # that dtype; DeepSpeed gathers in the dtype it casts the model to, whatever it reduces in
+    assert states("fsdp", precision="bf16")["gathered_bytes"] == 4 * (50_000 + 2 * 100_000)
+    assert states("fsdp", precision="bf16", reduce_dtype="bf16")["gathered_bytes"] == 2 * (50_000 + 2 * 100_000)
+    assert states("deepspeed_zero3", precision="bf16", reduce_dtype="fp32")["gathered_bytes"] == 2 * 2 * 200_000
 
 
 @pytest.mark.parametrize("config", ["llama3-8b", "llama3-70b", "mistral-7b", "qwen2.5-7b"])

@@ -21,6 +21,7 @@ from ps_bench.predict.calibration import from_compute_ms
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.rows import colocated_counts, unplaced
 from ps_bench.predict.runs import Run
+from ps_bench.strategies.deepspeed_config import wire_dtypes
 from tests.unit.test_predict import results_file
 
 NETWORK = Link(latency_ms=0.01, bytes_per_ms=1e6)  # 1 MB per ms, 10 µs
@@ -431,6 +432,65 @@ def test_zero3_is_predicted_gathering_again_what_deepspeed_releases(tmp_path, ca
     assert saved["calibration"]["overlaps"] == {"deepspeed_zero2": False, "deepspeed_zero3": True}
     rows = {row["strategy"]: row for row in saved["predictions"]}
     assert rows["deepspeed_zero2"]["communication_end_ms"] == 0 < rows["deepspeed_zero3"]["communication_end_ms"]
+
+
+def test_an_engines_runs_neither_size_nor_time_the_models_compute(tmp_path, capsys):
+    """An engine run (ZeRO-3) builds no DDP buckets and its forward holds its gathers: given
+    first, predict took its buckets (none: every strategy predicted sending nothing) and pooled
+    its forward with the others'. The model's compute and buckets come from the runs whose
+    strategies communicate in backward's hooks alone; runs with no DDP buckets at all are one
+    line and exit 2."""
+    results_file(tmp_path, "ar.json")
+    engine = json.loads((tmp_path / "ar.json").read_text())
+    engine["config"].update(hook="deepspeed_zero3", model_size={"ddp_buckets": []})
+    engine["summary"] = [{**row, "p50": 60.0} if row["metric"] == "forward" else row
+                         for row in engine["summary"]]
+    del engine["timeline"]
+    (tmp_path / "z3.json").write_text(json.dumps(engine))
+    predicted = {}
+    for name, files in (("alone", ["ar.json"]), ("beside", ["z3.json", "ar.json"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["predict", *(str(tmp_path / f) for f in files), "--trainers", "8",
+                     "--hooks", "allreduce", "--out", str(out)]) == 0
+        predicted[name] = json.loads(out.read_text())
+    for key in ("buckets", "phases_ms"):
+        assert predicted["beside"]["calibration"][key] == predicted["alone"]["calibration"][key]
+    assert predicted["beside"]["predictions"] == predicted["alone"]["predictions"]
+    assert predicted["alone"]["predictions"][0]["communication_end_ms"] > 0
+    capsys.readouterr()
+    assert main(["predict", str(tmp_path / "z3.json"), "--trainers", "8"]) == 2
+    assert capsys.readouterr().err == (
+        "ps_bench: error: no gradient buckets to predict with: the runs given (deepspeed_zero3) "
+        "built no DDP buckets (strategies that wrap the model in an engine of their own): give a "
+        "run of allreduce beside them\n")
+
+
+def test_deepspeed_is_predicted_moving_the_dtype_it_casts_the_model_to(tmp_path, capsys):
+    """DeepSpeed with bf16 enabled casts the model: it gathers the parameters and reduces the
+    gradients in bf16 (these in its communication_data_type where the config has one), as its
+    runs count their bytes; torch's strategies under --precision bf16 run autocast over float32
+    and send float32 unless --reduce-dtype, which FSDP2 gathers in too. predict sent float32 for
+    DeepSpeed whatever it trained in."""
+    assert wire_dtypes(None) == ("float32", "float32")
+    assert wire_dtypes(None, "bf16") == ("bfloat16", "bfloat16")
+    assert wire_dtypes({"bf16": {"enabled": True}, "communication_data_type": "fp32"}) == (
+        "float32", "bfloat16")
+    out = tmp_path / "predict.json"
+
+    def sends(*extra: str) -> dict[str, float]:
+        out.unlink(missing_ok=True)
+        assert main(["predict", "--model", "resnet18", "--batch-size", "8", "--compute-ms",
+                     "forward=50,backward=100,optimizer=5", "--link", "10gbit", "--trainers", "16",
+                     "--hooks", "fsdp,deepspeed_zero3", "--out", str(out), *extra]) == 0
+        capsys.readouterr()
+        return {row["strategy"]: row["sends_ms"] for row in json.loads(out.read_text())["predictions"]}
+
+    fp32, bf16 = sends(), sends("--precision", "bf16")
+    reduced = sends("--precision", "bf16", "--reduce-dtype", "bf16")
+    assert bf16["deepspeed_zero3"] == pytest.approx(fp32["deepspeed_zero3"] / 2, rel=0.02)
+    assert bf16["fsdp"] == fp32["fsdp"]
+    assert reduced["fsdp"] == pytest.approx(fp32["fsdp"] / 2, rel=0.02)
+    assert reduced["deepspeed_zero3"] == bf16["deepspeed_zero3"]
 
 
 def test_an_engines_buckets_are_filled_as_backward_makes_the_gradients_ready():
