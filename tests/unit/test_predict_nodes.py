@@ -21,6 +21,7 @@ from ps_bench.predict.calibration import from_compute_ms
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.rows import colocated_counts, unplaced
 from ps_bench.predict.runs import Run
+from ps_bench.strategies import HOOKS
 from ps_bench.strategies.deepspeed_config import wire_dtypes
 from tests.unit.test_predict import results_file
 
@@ -491,6 +492,14 @@ def test_deepspeed_is_predicted_moving_the_dtype_it_casts_the_model_to(tmp_path,
     assert bf16["fsdp"] == fp32["fsdp"]
     assert reduced["fsdp"] == pytest.approx(fp32["fsdp"] / 2, rel=0.02)
     assert reduced["deepspeed_zero3"] == bf16["deepspeed_zero3"]
+    # a run's --reduce-dtype is what its strategy is predicted moving, unless predict's says
+    fsdp = json.loads(open(results_file(tmp_path, "fsdp.json", hook="fsdp")).read())
+    fsdp["config"]["reduce_dtype"] = "bf16"
+    runs = [Run.of(fsdp, "fsdp.json"), Run.load(results_file(tmp_path, "ar.json"))]
+    calibration = calibrate(runs)
+    assert calibration.wire(HOOKS.record("fsdp"), "fsdp") == ("bfloat16", "bfloat16")
+    calibration.reduce_dtype = "fp32"
+    assert calibration.wire(HOOKS.record("fsdp"), "fsdp") == ("float32", "float32")
 
 
 def test_an_engines_buckets_are_filled_as_backward_makes_the_gradients_ready():
