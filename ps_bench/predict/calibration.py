@@ -233,7 +233,11 @@ def own_terms(run: Run, calibration: Calibration) -> dict:
     """The compute phases and bucket timeline of one run alone (the calibration's pooled ones
     where the run lacks them), so that its slower or faster compute is not taken for its
     strategy's own cost; the timeline without what its hooks held backward for
-    (``compute_ready``), which is."""
+    (``compute_ready``), which is. A run whose forward or step holds its strategy's own
+    communication (not ``Run.computes_alone``) takes the calibration's, where another run's are
+    the model's compute alone."""
+    if not run.computes_alone and any(other.computes_alone for other in calibration.runs):
+        return {"phases": calibration.phases, "buckets": calibration.buckets}
     ready = compute_ready(run.timeline or [])
     buckets = ready_buckets(ready, bucket_sizes(run.buckets)) if ready else calibration.buckets
     backward = (backward_compute(buckets, run.compute_ms, run.forward_ms, run.optimizer_ms)

@@ -46,11 +46,9 @@ from ps_bench.strategies.record import calls_per_iteration
 
 
 def compute_runs(runs: list[Run]) -> list[Run]:
-    """The runs whose forward and optimizer phases are the model's compute alone: those of
-    strategies that communicate in backward's hooks only (the rest gather parameters in forward,
-    as ZeRO-3 and FSDP2 do, or synchronise at the optimizer step, their ``sends``); all of them
-    where none does."""
-    return [run for run in runs if not HOOKS.record(run.hook).sends] or runs
+    """The runs whose phases are the model's compute alone (``Run.computes_alone``); all of
+    them where none is."""
+    return [run for run in runs if run.computes_alone] or runs
 
 
 def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: float | None = None,

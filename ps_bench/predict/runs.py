@@ -52,6 +52,13 @@ class Run:
         return self.trainers == 1 or HOOKS.record(self.hook).transport is None
 
     @property
+    def computes_alone(self) -> bool:
+        """Whether its forward and optimizer phases are the model's compute alone: its strategy
+        communicates in backward's hooks only, none of its record's ``sends`` (ZeRO-3's and
+        FSDP2's gathers in forward, ZeRO's and local SGD's synchronisation at the step)."""
+        return not HOOKS.record(self.hook).sends
+
+    @property
     def on_one_host(self) -> bool:
         """Whether its trainers all shared one host: its link probe measured the host's local
         link."""

@@ -439,8 +439,8 @@ def test_an_engines_runs_neither_size_nor_time_the_models_compute(tmp_path, caps
     """An engine run (ZeRO-3) builds no DDP buckets and its forward holds its gathers: given
     first, predict took its buckets (none: every strategy predicted sending nothing) and pooled
     its forward with the others'. The model's compute and buckets come from the runs whose
-    strategies communicate in backward's hooks alone; runs with no DDP buckets at all are one
-    line and exit 2."""
+    strategies communicate in backward's hooks alone, for the engine's own compute too; runs
+    with no DDP buckets at all are one line and exit 2."""
     results_file(tmp_path, "ar.json")
     engine = json.loads((tmp_path / "ar.json").read_text())
     engine["config"].update(hook="deepspeed_zero3", model_size={"ddp_buckets": []})
@@ -458,6 +458,11 @@ def test_an_engines_runs_neither_size_nor_time_the_models_compute(tmp_path, caps
         assert predicted["beside"]["calibration"][key] == predicted["alone"]["calibration"][key]
     assert predicted["beside"]["predictions"] == predicted["alone"]["predictions"]
     assert predicted["alone"]["predictions"][0]["communication_end_ms"] > 0
+    # its own compute: its run against the model's compute and its sends, its gathers not
+    # counted twice (in its forward and in its sends: it fitted below 0, taken as 0)
+    calibration = calibrate([Run.load(str(tmp_path / "z3.json")), Run.load(str(tmp_path / "ar.json"))])
+    modelled = predict(calibration, "deepspeed_zero3", 2, 0, own=False)["batch_ms"]
+    assert calibration.own_ms["deepspeed_zero3"] == pytest.approx(100.0 - modelled) and modelled < 100.0
     capsys.readouterr()
     assert main(["predict", str(tmp_path / "z3.json"), "--trainers", "8"]) == 2
     assert capsys.readouterr().err == (
