@@ -77,13 +77,14 @@ class Run:
                               "runs that finished")
         cfg, summary = results["config"], {row["metric"]: row["p50"] for row in results["summary"]
                                            if row["role"] == "trainer"}
+        hook = HOOKS.canonical(cfg["hook"])
         limits = results.get("limits") or {}
         emulated = results.get("env", {}).get("emulated") or {}
         return cls(
-            path=path, hook=HOOKS.canonical(cfg["hook"]),
+            path=path, hook=hook,
             trainers=cfg["ntrainer"] + cfg.get("ncudatrainer", 0),
             servers=cfg["nserver"] + cfg.get("ncudaserver", 0), mapping=cfg.get("mapping", "shard"),
-            batch_size=cfg["batch_size"], model=cfg["model"], batch_ms=summary["batch"],
+            batch_size=cfg["batch_size"], model=cfg["model"], batch_ms=batch_ms(hook, results["summary"]),
             forward_ms=summary["forward"], optimizer_ms=summary["optimizer"],
             backward_ms=summary.get("backward", 0.0),
             compute_ms=(limits.get("compute") or {}).get("p50_ms"),
@@ -101,6 +102,15 @@ class Run:
             hook_options=dict(cfg.get("hook_options") or {}),
             engine_config=cfg.get("engine_config"), reduce_dtype=cfg.get("reduce_dtype"),
         )
+
+
+def batch_ms(hook: str, summary: list[dict]) -> float:
+    """A run's trainers' iteration: the p50, or for a strategy that synchronises once a period
+    (local SGD, DiLoCo) the mean, which amortises it over the period as predict does (the p50 is
+    an iteration that synchronises nothing)."""
+    [row] = [row for row in summary if row["role"] == "trainer" and row["metric"] == "batch"]
+    periodic = any(per == "period" for _, per in HOOKS.record(hook).sends)
+    return row.get("mean", row["p50"]) if periodic else row["p50"]
 
 
 def runs_of(sources: list[str]) -> list[Run]:

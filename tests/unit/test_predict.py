@@ -186,6 +186,20 @@ def test_predict_reads_a_sweep_folder_as_the_runs_it_holds(tmp_path, capsys):
                                        f"(1 run): predict from runs that finished\n")
 
 
+def test_a_periodic_strategy_is_measured_by_its_mean_iteration(tmp_path):
+    """local SGD and DiLoCo synchronise once a period: their p50 iteration synchronises nothing,
+    so predict, which amortises the period, takes their mean (it put local_sgd's p50 of 42 ms
+    beside a prediction of 141 amortised, and fitted its own compute below 0); every other
+    strategy its p50."""
+    batches = {}
+    for hook in ("local_sgd", "diloco", "allreduce"):
+        results = json.loads(open(results_file(tmp_path, f"{hook}.json", hook=hook)).read())
+        results["summary"] = [{**row, "p50": 42.0, "mean": 130.0} if row["metric"] == "batch"
+                              else row for row in results["summary"]]
+        batches[hook] = Run.of(results, hook).batch_ms
+    assert batches == {"local_sgd": 130.0, "diloco": 130.0, "allreduce": 42.0}
+
+
 def test_a_run_faster_than_its_own_compute_allows_gets_no_negative_own_compute(tmp_path):
     # the model gives a 2-trainer all-reduce 62.02 ms with this run's compute and link (below);
     # a batch of 40 ms means its compute-only iteration ran slower than its rounds
