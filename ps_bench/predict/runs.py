@@ -110,8 +110,7 @@ def batch_ms(hook: str, summary: list[dict]) -> float:
     (local SGD, DiLoCo) the mean, which amortises it over the period as predict does (the p50 is
     an iteration that synchronises nothing)."""
     [row] = [row for row in summary if row["role"] == "trainer" and row["metric"] == "batch"]
-    periodic = any(per == "period" for _, per in HOOKS.record(hook).sends)
-    return row.get("mean", row["p50"]) if periodic else row["p50"]
+    return row.get("mean", row["p50"]) if HOOKS.record(hook).periodic else row["p50"]
 
 
 def runs_of(sources: list[str]) -> list[Run]:

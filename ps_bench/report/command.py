@@ -161,9 +161,11 @@ def status_of(row: Row) -> str:
 
 def speedup_of(row: Row, ref: Row | None, metric: str) -> float | None:
     """``ref``'s p50 of ``metric`` over the row's (``ref``: the baseline's point alike the row,
-    None where it has none or it does other work)."""
-    p50, reference = row.stat(metric, "p50"), ref.stat(metric, "p50") if ref else None
-    return reference / p50 if p50 and reference else None
+    None where it has none or it does other work); where either synchronises once a period,
+    their means, which amortise it (the p50 is an iteration that synchronises nothing)."""
+    statistic = "mean" if row.periodic or ref is not None and ref.periodic else "p50"
+    mine, reference = row.stat(metric, statistic), ref.stat(metric, statistic) if ref else None
+    return reference / mine if mine and reference else None
 
 
 def over_runs(rows: list[Row], metric: str, baseline: Baseline) -> list[str]:
@@ -262,7 +264,10 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
     headers, body = table(rows, metric, reference)
     print(tabulate(body, headers=headers, missingval="-", disable_numparse=True))
     print(f"\nspeedup: {reference.against(metric + ' p50')} divided by each point's "
-          f"(above 1 is faster)")
+          f"(above 1 is faster)" + ("; for a strategy that synchronises once a period (local "
+                                    "SGD, DiLoCo), whose p50 iteration synchronises nothing, "
+                                    "the two means, which amortise it" if any(
+                                        row.periodic for row in rows) else ""))
     medians = over_runs(rows, metric, reference)
     if medians:  # a sweep's repeats: each run against the baseline's of the same turn
         print("each run's speedup is against the baseline's run of the same turn (the runs of a "

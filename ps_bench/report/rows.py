@@ -11,7 +11,8 @@ from typing import Any
 
 from ps_bench.config import ConfigError
 from ps_bench.results.load import files_read, load_source
-from ps_bench.strategies import SERVER_COUNTS
+from ps_bench.registry import UnknownNameError
+from ps_bench.strategies import HOOKS, SERVER_COUNTS
 
 # Resolved options never shown as columns: they describe the output, or repeat another column.
 HIDDEN = {"out", "dry_run", "per_rank", "debug", "verbose", "emulate_keep", "model_config",
@@ -39,8 +40,17 @@ class Row:
     def stat(self, metric: str, statistic: str) -> float | None:
         for row in self.results.get("summary", []):
             if row["metric"] == metric:
-                return row[statistic]
+                return row.get(statistic)
         return None
+
+    @property
+    def periodic(self) -> bool:
+        """Whether its strategy synchronises once a period (``Strategy.periodic``)."""
+        hook = self.results.get("config", {}).get("hook")
+        try:
+            return isinstance(hook, str) and HOOKS.record(HOOKS.canonical(hook)).periodic
+        except UnknownNameError:  # a strategy this version does not know
+            return False
 
     def count(self, *names: str) -> int:
         return sum(int(self.results.get("config", {}).get(name, 0)) for name in names)

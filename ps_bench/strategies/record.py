@@ -205,6 +205,12 @@ class Strategy:
         return replace(cost, pipeline=pipeline, like=cost.like or self.uncompressed)
 
     @property
+    def periodic(self) -> bool:
+        """Whether it synchronises once a period (local SGD, DiLoCo): most of its iterations,
+        its p50 among them, synchronise nothing."""
+        return any(per == "period" for _, per in self.sends)
+
+    @property
     def needs_servers(self) -> bool:
         return self.transport == RPC
 

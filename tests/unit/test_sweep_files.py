@@ -104,6 +104,23 @@ def test_report_columns_and_speedups(tmp_path):
     assert body[0][headers.index("speedup")] == "0.25x" and body[1][headers.index("speedup")] == "1.00x"
 
 
+def test_a_periodic_strategys_speedup_is_by_the_means(tmp_path, capsys):
+    """local SGD synchronises once a period: its p50 iteration synchronises nothing, and its
+    speedup over all-reduce was the ratio of p50s (15x on DummyModel at 1 Gbit/s, where it
+    trains 5x the samples a second); it is the ratio of the means, which amortise the period,
+    and the line under the table says so."""
+    local, ar = result("local_sgd", 2.0), result("allreduce", 40.0)
+    local["summary"][0]["mean"], ar["summary"][0]["mean"] = 10.0, 50.0
+    for name, results in (("local.json", local), ("ar.json", ar)):
+        (tmp_path / name).write_text(json.dumps(results))
+    rows = load_rows([str(tmp_path / "local.json"), str(tmp_path / "ar.json")])
+    headers, body = table(rows, "batch", Baseline((rows[1],)))
+    assert [line[headers.index("speedup")] for line in body] == ["5.00x", "1.00x"]
+    assert run_report([str(tmp_path / "local.json"), str(tmp_path / "ar.json")], "hook=allreduce",
+                      "batch", None, None) == 0
+    assert "for a strategy that synchronises once a period" in capsys.readouterr().out
+
+
 def test_report_says_which_runs_diverged(tmp_path):
     """A run whose parameters ended not finite (its file's param_norm is null) is ``ok, diverged``:
     its times hold, its training did not; a run with a finite norm, or under --staleness (no
