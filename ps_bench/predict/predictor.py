@@ -70,6 +70,10 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
         raise ConfigError(f"--compute {compute.path} is of model {compute.model} at batch "
                           f"{compute.batch_size}, the runs of {first.model} at batch "
                           f"{first.batch_size}: give a run of the same model and batch size")
+    if compute is not None and not (compute.computes_alone or compute.communicates_nothing):
+        raise ConfigError(f"--compute {compute.path} is a run of {compute.hook}, whose forward or "
+                          f"step holds its own communication: its phases are not the model's "
+                          f"compute; give a run of allreduce or noop, or of one trainer")
     fitted = [run.link for run in runs if run.link and not run.on_one_host]
     fitted_intra = [run.link for run in runs if run.link and run.on_one_host]
     if target is None and not fitted:

@@ -464,6 +464,9 @@ def test_an_engines_runs_neither_size_nor_time_the_models_compute(tmp_path, caps
     modelled = predict(calibration, "deepspeed_zero3", 2, 0, own=False)["batch_ms"]
     assert calibration.own_ms["deepspeed_zero3"] == pytest.approx(100.0 - modelled) and modelled < 100.0
     capsys.readouterr()
+    assert main(["predict", str(tmp_path / "ar.json"), "--compute", str(tmp_path / "z3.json")]) == 2
+    assert "--compute " + str(tmp_path / "z3.json") + " is a run of deepspeed_zero3, whose forward" in (
+        capsys.readouterr().err)
     assert main(["predict", str(tmp_path / "z3.json"), "--trainers", "8"]) == 2
     assert capsys.readouterr().err == (
         "ps_bench: error: no gradient buckets to predict with: the runs given (deepspeed_zero3) "
