@@ -58,6 +58,11 @@ class Calibration:
     # and whether it reduces them as backward goes on (``Cost.overlaps``), at its runs' config
     bucket_elements: dict[str, int] = field(default_factory=dict)
     overlaps: dict[str, bool] = field(default_factory=dict)
+    # --ds-config: the DeepSpeed config to cost the deepspeed_zero hooks without a run at (that
+    # of its stage, every one where it names none), and its file
+    ds_config: dict | None = None
+    ds_stage: int | None = None
+    ds_config_from: str = ""
     # what the calibration could not take as measured, said once where it is printed
     notes: list[str] = field(default_factory=list)
 
@@ -71,9 +76,19 @@ class Calibration:
         return cost.overlaps is None or self.overlaps.get(hook, cost.overlaps(None))
 
     def engine_config(self, hook: str) -> dict | None:
-        """The config ``hook``'s engine was built from in its runs (None: no run recorded one)."""
-        return next((run.engine_config for run in self.runs
-                     if run.hook == hook and run.engine_config), None)
+        """The config ``hook``'s engine was built from in its runs, else ``--ds-config``'s for
+        a DeepSpeed hook of its stage (None: the engine's defaults)."""
+        ran = next((run.engine_config for run in self.runs
+                    if run.hook == hook and run.engine_config), None)
+        if ran is not None or self.ds_config is None or HOOKS.record(hook).engine != "deepspeed":
+            return ran
+        return self.ds_config if self.ds_stage in (None, int(hook[-1])) else None
+
+    def engine_config_from(self, hook: str) -> str:
+        """Where ``engine_config(hook)`` comes from, in words."""
+        if any(run.hook == hook and run.engine_config for run in self.runs):
+            return "its runs' engine config"
+        return self.ds_config_from if self.engine_config(hook) else "the engine's defaults"
 
     def wire(self, strategy: Strategy, hook: str) -> tuple[str, str]:
         """What ``hook`` moves the gradients and the parameters in: ``--reduce-dtype``'s (else its
@@ -287,7 +302,7 @@ def add_engine_terms(calibration: Calibration, hooks: list[str], facts: ModelFac
         if not cost.regathered:
             continue
         calibration.regathered[hook] = cost.regathered(facts.modules, config)
-        configs[hook] = "its runs' engine config" if config else "the engine's defaults"
+        configs[hook] = calibration.engine_config_from(hook)
     if not configs:
         return
     calibration.regathered_from = (

@@ -27,6 +27,7 @@ from ps_bench.runtime.network import parse_delay
 from ps_bench.predict.tables import (describe_calibration, ethernet_note, plot, render,
                                      render_winners, winners)
 from ps_bench.strategies import HOOKS, check_hook_options
+from ps_bench.strategies.deepspeed_config import predicted_config
 
 PREDICTION_SCHEMA = "ps_bench.prediction/1"
 DEFAULT_HOOKS = ("allreduce", "ps", "fp16")
@@ -139,6 +140,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--grad-accum: each computed, the gradients synchronised as each strategy "
                         "does (DDP's hooks once, on the last; ZeRO-2 and 3 every micro-batch); "
                         "calibrate from runs of one (default: 1)")
+    parser.add_argument("--ds-config", metavar="FILE",
+                        help="your ds_config.json: the deepspeed_zero hook of its stage (each, "
+                        "where it names none) predicted at its ZeRO settings, precision and "
+                        "communication_data_type (\"auto\": as a run takes them); a run's "
+                        "recorded config wins for its strategy")
     parser.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
                         help="what the strategies whose engine has one (fsdp, hsdp, DeepSpeed) "
                         "communicate in, as a run's --reduce-dtype; fsdp and hsdp gather in it "
@@ -184,6 +190,8 @@ class Target:
     servers_on: list[str]
     compute_ms: dict[str, float] | None
     options: dict[str, dict]  # --hook-option: strategy -> the options to predict it at
+    # --ds-config: (the config, the stage it names, the precision it trains in), or None
+    ds_config: tuple[dict, int | None, str | None] | None = None
 
 
 def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
@@ -214,7 +222,8 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
     if not 0 < args.bucket_cap_mb < math.inf:
         raise ConfigError(f"--bucket-cap-mb must be positive; got {args.bucket_cap_mb}")
     check_apart({"--out": args.out, "--plot": args.plot},
-                files_read([*args.results, *args.compare, *filter(None, [args.compute])]))
+                files_read([*args.results, *args.compare,
+                            *filter(None, [args.compute, args.ds_config])]))
     if args.out is not None:
         check_output_file(args.out, "--out")
     if args.plot is not None:
@@ -240,8 +249,10 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
     elif not args.results:
         raise ConfigError("predict needs results files to calibrate on, or --compute-ms with "
                           "--model, --batch-size and --link")
+    ds_config = args.ds_config and predicted_config(args.ds_config, args.precision)
     return Target(trainers, link, latency_s, args.per_node, intra,
-                  list(dict.fromkeys(places)), compute_ms, checked_options(args.hook_options))
+                  list(dict.fromkeys(places)), compute_ms, checked_options(args.hook_options),
+                  ds_config)
 
 
 def strategy(name: str, flag: str) -> str:
@@ -292,6 +303,8 @@ def no_run_calibration(args: argparse.Namespace,
 
 def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     target = check(args, bench_argv)
+    if target.ds_config:  # the precision it trains in: --precision's, or its own
+        args.precision = target.ds_config[2]
     trainers = target.trainers
     link_bps = target.link.line_bps if target.link is not None else None
     gpu_memory = memory.check_arguments(args)
@@ -312,6 +325,9 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
         calibration = calibrate(runs, target.link, target.latency_s, target.intra, compute,
                                 target.options)
     calibration.micro_batches, calibration.reduce_dtype = args.grad_accum, args.reduce_dtype
+    if target.ds_config:
+        calibration.ds_config, calibration.ds_stage, _ = target.ds_config
+        calibration.ds_config_from = f"--ds-config {args.ds_config}"
     calibration.precision = args.precision or next(
         ((run.training or {}).get("precision") for run in runs), None) or "fp32"
     if target.per_node > 1 and calibration.intra_link is None:

@@ -219,6 +219,42 @@ def wire_dtypes(config: dict | None, precision: str = "fp32") -> tuple[str, str]
     return wire_of(config) or "float32", precision_of(config) or "float32"
 
 
+def predicted_config(path: str, precision: str | None) -> tuple[dict, int | None, str | None]:
+    """A user's ds_config as predict costs DeepSpeed at it: its ``zero_optimization`` (its
+    ``"auto"`` values left to DeepSpeed's defaults, as a run leaves them), the precision it
+    enables (``"auto"`` or none: ``precision``, a run's ``--precision``, as a run enables it)
+    and its ``communication_data_type``; with the stage it names (None: every stage) and the
+    precision it trains in. ConfigError names the file for what no run of it could take."""
+    source = f"--ds-config {path}"
+    given = read_json(path, "--ds-config", own_format=False)
+    if not isinstance(given, dict):
+        raise ConfigError(f"{source} must hold a JSON object (a DeepSpeed config)")
+    zero = {key: value for key, value in (given.get("zero_optimization") or {}).items()
+            if value != "auto"}
+    stage = zero.get("stage")
+    if stage is not None and (stage not in (1, 2, 3) or isinstance(stage, bool)):
+        raise ConfigError(f"{source}: zero_optimization.stage must be 1, 2 or 3 (a deepspeed_zero "
+                          f"hook's); got {stage!r}")
+    enabled = [name for name in ("bf16", "fp16") if (given.get(name) or {}).get("enabled") is True]
+    if len(enabled) > 1:
+        raise ConfigError(f"{source}: bf16 and fp16 are both enabled: DeepSpeed trains in one of "
+                          f"them; enable one")
+    if enabled and precision not in (None, enabled[0]):
+        raise ConfigError(f"--precision {precision} and {source}'s {enabled[0]}.enabled disagree: "
+                          f"give one")
+    precision = enabled[0] if enabled else precision
+    config: dict[str, Any] = {"zero_optimization": zero}
+    if precision in ("bf16", "fp16"):
+        config[precision] = {"enabled": True}
+    wire = given.get("communication_data_type")
+    if wire not in (None, "auto", *COMMUNICATION_TYPES.values()):
+        raise ConfigError(f"{source}: communication_data_type must be one of "
+                          f"{', '.join(COMMUNICATION_TYPES.values())}; got {wire!r}")
+    if wire not in (None, "auto"):
+        config["communication_data_type"] = wire
+    return config, stage, precision
+
+
 def precision_of(config: dict | None) -> str | None:
     """The dtype a resolved config trains in (``bfloat16``, ``float16``), None for float32."""
     for name, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):

@@ -286,6 +286,12 @@ def test_a_run_on_one_emulated_host_calibrates_the_local_link(tmp_path):
     assert Run.load(one_host).per_host == 2 and Run.load(apart).per_host == 1
 
 
+def ds_config(folder, config) -> str:
+    path = folder / "ds_config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
 def other_model(folder) -> str:
     path = results_file(folder, "other.json", hook="noop", trainers=1)
     data = json.loads(open(path).read())
@@ -307,6 +313,16 @@ BAD_INPUTS = [
     (lambda p: [], "predict needs results files to calibrate on"),
     (lambda p: [results_file(p), "--servers-on", "nearby"], "--servers-on: 'nearby' is not one of"),
     (lambda p: [results_file(p), "--nodes", "2", "--trainers", "4"], "give --trainers or --nodes"),
+    (lambda p: [results_file(p), "--ds-config", str(p / "none.json")], "--ds-config"),
+    (lambda p: [results_file(p), "--ds-config", ds_config(p, {"zero_optimization": {"stage": 0}})],
+     "zero_optimization.stage must be 1, 2 or 3 (a deepspeed_zero hook's); got 0"),
+    (lambda p: [results_file(p), "--ds-config", ds_config(p, {"bf16": {"enabled": True}, "fp16": {"enabled": True}})],
+     "bf16 and fp16 are both enabled"),
+    (lambda p: [results_file(p), "--precision", "fp16", "--ds-config", ds_config(p, {"bf16": {"enabled": True}})],
+     "--precision fp16 and --ds-config"),
+    (lambda p: [results_file(p), "--ds-config", ds_config(p, {"communication_data_type": "int8"})],
+     "communication_data_type must be one of fp32, bf16, fp16; got 'int8'"),
+    (lambda p: [results_file(p), "--ds-config", ds_config(p, [1])], "must hold a JSON object"),
 ]
 
 
@@ -508,6 +524,39 @@ def test_deepspeed_is_predicted_moving_the_dtype_it_casts_the_model_to(tmp_path,
     assert calibration.wire(HOOKS.record("fsdp"), "fsdp") == ("bfloat16", "bfloat16")
     calibration.reduce_dtype = "fp32"
     assert calibration.wire(HOOKS.record("fsdp"), "fsdp") == ("float32", "float32")
+
+
+def test_deepspeed_is_predicted_at_your_ds_config(tmp_path, capsys):
+    """predict --ds-config: the deepspeed_zero hook of the config's stage is costed at its ZeRO
+    settings, the precision it enables and its communication_data_type, its "auto" values as a
+    run takes them (DeepSpeed's defaults; bf16 "auto": --precision's); the other stages at
+    DeepSpeed's defaults, and a run's recorded config over it."""
+    out = tmp_path / "predict.json"
+
+    def predicted(*extra: str) -> dict:
+        out.unlink(missing_ok=True)
+        assert main(["predict", "--model", "resnet18", "--batch-size", "8", "--compute-ms",
+                     "forward=50,backward=100,optimizer=5", "--link", "10gbit", "--trainers", "16",
+                     "--hooks", "deepspeed_zero2,deepspeed_zero3", "--out", str(out), *extra]) == 0
+        capsys.readouterr()
+        saved = json.loads(out.read_text())
+        return {"rows": {row["strategy"]: row for row in saved["predictions"]}, **saved["calibration"]}
+
+    config = ds_config(tmp_path, {"zero_optimization": {"stage": 3, "reduce_bucket_size": 10 ** 6,
+                                                        "overlap_comm": "auto"},
+                                  "bf16": {"enabled": "auto"}, "train_batch_size": "auto"})
+    defaults, yours = predicted("--precision", "bf16"), predicted("--precision", "bf16", "--ds-config", config)
+    assert yours["bucket_elements"] == {**defaults["bucket_elements"], "deepspeed_zero3": 10 ** 6}
+    assert yours["overlaps"] == defaults["overlaps"] == {"deepspeed_zero2": False, "deepspeed_zero3": True}
+    assert yours["rows"]["deepspeed_zero2"] == defaults["rows"]["deepspeed_zero2"]
+    # smaller buckets, reduced sooner as backward goes on
+    assert yours["rows"]["deepspeed_zero3"]["batch_ms"] < defaults["rows"]["deepspeed_zero3"]["batch_ms"]
+    # the precision it enables is the prediction's: DeepSpeed moves and the memory counts bf16
+    enables = ds_config(tmp_path, {"bf16": {"enabled": True}})
+    assert predicted("--ds-config", enables)["rows"] == predicted("--precision", "bf16")["rows"]
+    reduces = ds_config(tmp_path, {"bf16": {"enabled": True}, "communication_data_type": "fp32"})
+    sends = predicted("--ds-config", reduces)["rows"]
+    assert sends["deepspeed_zero2"]["sends_ms"] > defaults["rows"]["deepspeed_zero2"]["sends_ms"]
 
 
 def test_an_engines_buckets_are_filled_as_backward_makes_the_gradients_ready():
