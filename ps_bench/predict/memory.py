@@ -271,7 +271,6 @@ class MemoryTarget:
     options: dict[str, dict] = field(default_factory=dict)
     reduce_dtype: str | None = None  # --reduce-dtype, else the runs'
 
-
     def row(self, hook: str, trainers: int, per_node: int) -> dict:
         return memory(HOOKS.record(hook), self.facts, trainers, per_node, self.precision,
                       self.optimizer, self.momentum, self.gpu_memory,
