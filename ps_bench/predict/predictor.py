@@ -144,6 +144,13 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
                               gloo=all(run.backend == "gloo" for run in runs))
     calibration.options, notes = run_options(runs)
     calibration.notes.extend(notes)
+    apart = sorted({run.hook for run in runs if run not in timed})
+    if apart and compute is None:
+        calibration.notes.append(
+            f"the model's compute is that of the runs of "
+            f"{', '.join(sorted({run.hook for run in timed}))}: the forward or step of "
+            f"{', '.join(apart)} {'holds its' if len(apart) == 1 else 'hold their'} own "
+            f"communication")
     give_options(calibration, options or {})
     # payloads first: a low-rank strategy's own compute is fitted with its payload known (from
     # its runs at the options it is predicted at)
