@@ -105,15 +105,16 @@ def measured(calibration: Calibration, compared: list[Run], hook: str, n: int, k
              mapping: str, link_bps: float | None, predicted_ms: float, per_node: int = 1,
              servers_on: str = "dedicated") -> dict:
     """The given runs of this point (same strategy and hook options, trainers, trainers per
-    host, servers and their place, network): their batch p50, the prediction's error against
-    it, and whether one of them calibrated the strategy's own compute (then the error is about
-    0 by construction)."""
+    host, servers and their place, network, micro-batches a step): their iteration
+    (``Run.batch_ms``), the prediction's error against it, and whether one of them calibrated
+    the strategy's own compute (then the error is about 0 by construction)."""
     uses_servers = HOOKS.record(hook).transport == RPC
     matches = [run for run in at_options([*calibration.runs, *compared], calibration)
                if run.hook == hook and run.trainers == n and run.per_host == per_node
                and (not uses_servers or (run.servers == k and run.mapping == mapping
                                          and run.servers_on == servers_on))
-               and (link_bps is None or run.link_rate_bps == link_bps)]
+               and (link_bps is None or run.link_rate_bps == link_bps)
+               and run.grad_accum == calibration.micro_batches]
     if not matches:
         return {"measured_ms": None, "error_pct": None}
     value = sorted(run.batch_ms for run in matches)[len(matches) // 2]
