@@ -198,8 +198,8 @@ def module_calls(network: torch.nn.Module, called: list[tuple[bool, torch.nn.Mod
 
     if called:
         return [(starts, own(module)) for starts, module in called]
-    return [(starts, own(module)) for module in network.modules() if own(module)
-            for starts in (True, False)]
+    holding = [held for held in map(own, network.modules()) if held]
+    return [(starts, held) for held in holding for starts in (True, False)]
 
 
 def fsdp_units(network: torch.nn.Module) -> tuple[int, int]:
