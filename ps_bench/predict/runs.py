@@ -10,6 +10,7 @@ from ps_bench.metrics.limits import fit_link
 from ps_bench.options import plural
 from ps_bench.results.load import load_file, load_source
 from ps_bench.strategies import HOOKS
+from ps_bench.strategies.record import DDP
 
 
 @dataclass
@@ -54,9 +55,11 @@ class Run:
     @property
     def computes_alone(self) -> bool:
         """Whether its forward and optimizer phases are the model's compute alone: its strategy
-        communicates in backward's hooks only, none of its record's ``sends`` (ZeRO-3's and
-        FSDP2's gathers in forward, ZeRO's and local SGD's synchronisation at the step)."""
-        return not HOOKS.record(self.hook).sends
+        wraps the model in DDP and communicates in its hooks only, none of its record's
+        ``sends`` (FSDP2's and HSDP's gathers in forward, ZeRO's and local SGD's synchronisation
+        at the step)."""
+        record = HOOKS.record(self.hook)
+        return record.wrap == DDP and not record.sends
 
     @property
     def on_one_host(self) -> bool:

@@ -495,6 +495,8 @@ def test_an_engines_runs_neither_size_nor_time_the_models_compute(tmp_path, caps
     assert predicted["beside"]["predictions"] == predicted["alone"]["predictions"]
     assert ("the model's compute is that of the runs of allreduce: the forward or step of "
             "deepspeed_zero3 holds its own communication") in predicted["beside"]["calibration"]["notes"]
+    # HSDP's forward gathers within the node though its record sends nothing besides its buckets
+    assert not Run.load(results_file(tmp_path, "hsdp.json", hook="hsdp")).computes_alone
     assert predicted["alone"]["predictions"][0]["communication_end_ms"] > 0
     # its own compute: its run against the model's compute and its sends, its gathers not
     # counted twice (in its forward and in its sends: it fitted below 0, taken as 0)
