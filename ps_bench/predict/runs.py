@@ -80,6 +80,9 @@ class Run:
                               "runs that finished")
         cfg, summary = results["config"], {row["metric"]: row["p50"] for row in results["summary"]
                                            if row["role"] == "trainer"}
+        if stale(results):
+            raise ConfigError(f"{path} ran --staleness {cfg['staleness']}: predict models "
+                              f"synchronous strategies; give runs without --staleness")
         hook = HOOKS.canonical(cfg["hook"])
         limits = results.get("limits") or {}
         emulated = results.get("env", {}).get("emulated") or {}
@@ -116,11 +119,17 @@ def batch_ms(hook: str, summary: list[dict]) -> float:
     return row.get("mean", row["p50"]) if HOOKS.record(hook).periodic else row["p50"]
 
 
+def stale(results: dict) -> bool:
+    """Whether a run's servers were stale-synchronous (``--staleness``)."""
+    return results.get("config", {}).get("staleness") is not None
+
+
 def runs_of(sources: list[str]) -> list[Run]:
     """The runs of ``sources``, as report and compare read them (``load_source``): results files,
     sweep folders, a sweep's ``results.jsonl``, folders of results files. A failed run named on
     its own is refused; a sweep's or a folder's failed runs are passed over (a sweep records
-    every point), and one with no run that finished is refused."""
+    every point), and those of stale-synchronous servers (``--staleness``, which predict does not
+    model), and one with no run that finished is refused."""
     runs = []
     for source in sources:
         loaded = load_source(source)
@@ -128,13 +137,15 @@ def runs_of(sources: list[str]) -> list[Run]:
             runs += [Run.of(results, where) for where, results in loaded.runs]
             continue
         finished = [Run.of(results, where) for where, results in loaded.runs
-                    if results.get("status") == "ok"]
+                    if results.get("status") == "ok" and not stale(results)]
         if not loaded.runs:
             raise ConfigError(f"{source}: a {loaded.kind} with no results in it")
         if not finished:
-            raise ConfigError(f"{source}: every run of this {loaded.kind} failed "
+            staled = any(stale(results) for _, results in loaded.runs)
+            raise ConfigError(f"{source}: every run of this {loaded.kind} failed"
+                              f"{' or ran --staleness' if staled else ''} "
                               f"({plural(len(loaded.runs), 'run')}): predict from runs that "
-                              f"finished")
+                              f"finished{' without it' if staled else ''}")
         runs += finished
     return runs
 

@@ -23,7 +23,7 @@ from ps_bench.predict.calibration import low_rank_ratios
 from ps_bench.predict.inputs import TargetLink, model_buckets
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.rows import prediction_rows
-from ps_bench.predict.runs import Run
+from ps_bench.predict.runs import Run, runs_of
 from ps_bench.predict.tables import describe_calibration, render_winners, winners
 from ps_bench.strategies import COLLECTIVE, HOOKS, Cost, Strategy
 
@@ -184,6 +184,25 @@ def test_predict_reads_a_sweep_folder_as_the_runs_it_holds(tmp_path, capsys):
     assert main(["predict", str(sweep), "--trainers", "8"]) == 2
     assert capsys.readouterr().err == (f"ps_bench: error: {sweep}: every run of this sweep folder failed "
                                        f"(1 run): predict from runs that finished\n")
+
+
+def test_runs_on_stale_synchronous_servers_are_not_predicted(tmp_path, capsys):
+    """predict models synchronous strategies: a run with --staleness (recorded as hook ps) stood
+    in ps's measured column and fitted its own compute; named on its own it is refused, in a
+    sweep's folder passed over as a failed run is."""
+    sync = json.loads(open(results_file(tmp_path, "ps.json", hook="ps", servers=1)).read())
+    stale = {**sync, "config": {**sync["config"], "staleness": "inf"}}
+    (tmp_path / "stale.json").write_text(json.dumps(stale))
+    assert main(["predict", str(tmp_path / "stale.json"), "--trainers", "2"]) == 2
+    assert capsys.readouterr().err == (f"ps_bench: error: {tmp_path / 'stale.json'} ran --staleness inf: "
+                                       f"predict models synchronous strategies; give runs without --staleness\n")
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "results.jsonl").write_text(json.dumps(stale) + "\n" + json.dumps(sync) + "\n")
+    assert [run.hook for run in runs_of([str(sweep)])] == ["ps"]
+    (sweep / "results.jsonl").write_text(json.dumps(stale) + "\n")
+    assert main(["predict", str(sweep), "--trainers", "2"]) == 2
+    assert "every run of this sweep folder failed or ran --staleness (1 run)" in capsys.readouterr().err
 
 
 def test_a_periodic_strategy_is_measured_by_its_mean_iteration(tmp_path):
