@@ -80,9 +80,10 @@ class Calibration:
         a DeepSpeed hook of its stage (None: the engine's defaults)."""
         ran = next((run.engine_config for run in self.runs
                     if run.hook == hook and run.engine_config), None)
-        if ran is not None or self.ds_config is None or HOOKS.record(hook).engine != "deepspeed":
+        takes = HOOKS.record(hook).cost.takes_config
+        if ran is not None or self.ds_config is None or takes is None:
             return ran
-        return self.ds_config if self.ds_stage in (None, int(hook[-1])) else None
+        return self.ds_config if takes(self.ds_stage) else None
 
     def engine_config_from(self, hook: str) -> str:
         """Where ``engine_config(hook)`` comes from, in words."""

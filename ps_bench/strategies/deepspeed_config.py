@@ -255,6 +255,11 @@ def predicted_config(path: str, precision: str | None) -> tuple[dict, int | None
     return config, stage, precision
 
 
+def takes_config(stage: int, named: int | None) -> bool:
+    """Whether a ds_config naming ZeRO stage ``named`` (None: none) is one for ``stage``."""
+    return named in (None, stage)
+
+
 def precision_of(config: dict | None) -> str | None:
     """The dtype a resolved config trains in (``bfloat16``, ``float16``), None for float32."""
     for name, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):

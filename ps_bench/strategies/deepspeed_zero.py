@@ -44,7 +44,8 @@ from ps_bench.strategies.base import HookContext, OptimizerSpec, Synchroniser, f
 from ps_bench.metrics import costs
 from ps_bench.strategies.deepspeed_config import (OPTIMIZER_PARAMS, overlap_comm, precision_of,
                                                   reduce_bucket_elements, regathered_share,
-                                                  resolve_config, wire_dtypes, wire_of)
+                                                  resolve_config, takes_config, wire_dtypes,
+                                                  wire_of)
 from ps_bench.strategies.record import (COLLECTIVE, COLLECTIVE_BUCKETS, ENGINE, EVERY_ITERATION,
                                         GATHERED, GRADIENTS, HOOKS, OPTIMIZER, PARAMETERS, SHARDED,
                                         Cost, Holds, Strategy)
@@ -65,7 +66,8 @@ def deepspeed_record(stage: int) -> Strategy:
     cost = Cost(COLLECTIVE_BUCKETS, bucket_ms=costs.sharded_reduce_ms if stage == 3 else None,
                 overlapped=(sends[0][0],), bucket_elements=reduce_bucket_elements,
                 overlaps=partial(overlap_comm, stage),
-                regathered=regathered_share if stage == 3 else None, wire=wire_dtypes)
+                regathered=regathered_share if stage == 3 else None, wire=wire_dtypes,
+                takes_config=partial(takes_config, stage))
     return Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED,
                     wrap=ENGINE, identical=GATHERED if stage == 3 else EVERY_ITERATION, sends=sends,
                     engine="deepspeed", reduce_dtype=True, cost=cost,

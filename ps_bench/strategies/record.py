@@ -105,7 +105,9 @@ class Cost:
     forward's module calls (``ModelFacts.modules``) and the engine config of its runs (None:
     the engine's defaults); ``wire(engine_config, precision)``: the dtypes its engine moves the
     gradients and the parameters in, at its runs' config (None: its defaults at the run's
-    ``--precision``; default: the record's ``payload``)."""
+    ``--precision``; default: the record's ``payload``); ``takes_config(stage)``: whether a
+    user's config for its engine naming that stage (None: none) is its own (``predict
+    --ds-config``)."""
 
     pipeline: str | None = None
     bucket_ms: Callable[[Nodes, float, bool], float] | None = None
@@ -117,6 +119,7 @@ class Cost:
     overlaps: Callable[[dict | None], bool] | None = None
     regathered: Callable[[list, dict | None], float] | None = None
     wire: Callable[[dict | None, str], tuple[str, str]] | None = None
+    takes_config: Callable[[int | None], bool] | None = None
 
 
 @dataclass(frozen=True)
