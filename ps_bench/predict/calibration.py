@@ -63,6 +63,9 @@ class Calibration:
     ds_config: dict | None = None
     ds_stage: int | None = None
     ds_config_from: str = ""
+    # strategy -> what its engine sends the gradients and gathers the parameters in (``wire``),
+    # where not float32
+    wires: dict[str, tuple[str, str]] = field(default_factory=dict)
     # what the calibration could not take as measured, said once where it is printed
     notes: list[str] = field(default_factory=list)
 
@@ -131,6 +134,7 @@ class Calibration:
             "payload_from": self.payload_from, "options": self.options,
             "regathered": self.regathered, "regathered_from": self.regathered_from,
             "bucket_elements": self.bucket_elements, "overlaps": self.overlaps,
+            "wires": self.wires,
             "runs": [run.path for run in self.runs], "notes": self.notes,
         }
 
@@ -296,6 +300,9 @@ def add_engine_terms(calibration: Calibration, hooks: list[str], facts: ModelFac
     for hook in hooks:
         cost = HOOKS.record(hook).cost
         config = calibration.engine_config(hook)
+        wire = calibration.wire(HOOKS.record(hook), hook)
+        if wire != ("float32", "float32"):
+            calibration.wires[hook] = wire
         if cost.bucket_elements:
             calibration.bucket_elements[hook] = cost.bucket_elements(facts, config)
         if cost.overlaps:

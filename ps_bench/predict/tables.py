@@ -86,6 +86,11 @@ def describe_calibration(calibration: Calibration) -> str:
                + ", ".join(f"{hook} {share:.1%}" for hook, share in sorted(c["regathered"].items()))
                + f" ({c['regathered_from']})\n"
                if c["regathered"] else "")
+            + ("  sent in, where not float32 (gradients; parameters gathered): "
+               + ", ".join(f"{hook} {gradients}" + (f"; {parameters}" if parameters != gradients
+                                                     else "")
+                           for hook, (gradients, parameters) in sorted(c["wires"].items()))
+               + "\n" if c["wires"] else "")
             + "".join(f"  note: {note}\n" for note in c["notes"]))
 
 

@@ -579,8 +579,12 @@ def test_deepspeed_is_predicted_at_your_ds_config(tmp_path, capsys):
     enables = ds_config(tmp_path, {"bf16": {"enabled": True}})
     assert predicted("--ds-config", enables)["rows"] == predicted("--precision", "bf16")["rows"]
     reduces = ds_config(tmp_path, {"bf16": {"enabled": True}, "communication_data_type": "fp32"})
-    sends = predicted("--ds-config", reduces)["rows"]
-    assert sends["deepspeed_zero2"]["sends_ms"] > defaults["rows"]["deepspeed_zero2"]["sends_ms"]
+    sends = predicted("--ds-config", reduces)
+    assert sends["rows"]["deepspeed_zero2"]["sends_ms"] > defaults["rows"]["deepspeed_zero2"]["sends_ms"]
+    # what each is predicted sending, where not float32, in the calibration (and printed)
+    assert sends["wires"] == {hook: ["float32", "bfloat16"] for hook in ("deepspeed_zero2", "deepspeed_zero3")}
+    assert defaults["wires"] == {hook: ["bfloat16", "bfloat16"] for hook in ("deepspeed_zero2", "deepspeed_zero3")}
+    assert predicted()["wires"] == {}
 
 
 def test_an_engines_buckets_are_filled_as_backward_makes_the_gradients_ready():
