@@ -15,7 +15,7 @@ from ps_bench.options import plural
 from ps_bench.predict.inputs import model_buckets, spread
 from ps_bench.predict.memory import ModelFacts
 from ps_bench.predict.pipelines import Phases
-from ps_bench.predict.runs import Run
+from ps_bench.predict.runs import Run, compute_runs
 from ps_bench.strategies import HOOKS, LOW_RANK_BUCKETS, Strategy, hook_options
 
 
@@ -253,10 +253,10 @@ def own_terms(run: Run, calibration: Calibration) -> dict:
     """The compute phases and bucket timeline of one run alone (the calibration's pooled ones
     where the run lacks them), so that its slower or faster compute is not taken for its
     strategy's own cost; the timeline without what its hooks held backward for
-    (``compute_ready``), which is. A run whose forward or step holds its strategy's own
-    communication (not ``Run.computes_alone``) takes the calibration's, where another run's are
-    the model's compute alone."""
-    if not run.computes_alone and any(other.computes_alone for other in calibration.runs):
+    (``compute_ready``), which is. A run whose phases did not give the model's compute
+    (``compute_runs``: its forward or step holds its strategy's own communication) takes the
+    calibration's."""
+    if run not in compute_runs(calibration.runs):
         return {"phases": calibration.phases, "buckets": calibration.buckets}
     ready = compute_ready(run.timeline or [])
     buckets = ready_buckets(ready, bucket_sizes(run.buckets)) if ready else calibration.buckets

@@ -5,7 +5,7 @@ Calibration (``calibrate``), from one or more results files of the same model an
 
 - forward and optimizer p50 (trainer summary), backward's own compute (the ``--limits``
   compute-only iteration minus forward and optimizer, at least the last bucket's ready time),
-  of the runs whose strategies communicate in backward's hooks alone (``compute_runs``);
+  of the runs whose strategies communicate in backward's hooks alone (``runs.compute_runs``);
 - when each DDP bucket became ready (``timeline``, p50 over the runs), less what the hooks of the
   buckets before it held backward for (``held_ms``: their strategy's own compute, below):
   overlap is computed from it; without one (a GPU run) every bucket is taken as ready when
@@ -40,15 +40,9 @@ from ps_bench.predict.calibration import (Calibration, add_payloads, backward_co
                                           ready_buckets, run_options)
 from ps_bench.predict.inputs import TargetLink, spread
 from ps_bench.predict.pipelines import Phases
-from ps_bench.predict.runs import Run
+from ps_bench.predict.runs import Run, compute_runs
 from ps_bench.strategies import HOOKS, LOW_RANK_BUCKETS, Strategy, hook_options
 from ps_bench.strategies.record import calls_per_iteration
-
-
-def compute_runs(runs: list[Run]) -> list[Run]:
-    """The runs whose phases are the model's compute alone (``Run.computes_alone``); all of
-    them where none is."""
-    return [run for run in runs if run.computes_alone] or runs
 
 
 def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: float | None = None,

@@ -111,6 +111,12 @@ class Run:
         )
 
 
+def compute_runs(runs: list[Run]) -> list[Run]:
+    """The runs whose phases are the model's compute alone (``Run.computes_alone``); all of
+    them where none is."""
+    return [run for run in runs if run.computes_alone] or runs
+
+
 def batch_ms(hook: str, summary: list[dict]) -> float:
     """A run's trainers' iteration: the p50, or for a strategy that synchronises once a period
     (local SGD, DiLoCo) the mean, which amortises it over the period as predict does (the p50 is
