@@ -42,6 +42,7 @@ TOPOLOGY, STRATEGY, RUN = "topology", "strategy and workload", "rounds, rendezvo
 NETWORK = "emulated network (see bench.py emulate --help)"
 CONVERGENCE = "time to a target loss"
 DEFAULT_MAX_ITERATIONS = 1000  # --max-iterations when --target-loss is given without it
+PATHS = ("FILE", "PATH", "DIR", "DIR|FILE", "RESULTS.json", "BASE", "NEW")  # files and folders
 
 
 def option(default: Any, help: str, *, group: str = RUN, aliases: tuple[str, ...] = (),
@@ -259,8 +260,7 @@ OPTIONS: dict[str, dataclasses.Field] = {f.name: f for f in fields(RunConfig)}
 JSON_KEYS: dict[str, str] = {}
 for _f in fields(RunConfig):
     for _key in (_f.name, *_f.metadata["aliases"]):
-        JSON_KEYS[_key] = _f.name
-        JSON_KEYS[_key.replace("_", "-")] = _f.name
+        JSON_KEYS[_key] = JSON_KEYS[_key.replace("_", "-")] = _f.name
 
 
 def field_type(name: str) -> type:
@@ -315,12 +315,13 @@ def read_json(path: str | os.PathLike, what: str, own_format: bool = True) -> An
 
 
 def coerce(name: str, value: Any, source: str) -> Any:
-    """Checks a JSON value against the option's type (ints are accepted for floats)."""
-    kind = field_type(name)
+    """Checks a JSON value against the option's type (an int is taken for a float)."""
+    kind, metadata = field_type(name), OPTIONS[name].metadata
     if value is None and OPTIONS[name].default is None:
         return None
-    if (OPTIONS[name].metadata["numbers_as_text"] and isinstance(value, (int, float)) and
-            not isinstance(value, bool)):
+    need(value != "" or metadata["metavar"] not in PATHS,
+         f"{source}: {name!r} is an empty path: name one, or leave the option out")
+    if metadata["numbers_as_text"] and type(value) in (int, float):  # a bool is neither
         value = str(value)
     if kind is list:
         if not isinstance(value, list) or not all(isinstance(item, str) for item in value):

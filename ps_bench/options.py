@@ -13,8 +13,8 @@ import textwrap
 import traceback
 from typing import Any, NoReturn
 
-from ps_bench.config import (CONVERGENCE, NETWORK, OPTIONS, RUN, STRATEGY, TOPOLOGY, TYPE_WORDS,
-                             ConfigError, field_type)
+from ps_bench.config import (CONVERGENCE, NETWORK, OPTIONS, PATHS, RUN, STRATEGY, TOPOLOGY,
+                             TYPE_WORDS, ConfigError, field_type)
 from ps_bench.models import MODEL_PRESETS, TEST_SIZED
 from ps_bench.servers import SERVERS
 from ps_bench.strategies import HOOKS
@@ -77,6 +77,17 @@ class Parser(argparse.ArgumentParser):
             message = f"{unknown}{extra}{flag_hint(self, extra.split())}{opening}{rest}"
         sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
         sys.exit(EXIT_USAGE)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, with an empty path refused: "" would name the working folder where a file
+        is meant (an unset shell variable, most often)."""
+        known, extra = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            value = getattr(known, action.dest, None)
+            if action.metavar in PATHS and "" in (value if isinstance(value, list) else [value]):
+                self.error(f"argument {(action.option_strings or [action.metavar])[0]}: "
+                           "an empty path")
+        return known, extra
 
 
 def usage_error(error: ConfigError, debug: bool) -> int:

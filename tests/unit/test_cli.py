@@ -60,7 +60,7 @@ BAD_INPUTS = [
     (["--config", "{unknown_key}"], "unknown option 'trainers'; did you mean 'trainer'? valid options:"),
     (["--config", "{wrong_type}"], "'rounds' must be a whole number, got \"3\""),
     (["--master-port", "70000"], "--master-port must be in 1..65535"),
-    (["--profile", ""], "--profile: give the folder for the traces"),  # wrote the traces into the working folder
+    (["--profile", " "], "--profile: give the folder for the traces"),  # wrote the traces into the working folder
     (["--backend", "nccl"], "CUDA is needed for --backend nccl"),
     (["--ncudaserver", "1"], "CUDA is needed for --ncudaserver 1"),
     (["--mapping", "group", "--nserver", "3"], "3 servers need 3 trainers; got 2"),
@@ -120,12 +120,22 @@ BAD_INPUTS = [
     (["--hook", "allreduce", "--nserver", "0", "--reduce-dtype", "bf16"],
      "--reduce-dtype is for strategies whose engine communicates in a dtype of its own"),
     (["--hook", "ps", "--reduce-dtype", "fp16"], "--hook ps sends the gradients as they are"),
+    # "" named the working folder: --ds-config "" ran without one, --out "" wrote under results/
+    (["--config", "{empty_path}"], "'ds_config' is an empty path: name one, or leave the option out"),
+    *[(argv, f"argument {named}: an empty path") for argv, named in [
+        (["--out", ""], "--out"), (["--hook", "deepspeed_zero2", "--ds-config", ""], "--ds-config"),
+        (["--config", ""], "--config"), (["--model-config-path", ""], "--model-config-path"),
+        (["--profile", ""], "--profile"), (["predict", ""], "RESULTS.json"),
+        (["predict", "a.json", "--compare", ""], "--compare"), (["report", "a", ""], "DIR|FILE"),
+        (["compare", "a", ""], "NEW"), (["sweep", "s.json", "--out", ""], "--out"),
+        (["launch", "--hosts", "a", "--python", "", "--", "--dry-run"], "--python")]],
 ]
 CONFIG_FILES = {
     "{bad_json}": '{"ntrainer": 2\n "rounds": 3}',
     "{latin1}": '{"model": "Modèle"}'.encode("latin-1"),
     "{twice}": '{"ntrainer": 2, "rounds": 1, "ntrainer": 4}',
     "{unknown_key}": '{"trainers": 2}',
+    "{empty_path}": '{"hook": "deepspeed_zero2", "ds_config": ""}',
     "{wrong_type}": '{"rounds": "3"}',
     "{negative_target}": '{"target_loss": -1, "labels": "teacher"}',
     "{plain_data}": json.dumps({"PlainBags": {"data_class": "PlainBags", "configurations": {

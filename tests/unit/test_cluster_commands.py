@@ -126,7 +126,7 @@ def test_hostfile_takes_deepspeed_lines_and_comments(tmp_path):
     (["launch", "--hosts", "nowhere1", "--ssh-port", "0"], "--ssh-port must be in 1..65535; got 0"),
     (["launch", "--hosts", "nowhere1", "--ssh-option", "accept-new"], "--ssh-option: expected KEY=VALUE"),
     (["launch", "--hosts", "nowhere1", "--env", "A B=1"], "--env: expected KEY=VALUE, KEY a variable's name"),
-    (["launch", "--hosts", "nowhere1", "--python", ""], "--python: expected the interpreter on the hosts"),
+    (["launch", "--hosts", "nowhere1", "--python", " "], "--python: expected the interpreter on the hosts"),
     # a run option before --: argparse's "unrecognized arguments" said nothing of where it goes
     (["slurm", "--nodes", "2", "--ntrainer=2"], "--ntrainer is a run option: give run options after --, e.g. "
                                                 "bench.py slurm --nodes N -- --ntrainer"),
