@@ -359,7 +359,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
                              calibration.options)
         for row in rows:
             row.update(held.row(row["strategy"], row["trainers"], row["per_node"]))
-    described = describe_calibration(calibration) + (held.describe() if held else "")
+    described = describe_calibration(calibration, hooks) + (held.describe() if held else "")
     note = (unplaced(servers, trainers, target.per_node)
             if args.servers is not None and "colocated" in target.servers_on else None)
     print(described.rstrip("\n") + f"\n  {note}\n" if note else described)

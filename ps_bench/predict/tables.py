@@ -52,14 +52,17 @@ def servers_label(row: dict) -> str:
     return f"{row['servers']}" + (" colocated" if row.get("servers_on") == "colocated" else "")
 
 
-def describe_calibration(calibration: Calibration) -> str:
+def describe_calibration(calibration: Calibration, hooks: list[str] | None = None) -> str:
+    """What predict calibrated, as printed above its table; of the per-strategy terms, those of
+    ``hooks`` (the strategies predicted; None: every one known)."""
     c = calibration.to_dict()
     phases, link = c["phases_ms"], c["link"]
     own = (", ".join(f"{hook} {ms:+.1f} ms" for hook, ms in sorted(c["own_ms"].items())) or
            ("none: it is fitted only from runs whose link is known (made with --limits, or on "
             "an emulated link at --link's rate)" if c["runs"] else "none: no runs given"))
     times = [f"{bucket['ready_ms']:.1f}" for bucket in c["buckets"]]
-    ratios = c["payload_ratio"]
+    ratios = {hook: ratio for hook, ratio in c["payload_ratio"].items()
+              if hooks is None or hook in hooks}
     ready = ", ".join(times if len(times) <= 8 else [*times[:4], "...", *times[-2:]])
     return (f"calibration: {c['model']} at batch {c['batch_size']}, from "
             f"{plural(len(c['runs']), 'run')}\n"

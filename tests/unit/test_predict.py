@@ -500,6 +500,9 @@ def test_low_rank_strategies_are_predicted_from_the_model_alone(capsys):
             f"{ratios['batched_powersgd']:.2%} {counted}, powersgd {ratios['powersgd']:.2%} {counted}") in printed
     rows = {line.split()[1]: float(line.split()[3]) for line in printed.splitlines() if line.startswith("8 ")}
     assert rows["powersgd"] < rows["allreduce"]  # a thirtieth of the bytes on a slow link
+    assert main(["predict", "--model", "DummyModel", "--batch-size", "8", "--compute-ms",
+                 "forward=10,backward=20,optimizer=1", "--hooks", "allreduce,fsdp", "--link", "1gbit"]) == 0
+    assert "low-rank payloads" not in capsys.readouterr().out  # of strategies not asked about
 
 
 def test_a_run_that_records_its_buckets_shapes_predicts_the_low_rank_strategies_it_did_not_run(tmp_path, capsys):
