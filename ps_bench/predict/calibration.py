@@ -109,6 +109,10 @@ class Calibration:
             parameters = parameters if strategy.cost.wire is not None else gradients
         return gradients, parameters
 
+    def gathered(self, hook: str) -> str:
+        """The dtype ``hook`` gathers the parameters in (``wire``'s), as memory counts them."""
+        return self.wire(HOOKS.record(hook), hook)[1]
+
     @property
     def gradient_bytes(self) -> float:
         return sum(nbytes for _, nbytes, _ in self.buckets)

@@ -356,7 +356,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     held = None
     if facts is not None:
         held = memory.target(args, facts, [run.training or {} for run in runs], gpu_memory,
-                             calibration.options)
+                             calibration.options, calibration.gathered)
         for row in rows:
             row.update(held.row(row["strategy"], row["trainers"], row["per_node"]))
     described = describe_calibration(calibration, hooks) + (held.describe() if held else "")

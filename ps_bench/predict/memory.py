@@ -37,12 +37,13 @@ import contextlib
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from ps_bench.config import ConfigError
 from ps_bench.metrics.memory import SavedActivations
-from ps_bench.metrics.messages import bucket_factors, square_side
+from ps_bench.metrics.messages import ELEMENT_BYTES, bucket_factors, square_side
 from ps_bench.results.printed import format_bytes
 from ps_bench.strategies import HOOKS, hook_options
 from ps_bench.strategies.record import (GRADIENTS, OPTIMIZER, PARAMETERS, SERVER_OWNED, Holds,
@@ -85,10 +86,9 @@ def moments_bytes(optimizer: str, momentum: float) -> int:
 
 def model_states(record: Strategy, facts: ModelFacts, trainers: int, per_node: int,
                  precision: str = "fp32", optimizer: str = "sgd",
-                 momentum: float = 0.0, reduce_dtype: str | None = None) -> dict[str, int]:
+                 momentum: float = 0.0, gathered: str = "float32") -> dict[str, int]:
     """The model states one trainer (GPU) holds, bytes, by kind, and their sum; the layers it
-    gathers whole in the type it gathers them in: an engine's, the one it casts the model to;
-    FSDP2's, ``--reduce-dtype`` (its mixed-precision policy's) else float32 (autocast)."""
+    gathers whole in the dtype it gathers them in, ``gathered`` (``Calibration.wire``'s)."""
     holds: Holds = record.holds
     p = facts.parameters
     engine_half = holds.master_copy and precision in HALF
@@ -112,10 +112,9 @@ def model_states(record: Strategy, facts: ModelFacts, trainers: int, per_node: i
            "optimizer_bytes": held(OPTIMIZER, optimizer_bytes) + 4 * steps,
            # whole besides the shard: ZeRO-3 the layer computing and the next; FSDP2 its root
            # unit from forward to backward, and a unit and the next
-           "gathered_bytes": (2 if engine_half or not holds.master_copy and reduce_dtype in HALF
-                              else 4) * (
+           "gathered_bytes": 0 if not holds.gathers else ELEMENT_BYTES[gathered] * (
                2 * facts.largest_layer if holds.gathers == "layer" else
-               facts.root_unit + 2 * facts.largest_unit if holds.gathers == "unit" else 0)}
+               facts.root_unit + 2 * facts.largest_unit)}
     out["model_states_bytes"] = sum(out.values())
     return out
 
@@ -145,12 +144,12 @@ def kept_bytes(hook: str, facts: ModelFacts, given: dict | None = None) -> int:
 
 def memory(record: Strategy, facts: ModelFacts, trainers: int, per_node: int,
            precision: str, optimizer: str, momentum: float,
-           gpu_memory: int | None, kept: int = 0, reduce_dtype: str | None = None) -> dict:
+           gpu_memory: int | None, kept: int = 0, gathered: str = "float32") -> dict:
     """A prediction row's memory: the model states, the activations, what the strategy keeps
     between iterations besides (``kept_bytes``), their sum and, with ``gpu_memory``, whether it
     fits."""
     states = model_states(record, facts, trainers, per_node, precision, optimizer, momentum,
-                          reduce_dtype)
+                          gathered)
     total = (None if facts.activations_bytes is None
              else states["model_states_bytes"] + facts.activations_bytes + kept)
     out = {**states, "activations_bytes": facts.activations_bytes, "kept_bytes": kept,
@@ -269,12 +268,13 @@ class MemoryTarget:
     gpu_memory: int | None
     # strategy -> the hook options it is predicted at, where not its defaults
     options: dict[str, dict] = field(default_factory=dict)
-    reduce_dtype: str | None = None  # --reduce-dtype, else the runs'
+    # strategy -> the dtype it gathers the parameters in (Calibration.wire's); else float32
+    gathered: Callable[[str], str] = lambda hook: "float32"
 
     def row(self, hook: str, trainers: int, per_node: int) -> dict:
         return memory(HOOKS.record(hook), self.facts, trainers, per_node, self.precision,
                       self.optimizer, self.momentum, self.gpu_memory,
-                      kept_bytes(hook, self.facts, self.options.get(hook)), self.reduce_dtype)
+                      kept_bytes(hook, self.facts, self.options.get(hook)), self.gathered(hook))
 
     def describe(self) -> str:
         facts = self.facts
@@ -306,13 +306,15 @@ def check_arguments(args) -> int | None:
 
 
 def target(args, facts: ModelFacts, run_configs: list[dict], gpu_memory: int | None,
-           options: dict[str, dict] | None = None) -> MemoryTarget:
+           options: dict[str, dict] | None = None,
+           gathered: Callable[[str], str] | None = None) -> MemoryTarget:
     """The options the memory is counted with: the command line's, else the runs' (the first
     run's), else fp32 SGD without momentum; each strategy's kept memory at its hook ``options``
-    (those its runs had, ``Calibration.options``)."""
+    (those its runs had, ``Calibration.options``), its gathered layers in ``gathered``'s dtype
+    (``Calibration.gathered``)."""
     first = run_configs[0] if run_configs else {}
     return MemoryTarget(facts, args.precision or first.get("precision", "fp32"),
                         args.optimizer or first.get("optimizer", "sgd"),
                         args.momentum if args.momentum is not None
                         else first.get("momentum", 0.0), gpu_memory, dict(options or {}),
-                        args.reduce_dtype or first.get("reduce_dtype"))
+                        *([gathered] if gathered else []))

@@ -24,9 +24,8 @@ FACTS = ModelFacts(P, 200_000, None, "by hand", tensors=10, root_unit=50_000, la
 
 
 def states(hook: str, n: int = 8, per_node: int = 1, precision: str = "fp32",
-           optimizer: str = "adamw", momentum: float = 0.0, reduce_dtype: str | None = None) -> dict:
-    return model_states(HOOKS.record(hook), FACTS, n, per_node, precision, optimizer, momentum,
-                        reduce_dtype)
+           optimizer: str = "adamw", momentum: float = 0.0, gathered: str = "float32") -> dict:
+    return model_states(HOOKS.record(hook), FACTS, n, per_node, precision, optimizer, momentum, gathered)
 
 
 def test_each_record_says_what_its_trainers_hold():
@@ -48,11 +47,24 @@ def test_each_record_says_what_its_trainers_hold():
     stale = model_states(STALE_SYNCHRONOUS, FACTS, 8, 1, "fp32", "adamw")  # --staleness
     assert stale["optimizer_bytes"] == 0 and stale["parameters_bytes"] == 4 * P  # servers step
     assert states("fsdp", precision="bf16")["parameters_bytes"] == P // 2  # autocast: float32 kept
-    # autocast gathers FSDP2's float32 parameters; its mixed-precision policy (--reduce-dtype) in
-    # that dtype; DeepSpeed gathers in the dtype it casts the model to, whatever it reduces in
-    assert states("fsdp", precision="bf16")["gathered_bytes"] == 4 * (50_000 + 2 * 100_000)
-    assert states("fsdp", precision="bf16", reduce_dtype="bf16")["gathered_bytes"] == 2 * (50_000 + 2 * 100_000)
-    assert states("deepspeed_zero3", precision="bf16", reduce_dtype="fp32")["gathered_bytes"] == 2 * 2 * 200_000
+    assert states("fsdp", gathered="bfloat16")["gathered_bytes"] == 2 * (50_000 + 2 * 100_000)
+
+
+def test_gathered_layers_are_counted_in_the_dtype_predict_sends_them_in(tmp_path):
+    """One rule for the gathered parameters' dtype, the one their bytes are sent in
+    (``Calibration.gathered``): autocast gathers FSDP2's float32 parameters, its mixed-precision
+    policy (--reduce-dtype) that dtype; DeepSpeed the dtype it casts the model to."""
+    def gathered(*flags: str) -> dict:
+        out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+        assert main(["predict", "--model", "DummyModel", "--batch-size", "8", "--compute-ms",
+                     "forward=10,backward=20,optimizer=1", "--link", "1gbit", "--trainers", "8",
+                     "--hooks", "fsdp,deepspeed_zero3", "--out", str(out), *flags]) == 0
+        return {row["strategy"]: row["gathered_bytes"] for row in json.loads(out.read_text())["predictions"]}
+
+    fp32, bf16 = gathered(), gathered("--precision", "bf16")
+    policy = gathered("--precision", "bf16", "--reduce-dtype", "bf16")
+    assert bf16["fsdp"] == fp32["fsdp"] == 2 * policy["fsdp"] > 0
+    assert fp32["deepspeed_zero3"] == 2 * bf16["deepspeed_zero3"] == 2 * policy["deepspeed_zero3"] > 0
 
 
 @pytest.mark.parametrize("config", ["llama3-8b", "llama3-70b", "mistral-7b", "qwen2.5-7b"])
@@ -74,7 +86,8 @@ def test_deepspeed_model_states_are_its_own_estimators(config):
         _, zero2 = stage_1_and_2.estimate_zero2_model_states_mem_needs(
             facts.parameters, per_node, nodes, cpu_offload=False)
         ours = {stage: model_states(HOOKS.record(f"deepspeed_zero{stage}"), facts, n, per_node,
-                                    "bf16", "adamw")["model_states_bytes"] for stage in (2, 3)}
+                                    "bf16", "adamw", gathered="bfloat16")["model_states_bytes"]
+                for stage in (2, 3)}
         assert ours[3] == pytest.approx(zero3, rel=1e-6), (config, n)
         assert ours[2] == pytest.approx(zero2, rel=1e-6), (config, n)
 
