@@ -78,8 +78,8 @@ class Run:
             raise ConfigError(f"{path} is a failed run "
                               f"({results.get('error', 'no error recorded')}): predict from "
                               "runs that finished")
-        cfg, summary = results["config"], {row["metric"]: row["p50"] for row in results["summary"]
-                                           if row["role"] == "trainer"}
+        cfg, rows = results["config"], {row["metric"]: row for row in results["summary"]
+                                        if row["role"] == "trainer"}
         if stale(results):
             raise ConfigError(f"{path} ran --staleness {cfg['staleness']}: predict models "
                               f"synchronous strategies; give runs without --staleness")
@@ -91,9 +91,9 @@ class Run:
             trainers=cfg["ntrainer"] + cfg.get("ncudatrainer", 0),
             servers=cfg["nserver"] + cfg.get("ncudaserver", 0), mapping=cfg.get("mapping", "shard"),
             batch_size=cfg["batch_size"], model=cfg["model"],
-            batch_ms=batch_ms(hook, results["summary"]),
-            forward_ms=summary["forward"], optimizer_ms=summary["optimizer"],
-            backward_ms=summary.get("backward", 0.0),
+            batch_ms=batch_ms(hook, rows["batch"]),
+            forward_ms=rows["forward"]["p50"], optimizer_ms=rows["optimizer"]["p50"],
+            backward_ms=rows["backward"]["p50"] if "backward" in rows else 0.0,
             compute_ms=(limits.get("compute") or {}).get("p50_ms"),
             link=refitted(limits.get("link")),
             memcpy_gbps=(limits.get("memcpy") or {}).get("gbps"), timeline=results.get("timeline"),
@@ -117,11 +117,10 @@ def compute_runs(runs: list[Run]) -> list[Run]:
     return [run for run in runs if run.computes_alone] or runs
 
 
-def batch_ms(hook: str, summary: list[dict]) -> float:
-    """A run's trainers' iteration: the p50, or for a strategy that synchronises once a period
-    (local SGD, DiLoCo) the mean, which amortises it over the period as predict does (the p50 is
-    an iteration that synchronises nothing)."""
-    [row] = [row for row in summary if row["role"] == "trainer" and row["metric"] == "batch"]
+def batch_ms(hook: str, row: dict) -> float:
+    """A run's trainers' iteration from their summary row of it: the p50, or for a strategy that
+    synchronises once a period (local SGD, DiLoCo) the mean, which amortises it over the period
+    as predict does (the p50 is an iteration that synchronises nothing)."""
     return row.get("mean", row["p50"]) if HOOKS.record(hook).periodic else row["p50"]
 
 
