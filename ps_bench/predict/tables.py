@@ -94,7 +94,25 @@ def describe_calibration(calibration: Calibration, hooks: list[str] | None = Non
                                                      else "")
                            for hook, (gradients, parameters) in sorted(c["wires"].items()))
                + "\n" if c["wires"] else "")
-            + "".join(f"  note: {note}\n" for note in c["notes"]))
+            + "".join(f"  note: {note}\n" for note in c["notes"] + borrowed(calibration, hooks)))
+
+
+def borrowed(calibration: Calibration, hooks: list[str] | None) -> list[str]:
+    """A note naming the strategies predicted that encode the gradients (their record's payload
+    is not the float32 gradient: a cast, a compressor's code, low-rank factors) whose own compute
+    no run fitted: what encoding and decoding cost is taken as the one's each costs like,
+    which on a slow device can be far less (``own_compute``'s fallback)."""
+    unfitted = [hook for hook in hooks or [] if hook not in calibration.own_ms
+                and HOOKS.record(hook).payload not in ("float32", "nothing")]
+    if not unfitted:
+        return []
+    likes = dict.fromkeys(HOOKS.record(hook).cost.like for hook in unfitted)
+    taken = "; ".join(f"{like} {calibration.own_ms[like]:+.1f} ms" if like in calibration.own_ms
+                      else f"{like or 'none'} 0 ms, none fitted" for like in likes)
+    return [f"{', '.join(unfitted)} encode the gradients, and no run of theirs fitted what that "
+            f"costs: each is predicted with the own compute of the strategy it costs like "
+            f"({taken}), and where encoding is slow runs slower than predicted (give a run of "
+            f"each, made with --limits or on an emulated link)"]
 
 
 def render(rows: list[dict]) -> str:
