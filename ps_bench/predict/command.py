@@ -20,7 +20,7 @@ from ps_bench.predict.calibration import (Calibration, add_engine_terms, add_pay
                                           from_compute_ms, give_options, runs_model)
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.rows import prediction_rows, unplaced
-from ps_bench.predict.runs import Run, runs_of
+from ps_bench.predict.runs import Run, accumulating, runs_of
 from ps_bench.registry import UnknownNameError
 from ps_bench.results.load import files_read
 from ps_bench.runtime.network import parse_delay
@@ -59,8 +59,8 @@ examples:
 --servers auto picks, at each trainer count, the server count (1, 2, 4, ... up to the trainers;
 co-located, 1, 2, 4, ... on each node, up to its trainers) with the shortest predicted batch. A
 strategy with no run given takes the own compute of the one it costs like (ps_fp16 and ps_node
-that of ps), else 0 (JSON: calibration.own_ms lists the ones measured); PowerSGD's factors
-are counted from the layers' shapes where no run of it is given.
+that of ps; a note names those that encode the gradients), else 0; PowerSGD's factors are
+counted from the layers' shapes where no run of it is given.
 
 Nodes of several GPUs (--per-node G, trainers = nodes x G): a node's G trainers share its local
 link (--intra-link, or fitted from a run whose trainers all shared one emulated host) and one
@@ -85,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="more results files (or sweep folders), shown beside the predictions "
                         "they match but not used to calibrate (a check)")
     parser.add_argument("--trainers", metavar="N,...",
-                        help=f"trainer counts to predict (default: {DEFAULT_TRAINERS})")
+                        help=f"trainer counts to predict (default: {DEFAULT_TRAINERS} and "
+                        "those of the runs given with --compare)")
     parser.add_argument("--servers", metavar="K,...|auto",
                         help="server counts for parameter-server strategies, auto for the best "
                         "(default: the runs' server counts)")
@@ -318,10 +319,8 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
         if gpu_memory is not None:
             facts = runs_model(runs[0], args)
         compute = Run.load(args.compute) if args.compute is not None else None
-        for run in runs + ([compute] if compute else []):
-            if run.grad_accum != 1:
-                raise ConfigError(f"{run.path} ran --grad-accum {run.grad_accum}: calibrate from "
-                                  f"runs of one micro-batch a step, and give predict --grad-accum")
+        accumulating(runs + ([compute] if compute else []), 1, "calibrate from runs of one "
+                     "micro-batch a step, and give predict --grad-accum")
         calibration = calibrate(runs, target.link, target.latency_s, target.intra, compute,
                                 target.options)
     calibration.micro_batches, calibration.reduce_dtype = args.grad_accum, args.reduce_dtype
@@ -338,7 +337,9 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
         calibration.notes.append("--intra-link is the link between a node's trainers: with one "
                                  "trainer a node (--per-node 1, the default) and no run of several "
                                  "trainers a host, nothing crosses it; give --per-node G")
-    hooks = choose_hooks(args.hooks, runs, calibration, target.per_node)
+    compared = accumulating(runs_of(args.compare), args.grad_accum,
+                            f"give --compare runs of the --grad-accum predicted, {args.grad_accum}")
+    hooks = choose_hooks(args.hooks, runs + compared, calibration, target.per_node)
     engines = [hook for hook in hooks if (cost := HOOKS.record(hook).cost).regathered
                or cost.bucket_elements or cost.overlaps]
     if engines:
@@ -346,11 +347,9 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
         add_engine_terms(calibration, engines, facts)
     servers = (count_list(args.servers, "servers", allow_auto=True) if args.servers is not None
                else sorted({run.servers for run in runs if run.servers} or {1}))
-    compared = runs_of(args.compare)
-    for run in compared:
-        if run.grad_accum != args.grad_accum:
-            raise ConfigError(f"--compare {run.path} ran --grad-accum {run.grad_accum}; this "
-                              f"prediction is for --grad-accum {args.grad_accum}")
+    if args.trainers is None and args.nodes is None:  # by default, beside the runs to compare
+        trainers = sorted({*trainers, *(run.trainers for run in compared
+                                        if run.trainers % target.per_node == 0)})
     rows = prediction_rows(calibration, hooks, trainers, servers, args.mapping, link_bps, compared,
                            target.per_node, target.servers_on)
     held = None

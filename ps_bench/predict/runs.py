@@ -124,6 +124,15 @@ def batch_ms(hook: str, row: dict) -> float:
     return row.get("mean", row["p50"]) if HOOKS.record(hook).periodic else row["p50"]
 
 
+def accumulating(runs: list[Run], micro_batches: int, hint: str) -> list[Run]:
+    """``runs``, each made with ``micro_batches`` a step (``--grad-accum``); else a ConfigError
+    naming the first that was not, and ``hint``."""
+    for run in runs:
+        if run.grad_accum != micro_batches:
+            raise ConfigError(f"{run.path} ran --grad-accum {run.grad_accum}: {hint}")
+    return runs
+
+
 def stale(results: dict) -> bool:
     """Whether a run's servers were stale-synchronous (``--staleness``)."""
     return results.get("config", {}).get("staleness") is not None

@@ -633,3 +633,33 @@ def test_the_memory_predict_adds_is_at_the_options_the_runs_had(tmp_path, capsys
         kept[bool(options)] = row["kept_bytes"]
     assert kept[True] == 0 < kept[False]
     capsys.readouterr()
+
+
+def test_runs_to_compare_are_predicted_at_their_trainer_counts_by_default(tmp_path):
+    """Runs of 2 trainers given with --compare stood beside nothing: the default trainer counts
+    (8, 64, 256, 1024) left out theirs, and their measured column was empty; --trainers given is
+    what it says."""
+    allreduce = results_file(tmp_path, "ar.json", batch_ms=80.0)
+    topk = results_file(tmp_path, "topk.json", hook="topk", trainers=3, batch_ms=90.0)
+
+    def rows(*flags: str) -> dict:
+        out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+        assert main(["predict", allreduce, "--compare", topk, "--out", str(out), *flags]) == 0
+        return {(row["trainers"], row["strategy"]): row["measured_ms"]
+                for row in json.loads(out.read_text())["predictions"]}
+
+    assert rows()[(3, "topk")] == 90.0 and {n for n, _ in rows()} == {3, 8, 64, 256, 1024}
+    assert {n for n, _ in rows("--trainers", "8")} == {8}
+
+
+@pytest.mark.parametrize("given, message", [
+    ("results", "ran --grad-accum 4: calibrate from runs of one micro-batch a step, and give predict --grad-accum"),
+    ("--compare", "ran --grad-accum 4: give --compare runs of the --grad-accum predicted, 1")])
+def test_runs_of_several_micro_batches_a_step_are_refused_where_they_do_not_fit(given, message, tmp_path, capsys):
+    accumulated = results_file(tmp_path, "ga.json")
+    results = json.loads(Path(accumulated).read_text())
+    results["config"]["grad_accum"] = 4
+    Path(accumulated).write_text(json.dumps(results))
+    argv = [accumulated] if given == "results" else [results_file(tmp_path, "ar.json"), "--compare", accumulated]
+    assert main(["predict", *argv]) == 2
+    assert capsys.readouterr().err == f"ps_bench: error: {accumulated} {message}\n"
