@@ -109,10 +109,12 @@ def borrowed(calibration: Calibration, hooks: list[str] | None) -> list[str]:
     likes = dict.fromkeys(HOOKS.record(hook).cost.like for hook in unfitted)
     taken = "; ".join(f"{like} {calibration.own_ms[like]:+.1f} ms" if like in calibration.own_ms
                       else f"{like or 'none'} 0 ms, none fitted" for like in likes)
-    return [f"{', '.join(unfitted)} encode the gradients, and no run of theirs fitted what that "
-            f"costs: each is predicted with the own compute of the strategy it costs like "
-            f"({taken}), and where encoding is slow runs slower than predicted (give a run of "
-            f"each, made with --limits or on an emulated link)"]
+    one = len(unfitted) == 1
+    return [f"{', '.join(unfitted)} encode{'s' if one else ''} the gradients, and no run of "
+            f"{'it' if one else 'theirs'} fitted what that costs: {'it' if one else 'each'} is "
+            f"predicted with the own compute of the strategy it costs like ({taken}), and where "
+            f"encoding is slow runs slower than predicted (give a run of "
+            f"{'it' if one else 'each'}, made with --limits or on an emulated link)"]
 
 
 def render(rows: list[dict]) -> str:

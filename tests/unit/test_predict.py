@@ -516,6 +516,8 @@ def test_strategies_that_encode_with_no_run_of_their_own_are_named(tmp_path, cap
     [note] = [line for line in capsys.readouterr().out.splitlines() if "encode the gradients" in line]
     assert note.startswith("  note: topk, fp16, ps_fp16 encode the gradients, and no run of theirs fitted")
     assert "(allreduce +" in note and "; ps 0 ms, none fitted)" in note
+    assert main(["predict", allreduce, "--hooks", "allreduce,topk", "--trainers", "4"]) == 0
+    assert "note: topk encodes the gradients, and no run of it fitted" in capsys.readouterr().out
     calibration = calibrate([Run.load(path) for path in (allreduce, results_file(tmp_path, "topk.json",
                                                                                 hook="topk", batch_ms=90.0))])
     assert "topk" in calibration.own_ms
