@@ -203,19 +203,24 @@ def render_winners(best: list[dict], why_none: str = "no strategy fits --gpu-mem
     return "\n".join(lines)
 
 
+def plot_series(rows: list[dict]) -> dict[str, list[dict]]:
+    """The rows as the plot's lines, one point a trainer count each: a strategy, with its server
+    count (or the best, ``--servers auto``) where it has servers, and where they run."""
+    series: dict[str, list[dict]] = {}
+    for row in rows:
+        colocated = "colocated " if row.get("servers_on") == "colocated" else ""
+        name = (row["strategy"] if row["servers"] is None else
+                f"{row['strategy']} (best {colocated}servers)" if row.get("auto") else label(row))
+        series.setdefault(name, []).append(row)
+    return series
+
+
 def plot(path: str, rows: list[dict], calibration: Calibration) -> None:
     plt = pyplot("predict")
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    series: dict[str, list[dict]] = {}
-    for row in rows:
-        servers = row["servers"]
-        label = row["strategy"] + ("" if servers is None else
-                                   " (best servers)" if row.get("auto") else
-                                   f" ({servers} server{'s' if servers != 1 else ''})")
-        series.setdefault(label, []).append(row)
-    for label, members in series.items():
+    for name, members in plot_series(rows).items():
         axes.plot([r["trainers"] for r in members], [r["batch_ms"] for r in members], marker="o",
-                  label=label)
+                  label=name)
         measured_points = [(r["trainers"], r["measured_ms"]) for r in members
                            if r["measured_ms"] is not None]
         if measured_points:

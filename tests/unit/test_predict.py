@@ -24,7 +24,7 @@ from ps_bench.predict.inputs import TargetLink, model_buckets
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.rows import prediction_rows
 from ps_bench.predict.runs import Run, runs_of
-from ps_bench.predict.tables import describe_calibration, render_winners, winners
+from ps_bench.predict.tables import describe_calibration, plot_series, render_winners, winners
 from ps_bench.strategies import COLLECTIVE, HOOKS, Cost, Strategy
 
 # 1 MB per ms (8 Gbit/s), 10 µs per message: round numbers to compute by hand
@@ -665,3 +665,20 @@ def test_runs_of_several_micro_batches_a_step_are_refused_where_they_do_not_fit(
     argv = [accumulated] if given == "results" else [results_file(tmp_path, "ar.json"), "--compare", accumulated]
     assert main(["predict", *argv]) == 2
     assert capsys.readouterr().err == f"ps_bench: error: {accumulated} {message}\n"
+
+
+def test_the_plot_draws_each_server_placement_as_a_line_of_its_own(tmp_path):
+    """ps_node's best dedicated and best co-located servers were one line, which went up and down
+    between the two at each trainer count; now each line has one point a count."""
+    out, plotted = tmp_path / "p.json", tmp_path / "p.png"
+    assert main(["predict", "--model", "DummyModel", "--batch-size", "8", "--compute-ms",
+                 "forward=10,backward=20,optimizer=1", "--nodes", "1,2,4", "--per-node", "2",
+                 "--intra-link", "100gbit", "--link", "1gbit", "--hooks", "allreduce,ps_node",
+                 "--servers-on", "dedicated,colocated", "--servers", "auto,2", "--out", str(out),
+                 "--plot", str(plotted)]) == 0
+    series = plot_series(json.loads(out.read_text())["predictions"])
+    assert {"allreduce", "ps_node (best servers)", "ps_node (best colocated servers)",
+            "ps_node (2 servers)", "ps_node (2 colocated servers)"} <= set(series)
+    for members in series.values():
+        assert len({row["trainers"] for row in members}) == len(members)
+    assert plotted.stat().st_size > 0
