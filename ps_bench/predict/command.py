@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "those of the runs given with --compare)")
     parser.add_argument("--servers", metavar="K,...|auto",
                         help="server counts for parameter-server strategies, auto for the best "
-                        "(default: the runs' server counts)")
+                        "(default: the server counts of the runs, --compare's too)")
     parser.add_argument("--hooks", metavar="NAME,...",
                         help="strategies to predict (default: the runs' strategies "
                         f"and {', '.join(DEFAULT_HOOKS)})")
@@ -346,7 +346,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
         facts = facts or runs_model(runs[0], args)
         add_engine_terms(calibration, engines, facts)
     servers = (count_list(args.servers, "servers", allow_auto=True) if args.servers is not None
-               else sorted({run.servers for run in runs if run.servers} or {1}))
+               else sorted({run.servers for run in runs + compared if run.servers} or {1}))
     if args.trainers is None and args.nodes is None:  # by default, beside the runs to compare
         trainers = sorted({*trainers, *(run.trainers for run in compared
                                         if run.trainers % target.per_node == 0)})

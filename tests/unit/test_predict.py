@@ -639,19 +639,21 @@ def test_the_memory_predict_adds_is_at_the_options_the_runs_had(tmp_path, capsys
 
 def test_runs_to_compare_are_predicted_at_their_trainer_counts_by_default(tmp_path):
     """Runs of 2 trainers given with --compare stood beside nothing: the default trainer counts
-    (8, 64, 256, 1024) left out theirs, and their measured column was empty; --trainers given is
-    what it says."""
+    (8, 64, 256, 1024) left out theirs, and their measured column was empty (and a run of 2
+    servers, where the calibration's runs had none, beside 1); --trainers given is what it says."""
     allreduce = results_file(tmp_path, "ar.json", batch_ms=80.0)
     topk = results_file(tmp_path, "topk.json", hook="topk", trainers=3, batch_ms=90.0)
+    ps = results_file(tmp_path, "ps.json", hook="ps", trainers=3, servers=2, batch_ms=120.0)
 
     def rows(*flags: str) -> dict:
         out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
-        assert main(["predict", allreduce, "--compare", topk, "--out", str(out), *flags]) == 0
-        return {(row["trainers"], row["strategy"]): row["measured_ms"]
+        assert main(["predict", allreduce, "--compare", topk, ps, "--out", str(out), *flags]) == 0
+        return {(row["trainers"], row["strategy"], row["servers"]): row["measured_ms"]
                 for row in json.loads(out.read_text())["predictions"]}
 
-    assert rows()[(3, "topk")] == 90.0 and {n for n, _ in rows()} == {3, 8, 64, 256, 1024}
-    assert {n for n, _ in rows("--trainers", "8")} == {8}
+    assert rows()[(3, "topk", None)] == 90.0 and rows()[(3, "ps", 2)] == 120.0
+    assert {n for n, _, _ in rows()} == {3, 8, 64, 256, 1024}
+    assert {n for n, _, _ in rows("--trainers", "8")} == {8}
 
 
 @pytest.mark.parametrize("given, message", [
