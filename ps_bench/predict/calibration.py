@@ -289,11 +289,11 @@ def from_compute_ms(model: str, batch_size: int, phases: Phases, buckets: list[t
 
 
 def runs_model(run: Run, args: argparse.Namespace) -> ModelFacts:
-    """What predict needs of the runs' model, built on the meta device."""
+    """What predict needs of the runs' model, built on the meta device, over their data."""
     training = run.training or {}
     return model_buckets(run.model, args.bucket_cap_mb, training.get("model_options"),
                          run.batch_size, None,
-                         args.precision or training.get("precision", "fp32"))[3]
+                         args.precision or training.get("precision", "fp32"), run.data)[3]
 
 
 def add_engine_terms(calibration: Calibration, hooks: list[str], facts: ModelFacts) -> None:

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.metrics.costs import Link
 from ps_bench.models import DATA, DATA_PRESETS, MODELS, default_data, model_entry
-from ps_bench.models.entries import construct, load_entry
+from ps_bench.models.entries import Entry, construct, load_entry
 from ps_bench.options import plural
 from ps_bench.predict.memory import (ModelFacts, largest_layer, meta_friendly,
                                      saved_activations_bytes)
@@ -222,14 +222,15 @@ def fsdp_units(network: torch.nn.Module) -> tuple[int, int]:
 
 def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
                   batch_size: int | None = None, sequence_length: int | None = None,
-                  precision: str = "fp32",
+                  precision: str = "fp32", data_entry: dict | None = None,
                   ) -> tuple[list[tuple[int, bool]], list[float] | None, str, ModelFacts]:
     """``meta_buckets`` of what ``--model`` names (a zoo model, one of the model configuration
     file, or a Hugging Face config), with ``--model-option``s; with ``batch_size``, when each is
     ready, as a share of backward (``backward_shares`` over a batch of the model's own data, of
     ``sequence_length`` where it has sequences, on the meta device; None where the forward cannot
     run there), and how that was found; and what predict's memory needs of it
-    (``predict.memory``)."""
+    (``predict.memory``). The data: ``data_entry`` (a run's, as its results file resolved it),
+    else the model's own."""
     entry = model_entry(model, options or {}, RunConfig().model_config_path)
     network = construct(entry, MODELS)
     buckets = bucket_parameters(network, bucket_cap_mb)
@@ -242,8 +243,10 @@ def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
                        module_calls(network))
     if batch_size is None:
         return sizes, None, "no batch given", facts
-    data = load_entry(RunConfig().data_config_path, default_data(entry), "data_class", DATA, "data",
-                      DATA_PRESETS)
+    data = (Entry(data_entry["id"], data_entry["class"], dict(data_entry["configurations"]),
+                  data_entry["source"]) if data_entry else
+            load_entry(RunConfig().data_config_path, default_data(entry), "data_class", DATA,
+                       "data", DATA_PRESETS))
     kwargs = {**network.fitted_data(data.kwargs), "sample_count": batch_size}
     if sequence_length is not None:
         if "sequence_length" not in kwargs:

@@ -46,6 +46,7 @@ class Run:
     hook_options: dict = field(default_factory=dict)  # --hook-option, as given
     engine_config: dict | None = None  # the config its engine (DeepSpeed) was built from
     reduce_dtype: str | None = None  # its --reduce-dtype
+    data: dict | None = None  # its data entry, as its results file resolved it
 
     @property
     def communicates_nothing(self) -> bool:
@@ -108,6 +109,7 @@ class Run:
                                                 "reduce_dtype", "model_options") if key in cfg},
             hook_options=dict(cfg.get("hook_options") or {}),
             engine_config=cfg.get("engine_config"), reduce_dtype=cfg.get("reduce_dtype"),
+            data=cfg.get("data_config"),
         )
 
 

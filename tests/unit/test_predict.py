@@ -684,3 +684,18 @@ def test_the_plot_draws_each_server_placement_as_a_line_of_its_own(tmp_path):
     for members in series.values():
         assert len({row["trainers"] for row in members}) == len(members)
     assert plotted.stat().st_size > 0
+
+
+def test_memory_from_a_run_counts_the_activations_of_its_own_data(tmp_path, capsys):
+    """A run of DummyModel on --data DummyData (1024 indices a sample) was counted on the
+    model's default data (16 a sample): its activations a 64th of its own."""
+    entry = {"id": "DummyData", "class": "DummyData", "source": "configs/data_configurations.json",
+             "configurations": {"max_val": 1024, "sample_count": 1024, "sample_length": 1024}}
+    for name, extra, forward in (("own.json", {"data_config": entry}, "32x1024 DummyData "),
+                                 ("default.json", {}, "32x16 DummyDataSmall ")):
+        path = results_file(tmp_path, name)
+        results = json.loads(Path(path).read_text())
+        results["config"].update(extra)
+        Path(path).write_text(json.dumps(results))
+        assert main(["predict", path, "--trainers", "2", "--gpu-memory", "80GB"]) == 0
+        assert f"saved for backward by a forward of {forward}" in capsys.readouterr().out
