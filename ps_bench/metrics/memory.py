@@ -103,15 +103,23 @@ def state_tensors(state) -> list[torch.Tensor]:
 class SavedActivations:
     """Around one forward: the bytes of the tensors it saves for backward, each storage once,
     the parameters and their views (a weight's transpose; sharded, gathered or whole) left
-    out. Works on the meta device too (storages told apart by their identity, not address)."""
+    out; of a view of what autograd does not track (the batch, sliced from the data a trainer
+    holds anyway), its own bytes, as the batch a data loader hands over holds them. Works on
+    the meta device too (storages told apart by their identity, not address)."""
 
     def __init__(self) -> None:
         self.storages: dict[int, int] = {}
+        self.views: dict[tuple, int] = {}  # (storage, offset, shape) -> bytes
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         base = tensor if tensor._base is None else tensor._base
-        if not isinstance(base, torch.nn.Parameter):
+        if isinstance(base, torch.nn.Parameter):
+            return tensor
+        if tensor is not base and not base.requires_grad and tensor.layout == torch.strided:
+            key = (tensor.untyped_storage()._cdata, tensor.storage_offset(), tuple(tensor.shape))
+            self.views[key] = tensor.numel() * tensor.element_size()
+        else:
             for storage in storages(tensor):
                 self.storages[storage._cdata] = storage.nbytes()
         return tensor
@@ -122,7 +130,7 @@ class SavedActivations:
 
     @property
     def nbytes(self) -> int:
-        return sum(self.storages.values())
+        return sum(self.storages.values()) + sum(self.views.values())
 
     def __enter__(self) -> "SavedActivations":
         self.hooks.__enter__()

@@ -106,6 +106,22 @@ def test_activations_are_what_a_forward_saves_for_backward_counted_by_hand():
     assert saved_activations_bytes(meta, (torch.ones(3, 4, device="meta"),), "bf16") == (12 + 24) * 2
 
 
+def test_a_batch_sliced_from_the_data_counts_its_own_bytes_not_the_datas():
+    """A trainer slices each batch from the data it holds: the saved input was counted as the
+    whole data's storage (4 MiB of DummyData's indices where the batch is 128 KiB: 4.8 MiB of
+    activations measured against 0.8 predicted). A tracked tensor's views still count their
+    storage once (a ReLU's output saved by it and, transposed, by the next layer)."""
+    network = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    data = torch.ones(1000, 4)
+    with SavedActivations() as saved:
+        network(data[6:9])
+    assert saved.nbytes == (12 + 24) * 4
+    with SavedActivations() as saved:
+        hidden = torch.nn.functional.relu(torch.ones(3, 8, requires_grad=True))
+        (hidden.t() @ hidden[:, :2]).sum()
+    assert saved.nbytes == 24 * 4  # one storage, three views of it saved
+
+
 def test_held_bytes_count_each_buffer_once():
     """Views of one buffer (DDP's gradients in their bucket) count once, in the first group."""
     bucket = torch.zeros(100)
