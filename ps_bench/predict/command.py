@@ -328,7 +328,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
         calibration.ds_config, calibration.ds_stage, _ = target.ds_config
         calibration.ds_config_from = f"--ds-config {args.ds_config}"
     calibration.precision = args.precision or next(
-        ((run.training or {}).get("precision") for run in runs), None) or "fp32"
+        (run.precision for run in runs), None) or "fp32"
     if target.per_node > 1 and calibration.intra_link is None:
         raise ConfigError(f"--per-node {target.per_node}: no local link between a node's trainers: "
                           f"give --intra-link RATE, or a run made with --limits whose trainers all "

@@ -105,7 +105,7 @@ def measured(calibration: Calibration, compared: list[Run], hook: str, n: int, k
              mapping: str, link_bps: float | None, predicted_ms: float, per_node: int = 1,
              servers_on: str = "dedicated") -> dict:
     """The given runs of this point (same strategy and hook options, trainers, trainers per
-    host, servers and their place, network, micro-batches a step): their iteration
+    host, servers and their place, network, micro-batches a step, precision): their iteration
     (``Run.batch_ms``), the prediction's error against it, and whether one of them calibrated
     the strategy's own compute (then the error is about 0 by construction)."""
     uses_servers = HOOKS.record(hook).transport == RPC
@@ -114,7 +114,8 @@ def measured(calibration: Calibration, compared: list[Run], hook: str, n: int, k
                and (not uses_servers or (run.servers == k and run.mapping == mapping
                                          and run.servers_on == servers_on))
                and (link_bps is None or run.link_rate_bps == link_bps)
-               and run.grad_accum == calibration.micro_batches]
+               and run.grad_accum == calibration.micro_batches
+               and run.precision == calibration.precision]
     if not matches:
         return {"measured_ms": None, "error_pct": None}
     value = sorted(run.batch_ms for run in matches)[len(matches) // 2]

@@ -49,6 +49,11 @@ class Run:
     data: dict | None = None  # its data entry, as its results file resolved it
 
     @property
+    def precision(self) -> str:
+        """What it computed in (``--precision``)."""
+        return (self.training or {}).get("precision", "fp32")
+
+    @property
     def communicates_nothing(self) -> bool:
         """Whether its backward is compute alone (one trainer, or the noop strategy)."""
         return self.trainers == 1 or HOOKS.record(self.hook).transport is None

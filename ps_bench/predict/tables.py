@@ -94,7 +94,20 @@ def describe_calibration(calibration: Calibration, hooks: list[str] | None = Non
                                                      else "")
                            for hook, (gradients, parameters) in sorted(c["wires"].items()))
                + "\n" if c["wires"] else "")
-            + "".join(f"  note: {note}\n" for note in c["notes"] + borrowed(calibration, hooks)))
+            + "".join(f"  note: {note}\n" for note in
+                      c["notes"] + borrowed(calibration, hooks) + other_precision(calibration)))
+
+
+def other_precision(calibration: Calibration) -> list[str]:
+    """A note where the runs computed in another precision than the one predicted: their
+    compute phases stand as they were measured."""
+    others = sorted({run.precision for run in calibration.runs} - {calibration.precision})
+    if not others:
+        return []
+    return [f"the runs computed in {' and '.join(others)}: their forward, backward and step stand "
+            f"in this {calibration.precision} prediction as measured, where a GPU's tensor cores "
+            f"compute 16 bits faster (give runs made with --precision {calibration.precision}, or "
+            f"--compute-ms)"]
 
 
 def borrowed(calibration: Calibration, hooks: list[str] | None) -> list[str]:

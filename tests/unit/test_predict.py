@@ -699,3 +699,16 @@ def test_memory_from_a_run_counts_the_activations_of_its_own_data(tmp_path, caps
         Path(path).write_text(json.dumps(results))
         assert main(["predict", path, "--trainers", "2", "--gpu-memory", "80GB"]) == 0
         assert f"saved for backward by a forward of {forward}" in capsys.readouterr().out
+
+
+def test_runs_of_another_precision_are_said_and_not_measured_against(tmp_path, capsys):
+    """An fp32 run predicted at --precision bf16 stood in the measured column as the bf16
+    prediction's calibration, and nothing said that its compute was fp32's."""
+    path = results_file(tmp_path, "ar.json", batch_ms=80.0)
+    for flags, measured in (([], 80.0), (["--precision", "bf16"], None)):
+        out = tmp_path / f"{len(flags)}.json"
+        assert main(["predict", path, "--trainers", "2", "--hooks", "allreduce", "--out", str(out), *flags]) == 0
+        [row] = json.loads(out.read_text())["predictions"]
+        assert row["measured_ms"] == measured
+        noted = "note: the runs computed in fp32: their forward, backward and step stand in this bf16 prediction"
+        assert (noted in capsys.readouterr().out) == bool(flags)
