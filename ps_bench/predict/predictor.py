@@ -118,7 +118,9 @@ def calibrate(runs: list[Run], target: TargetLink | None = None, latency_s: floa
                                 dense)
         backward = backward_compute(buckets, statistics.median(computes) if computes else None,
                                     forward, optimizer)
-        overlap_from = f"the bucket timeline of {plural(len(timelines), 'run')}"
+        overlap_from = ("the phases and bucket timeline of --compute " + compute.path
+                        if compute is not None else
+                        f"the bucket timeline of {plural(len(timelines), 'run')}")
     elif computes:
         backward = backward_compute([], statistics.median(computes), forward, optimizer)
         buckets = [(backward, *dense[index]) for index in sorted(dense)]

@@ -305,6 +305,7 @@ def test_with_another_devices_compute_a_strategys_own_compute_runs_at_that_devic
     device.write_text(json.dumps(results))
     slower = calibrate([run], compute=Run.load(str(device)))
     assert slower.phases.forward == 20.0
+    assert slower.overlap_from == f"the phases and bucket timeline of --compute {device}"  # it was "of 1 run"
     assert slower.own_ms["allreduce"] == pytest.approx(2 * calibrate([run]).own_ms["allreduce"]) \
         == pytest.approx(2 * 17.98)
 
