@@ -15,7 +15,7 @@ from ps_bench.places import check_apart, check_output_file, write_output
 from ps_bench.plots import check_plot_file
 from ps_bench.predict import memory, pipelines
 from ps_bench.predict.inputs import (LINK_KINDS, LOCAL_KINDS, NETWORK_KINDS, TargetLink, count_list,
-                                     model_buckets, parse_phases, target_link)
+                                     model_buckets, parse_phases, target_links)
 from ps_bench.predict.calibration import (Calibration, add_engine_terms, add_payloads,
                                           from_compute_ms, give_options, runs_model)
 from ps_bench.predict.predictor import calibrate, predict
@@ -98,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", metavar="RATE", help="the target network's line rate, each way, "
                         "e.g. 25gbit, 100gbit; predict takes --link-kind's share of it (default: "
                         "the link fitted to the runs' --limits)")
-    parser.add_argument("--link-kind", choices=NETWORK_KINDS, default="ethernet",
+    parser.add_argument("--link-kind", choices=NETWORK_KINDS,
                         help="what the network is, for its achievable share of the line rate and "
                         "its latency per message: " + kinds(NETWORK_KINDS) + " (default: ethernet)")
     parser.add_argument("--link-efficiency", type=float, metavar="F", help="the share of --link's "
@@ -114,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "trainers, its line rate each way, e.g. 1200gbit for a V100's NVLink, "
                         "126gbit for PCIe 3.0 x16 (default: fitted from a run whose trainers "
                         "shared one host)")
-    parser.add_argument("--intra-link-kind", choices=LOCAL_KINDS, default="pcie",
+    parser.add_argument("--intra-link-kind", choices=LOCAL_KINDS,
                         help="what a node's local link is: " + kinds(LOCAL_KINDS) +
                         " (default: pcie)")
     parser.add_argument("--intra-link-efficiency", type=float, metavar="F", help="the share of "
@@ -215,11 +215,8 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
         if uneven:
             raise ConfigError(f"--per-node {args.per_node} does not divide --trainers {uneven[0]} "
                               f"into whole nodes; give --nodes N,... instead")
-    link = (target_link("--link", args.link, args.link_kind, args.link_efficiency, args.latency)
-            if args.link is not None else None)
+    link, intra = target_links(args)
     latency_s = parse_delay(args.latency, "--latency") if args.latency is not None else None
-    intra = (target_link("--intra-link", args.intra_link, args.intra_link_kind,
-                         args.intra_link_efficiency, None) if args.intra_link is not None else None)
     if not 0 < args.bucket_cap_mb < math.inf:
         raise ConfigError(f"--bucket-cap-mb must be positive; got {args.bucket_cap_mb}")
     check_apart({"--out": args.out, "--plot": args.plot},

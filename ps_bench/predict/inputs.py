@@ -85,6 +85,25 @@ def target_link(flag: str, rate: str, kind: str, efficiency: float | None,
                       defaults.efficiency if efficiency is None else efficiency, latency_s)
 
 
+def target_links(args) -> tuple[TargetLink | None, TargetLink | None]:
+    """``--link``'s and ``--intra-link``'s ``TargetLink``, each of its kind (by default
+    Ethernet's and PCIe's); a kind or efficiency given without the rate it describes is refused,
+    where it was passed over."""
+    links = []
+    for flag, name, kind, latency in (("--link", "link", "ethernet", args.latency),
+                                      ("--intra-link", "intra_link", "pcie", None)):
+        described = [f"{flag}-{word}" for word in ("kind", "efficiency")
+                     if getattr(args, f"{name}_{word}") is not None]
+        if getattr(args, name) is None and described:
+            raise ConfigError(f"{' and '.join(described)} describe{'s' * (len(described) == 1)} "
+                              f"{flag}: give {flag} RATE too (neither applies to a link fitted "
+                              f"to runs)")
+        links.append(None if getattr(args, name) is None else target_link(
+            flag, getattr(args, name), getattr(args, f"{name}_kind") or kind,
+            getattr(args, f"{name}_efficiency"), latency))
+    return links[0], links[1]
+
+
 def count_list(text: str, name: str, allow_auto: bool = False) -> list[int | str]:
     values: list[int | str] = []
     for item in text.split(","):

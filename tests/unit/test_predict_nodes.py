@@ -323,6 +323,10 @@ BAD_INPUTS = [
     (lambda p: [results_file(p), "--ds-config", ds_config(p, {"communication_data_type": "int8"})],
      "communication_data_type must be one of fp32, bf16, fp16; got 'int8'"),
     (lambda p: [results_file(p), "--ds-config", ds_config(p, [1])], "must hold a JSON object"),
+    # a kind or an efficiency without its rate was passed over: the fitted link stood as measured
+    (lambda p: [results_file(p), "--link-kind", "infiniband", "--link-efficiency", "0.9"],
+     "--link-kind and --link-efficiency describe --link: give --link RATE too"),
+    (lambda p: [results_file(p), "--intra-link-kind", "nvlink"], "--intra-link-kind describes --intra-link: give"),
 ]
 
 
