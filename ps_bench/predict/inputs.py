@@ -277,7 +277,8 @@ def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
         module.register_forward_pre_hook(lambda module, _: called.append((True, module))),
         module.register_forward_hook(lambda module, *_: called.append((False, module))))]
     try:
-        inputs = tuple(t.to("meta") for t in DATA.get(data.class_name)(**kwargs).build(0).inputs)
+        batch = DATA.get(data.class_name)(**kwargs).build(0)
+        inputs = tuple(t.to("meta") for t in batch.inputs)
         shares = backward_shares(network, inputs)
         facts.modules = module_calls(network, called)
     except Exception as error:  # noqa: BLE001 - any op without a meta kernel: said, and passed over
@@ -290,9 +291,10 @@ def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
     shape = "x".join(str(n) for n in inputs[0].shape)
     named = (data.id if sequence_length is None
              else f"{data.id} at --sequence-length {sequence_length}")
-    facts.activations_bytes = saved_activations_bytes(network, inputs, precision)
-    facts.activations_from = (f"saved for backward by a forward of {shape} {named} "
-                              f"({precision}) on the meta device")
+    facts.activations_bytes = saved_activations_bytes(network, inputs, precision,
+                                                      batch.targets.to("meta"))
+    facts.activations_from = (f"saved for backward by a forward of {shape} {named} and its "
+                              f"loss ({precision}) on the meta device")
     return sizes, [max(shares.get(id(p), 1.0) for p in bucket) for bucket in buckets], (
         f"FLOPs of a forward of {plural(batch_size, 'sample')} of --data {named} on the meta "
         f"device"), facts

@@ -180,15 +180,19 @@ def largest_layer(network: torch.nn.Module) -> int:
 
 
 def saved_activations_bytes(network: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
-                            precision: str = "fp32") -> int:
-    """The bytes of the tensors one forward saves for backward, each storage once, the
-    parameters left out: on the meta device, so nothing is allocated (see the module)."""
+                            precision: str = "fp32", targets: torch.Tensor | None = None) -> int:
+    """The bytes of the tensors one forward (and, with ``targets``, the trainers' loss of it)
+    saves for backward, each storage once, the parameters left out: on the meta device, so
+    nothing is allocated (see the module). The loss in float32, as autocast computes it: a
+    language model's log-probabilities of every token of its vocabulary."""
     dtype = DTYPES[precision]
     if dtype != torch.float32:
         network = network.to(dtype)
         inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
     with SavedActivations() as saved, torch.enable_grad(), meta_friendly(network, fused=True):
-        network(*inputs)
+        output = network(*inputs)
+        if targets is not None:
+            torch.nn.functional.cross_entropy(output.float(), targets)
     return saved.nbytes
 
 

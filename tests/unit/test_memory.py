@@ -104,6 +104,12 @@ def test_activations_are_what_a_forward_saves_for_backward_counted_by_hand():
         meta = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     assert saved_activations_bytes(meta, (torch.ones(3, 4, device="meta"),)) == (12 + 24) * 4
     assert saved_activations_bytes(meta, (torch.ones(3, 4, device="meta"),), "bf16") == (12 + 24) * 2
+    # the trainers' loss: its log-probabilities (3 x 2, float32 as autocast computes it), the
+    # targets (3 int64) and the weight's total (a float); a language model's logits are most of it
+    targets = torch.zeros(3, dtype=torch.long, device="meta")
+    loss = 6 * 4 + 3 * 8 + 4
+    assert saved_activations_bytes(meta, (torch.ones(3, 4, device="meta"),), targets=targets) == (12 + 24) * 4 + loss
+    assert saved_activations_bytes(meta, (torch.ones(3, 4, device="meta"),), "bf16", targets) == (12 + 24) * 2 + loss
 
 
 def test_a_batch_sliced_from_the_data_counts_its_own_bytes_not_the_datas():
@@ -202,6 +208,6 @@ def test_what_a_strategy_keeps_between_iterations_is_in_its_memory(capsys):
     rows = {line.split()[1]: line.split() for line in printed.splitlines() if line.startswith("8 ")}
     assert rows["allreduce"][-1] == "yes" and rows["topk"][-1] == "NO"
     # its data has sequences of 64 tokens: the calibration says what length it counted
-    assert "a forward of 1x1024 tokens64 at --sequence-length 1024 (fp32)" in printed
+    assert "a forward of 1x1024 tokens64 at --sequence-length 1024 and its loss (fp32)" in printed
     assert float(rows["topk"][-2]) - float(rows["allreduce"][-2]) == pytest.approx(
         4 * facts.parameters / 2 ** 30, abs=0.1)
