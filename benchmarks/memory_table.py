@@ -61,9 +61,10 @@ def main() -> int:
     for model in MODELS:
         predicted = predict(model, args.sequence_length, out / f"{model[3:]}.json")
         rows = predicted["predictions"]
-        activations = rows[0]["activations_bytes"] / GIB
-        print(f"\n{model}, {args.sequence_length} tokens a GPU: activations {activations:.1f} GiB "
-              f"a GPU; states and memory GiB a GPU (parameters + gradients + optimizer + "
+        each = sorted({row["activations_bytes"] for row in rows})  # autocast's copies, or none
+        copies = f" ({each[-1] / GIB:.1f} where the trainers autocast)" if len(each) > 1 else ""
+        print(f"\n{model}, {args.sequence_length} tokens a GPU: activations {each[0] / GIB:.1f} GiB "
+              f"a GPU{copies}; states and memory GiB a GPU (parameters + gradients + optimizer + "
               f"gathered layers; + activations), step ms, fits 80 GB\n")
         table = [[row["trainers"], row["strategy"],
                   f"{row['model_states_bytes'] / GIB:.1f}", f"{row['memory_bytes'] / GIB:.1f}",

@@ -19,7 +19,7 @@ from ps_bench.models import DATA, DATA_PRESETS, MODELS, default_data, model_entr
 from ps_bench.models.entries import Entry, construct, load_entry
 from ps_bench.options import plural
 from ps_bench.predict.memory import (ModelFacts, largest_layer, meta_friendly,
-                                     saved_activations_bytes)
+                                     saved_activations)
 from ps_bench.strategies.sharded import shard_units
 from ps_bench.runtime.network import parse_delay, parse_rate
 
@@ -291,8 +291,8 @@ def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
     shape = "x".join(str(n) for n in inputs[0].shape)
     named = (data.id if sequence_length is None
              else f"{data.id} at --sequence-length {sequence_length}")
-    facts.activations_bytes = saved_activations_bytes(network, inputs, precision,
-                                                      batch.targets.to("meta"))
+    facts.activations_bytes, facts.cast_weights = saved_activations(
+        network, inputs, precision, batch.targets.to("meta"))
     facts.activations_from = (f"saved for backward by a forward of {shape} {named} and its "
                               f"loss ({precision}) on the meta device")
     return sizes, [max(shares.get(id(p), 1.0) for p in bucket) for bucket in buckets], (

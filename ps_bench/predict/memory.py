@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ps_bench.config import ConfigError
 from ps_bench.metrics.memory import SavedActivations
@@ -77,6 +79,9 @@ class ModelFacts:
     # forward's module calls, (starts, the (parameter, elements) it holds itself): the trace
     # ZeRO-3 gathers and releases them by (``inputs.module_calls``)
     modules: list[tuple[bool, list[tuple[int, int]]]] = field(default_factory=list)
+    # the elements of the weights a forward's matrix products and convolutions take: autocast
+    # casts them to 16 bits and saves the copies for backward (``saved_activations``)
+    cast_weights: int = 0
 
 
 def moments_bytes(optimizer: str, momentum: float) -> int:
@@ -150,14 +155,26 @@ def memory(record: Strategy, facts: ModelFacts, trainers: int, per_node: int,
     fits."""
     states = model_states(record, facts, trainers, per_node, precision, optimizer, momentum,
                           gathered)
-    total = (None if facts.activations_bytes is None
-             else states["model_states_bytes"] + facts.activations_bytes + kept)
-    out = {**states, "activations_bytes": facts.activations_bytes, "kept_bytes": kept,
+    activations = (None if facts.activations_bytes is None else facts.activations_bytes
+                   + autocast_copies(record, facts, precision, gathered))
+    total = (None if activations is None
+             else states["model_states_bytes"] + activations + kept)
+    out = {**states, "activations_bytes": activations, "kept_bytes": kept,
            "memory_bytes": total}
     if gpu_memory is not None:
         out["fits"] = (total if total is not None
                        else states["model_states_bytes"] + kept) <= gpu_memory
     return out
+
+
+def autocast_copies(record: Strategy, facts: ModelFacts, precision: str, gathered: str) -> int:
+    """In 16 bits, a strategy whose trainers autocast float32 parameters (not an engine that
+    casts the model, nor one that gathers them in 16 bits) holds autocast's copies of the weights
+    its matrix products take, saved for backward: 2 bytes a weight element, whole however the
+    parameters are sharded."""
+    casts = (precision in HALF and not record.holds.master_copy
+             and not (record.holds.gathers and ELEMENT_BYTES.get(gathered, 4) == 2))
+    return 2 * facts.cast_weights if casts else 0
 
 
 def parse_memory(text: str) -> int:
@@ -181,6 +198,33 @@ def largest_layer(network: torch.nn.Module) -> int:
 
 def saved_activations_bytes(network: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                             precision: str = "fp32", targets: torch.Tensor | None = None) -> int:
+    return saved_activations(network, inputs, precision, targets)[0]
+
+
+# the operators autocast runs in 16 bits whose operands include weights (torch.amp's list, as
+# they reach aten: linear as addmm or mm of the weight's transpose, conv as convolution)
+CAST_OPS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "convolution", "matmul")
+
+
+class CastWeights(TorchDispatchMode):
+    """The parameters (through their views) that reach the operators autocast casts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in CAST_OPS:
+            for arg in tree_leaves((args, kwargs or {})):
+                base = arg._base if isinstance(arg, torch.Tensor) and arg._base is not None else arg
+                if isinstance(base, torch.nn.Parameter):
+                    self.elements[id(base)] = base.numel()
+        return func(*args, **(kwargs or {}))
+
+
+def saved_activations(network: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
+                      precision: str = "fp32", targets: torch.Tensor | None = None
+                      ) -> tuple[int, int]:
     """The bytes of the tensors one forward (and, with ``targets``, the trainers' loss of it)
     saves for backward, each storage once, the parameters left out: on the meta device, so
     nothing is allocated (see the module). The loss in float32, as autocast computes it: a
@@ -189,11 +233,12 @@ def saved_activations_bytes(network: torch.nn.Module, inputs: tuple[torch.Tensor
     if dtype != torch.float32:
         network = network.to(dtype)
         inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
-    with SavedActivations() as saved, torch.enable_grad(), meta_friendly(network, fused=True):
+    with (SavedActivations() as saved, torch.enable_grad(), meta_friendly(network, fused=True),
+          CastWeights() as cast):
         output = network(*inputs)
         if targets is not None:
             torch.nn.functional.cross_entropy(output.float(), targets)
-    return saved.nbytes
+    return saved.nbytes, sum(cast.elements.values())
 
 
 class FusedAttention(torch.autograd.Function):
@@ -288,6 +333,9 @@ class MemoryTarget:
                 f"{count(facts.largest_layer)}; {self.optimizer}"
                 f"{f' (momentum {self.momentum:g})' if self.optimizer == 'sgd' else ''}, "
                 f"{self.precision}; activations {activations} ({facts.activations_from})"
+                + (f", and {format_bytes(2 * facts.cast_weights)} more under a strategy whose "
+                   f"trainers autocast: the 16-bit copies of the weights its matrix products take"
+                   if self.precision in HALF and facts.cast_weights else "")
                 + (f"; each GPU {self.gpu_memory / 2 ** 30:.1f} GiB" if self.gpu_memory else "")
                 + "\n")
 
