@@ -198,6 +198,7 @@ def largest_layer(network: torch.nn.Module) -> int:
 
 def saved_activations_bytes(network: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                             precision: str = "fp32", targets: torch.Tensor | None = None) -> int:
+    """``saved_activations``' bytes saved for backward alone."""
     return saved_activations(network, inputs, precision, targets)[0]
 
 
@@ -317,7 +318,7 @@ class MemoryTarget:
     gpu_memory: int | None
     # strategy -> the hook options it is predicted at, where not its defaults
     options: dict[str, dict] = field(default_factory=dict)
-    # strategy -> the dtype it gathers the parameters in (Calibration.wire's); else float32
+    # strategy -> the dtype it gathers the parameters in (Calibration.gathered)
     gathered: Callable[[str], str] = lambda hook: "float32"
 
     def row(self, hook: str, trainers: int, per_node: int) -> dict:
@@ -359,7 +360,7 @@ def check_arguments(args) -> int | None:
 
 def target(args, facts: ModelFacts, run_configs: list[dict], gpu_memory: int | None,
            options: dict[str, dict] | None = None,
-           gathered: Callable[[str], str] | None = None) -> MemoryTarget:
+           gathered: Callable[[str], str] = lambda hook: "float32") -> MemoryTarget:
     """The options the memory is counted with: the command line's, else the runs' (the first
     run's), else fp32 SGD without momentum; each strategy's kept memory at its hook ``options``
     (those its runs had, ``Calibration.options``), its gathered layers in ``gathered``'s dtype
@@ -369,4 +370,4 @@ def target(args, facts: ModelFacts, run_configs: list[dict], gpu_memory: int | N
                         args.optimizer or first.get("optimizer", "sgd"),
                         args.momentum if args.momentum is not None
                         else first.get("momentum", 0.0), gpu_memory, dict(options or {}),
-                        *([gathered] if gathered else []))
+                        gathered)
