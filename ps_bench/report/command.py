@@ -25,8 +25,8 @@ from ps_bench.strategies import SERVER_COUNTS, sends_to_servers
 DESCRIPTION = (
     "Compare runs: one row per point (per run of a point a sweep repeats, each against the "
     "baseline's run of its turn, with the median over the runs under the table), with the "
-    "options that vary across points, p50 and p90 of a "
-    "metric, samples/s, bytes per iteration, gradient error (runs with --verify) and the speedup "
+    "options that vary across points, p50 and p90 of a metric, samples/s, bytes per iteration, "
+    "the trainers' peak memory, gradient error (runs with --verify) and the speedup "
     "against a baseline point; for runs with --target-loss also iterations and seconds to the "
     "target and the speedup to target, and --plot draws loss against seconds of training.")
 EPILOG = """\
@@ -124,9 +124,11 @@ def table(rows: list[Row], metric: str, baseline: Baseline) -> tuple[list[str], 
     runs = any(row.run is not None for row in rows)
     converging = any(row.results.get("convergence") for row in rows)
     stale = any(row.results.get("staleness") for row in rows)
+    held = any(row.trainer_peak is not None for row in rows)
     headers = (columns + (["run"] if runs else [])
-               + [f"{metric} p50 ms", f"{metric} p90 ms", "samples/s", "bytes/iter", "grad error",
-                  "speedup"] + (["staleness p50/max"] if stale else [])
+               + [f"{metric} p50 ms", f"{metric} p90 ms", "samples/s", "bytes/iter"]
+               + (["trainer MiB"] if held else []) + ["grad error", "speedup"]
+               + (["staleness p50/max"] if stale else [])
                + (["iterations to target", "seconds to target", "speedup to target"]
                   if converging else []) + ["status"])
     body = []
@@ -143,6 +145,7 @@ def table(rows: list[Row], metric: str, baseline: Baseline) -> tuple[list[str], 
             fixed(row.stat(metric, "p90"), 3),
             fixed((row.results.get("throughput") or {}).get("samples_per_s"), 0),
             fixed((row.results.get("bytes") or {}).get("trainer_sent_per_iter"), 0),
+            *([fixed(row.trainer_peak and row.trainer_peak / 2 ** 20, 1)] if held else []),
             (None if check.get("grad_rel_error_p50") is None
              else f"{check['grad_rel_error_p50']:.2e}"),
             f"{speedup:.2f}x" if speedup else None,

@@ -52,6 +52,12 @@ class Row:
         except UnknownNameError:  # a strategy this version does not know
             return False
 
+    @property
+    def trainer_peak(self) -> int | None:
+        """The most memory a trainer held, as its run's Memory table gives it: on a GPU the
+        allocator's peak, on the CPU its model states, activations and kept buffers."""
+        return ((self.results.get("memory") or {}).get("trainer") or {}).get("peak_bytes")
+
     def count(self, *names: str) -> int:
         return sum(int(self.results.get("config", {}).get(name, 0)) for name in names)
 

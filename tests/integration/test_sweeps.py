@@ -58,8 +58,11 @@ def test_sweep_resume_and_report(tmp_path):
     assert [row[0] for row in body] == ["allreduce", "ps"]
     assert body[1][-2] == "1.00x" and all(row[-2].endswith("x") for row in body)
     csv_lines = csv_path.read_text().splitlines()
-    assert csv_lines[0].startswith("hook,batch p50 ms,batch p90 ms,samples/s,bytes/iter,grad error,speedup")
+    assert csv_lines[0].startswith("hook,batch p50 ms,batch p90 ms,samples/s,bytes/iter,trainer MiB,grad error,speedup")
     assert len(csv_lines) == 3
+    # each point's trainers' memory beside its time, as its run's Memory table gives it
+    assert [line.split(",")[5] for line in csv_lines[1:]] == [
+        f"{r['memory']['trainer']['peak_bytes'] / 2 ** 20:.1f}" for r in recorded]
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png_path.stat().st_size > 10_000
 
 
