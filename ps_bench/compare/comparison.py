@@ -37,6 +37,12 @@ def trainer_samples(results: dict, metric: str) -> list[float]:
             for value in entry.get("metrics", {}).get(metric, [])]
 
 
+def trainer_peak(results: dict) -> float | None:
+    """The most memory a trainer held, MiB, as its run's Memory table gives it."""
+    peak = ((results.get("memory") or {}).get("trainer") or {}).get("peak_bytes")
+    return None if peak is None else peak / 2 ** 20
+
+
 def reached(results: dict, key: str) -> float | None:
     convergence = results.get("convergence") or {}
     return convergence.get(key) if convergence.get("reached") else None
@@ -82,6 +88,9 @@ METRICS = (
     Metric("bytes/iter", "B", 0, False,
            lambda r: (r.get("bytes") or {}).get("trainer_sent_per_iter"), "bytes_sent", mean_of,
            ("fewer bytes", "more bytes")),
+    # the most memory a trainer held (the run's Memory table): its runs' spread gives the interval
+    Metric("trainer MiB", "", 1, False, trainer_peak, None, None,
+           ("less memory", "more memory")),
     Metric("seconds to target", "s", 3, False, lambda r: reached(r, "seconds")),
     Metric("iterations to target", "", 0, False, lambda r: reached(r, "iterations")),
 )

@@ -65,7 +65,7 @@ def test_three_runs_against_three_more_of_the_same_are_no_significant_change(swe
                                     str(side(folder, "plain", (2, 4, 6))), "--fail-over", "5")
         assert record["points"][0]["interval_from"] == "runs" and record["points"][0]["base_runs"] == 3
         verdicts = {m["metric"]: m["verdict"] for m in record["metrics"]}
-        assert set(verdicts) == {"batch p50", "batch p90", "comm p50", "samples/s", "bytes/iter"}
+        assert set(verdicts) == {"batch p50", "batch p90", "comm p50", "samples/s", "bytes/iter", "trainer MiB"}
         trials.append(out)
         if set(verdicts.values()) == {"no significant change"}:
             assert code == 0 and "--fail-over 5: passed" in out

@@ -171,6 +171,22 @@ def test_three_runs_a_side_with_a_shift_are_slower_and_fail_the_gate(tmp_path, c
     assert code == 0 and "--fail-over 50: passed" in out
 
 
+def test_the_trainers_memory_is_compared_beside_the_time_and_does_not_fail_the_time_gate(tmp_path, capsys):
+    """Each run's trainer peak (its Memory table's): the same time, 40 % more memory in every run
+    of the new side is "more memory"; --fail-over gates the time alone."""
+    def held(seed: int, mib: float) -> dict:
+        made = results(seed, 2.0)
+        made["memory"] = {"trainer": {"peak_bytes": int(mib * 2 ** 20)}}
+        return made
+
+    base = write_runs(tmp_path / "base", [held(s, 100.0) for s in (1, 2, 3)])
+    new = write_runs(tmp_path / "new", [held(s, 140.0) for s in (1, 2, 3)])
+    code, out, err = run_compare(capsys, str(base), str(new), "--fail-over", "5")
+    assert code == 0, err
+    assert row_of(out, "trainer MiB").split()[:5] == ["trainer", "MiB", "100.0", "140.0", "+40.0%"]
+    assert "more memory" in row_of(out, "trainer MiB") and "no significant change" in row_of(out, "batch p50")
+
+
 def test_one_run_a_side_compares_the_iterations_and_warns(tmp_path, capsys):
     base, new = tmp_path / "a.json", tmp_path / "b.json"
     base.write_text(json.dumps(results(1, 2.0)))
