@@ -321,3 +321,35 @@ def add_engine_terms(calibration: Calibration, hooks: list[str], facts: ModelFac
         f"released and gathered again as the engine's parameter coordinator does over forward's "
         f"{plural(sum(starts for starts, _ in facts.modules), 'module call')} and backward's; "
         + "; ".join(f"{hook} at {source}" for hook, source in configs.items()))
+
+
+def borrowed(calibration: Calibration, hooks: list[str]) -> list[str]:
+    """A note naming the strategies predicted that encode the gradients (their record's payload
+    is not the float32 gradient: a cast, a compressor's code, low-rank factors) whose own compute
+    no run fitted: what encoding and decoding cost is taken as the one's each costs like,
+    which on a slow device can be far less (``own_compute``'s fallback)."""
+    unfitted = [hook for hook in hooks if hook not in calibration.own_ms
+                and HOOKS.record(hook).payload not in ("float32", "nothing")]
+    if not unfitted:
+        return []
+    likes = dict.fromkeys(HOOKS.record(hook).cost.like for hook in unfitted)
+    taken = "; ".join(f"{like} {calibration.own_ms[like]:+.1f} ms" if like in calibration.own_ms
+                      else f"{like or 'none'} 0 ms, none fitted" for like in likes)
+    one = len(unfitted) == 1
+    return [f"{', '.join(unfitted)} encode{'s' if one else ''} the gradients, and no run of "
+            f"{'it' if one else 'theirs'} fitted what that costs: {'it' if one else 'each'} is "
+            f"predicted with the own compute of the strategy it costs like ({taken}), and where "
+            f"encoding is slow runs slower than predicted (give a run of "
+            f"{'it' if one else 'each'}, made with --limits or on an emulated link)"]
+
+
+def other_precision(calibration: Calibration) -> list[str]:
+    """A note where the runs computed in another precision than the one predicted: their
+    compute phases stand as they were measured."""
+    others = sorted({run.precision for run in calibration.runs} - {calibration.precision})
+    if not others:
+        return []
+    return [f"the runs computed in {' and '.join(others)}: their forward, backward and step stand "
+            f"in this {calibration.precision} prediction as measured, where a GPU's tensor cores "
+            f"compute 16 bits faster (give runs made with --precision {calibration.precision}, or "
+            f"--compute-ms)"]

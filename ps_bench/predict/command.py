@@ -16,8 +16,9 @@ from ps_bench.plots import check_plot_file
 from ps_bench.predict import memory, pipelines
 from ps_bench.predict.inputs import (LINK_KINDS, LOCAL_KINDS, NETWORK_KINDS, TargetLink, count_list,
                                      model_buckets, parse_phases, target_links)
-from ps_bench.predict.calibration import (Calibration, add_engine_terms, add_payloads,
-                                          from_compute_ms, give_options, runs_model)
+from ps_bench.predict.calibration import (Calibration, add_engine_terms, add_payloads, borrowed,
+                                          from_compute_ms, give_options, other_precision,
+                                          runs_model)
 from ps_bench.predict.predictor import calibrate, predict
 from ps_bench.predict.rows import prediction_rows, unplaced
 from ps_bench.predict.runs import Run, accumulating, runs_of
@@ -342,6 +343,7 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     if engines:
         facts = facts or runs_model(runs[0], args)
         add_engine_terms(calibration, engines, facts)
+    calibration.notes += borrowed(calibration, hooks) + other_precision(calibration)
     servers = (count_list(args.servers, "servers", allow_auto=True) if args.servers is not None
                else sorted({run.servers for run in runs + compared if run.servers} or {1}))
     if args.trainers is None and args.nodes is None:  # by default, beside the runs to compare

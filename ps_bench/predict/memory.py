@@ -307,6 +307,11 @@ def add_arguments(parser) -> None:
                         "(default: the data's own)")
 
 
+def in_float32(hook: str) -> str:
+    """Where no calibration says otherwise: every strategy gathers in float32."""
+    return "float32"
+
+
 @dataclass
 class MemoryTarget:
     """What predict's memory is counted for: the model, its options, the GPU's memory."""
@@ -319,7 +324,7 @@ class MemoryTarget:
     # strategy -> the hook options it is predicted at, where not its defaults
     options: dict[str, dict] = field(default_factory=dict)
     # strategy -> the dtype it gathers the parameters in (Calibration.gathered)
-    gathered: Callable[[str], str] = lambda hook: "float32"
+    gathered: Callable[[str], str] = in_float32
 
     def row(self, hook: str, trainers: int, per_node: int) -> dict:
         return memory(HOOKS.record(hook), self.facts, trainers, per_node, self.precision,
@@ -360,7 +365,7 @@ def check_arguments(args) -> int | None:
 
 def target(args, facts: ModelFacts, run_configs: list[dict], gpu_memory: int | None,
            options: dict[str, dict] | None = None,
-           gathered: Callable[[str], str] = lambda hook: "float32") -> MemoryTarget:
+           gathered: Callable[[str], str] = in_float32) -> MemoryTarget:
     """The options the memory is counted with: the command line's, else the runs' (the first
     run's), else fp32 SGD without momentum; each strategy's kept memory at its hook ``options``
     (those its runs had, ``Calibration.options``), its gathered layers in ``gathered``'s dtype
