@@ -44,8 +44,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ps_bench.metrics.costs import Link, byteps_bound_ms, ring_share  # noqa: E402
+from ps_bench.metrics.messages import ELEMENT_BYTES  # noqa: E402
 from ps_bench.predict.inputs import LINK_KINDS  # noqa: E402
 from ps_bench.predict.tables import ETHERNET_CHECKED_NODES  # noqa: E402
+from ps_bench.strategies import HOOKS  # noqa: E402
+from ps_bench.strategies.record import COLLECTIVE  # noqa: E402
 
 # One set of defaults for every case (docs/predict.md, "Checked against published measurements").
 DEFAULTS = {
@@ -85,6 +88,10 @@ class Case:
     intra_kind: str = "pcie"  # a node's local link: pcie or nvlink
     table: str = ""  # the table the source's row or column is in, where a table holds several cases
     system: str = ""  # what the cluster's winner is called where two cases ran one strategy (default: hook)
+    # the model's configuration where the source's differs from the zoo entry's: predict's
+    # --model-option KEY=VALUE,... and --sequence-length, as a user gives them
+    model_options: str = ""
+    sequence_length: int | None = None
 
     @property
     def table_name(self) -> str:
@@ -122,11 +129,38 @@ HOROVOD_ROWS = [
 ]
 SHORT = {"vgg16": "vgg16", "resnet101": "resnet101", "inception_v3": "inception3"}
 
-DLPERF = ("OneFlow DLPerf benchmark report v1, 'BERT base pretrain' FP32 table, batch size 32 per device "
+DLPERF = ("OneFlow DLPerf benchmark report v1, 'BERT base pretrain' FP32 table, batch size {batch} per device "
           "(github.com/Oneflow-Inc/DLPerf, reports/dlperf_benchmark_test_report_v1.md, commit 9c9d9e2, "
           "2020-11-03), {column} column")
+# the same report's second FP32 table, 'FP32, batch size = max': each framework at the largest batch its 16 GB held
+DLPERF_MAX = DLPERF.replace("batch size {batch} per device", "'batch size = max' ({batch} per device)")
 DLPERF_SETUP = ("4 nodes of 8 V100-SXM2-16GB (NVLink 2.0: 6 links of 25 GB/s a GPU), InfiniBand 100 Gb/s (4X EDR), "
                 "one NIC a node; BERT-base, sequence 128, fp32, no gradient accumulation; {system}")
+DLPERF_SYSTEMS = {  # each column's system, as the report and the column's own README name it
+    "pytorch": "NGC PyTorch 20.03, apex DDP (message_size 250,000,000), NCCL 2.5.6",
+    "tensorflow": "NGC TensorFlow 20.03, Horovod 0.19.0 (Tensor Fusion, 64 MB)",
+}
+# (column, short name, the system's fusion buffer, {batch: {GPUs: sentences/s}}): both FP32 tables
+DLPERF_COLUMNS = [
+    # NVIDIA's BERT in PyTorch wraps the model in apex's DDP with message_size=250000000 elements
+    # (run_pretraining.py at DeepLearningExamples 5cc03ca, the commit DLPerf ran): every gradient
+    # in one bucket, all-reduced once backward is over
+    ("NGC PyTorch", "pytorch", 250e6 * 4 / 2 ** 20,
+     {32: {1: 119.60, 8: 921.32, 16: 1499.40, 32: 2885.81}, 48: {1: 121.94, 8: 928.01, 16: 1584.32, 32: 3039.30}}),
+    ("NGC TensorFlow 1.x", "tensorflow", 64.0,
+     {32: {1: 107.33, 8: 790.03, 16: 1404.04, 32: 2727.90}, 48: {1: 112.76, 8: 855.45, 16: 1576.88, 32: 3089.74}}),
+]
+MEGATRON = ("OneFlow DLPerf GPT benchmark report (github.com/Oneflow-Inc/DLPerf, "
+            "reports/GPT/dlperf_gpt_test_report_210512.md, commit c86f9b9, 2021-05-19), 'Data Parallelism Test' "
+            "table, Megatron-LM column (cases DP_1x1x1_2_1536x16 to DP_32x1x1_64_1536x16)")
+MEGATRON_SETUP = ("the DLPerf cluster above (4 nodes of 8 V100-SXM2-16GB, NVLink, one 100 Gb/s EDR InfiniBand NIC a "
+                  "node), NGC PyTorch 20.12, NCCL 2.8.3; Megatron-LM at 8aa4619 (DLPerf's Megatron-LM/README.md "
+                  "and scripts/mutil_perf_pretrain_gpt_dp_mp_pp.sh): a GPT of hidden size 1536, 16 layers, 16 heads, "
+                  "vocabulary 51,200, sequence 2048, micro-batch 2 a GPU, --fp16 (the model cast to half: "
+                  "FP16Module), --checkpoint-activations, pure data parallelism; its DDP (--DDP-impl local, "
+                  "megatron/model/distributed.py) flattens every half gradient into one buffer and all-reduces "
+                  "it once backward is over: ps_bench's fp16 with one bucket")
+MEGATRON_NODE = "the same table, DP_8x1x1_16_1536x16 (one node of 8 GPUs, no network)"
 DLPERF_NODE = "the same table, its 1-node 8-GPU row (no network)"
 NVLINK_V100_GBIT = 6 * 25 * 8  # NVLink 2.0 on a V100-SXM2: 6 links of 25 GB/s each way
 BYTEPS = ("BytePS docs/performance.md, 'NVLink + TCP' (github.com/bytedance/byteps, commit cc77f49, 2019-11-15): "
@@ -158,19 +192,22 @@ CASES = [
     Case("tf-k80-inception3", TF_K80, "inception_v3", 64, 8, 10.0, "ps_node",
          {1: 29.7, 8: 229, 16: 459, 32: 902}, servers_on="colocated", node=230, node_source=TF_K80_NODE,
          setup=TF_SETUP + " (at 64 GPUs it ran 6 servers on 8 instances: not a layout ps_bench predicts)"),
-    # NVIDIA's BERT in PyTorch wraps the model in apex's DDP with message_size=250000000 elements
-    # (run_pretraining.py at DeepLearningExamples 5cc03ca, the commit DLPerf ran): every gradient
-    # in one bucket, all-reduced once backward is over
-    Case("dlperf-pytorch-bert", DLPERF.format(column="NGC PyTorch"), "hf:bert-base", 32, 8, 100.0, "allreduce",
-         {1: 119.60, 8: 921.32, 16: 1499.40, 32: 2885.81}, bucket_cap_mb=250e6 * 4 / 2 ** 20,
-         setup=DLPERF_SETUP.format(system="NGC PyTorch 20.03, apex DDP (message_size 250,000,000), NCCL 2.5.6"),
-         node=921.32, node_source=DLPERF_NODE, intra_gbit=NVLINK_V100_GBIT, unit="sentences/s",
-         link_kind="infiniband", intra_kind="nvlink", table=DLPERF.format(column="each")),
-    Case("dlperf-tensorflow-bert", DLPERF.format(column="NGC TensorFlow 1.x"), "hf:bert-base", 32, 8, 100.0,
-         "allreduce", {1: 107.33, 8: 790.03, 16: 1404.04, 32: 2727.90}, bucket_cap_mb=64.0,
-         setup=DLPERF_SETUP.format(system="NGC TensorFlow 20.03, Horovod 0.19.0 (Tensor Fusion, 64 MB)"),
-         node=790.03, node_source=DLPERF_NODE, intra_gbit=NVLINK_V100_GBIT, unit="sentences/s",
-         link_kind="infiniband", intra_kind="nvlink", table=DLPERF.format(column="each")),
+] + [
+    Case(f"dlperf-{short}-bert{'' if batch == 32 else f'-b{batch}'}",
+         (DLPERF if batch == 32 else DLPERF_MAX).format(batch=batch, column=column), "hf:bert-base", batch, 8, 100.0,
+         "allreduce", measured, bucket_cap_mb=fusion_mb, setup=DLPERF_SETUP.format(system=DLPERF_SYSTEMS[short]),
+         node=measured[8], node_source=DLPERF_NODE, intra_gbit=NVLINK_V100_GBIT, unit="sentences/s",
+         link_kind="infiniband", intra_kind="nvlink",
+         table=(DLPERF if batch == 32 else DLPERF_MAX).format(batch=batch, column="each"))
+    for batch in (32, 48) for column, short, fusion_mb, tables in DLPERF_COLUMNS for measured in [tables[batch]]
+] + [
+    # 51,200 x 1536 embeddings, 16 layers of 12·1536² and their biases and norms: 2.0 GiB of float32
+    # gradients, all in one bucket under a cap of 4096 MB
+    Case("dlperf-megatron-gpt", MEGATRON, "hf:gpt2", 2, 8, 100.0, "fp16",
+         {1: 4.31, 8: 33.27, 16: 48.16, 32: 93.63}, bucket_cap_mb=4096.0, setup=MEGATRON_SETUP, node=33.27,
+         node_source=MEGATRON_NODE, intra_gbit=NVLINK_V100_GBIT, unit="sequences/s", link_kind="infiniband",
+         intra_kind="nvlink", model_options="n_embd=1536,n_layer=16,n_head=16,vocab_size=51200,n_positions=2048",
+         sequence_length=2048),
 ] + [
     Case(f"byteps-20g-{model}-{system}", BYTEPS.format(model=model), model, 64, 8, 20.0, hook,
          {gpus: pair[index] for gpus, pair in BYTEPS_CHARTS[model].items()}, servers_on=place,
@@ -201,6 +238,10 @@ def predict_command(case: Case, nodes: list[int], out: Path, servers: int | None
                "--per-node", str(case.per_node), "--intra-link", f"{intra:g}gbit", "--intra-link-kind", case.intra_kind,
                "--nodes", ",".join(map(str, nodes)), "--hooks", case.hook, "--bucket-cap-mb", f"{case.bucket_cap_mb:g}",
                "--out", str(out)]
+    if case.model_options:
+        command += ["--model-option", case.model_options]
+    if case.sequence_length:
+        command += ["--sequence-length", str(case.sequence_length)]
     if case.servers_on == "colocated" or (case.servers_on == "dedicated" and nodes == [1]):
         command += ["--servers-on", "colocated"]
     elif servers is not None:
@@ -243,19 +284,20 @@ def predict_case(case: Case, scratch: Path) -> list[dict]:
 def line_share_allowed(case: Case, gpus: int, nodes: int, gradient_bytes: float) -> float | None:
     """The largest share of the network's line rate a transfer can have achieved for the point's
     measured throughput, had nothing overlapped backward at all: the least time a node's
-    network link needs at the full line rate for one iteration (each way: a ring over every GPU,
-    ``2(n-1)/n`` of the gradients; BytePS's bound over the nodes for the parameter servers) over
-    the measured batch time beyond the compute the case is given. Any overlap makes it smaller.
-    None on one node (no network crossed); infinity where the measured batch is no longer than
-    the compute."""
+    network link needs at the full line rate for one iteration (each way, the gradients in the
+    strategy's payload: a collective's ring over every GPU, ``2(n-1)/n`` of them; BytePS's bound
+    over the nodes for the parameter servers) over the measured batch time beyond the compute
+    the case is given. Any overlap makes it smaller. None on one node (no network crossed);
+    infinity where the measured batch is no longer than the compute."""
     if nodes == 1:
         return None
     line = Link.of(0.0, case.link_gbit)
-    if case.hook == "allreduce":
-        least_ms = ring_share(gpus) * line.time(gradient_bytes)
+    record = HOOKS.record(case.hook)
+    sent = gradient_bytes * ELEMENT_BYTES.get(record.payload, 4) / ELEMENT_BYTES["float32"]
+    if record.transport == COLLECTIVE:
+        least_ms = ring_share(gpus) * line.time(sent)
     else:
-        least_ms = byteps_bound_ms(nodes, nodes if case.servers_on == "dedicated" else 0,
-                                   gradient_bytes, line)
+        least_ms = byteps_bound_ms(nodes, nodes if case.servers_on == "dedicated" else 0, sent, line)
     beyond_ms = case.batch * gpus / case.measured[gpus] * 1000.0 - case.t1_ms()
     return least_ms / beyond_ms if beyond_ms > 0 else float("inf")
 
