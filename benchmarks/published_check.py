@@ -175,6 +175,18 @@ BYTEPS_CHARTS = {
     "vgg16": {8: (1618, 1727), 16: (1564, 2436), 32: (2055, 4182), 64: (3309, 6636)},
 }
 
+
+
+def dlperf_case(batch: int, column: str, short: str, fusion_mb: float, measured: dict[int, float]) -> Case:
+    """One column of a DLPerf BERT-Base FP32 table: batch 32's, or the largest batch's (48)."""
+    source = DLPERF if batch == 32 else DLPERF_MAX
+    return Case(f"dlperf-{short}-bert{'' if batch == 32 else f'-b{batch}'}", source.format(batch=batch, column=column),
+                "hf:bert-base", batch, 8, 100.0, "allreduce", measured, bucket_cap_mb=fusion_mb,
+                setup=DLPERF_SETUP.format(system=DLPERF_SYSTEMS[short]), node=measured[8], node_source=DLPERF_NODE,
+                intra_gbit=NVLINK_V100_GBIT, unit="sentences/s", link_kind="infiniband", intra_kind="nvlink",
+                table=source.format(batch=batch, column="each"))
+
+
 CASES = [
     Case(f"horovod-{link:g}g-{'rdma-' if kind == 'roce' else ''}{SHORT[model]}", HOROVOD.format(table=table, row=row),
          model, 64, 4, link, "allreduce", {1: one, gpus: many}, bucket_cap_mb=64.0,
@@ -193,13 +205,8 @@ CASES = [
          {1: 29.7, 8: 229, 16: 459, 32: 902}, servers_on="colocated", node=230, node_source=TF_K80_NODE,
          setup=TF_SETUP + " (at 64 GPUs it ran 6 servers on 8 instances: not a layout ps_bench predicts)"),
 ] + [
-    Case(f"dlperf-{short}-bert{'' if batch == 32 else f'-b{batch}'}",
-         (DLPERF if batch == 32 else DLPERF_MAX).format(batch=batch, column=column), "hf:bert-base", batch, 8, 100.0,
-         "allreduce", measured, bucket_cap_mb=fusion_mb, setup=DLPERF_SETUP.format(system=DLPERF_SYSTEMS[short]),
-         node=measured[8], node_source=DLPERF_NODE, intra_gbit=NVLINK_V100_GBIT, unit="sentences/s",
-         link_kind="infiniband", intra_kind="nvlink",
-         table=(DLPERF if batch == 32 else DLPERF_MAX).format(batch=batch, column="each"))
-    for batch in (32, 48) for column, short, fusion_mb, tables in DLPERF_COLUMNS for measured in [tables[batch]]
+    dlperf_case(batch, column, short, fusion_mb, tables[batch])
+    for batch in (32, 48) for column, short, fusion_mb, tables in DLPERF_COLUMNS
 ] + [
     # 51,200 x 1536 embeddings, 16 layers of 12·1536² and their biases and norms: 2.0 GiB of float32
     # gradients, all in one bucket under a cap of 4096 MB
