@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
 import threading
 import time
@@ -52,14 +55,18 @@ class SnapshotPacing:
     def __init__(self) -> None:
         self.written = 0
         self.at = self.cost = 0.0
+        self.behind = False  # a round finished since the last snapshot: SIGTERM writes it
 
     def due(self, now: float) -> bool:
-        return self.cost <= SNAPSHOT_CHEAP_S or now - self.at >= 10 * self.cost
+        due = self.cost <= SNAPSHOT_CHEAP_S or now - self.at >= 10 * self.cost
+        self.behind = self.behind or not due
+        return due
 
     def wrote(self, start: float, end: float) -> None:
         self.written += 1
         self.at = end
         self.cost = end - start if self.written > 1 else 0.0
+        self.behind = False
 
 
 def device_name(index: int | None) -> str:
@@ -188,6 +195,8 @@ class Master:
         # () -> {"launcher": milestones, "ranks": [milestones]}, once every rank is up
         self.startup = startup
         self.pacing = SnapshotPacing()
+        self.recording = False  # the record is being added to: a SIGTERM waits for it
+        self.stopped_by: int | None = None  # the signal that waited
 
     # -- setting up ------------------------------------------------------------------------
     def create_servers(self) -> list[rpc.RRef]:
@@ -248,6 +257,7 @@ class Master:
     # -- the rounds --------------------------------------------------------------------------
     def run(self) -> dict:
         cfg, record = self.config, self.record
+        signal.signal(signal.SIGTERM, self.on_sigterm)
         # what was asked, should the job end before its first round; not a measure of what a
         # snapshot of finished rounds costs
         write_snapshot(record.results("failed", error="the job ended before it finished"),
@@ -302,19 +312,21 @@ class Master:
             served = [s.rpc_sync().take_metrics() for s in servers]
             for server in servers:
                 server.rpc_sync().reset_state()
-            stopped = converging and record.progress.add(rounds)
-            # the round training stopped in is kept even within warmup, so that every run has one
-            timed = (round_index >= cfg.warmup_rounds or stopped) and rounds[0]["iterations"] > 0
             # DDP rebuilds its buckets in the first iteration
             if record.buckets is None and rounds[0]["iterations"]:
                 record.buckets = trainers[0].rpc_sync().bucket_layout()
                 print(describe_buckets(record.buckets, shards=self.servers_own_parameters),
                       flush=True)
-            if timed:  # kept before it is announced
-                loss = record.add_round(elapsed, rounds, served)
-                self.snapshot()
-            else:
-                loss = mean_loss(rounds)
+            with self.adding():
+                stopped = converging and record.progress.add(rounds)
+                # the round training stopped in is kept even within warmup, so that every run
+                # has one
+                timed = (round_index >= cfg.warmup_rounds or stopped) and rounds[0]["iterations"] > 0
+                if timed:  # kept before it is announced
+                    loss = record.add_round(elapsed, rounds, served)
+                    self.snapshot()
+                else:
+                    loss = mean_loss(rounds)
             print(f"{name} {'timed' if timed else 'warmup':6} "
                   f"{elapsed:7.2f} s  (elapsed {time.perf_counter() - run_start:6.1f} s)  "
                   f"loss {loss:.4f}{record.progress.line() if converging else ''}", flush=True)
@@ -355,6 +367,34 @@ class Master:
         write_snapshot(self.record.results("failed", error="the job ended before it finished"),
                        self.run_dir)
         self.pacing.wrote(start, time.perf_counter())
+
+    @contextlib.contextmanager
+    def adding(self):
+        """A round going into the record and its snapshot: a SIGTERM that comes meanwhile
+        waits until both are whole."""
+        self.recording = True
+        try:
+            yield
+        finally:
+            self.recording = False
+        if self.stopped_by is not None:
+            self.stop(self.stopped_by)
+
+    def on_sigterm(self, signum: int, frame) -> None:
+        """The launcher stops the job (Ctrl-C, another rank failed, a watchdog): the rounds
+        that finished since a paced-out snapshot are written first, so that none is lost."""
+        if self.recording:
+            self.stopped_by = signum
+        else:
+            self.stop(signum)
+
+    def stop(self, signum: int) -> None:
+        if self.pacing.behind:
+            with contextlib.suppress(OSError):  # the last snapshot written stands
+                write_snapshot(self.record.results("failed", error="the job ended before it "
+                                                   "finished"), self.run_dir)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)  # ends as SIGTERM ends it, which the launcher names
 
     def trace_path(self, info: RankInfo) -> str:
         return str(Path(self.config.profile) / f"{info.role}{info.index}-rank{info.rank}.json")

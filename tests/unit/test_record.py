@@ -187,6 +187,18 @@ def test_snapshots_are_paced_by_what_writing_them_costs_not_by_the_first_ones_on
     assert not pacing.due(1.5) and pacing.due(2.6)
 
 
+def test_a_paced_out_snapshot_leaves_the_pacing_behind_until_the_next_is_written():
+    # behind: what the master's SIGTERM handler writes before the job is stopped
+    pacing = SnapshotPacing()
+    pacing.wrote(0.0, 0.25)
+    pacing.wrote(0.3, 0.5)
+    assert not pacing.behind
+    assert not pacing.due(0.6) and pacing.behind
+    assert pacing.due(2.6) and pacing.behind  # due, not yet written
+    pacing.wrote(2.6, 2.7)
+    assert not pacing.behind
+
+
 def test_floors_and_efficiency_follow_the_strategys_record():
     record = make_record(limits=True)
     two_rounds(record)
