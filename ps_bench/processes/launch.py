@@ -206,21 +206,38 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
                             startup=lambda: {
                                 "launcher": {"launched": spec.launched_at, **spec.milestones},
                                 "ranks": rendezvous.gather_startup(view, topology.world_size)},
-                            emulated=spec.emulated)
+                            emulated=spec.emulated,
+                            on_stop=(lambda name: keep_torchrun_rounds(
+                                master, spec, f"{info.describe()} stopped by {name} before the "
+                                f"job finished (torchrun stops every rank when one fails or "
+                                f"when it is stopped)", quietly=True))
+                            if spec.torchrun else None)
             master.run()
         rpc.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
     except BaseException as error:  # noqa: BLE001 - every failure must reach the launcher
-        # no launcher of ours to keep the finished rounds; a job torchrun restarts writes its file
-        # later
-        if master is not None and spec.torchrun and not rendezvous.restarts_left():
-            path = keep_results(
-                master.record.results("failed", error=f"{info.describe()} failed: {error}"),
-                spec.results_path)
-            if path is not None:
-                print(f"results (failed run): {path}", flush=True)
+        if master is not None and spec.torchrun:
+            keep_torchrun_rounds(master, spec, f"{info.describe()} failed: {error}")
         failures.fatal(error)
+
+
+def keep_torchrun_rounds(master: Master, spec: LaunchSpec, error: str,
+                         quietly: bool = False) -> None:
+    """Under torchrun, no launcher of ours keeps the finished rounds: the master writes the
+    failed run's results file itself (a job torchrun restarts writes its file later).
+    ``quietly``: from a signal handler, whose line must not go through ``print`` (the stream
+    it interrupted may be inside its own write)."""
+    if rendezvous.restarts_left():
+        return
+    path = keep_results(master.record.results("failed", error=error), spec.results_path)
+    if path is None:
+        return
+    line = f"results (failed run): {path}\n"
+    if quietly:
+        os.write(sys.stdout.fileno(), line.encode())
+    else:
+        print(line, end="", flush=True)
 
 
 def _spawned(rank: int, spec: LaunchSpec) -> None:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import sys
 import threading
 import time
@@ -20,7 +17,8 @@ from ps_bench.metrics.startup import render_startup, startup_phases
 from ps_bench.models import build_data, build_held_out
 from ps_bench.models.entries import Entry
 from ps_bench.options import plural
-from ps_bench.results.files import environment, keep_results, write_snapshot
+from ps_bench.processes.kept import Keeper
+from ps_bench.results.files import environment, keep_results
 from ps_bench.results.printed import format_bytes, print_report
 from ps_bench.results.record import (RunRecord, mean_loss, replica_summary, replicas_alike,
                                      servers_model_summary)
@@ -34,7 +32,6 @@ from ps_bench.strategies.stale import parse_staleness
 from ps_bench.trainers.convergence import HELD_OUT_SAMPLES
 from ps_bench.trainers.trainer import TRAINERS
 
-SNAPSHOT_CHEAP_S = 0.05
 SETTLING_ITERATIONS = 2  # DDP builds its buckets in the first, rebuilds them in the second
 # a round still running this long after it began prints a progress line, then every
 # PROGRESS_EVERY_S; each trainer has PROGRESS_ASK_S to say where it is
@@ -42,31 +39,6 @@ PROGRESS_FIRST_S, PROGRESS_EVERY_S, PROGRESS_ASK_S = 10.0, 30.0, 5.0
 # what each way of wrapping the model had built on the trainers when the job is ready
 BUILT = {DDP: "DDP built on every trainer", FSDP: "every trainer's model sharded (FSDP2)",
          ENGINE: "every trainer's engine built", SERVER_OWNED: "every trainer's model built"}
-
-
-class SnapshotPacing:
-    """When the master keeps its finished rounds. The snapshot grows with the run: once writing
-    one costs more than SNAPSHOT_CHEAP_S, it is skipped while less than ten times that cost has
-    passed since the last one (at most about a tenth of the wall time, between rounds, never
-    inside the timed region). The first is always written, and its cost paces nothing: it carries
-    what a process pays once (numpy's percentile imports numpy.ma, 0.25 s from a cold cache), and
-    pacing by it would lose the rounds that finish in the next seconds to a failure there."""
-
-    def __init__(self) -> None:
-        self.written = 0
-        self.at = self.cost = 0.0
-        self.behind = False  # a round finished since the last snapshot: SIGTERM writes it
-
-    def due(self, now: float) -> bool:
-        due = self.cost <= SNAPSHOT_CHEAP_S or now - self.at >= 10 * self.cost
-        self.behind = self.behind or not due
-        return due
-
-    def wrote(self, start: float, end: float) -> None:
-        self.written += 1
-        self.at = end
-        self.cost = end - start if self.written > 1 else 0.0
-        self.behind = False
 
 
 def device_name(index: int | None) -> str:
@@ -168,18 +140,20 @@ class Master:
     round with ``--limits``, the replicas compared, the report printed and the results written.
 
     Every number goes into a ``RunRecord``; after each timed round a snapshot of it goes to the
-    run folder, so that the launcher keeps the finished rounds if the job fails later."""
+    run folder, so that the launcher keeps the finished rounds if the job fails later, and a
+    stopped job writes the rounds a paced-out snapshot had not kept
+    (``ps_bench.processes.kept``)."""
 
     def __init__(self, job: Job, topology: Topology, device_of: Callable[[int], int | None],
                  argv: list[str], run_dir: str, results_path: str, launched_at: float | None = None,
                  hosts: list[dict] | None = None, recovered: list[dict] | None = None,
-                 startup: Callable[[], dict] | None = None, emulated: dict | None = None) -> None:
+                 startup: Callable[[], dict] | None = None, emulated: dict | None = None,
+                 on_stop: Callable[[str], None] | None = None) -> None:
         config = job.config
         self.job, self.config, self.topology = job, config, topology
         self.model, self.data = job.model, job.data
         self.servers_own_parameters = job.strategy.wrap == SERVER_OWNED  # --staleness
         self.device_of = device_of
-        self.run_dir = run_dir
         self.results_path = results_path
         self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
         self.launched_at = time.time() if launched_at is None else launched_at
@@ -194,9 +168,7 @@ class Master:
         self.floor_targets: list[list[rpc.RRef]] = []
         # () -> {"launcher": milestones, "ranks": [milestones]}, once every rank is up
         self.startup = startup
-        self.pacing = SnapshotPacing()
-        self.recording = False  # the record is being added to: a SIGTERM waits for it
-        self.stopped_by: int | None = None  # the signal that waited
+        self.kept = Keeper(self.record, run_dir, on_stop)
 
     # -- setting up ------------------------------------------------------------------------
     def create_servers(self) -> list[rpc.RRef]:
@@ -257,11 +229,10 @@ class Master:
     # -- the rounds --------------------------------------------------------------------------
     def run(self) -> dict:
         cfg, record = self.config, self.record
-        signal.signal(signal.SIGTERM, self.on_sigterm)
+        self.kept.watch()
         # what was asked, should the job end before its first round; not a measure of what a
         # snapshot of finished rounds costs
-        write_snapshot(record.results("failed", error="the job ended before it finished"),
-                       self.run_dir)
+        self.kept.write()
         hosts = record.environment["hosts"]
         cpu_trainers = {info.rank for info in self.topology.trainers
                         if self.device_of(info.rank) is None}
@@ -317,14 +288,15 @@ class Master:
                 record.buckets = trainers[0].rpc_sync().bucket_layout()
                 print(describe_buckets(record.buckets, shards=self.servers_own_parameters),
                       flush=True)
-            with self.adding():
+            with self.kept.adding():
                 stopped = converging and record.progress.add(rounds)
                 # the round training stopped in is kept even within warmup, so that every run
                 # has one
-                timed = (round_index >= cfg.warmup_rounds or stopped) and rounds[0]["iterations"] > 0
+                timed = ((round_index >= cfg.warmup_rounds or stopped)
+                         and rounds[0]["iterations"] > 0)
                 if timed:  # kept before it is announced
                     loss = record.add_round(elapsed, rounds, served)
-                    self.snapshot()
+                    self.kept.snapshot()
                 else:
                     loss = mean_loss(rounds)
             print(f"{name} {'timed' if timed else 'warmup':6} "
@@ -358,43 +330,6 @@ class Master:
                   f"(open at https://ui.perfetto.dev), each with its table of operators (.txt)",
                   flush=True)
         return results
-
-    def snapshot(self) -> None:
-        """Keeps the finished rounds for the launcher, after a timed round (``SnapshotPacing``)."""
-        start = time.perf_counter()
-        if not self.pacing.due(start):
-            return
-        write_snapshot(self.record.results("failed", error="the job ended before it finished"),
-                       self.run_dir)
-        self.pacing.wrote(start, time.perf_counter())
-
-    @contextlib.contextmanager
-    def adding(self):
-        """A round going into the record and its snapshot: a SIGTERM that comes meanwhile
-        waits until both are whole."""
-        self.recording = True
-        try:
-            yield
-        finally:
-            self.recording = False
-        if self.stopped_by is not None:
-            self.stop(self.stopped_by)
-
-    def on_sigterm(self, signum: int, frame) -> None:
-        """The launcher stops the job (Ctrl-C, another rank failed, a watchdog): the rounds
-        that finished since a paced-out snapshot are written first, so that none is lost."""
-        if self.recording:
-            self.stopped_by = signum
-        else:
-            self.stop(signum)
-
-    def stop(self, signum: int) -> None:
-        if self.pacing.behind:
-            with contextlib.suppress(OSError):  # the last snapshot written stands
-                write_snapshot(self.record.results("failed", error="the job ended before it "
-                                                   "finished"), self.run_dir)
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)  # ends as SIGTERM ends it, which the launcher names
 
     def trace_path(self, info: RankInfo) -> str:
         return str(Path(self.config.profile) / f"{info.role}{info.index}-rank{info.rank}.json")

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from tests.benchrun import ROOT, communicate
+from tests.benchrun import ROOT, communicate, read_until
 
 pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
 
@@ -55,3 +57,22 @@ def test_without_restarts_left_the_first_attempt_fault_ends_the_job(tmp_path):
     results = json.loads(out.read_text())
     assert results["status"] == "failed" and results["restarts"] == 0
     assert "injected fault: master 0 at iteration 2" in results["error"]
+
+
+def test_a_job_torchrun_stops_keeps_every_round_it_announced(tmp_path):
+    # torchrun, stopped, stops its ranks with SIGTERM: no launcher of ours is there to keep the
+    # rounds, so the master writes the failed run's file itself
+    out = tmp_path / "results.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "bench.py",
+         "--ntrainer", "1", "--nserver", "0", "--hook", "allreduce", "--rounds", "100000", "--out", str(out)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    announced = read_until(process, "[round 4/")
+    process.send_signal(signal.SIGTERM)
+    stdout, _, _ = communicate(process, 120, "torchrun, stopped")
+    assert process.returncode != 0
+    assert f"results (failed run): {out}" in stdout
+    results = json.loads(out.read_text())
+    finished = [line for line in announced if re.match(r"\[round \d+/\d+\] timed +[\d.]+ s ", line)]
+    assert results["status"] == "failed" and results["rounds_completed"] >= len(finished) >= 3
+    assert results["error"].startswith("master 0 (rank 1, master) stopped by SIGTERM before the job finished")

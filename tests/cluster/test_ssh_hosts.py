@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,11 +121,16 @@ def test_a_killed_remote_worker_ends_the_run_on_every_host(ssh_hosts, tmp_path):
 def test_ctrl_c_stops_every_host(ssh_hosts, tmp_path):
     out = tmp_path / "results.json"
     process, lines = start_long_launch(ssh_hosts, out)
+    announced = sum(bool(re.search(r"\[round \d+/\d+\] timed +[\d.]+ s ", line)) for line in list(lines))
     process.send_signal(signal.SIGINT)
     _, stderr, _ = communicate(process, 120, "bench.py launch after Ctrl-C")
     assert process.returncode == 130, "".join(lines) + stderr
     assert stderr.strip().splitlines()[-1].startswith("ps_bench: interrupted by SIGINT; the run was stopped on every host")
     assert_nothing_left(str(out))
+    # the last host's master, hung up on, wrote the rounds that finished (the hosts share this file system)
+    results = json.loads(out.read_text())
+    assert results["status"] == "failed" and results["rounds_completed"] >= announced, "".join(lines)
+    assert "stopped by SIGHUP" in results["error"]
 
 
 def test_a_host_that_cannot_run_the_job_is_named_before_anything_starts(ssh_hosts):

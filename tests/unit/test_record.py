@@ -10,7 +10,7 @@ import torch
 
 from ps_bench.config import RunConfig
 from ps_bench.job import validate
-from ps_bench.processes.master import SnapshotPacing
+from ps_bench.processes.kept import SnapshotPacing
 from ps_bench.results.files import failed_results, read_snapshot, write_snapshot
 from ps_bench.results.record import RunRecord, replica_summary, replicas_alike
 from ps_bench.strategies.base import fingerprint, parameter_norm
