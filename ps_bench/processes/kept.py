@@ -63,6 +63,12 @@ class Keeper:
         for signum in STOPPING:
             signal.signal(signum, self.on_stopping)
 
+    def release(self) -> None:
+        """Once the rounds are over: a stop from here on must not write a failed run over the
+        results the master is about to write."""
+        for signum in STOPPING:
+            signal.signal(signum, signal.SIG_DFL)
+
     def write(self) -> None:
         write_snapshot(self.record.results("failed", error=UNFINISHED), self.run_dir)
 

@@ -317,6 +317,7 @@ class Master:
             closed.wait()
         if cfg.limits:
             record.memcpy = limits.memcpy_floor(messages.message_bytes(record.floor_messages))
+        self.kept.release()
         results = record.results("ok")
         print_report(results, record.rows(split_ranks=cfg.per_rank))
         # a disk that filled during the run must not lose it: elsewhere, said on stderr
