@@ -24,6 +24,11 @@ allows, ``line_share_allowed``), then the median and largest |error| over every 
 GPU.
 
     python benchmarks/published_check.py [--case NAME] [--out FILE.json]
+
+``--ethernet SHARE,LATENCY`` is a what-if, not the check: the Ethernet cases are predicted with
+that share of the line and latency per message in place of predict's defaults (``bench.py
+predict --link-efficiency SHARE --latency LATENCY``), to see what one setting of the Ethernet
+link does to every Ethernet table at once.
 """
 
 from __future__ import annotations
@@ -43,10 +48,12 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from ps_bench.config import ConfigError  # noqa: E402
 from ps_bench.metrics.costs import Link, byteps_bound_ms, ring_share  # noqa: E402
 from ps_bench.metrics.messages import ELEMENT_BYTES  # noqa: E402
 from ps_bench.predict.inputs import LINK_KINDS  # noqa: E402
 from ps_bench.predict.tables import ETHERNET_CHECKED_NODES  # noqa: E402
+from ps_bench.runtime.network import parse_delay  # noqa: E402
 from ps_bench.strategies import HOOKS  # noqa: E402
 from ps_bench.strategies.record import COLLECTIVE  # noqa: E402
 
@@ -232,10 +239,12 @@ CASES = [
 ]
 
 
-def predict_command(case: Case, nodes: list[int], out: Path, servers: int | None = None) -> list[str]:
+def predict_command(case: Case, nodes: list[int], out: Path, servers: int | None = None,
+                    ethernet: tuple[float, str] | None = None) -> list[str]:
     """``bench.py predict`` for the case at these node counts, as a user would run it: each
     link's line rate and kind. Dedicated servers on one node: none (BytePS on one machine sums
-    its GPUs' gradients and uses no server), so the node's own link alone."""
+    its GPUs' gradients and uses no server), so the node's own link alone. ``ethernet``: the
+    what-if's share of the line and latency for a network of that kind (``--ethernet``)."""
     t1 = case.t1_ms()
     forward = t1 * DEFAULTS["forward_share"]
     intra = case.intra_gbit or DEFAULTS["pcie_gbit"]
@@ -245,6 +254,8 @@ def predict_command(case: Case, nodes: list[int], out: Path, servers: int | None
                "--per-node", str(case.per_node), "--intra-link", f"{intra:g}gbit", "--intra-link-kind", case.intra_kind,
                "--nodes", ",".join(map(str, nodes)), "--hooks", case.hook, "--bucket-cap-mb", f"{case.bucket_cap_mb:g}",
                "--out", str(out)]
+    if ethernet and case.link_kind == "ethernet":
+        command += ["--link-efficiency", f"{ethernet[0]:g}", "--latency", ethernet[1]]
     if case.model_options:
         command += ["--model-option", case.model_options]
     if case.sequence_length:
@@ -256,7 +267,7 @@ def predict_command(case: Case, nodes: list[int], out: Path, servers: int | None
     return command
 
 
-def predict_case(case: Case, scratch: Path) -> list[dict]:
+def predict_case(case: Case, scratch: Path, ethernet: tuple[float, str] | None = None) -> list[dict]:
     """The case's GPU counts predicted, as a user would ask: its rows by GPUs (dedicated servers:
     one prediction per node count, with as many servers as nodes)."""
     t1 = case.t1_ms()
@@ -265,7 +276,7 @@ def predict_case(case: Case, scratch: Path) -> list[dict]:
     predictions = []
     for index, (counts, servers) in enumerate(runs):
         out = scratch / f"{case.name}-{index}.json"
-        done = subprocess.run(predict_command(case, counts, out, servers), capture_output=True, text=True, cwd=ROOT)
+        done = subprocess.run(predict_command(case, counts, out, servers, ethernet), capture_output=True, text=True, cwd=ROOT)
         if done.returncode != 0:
             raise SystemExit(f"{case.name}: bench.py predict failed: {done.stderr.strip() or done.stdout.strip()}")
         predictions += json.loads(out.read_text())["predictions"]
@@ -356,6 +367,20 @@ def ethernet_check(rows: list[dict]) -> str:
                + "): predict's note on such rows (predict.tables.ethernet_note) no longer holds"))
 
 
+def ethernet_setting(text: str) -> tuple[float, str]:
+    """``--ethernet SHARE,LATENCY``: a share of the line above 0 and at most 1, and a latency
+    as ``bench.py predict --latency`` takes it."""
+    share, _, latency = text.partition(",")
+    try:
+        value = float(share)
+        parse_delay(latency, "--ethernet's latency")
+    except (ValueError, ConfigError) as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: SHARE,LATENCY, e.g. 0.5,1ms ({error})") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the share of the line must be above 0 and at most 1")
+    return value, latency
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -363,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only these cases (default: all)")
     parser.add_argument("--out", metavar="FILE.json", help="write every point and the defaults as JSON")
     parser.add_argument("--sources", action="store_true", help="print each case's source and setup, then stop")
+    parser.add_argument("--ethernet", metavar="SHARE,LATENCY", type=ethernet_setting,
+                        help="a what-if, not the check: predict the Ethernet cases at this share of the line "
+                             "and latency per message (e.g. 0.5,1ms) in place of predict's defaults")
     args = parser.parse_args(argv)
     cases = [case for case in CASES if not args.case or case.name in args.case]
     if args.sources:
@@ -376,8 +404,11 @@ def main(argv: list[str] | None = None) -> int:
         for index, case in enumerate(cases, 1):  # each case's predict is a few seconds
             print(f"[{index}/{len(cases)}] {case.name} (elapsed {time.perf_counter() - started:.0f} s)",
                   file=sys.stderr, flush=True)
-            rows += predict_case(case, Path(scratch))
+            rows += predict_case(case, Path(scratch), args.ethernet)
     print(f"defaults: {DEFAULTS}")
+    if args.ethernet:
+        print(f"WHAT-IF, not the check: the Ethernet cases at {args.ethernet[0]:g} of the line and "
+              f"{args.ethernet[1]} a message, in place of predict's defaults")
     print(tabulate([[row["case"], row["gpus"], row["nodes"], f"{row['measured']:.1f}", f"{row['predicted']:.1f}",
                      f"{row['error_pct']:+.1f} %", f"{row['efficiency']:.1%}", f"{row['communication_share']:.0%}",
                      f"{row['given']}, {row['given_ms']:.0f} ms", allowed(row)]
@@ -408,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         # JSON has no infinity: a point measured no slower than its compute allows any share, "any"
         points = [{**row, "line_share_allowed": "any"} if row["line_share_allowed"] == float("inf") else row
                   for row in rows]
-        Path(args.out).write_text(json.dumps({"defaults": DEFAULTS, "points": points, "winners": compared},
+        what_if = {"ethernet_what_if": {"share": args.ethernet[0], "latency": args.ethernet[1]}} if args.ethernet else {}
+        Path(args.out).write_text(json.dumps({"defaults": DEFAULTS, **what_if, "points": points, "winners": compared},
                                              indent=2) + "\n")
     return 0
 

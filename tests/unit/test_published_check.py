@@ -118,3 +118,24 @@ def test_a_16_bit_collective_moves_half_the_gradients_and_its_model_is_the_sourc
     assert "n_embd=1536" in case.model_options
     assert command[command.index("--sequence-length") + 1] == "2048"
     assert command[command.index("--hooks") + 1] == "fp16"
+
+
+def test_the_ethernet_what_if_moves_the_ethernet_cases_alone_and_refuses_bad_input(capsys):
+    """``--ethernet SHARE,LATENCY`` passes that share and latency to predict for the cases whose
+    network is Ethernet, and to no other; a share outside (0, 1] or a latency without its unit is
+    refused by the parser (exit 2) before any case is predicted."""
+    check = load_check()
+    cases = {case.name: case for case in check.CASES}
+    setting = check.ethernet_setting("0.5,1ms")
+    assert setting == (0.5, "1ms")
+    ethernet = check.predict_command(cases["byteps-20g-vgg16-horovod"], [2], ROOT / "unused.json", ethernet=setting)
+    assert ethernet[ethernet.index("--link-efficiency") + 1] == "0.5" and ethernet[ethernet.index("--latency") + 1] == "1ms"
+    default = check.predict_command(cases["byteps-20g-vgg16-horovod"], [2], ROOT / "unused.json")
+    assert "--link-efficiency" not in default and "--latency" not in default
+    infiniband = check.predict_command(cases["dlperf-pytorch-bert"], [2], ROOT / "unused.json", ethernet=setting)
+    assert "--link-efficiency" not in infiniband and "--latency" not in infiniband
+    for bad in ("0,1ms", "1.5,1ms", "0.5,1", "0.5", "half,1ms"):
+        with pytest.raises(SystemExit) as stopped:
+            check.main(["--ethernet", bad])
+        out, err = capsys.readouterr()
+        assert stopped.value.code == 2 and "argument --ethernet" in err.splitlines()[-1] and not out
