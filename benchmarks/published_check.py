@@ -18,10 +18,13 @@ line rate a transfer achieves, the latency per message: ``bench.py predict --hel
 says of its own setup (its network's line rate and kind, GPUs per node and how they are linked,
 the strategy it ran, the fusion buffer it used) is from its source.
 
-Prints every point (predicted and measured images/s, the error, the measured scaling efficiency,
-the predicted communication share of the batch and the share of the line rate the measurement
-allows, ``line_share_allowed``), then the median and largest |error| over every point beyond one
-GPU.
+Prints every point (predicted and measured throughput in its table's own unit, images,
+sentences or sequences a second; the error, the measured scaling efficiency, the predicted
+communication share of the batch and the share of the line rate the measurement allows,
+``line_share_allowed``), then the median and largest |error| over every point beyond one GPU, and
+beside it over the points on more than one node alone: a point on one node crosses no network,
+and where its compute is given from its own measurement (``Case.node``) its error is the
+modelled all-reduce within the node alone.
 
     python benchmarks/published_check.py [--case NAME] [--out FILE.json]
 
@@ -170,9 +173,10 @@ MEGATRON_SETUP = ("the DLPerf cluster above (4 nodes of 8 V100-SXM2-16GB, NVLink
 MEGATRON_NODE = "the same table, DP_8x1x1_16_1536x16 (one node of 8 GPUs, no network)"
 DLPERF_NODE = "the same table, its 1-node 8-GPU row (no network)"
 NVLINK_V100_GBIT = 6 * 25 * 8  # NVLink 2.0 on a V100-SXM2: 6 links of 25 GB/s each way
-BYTEPS = ("BytePS docs/performance.md, 'NVLink + TCP' (github.com/bytedance/byteps, commit cc77f49, 2019-11-15): "
-          "the bar charts docs/images/perf_tcp_{model}.png (commit d72cfd4), read off the image to the pixel "
-          "(about 1 % of the axis); the text prints the 64-GPU gains, 44 % for ResNet-50 and 100 % for VGG-16")
+BYTEPS = ("BytePS README.md, section 'Performance' (github.com/bytedance/byteps, commit cc77f49, 2019-11-15; the "
+          "same text is docs/performance.md's 'NVLink + TCP' from commit c1b20f8, 2019-11-29): the bar charts "
+          "docs/images/perf_tcp_{model}.png (commit d72cfd4), read off the image to the pixel (about 1 % of the "
+          "axis); the text prints the 64-GPU gains, 44 % for ResNet-50 and 100 % for VGG-16")
 BYTEPS_SETUP = ("cloud VMs of 8 V100 16GB with NVLink, 20 Gbit/s TCP/IP between them, batch 64 per GPU, fp32; "
                 "{system}")
 BYTEPS_NODE = "the same chart, 8 GPUs (one VM, no network), the faster of the two systems"
@@ -287,7 +291,10 @@ def predict_case(case: Case, scratch: Path, ethernet: tuple[float, str] | None =
         measured = case.measured[gpus]
         predicted = row["samples_per_s"]
         rows.append({"case": case.name, "model": case.model, "gpus": gpus, "nodes": row["nodes"],
-                     "measured": measured, "predicted": predicted,
+                     "unit": case.unit, "measured": measured, "predicted": predicted,
+                     # one node given its own measurement as compute: only the modelled
+                     # all-reduce within the node stands between it and the measurement
+                     "own_compute": row["nodes"] == 1 and case.node == measured,
                      "error_pct": (predicted - measured) / measured * 100.0,
                      "efficiency": measured / (gpus * per_gpu),
                      "communication_share": 1.0 - t1 / row["batch_ms"],
@@ -348,6 +355,33 @@ def winners(rows: list[dict]) -> list[dict]:
     return out
 
 
+def summarise(rows: list[dict]) -> dict:
+    """The median and largest |error| over every point, over the points on more than one node (those
+    that cross the network), and over those on one node, with how many of these are given their own
+    measurement as compute."""
+    def errors(of: list[dict]) -> dict:
+        values = [abs(row["error_pct"]) for row in of]
+        return {"points": len(values), "median_pct": statistics.median(values) if values else None,
+                "largest_pct": max(values) if values else None}
+    single = [row for row in rows if row["nodes"] == 1]
+    return {"all": errors(rows), "nodes_over_one": errors([row for row in rows if row["nodes"] > 1]),
+            "one_node": {**errors(single), "own_compute": sum(1 for row in single if row["own_compute"])}}
+
+
+def headline(summary: dict, tables: int) -> str:
+    """The summary in words: every point, then those across nodes beside it."""
+    every, across, one = summary["all"], summary["nodes_over_one"], summary["one_node"]
+    line = (f"{every['points']} points from {tables} tables: median |error| {every['median_pct']:.1f} %, "
+            f"largest {every['largest_pct']:.1f} %")
+    if across["points"] and one["points"]:
+        line += (f"; over the {across['points']} points on more than one node: median |error| "
+                 f"{across['median_pct']:.1f} %, largest {across['largest_pct']:.1f} % (the {one['points']} on one "
+                 f"node cross no network, median {one['median_pct']:.1f} %, "
+                 + (f"{one['own_compute']} of them given its own measurement as compute)" if one["own_compute"] == 1
+                    else f"{one['own_compute']} of them given their own measurement as compute)"))
+    return line
+
+
 def allowed(row: dict) -> str:
     share = row["line_share_allowed"]
     if share is None:
@@ -397,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases:
             print(f"{case.name}: {case.source}\n    {case.setup}")
             if case.node:
-                print(f"    compute given: {case.node:g} img/s on {case.per_node} GPUs, from {case.node_source}")
+                print(f"    compute given: {case.node:g} {case.unit} on {case.per_node} GPUs, from {case.node_source}")
         return 0
     started, rows = time.perf_counter(), []
     with tempfile.TemporaryDirectory() as scratch:
@@ -410,15 +444,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WHAT-IF, not the check: the Ethernet cases at {args.ethernet[0]:g} of the line and "
               f"{args.ethernet[1]} a message, in place of predict's defaults")
     print(tabulate([[row["case"], row["gpus"], row["nodes"], f"{row['measured']:.1f}", f"{row['predicted']:.1f}",
-                     f"{row['error_pct']:+.1f} %", f"{row['efficiency']:.1%}", f"{row['communication_share']:.0%}",
-                     f"{row['given']}, {row['given_ms']:.0f} ms", allowed(row)]
+                     row["unit"], f"{row['error_pct']:+.1f} %", f"{row['efficiency']:.1%}",
+                     f"{row['communication_share']:.0%}", f"{row['given']}, {row['given_ms']:.0f} ms", allowed(row)]
                     for row in rows],
-                   headers=["case", "GPUs", "nodes", "measured img/s", "predicted img/s", "error", "measured efficiency",
+                   headers=["case", "GPUs", "nodes", "measured", "predicted", "unit", "error", "measured efficiency",
                             "predicted comm. share", "compute given", "line share allowed"], tablefmt="github"))
-    errors = [abs(row["error_pct"]) for row in rows]
+    summary = summarise(rows)
     tables = len({case.table_name for case in cases})
-    print(f"\n{len(rows)} points from {tables} tables: median |error| {statistics.median(errors):.1f} %, "
-          f"largest {max(errors):.1f} %")
+    print(f"\n{headline(summary, tables)}")
     beyond = [row for row in rows if out_of_reach(row)]
     print("line share allowed: the most of the line rate the gradients' bytes can have crossed a node's link at for "
           "the measured throughput, had nothing overlapped backward; (*) less than the link kind's share in predict: "
@@ -440,8 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         points = [{**row, "line_share_allowed": "any"} if row["line_share_allowed"] == float("inf") else row
                   for row in rows]
         what_if = {"ethernet_what_if": {"share": args.ethernet[0], "latency": args.ethernet[1]}} if args.ethernet else {}
-        Path(args.out).write_text(json.dumps({"defaults": DEFAULTS, **what_if, "points": points, "winners": compared},
-                                             indent=2) + "\n")
+        Path(args.out).write_text(json.dumps({"defaults": DEFAULTS, **what_if, "summary": summary, "points": points,
+                                              "winners": compared}, indent=2) + "\n")
     return 0
 
 

@@ -157,18 +157,24 @@ class RpcFloorTarget(Resident):
     index -> its ``(elements, dtype)`` messages, each sent on its own: a piece, or the bucket
     whole), nothing else."""
 
-    def __init__(self, messages: dict[int, list[tuple[int, str]]], device: str = "cpu") -> None:
-        """``device``: where the run's tensors arrive (a CUDA server's GPU over device maps)."""
+    def __init__(self, messages: dict[int, list[tuple]], device: str = "cpu") -> None:
+        """``device``: where the run's tensors arrive (a CUDA server's GPU over device maps). A
+        message answered with other bytes (``(elements, dtype, answered)``) is answered with a
+        float32 buffer of its own of that many elements."""
         self.buffers = {(index, place): torch.zeros(count, dtype=DTYPES[dtype], device=device)
                         for index, parts in messages.items()
-                        for place, (count, dtype) in enumerate(parts)}
+                        for place, (count, dtype, *_) in enumerate(parts)}
+        self.answers = {(index, place): torch.zeros(answer[0], device=device)
+                        for index, parts in messages.items()
+                        for place, (_, _, *answer) in enumerate(parts) if answer}
 
     @staticmethod
     def add_and_answer(target: rpc.RRef, key: tuple[int, int],
                        tensor: torch.Tensor) -> torch.Tensor:
-        buffer = target.local_value().buffers[key]
+        floor = target.local_value()
+        buffer = floor.buffers[key]
         buffer.add_(tensor)  # trainers race on it: the floor's numbers are never used
-        return buffer
+        return floor.answers.get(key, buffer)
 
 
 # -- the trainer side --------------------------------------------------------------------------
@@ -217,7 +223,8 @@ def rpc_floor_ms(messages: dict[int, list[tuple[int, str]]],
     owner's floor target, all sent at once, per iteration; the tensors on ``place`` (``device``
     where the run's cross RPC on the GPU, through its device maps)."""
     tensors = {(index, part): torch.ones(count, dtype=DTYPES[dtype], device=place)
-               for index, parts in messages.items() for part, (count, dtype) in enumerate(parts)}
+               for index, parts in messages.items()
+               for part, (count, dtype, *_) in enumerate(parts)}
 
     def once() -> None:
         futures = [rpc.rpc_async(owners[i].owner(), RpcFloorTarget.add_and_answer,
@@ -257,7 +264,7 @@ def collective_floor_ms(messages: dict[int, list[tuple[int, str]]], device: torc
     size = group.size()
     calls = []
     for index, parts in messages.items():
-        for count, dtype in parts:
+        for count, dtype, *_ in parts:
             mine = torch.ones(count, dtype=DTYPES[dtype], device=device)
             if index in gathered:
                 every = torch.empty(count * size, dtype=mine.dtype, device=device)

@@ -1,7 +1,9 @@
 """What a strategy puts on the wire for each of DDP's buckets, as ``(elements, dtype)``
 messages (``floor_messages``): its buckets whole in float32 or 16 bits, PowerSGD's factors, a
-parameter-server strategy's slices and pieces; the floors (``limits``), the byte counts and
-``predict`` read them."""
+parameter-server strategy's slices and pieces, a compressor's messages byte for byte; the floors
+(``limits``), the byte counts and ``predict`` read them. A message a parameter server answers
+with other bytes than it was sent (a compressor's dense answer) is ``(elements, dtype, answered
+float32 elements)``."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ import torch
 from ps_bench.runtime.topology import piece_ranges, slice_size
 
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# uint8: a compressor's message, as it is sent
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "uint8": torch.uint8}
 
 
-ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1}
 # --precision and --reduce-dtype, as DTYPES names them
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -92,10 +96,13 @@ def floor_messages(strategy, buckets: list[dict], options: dict, slices: int = 1
             # made for sparse buckets: its dense ones go as for_sparse's, its floor_steps
             messages[bucket["index"]] = []
         elif strategy.payload == "compressed" and strategy.transport == "rpc":
-            # through the servers: its message each way, in whole float32 elements (uint8 has
-            # no floor of its own); all-gathered, its floor is its hook's floor_steps
-            nbytes = strategy.compressor(options).message_bytes(elements, len(bucket["shapes"]))
-            messages[bucket["index"]] = [(-(-nbytes // 4), "float32")]
+            # through the servers: its message, answered alike or with the float32 average;
+            # all-gathered, its floor is its hook's floor_steps
+            codec, tensors = strategy.compressor(options), len(bucket["shapes"])
+            sent = codec.message_bytes(elements, tensors)
+            answered = codec.answer_bytes(elements, tensors)
+            messages[bucket["index"]] = [(sent, "uint8") if answered == sent
+                                         else (sent, "uint8", answered // 4)]
         elif strategy.payload in ELEMENT_BYTES or strategy.payload == "compressed":
             messages[bucket["index"]] = [(length, dtype)
                                          for _, length in piece_ranges(elements, piece)]
@@ -135,6 +142,14 @@ def wire_dtype(payload: str) -> str:
     return payload if payload in ELEMENT_BYTES else "float32"
 
 
-def message_bytes(messages: dict[int, list[tuple[int, str]]]) -> int:
+def message_bytes(messages: dict[int, list[tuple]]) -> int:
+    """The bytes ``messages`` send."""
     return sum(count * ELEMENT_BYTES[dtype]
-               for parts in messages.values() for count, dtype in parts)
+               for parts in messages.values() for count, dtype, *_ in parts)
+
+
+def answered_bytes(messages: dict[int, list[tuple]]) -> int:
+    """The bytes a parameter server answers ``messages`` with: each its own, or the float32
+    elements it says."""
+    return sum(answer[0] * ELEMENT_BYTES["float32"] if answer else count * ELEMENT_BYTES[dtype]
+               for parts in messages.values() for count, dtype, *answer in parts)

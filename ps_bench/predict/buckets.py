@@ -5,11 +5,12 @@ low-rank factors), on a calibration's buckets and links."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 from ps_bench.metrics import costs
 from ps_bench.metrics.messages import ELEMENT_BYTES, piece_elements
 from ps_bench.predict import pipelines
-from ps_bench.predict.calibration import Calibration
+from ps_bench.predict.calibration import Bucket, Calibration
 from ps_bench.strategies import (COLLECTIVE_BUCKETS, HOOKS, HOST_SERVER_BUCKETS, LOW_RANK_BUCKETS,
                                  SERVER_BUCKETS, SPARSE_SERVER_BUCKETS, SPARSE_SERVERS, Strategy)
 
@@ -36,9 +37,32 @@ def communication_end(calibration: Calibration, strategy: Strategy, hook: str, n
 
 
 def wire_factor(strategy: Strategy) -> float:
-    """Bytes on the wire per float32 byte of gradient (a compressor's cost compresses them
-    itself: its record's ``cost.bucket_ms_at``)."""
+    """Bytes on the wire per float32 byte of gradient (1 for a compressor: ``wire_bytes``)."""
     return float32_share(strategy.payload)
+
+
+def wire_bytes(calibration: Calibration, strategy: Strategy,
+               hook: str) -> Callable[[Bucket], float]:
+    """What a trainer puts on the wire for a dense bucket: a compressor's message at the options
+    it is predicted at (``Codec.message_bytes`` of the bucket's elements and tensors), else the
+    bucket in the strategy's wire dtype."""
+    if strategy.compressor is None:
+        factor = wire_factor(strategy)
+        return lambda bucket: bucket.nbytes * factor
+    codec = strategy.compressor(calibration.options_of(hook))
+    return lambda bucket: codec.message_bytes(int(bucket.nbytes // 4), bucket.tensors)
+
+
+def answer_bytes(calibration: Calibration, strategy: Strategy,
+                 hook: str) -> Callable[[Bucket], float] | None:
+    """What a parameter server answers a dense bucket with, where that is not what it was sent
+    (``Codec.answer_bytes``: a compressor's dense answer); None: what it was sent."""
+    if strategy.compressor is None:
+        return None
+    codec = strategy.compressor(calibration.options_of(hook))
+    if not codec.dense_answer:
+        return None
+    return lambda bucket: codec.answer_bytes(int(bucket.nbytes // 4), bucket.tensors)
 
 
 def float32_share(dtype: str) -> float:
@@ -51,41 +75,38 @@ def collectives_end(calibration: Calibration, strategy: Strategy, hook: str, nod
     """Each bucket combined by collectives among the trainers: a dense one as its record's
     ``cost.bucket_ms`` says at the options it is predicted at (default: a ring over every
     trainer), a sparse one all-gathered."""
-    cost = strategy.cost
-    bucket_ms = ((cost.bucket_ms_at(calibration.options_of(hook)) if cost.bucket_ms_at
-                  else cost.bucket_ms)
+    bucket_ms = (strategy.cost.bucket_ms
                  or (lambda nodes, nbytes, gloo: costs.flat_ring_ms(nodes, nbytes)))
     slowest = nodes.within() if nodes.count == 1 and nodes.per_node > 1 else calibration.link
-    factor = wire_factor(strategy)
+    on_wire = wire_bytes(calibration, strategy, hook)
 
-    def transfer(item):
-        nbytes, sparse = item
-        if sparse:
-            return costs.allgather_ms(nodes.trainers, nbytes, slowest)
-        return bucket_ms(nodes, nbytes * factor, calibration.gloo)
+    def transfer(bucket: Bucket) -> float:
+        if bucket.sparse:
+            return costs.allgather_ms(nodes.trainers, bucket.nbytes, slowest)
+        return bucket_ms(nodes, on_wire(bucket), calibration.gloo)
     buckets = calibration.buckets
     if hook in calibration.bucket_elements:  # the engine's own buckets, not DDP's
         buckets = engine_buckets(buckets, calibration.bucket_elements[hook])
-    return pipelines.pipeline([(ready, (nbytes, sparse)) for ready, nbytes, sparse in buckets],
-                              transfer)
+    return pipelines.pipeline([(bucket.ready_ms, bucket) for bucket in buckets], transfer)
 
 
-def engine_buckets(buckets: list[tuple[float, float, bool]],
-                   elements: int) -> list[tuple[float, float, bool]]:
-    """``buckets`` (``(ready ms, float32 bytes, sparse)``, as backward makes them ready) gathered
-    into an engine's buckets of at most ``elements`` as its backward fills them: one is reduced
-    when the next gradient would take it past ``elements`` (DeepSpeed's ``reduce_bucket_size``),
-    and the last when backward ends; ready when its last gradient is."""
-    merged: list[tuple[float, float, bool]] = []
+def engine_buckets(buckets: list[Bucket], elements: int) -> list[Bucket]:
+    """``buckets`` (as backward makes them ready) gathered into an engine's buckets of at most
+    ``elements`` as its backward fills them: one is reduced when the next gradient would take it
+    past ``elements`` (DeepSpeed's ``reduce_bucket_size``), and the last when backward ends;
+    ready when its last gradient is."""
+    merged: list[Bucket] = []
     held = 0.0
-    for ready, nbytes, sparse in buckets:
-        if merged and held and (held + nbytes) / 4 > elements:
+    for bucket in (Bucket(*bucket) for bucket in buckets):
+        if merged and held and (held + bucket.nbytes) / 4 > elements:
             held = 0.0
         if held:
-            merged[-1] = (ready, merged[-1][1] + nbytes, merged[-1][2] or sparse)
+            last = merged[-1]
+            merged[-1] = Bucket(bucket.ready_ms, last.nbytes + bucket.nbytes,
+                                last.sparse or bucket.sparse, last.tensors + bucket.tensors)
         else:
-            merged.append((ready, nbytes, sparse))
-        held += nbytes
+            merged.append(bucket)
+        held += bucket.nbytes
     return merged
 
 
@@ -97,21 +118,25 @@ def low_rank_end(calibration: Calibration, strategy: Strategy, hook: str, nodes:
     ratio = calibration.payload_ratio.get(hook)
     if ratio is None:
         return None
-    return pipelines.pipeline([(ready, nbytes * ratio) for ready, nbytes, _ in calibration.buckets],
+    return pipelines.pipeline([(bucket.ready_ms, bucket.nbytes * ratio)
+                               for bucket in calibration.buckets],
                               lambda nbytes: costs.flat_ring_ms(nodes, nbytes, steps_per_message=3))
 
 
-def server_bytes(calibration: Calibration, strategy: Strategy,
-                 hook: str | None = None) -> list[tuple[float, float]]:
-    """``(ready ms, bytes on the wire)`` of each bucket a trainer pushes to the servers (a
-    compressor's: its message at the options it is predicted at, which its servers answer
-    alike)."""
-    factor = wire_factor(strategy)
-    codec = (strategy.compressor(calibration.options_of(hook))
-             if strategy.compressor is not None and hook is not None else None)
-    return [(ready, nbytes if sparse and strategy.sparse_buckets == SPARSE_SERVERS else
-                    codec.message_bytes(int(nbytes // 4)) if codec else nbytes * factor)
-            for ready, nbytes, sparse in calibration.buckets]
+def server_bytes(calibration: Calibration, strategy: Strategy, hook: str) -> list[tuple]:
+    """``(ready ms, bytes on the wire)`` of each bucket a trainer pushes to the servers
+    (``wire_bytes``; a sparse one whole), and what the server answers with where that differs
+    (``(ready ms, bytes, answered bytes)``: ``answer_bytes``)."""
+    on_wire, answer = wire_bytes(calibration, strategy, hook), answer_bytes(calibration, strategy,
+                                                                            hook)
+    pushed = []
+    for bucket in calibration.buckets:
+        if bucket.sparse and strategy.sparse_buckets == SPARSE_SERVERS:
+            pushed.append((bucket.ready_ms, bucket.nbytes))
+        else:
+            pushed.append((bucket.ready_ms, on_wire(bucket),
+                           *([answer(bucket)] if answer is not None else [])))
+    return pushed
 
 
 def piece_bytes(strategy: Strategy, options: dict) -> float | None:
@@ -135,8 +160,8 @@ def servers_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: 
     options = calibration.options_of(hook)
     pieces = pipelines.server_pieces(server_bytes(calibration, strategy, hook), k,
                                      piece_bytes(strategy, options),
-                                     sparse=[place for place, (_, _, sparse)
-                                             in enumerate(calibration.buckets) if sparse])
+                                     sparse=[place for place, bucket
+                                             in enumerate(calibration.buckets) if bucket.sparse])
     if servers_on == "colocated":
         return pipelines.colocated_ps_pipeline(pieces, nodes, calibration.aggregate_bytes_per_ms,
                                                piece_window(options))
@@ -150,7 +175,7 @@ def host_servers_end(calibration: Calibration, strategy: Strategy, hook: str, no
     if k < 1:
         return None
     options = calibration.options_of(hook)
-    return pipelines.node_ps_pipeline(server_bytes(calibration, strategy), nodes, k,
+    return pipelines.node_ps_pipeline(server_bytes(calibration, strategy, hook), nodes, k,
                                       calibration.aggregate_bytes_per_ms, servers_on == "colocated",
                                       calibration.gloo, piece_bytes(strategy, options),
                                       piece_window(options))
@@ -162,8 +187,8 @@ def sparse_servers_end(calibration: Calibration, strategy: Strategy, hook: str,
     as the strategy it is on a dense model (``for_sparse``); the two go at once, over the
     servers and among the trainers, and the later end is the strategy's (their sharing the
     trainer's link is not modelled). None where there are sparse buckets and no servers."""
-    sparse = [bucket for bucket in calibration.buckets if bucket[2]]
-    dense = [bucket for bucket in calibration.buckets if not bucket[2]]
+    sparse = [bucket for bucket in calibration.buckets if bucket.sparse]
+    dense = [bucket for bucket in calibration.buckets if not bucket.sparse]
     other = HOOKS.record(strategy.for_sparse)
     ends = [collectives_end(replace(calibration, buckets=dense), other, strategy.for_sparse,
                             nodes, k, mapping, servers_on) if dense else 0.0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ps_bench.metrics.costs import Link
 from ps_bench.metrics.messages import PRECISIONS, bucket_factors
@@ -19,13 +20,24 @@ from ps_bench.predict.runs import Run, compute_runs
 from ps_bench.strategies import HOOKS, LOW_RANK_BUCKETS, Strategy, hook_options
 
 
+class Bucket(NamedTuple):
+    """One of DDP's buckets as predict costs it: when backward had made it (ms), its float32
+    bytes, whether its gradients are sparse, and how many tensors it holds (what a per-tensor
+    compressor sends a scale for)."""
+
+    ready_ms: float
+    nbytes: float
+    sparse: bool
+    tensors: int = 1
+
+
 @dataclass
 class Calibration:
     model: str
     batch_size: int
     phases: Phases
-    # (ready ms, dense bytes, sparse), in the order they became ready
-    buckets: list[tuple[float, float, bool]]
+    # in the order they became ready (tuples of Bucket's fields are made Buckets)
+    buckets: list[Bucket]
     link: Link
     link_from: str
     aggregate_bytes_per_ms: float | None
@@ -68,6 +80,9 @@ class Calibration:
     wires: dict[str, tuple[str, str]] = field(default_factory=dict)
     # what the calibration could not take as measured, said once where it is printed
     notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.buckets = [Bucket(*bucket) for bucket in self.buckets]
 
     def options_of(self, hook: str) -> dict:
         """The options ``hook`` is predicted at: its defaults, then ``options``."""
@@ -115,15 +130,15 @@ class Calibration:
 
     @property
     def gradient_bytes(self) -> float:
-        return sum(nbytes for _, nbytes, _ in self.buckets)
+        return sum(bucket.nbytes for bucket in self.buckets)
 
     def to_dict(self) -> dict:
         return {
             "model": self.model, "batch_size": self.batch_size,
             "phases_ms": {"forward": self.phases.forward, "backward": self.phases.backward,
                           "optimizer": self.phases.optimizer},
-            "buckets": [{"ready_ms": ready, "bytes": nbytes, "sparse": sparse}
-                        for ready, nbytes, sparse in self.buckets],
+            "buckets": [{"ready_ms": ready, "bytes": nbytes, "sparse": sparse, "tensors": tensors}
+                        for ready, nbytes, sparse, tensors in self.buckets],
             "overlap_from": self.overlap_from,
             "link": {"latency_us": self.link.latency_ms * 1000.0,
                      "bandwidth_gbit_s": self.link.bytes_per_ms * 1000.0 * 8 / 1e9,
@@ -221,9 +236,12 @@ def give_options(calibration: Calibration, given: dict[str, dict]) -> None:
                                      f"same at these; they do not stand in its measured column")
 
 
-def bucket_sizes(buckets: list[dict]) -> dict[int, tuple[int, bool]]:
-    """Bucket index -> (dense bytes, sparse), from a results file's DDP buckets."""
-    return {bucket["index"]: (bucket["bytes"], bucket.get("sparse", False)) for bucket in buckets}
+def bucket_sizes(buckets: list[dict]) -> dict[int, tuple[int, bool, int]]:
+    """Bucket index -> (dense bytes, sparse, tensors), from a results file's DDP buckets (one
+    tensor where a file older than their shapes does not say)."""
+    return {bucket["index"]: (bucket["bytes"], bucket.get("sparse", False),
+                              len(bucket.get("shapes") or [None]))
+            for bucket in buckets}
 
 
 def compute_ready(timeline: list[dict]) -> dict[int, float]:
@@ -240,16 +258,17 @@ def compute_ready(timeline: list[dict]) -> dict[int, float]:
 
 
 def ready_buckets(ready: dict[int, float],
-                  sizes: dict[int, tuple[int, bool]]) -> list[tuple[float, int, bool]]:
-    """``(ready ms, bytes, sparse)`` per bucket, in the order the buckets became ready."""
-    return [(ready[index], *sizes.get(index, (0, False))) for index in sorted(ready, key=ready.get)]
+                  sizes: dict[int, tuple[int, bool, int]]) -> list[Bucket]:
+    """Each bucket (``bucket_sizes``) with when it was ready, in the order they became ready."""
+    return [Bucket(ready[index], *sizes.get(index, (0, False)))
+            for index in sorted(ready, key=ready.get)]
 
 
-def backward_compute(buckets: list[tuple[float, int, bool]], compute_ms: float | None,
+def backward_compute(buckets: list[Bucket], compute_ms: float | None,
                      forward: float, optimizer: float) -> float:
     """Backward's own compute: the compute-only iteration minus forward and optimizer, and at
     least until the last bucket was ready (without a compute-only iteration, just that)."""
-    last_ready = max((ready for ready, _, _ in buckets), default=0.0)
+    last_ready = max((bucket.ready_ms for bucket in buckets), default=0.0)
     return last_ready if compute_ms is None else max(last_ready, compute_ms - forward - optimizer)
 
 
@@ -269,15 +288,15 @@ def own_terms(run: Run, calibration: Calibration) -> dict:
     return {"phases": Phases(run.forward_ms, backward, run.optimizer_ms), "buckets": buckets}
 
 
-def from_compute_ms(model: str, batch_size: int, phases: Phases, buckets: list[tuple[int, bool]],
+def from_compute_ms(model: str, batch_size: int, phases: Phases, buckets: list[tuple],
                     link: Link, link_from: str, shares: list[float] | None = None,
                     shares_from: str = "") -> Calibration:
-    """A calibration with no run: compute phases as given; each bucket ready when backward has
-    done its ``shares`` (from the layers' FLOPs, ``inputs.backward_shares``), else its ready times
-    spread over backward in proportion to their bytes (``inputs.spread``)."""
+    """A calibration with no run: compute phases as given; each bucket (``(bytes, sparse[,
+    tensors])``) ready when backward has done its ``shares`` (from the layers' FLOPs,
+    ``inputs.backward_shares``), else its ready times spread over backward in proportion to
+    their bytes (``inputs.spread``)."""
     if shares is not None:
-        ready = [(phases.backward * share, nbytes, sparse)
-                 for share, (nbytes, sparse) in zip(shares, buckets)]
+        ready = [Bucket(phases.backward * share, *bucket) for share, bucket in zip(shares, buckets)]
         ready.sort(key=lambda bucket: bucket[0])
         how = (f"--compute-ms: each bucket ready when backward has done its layers' share "
                f"({shares_from})")

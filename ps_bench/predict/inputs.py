@@ -158,12 +158,12 @@ def bucket_parameters(network: torch.nn.Module,
     return [[parameters[i] for i in bucket] for bucket in indices]
 
 
-def meta_buckets(network: torch.nn.Module, bucket_cap_mb: float) -> list[tuple[int, bool]]:
+def meta_buckets(network: torch.nn.Module, bucket_cap_mb: float) -> list[tuple[int, bool, int]]:
     """DDP's buckets for ``network`` (built on the meta device: sizes only), in the order backward
-    makes them ready (``bucket_parameters``): ``(bytes, sparse)``."""
+    makes them ready (``bucket_parameters``): ``(bytes, sparse, tensors)``."""
     sparse = {id(module.weight) for module in network.modules() if getattr(module, "sparse", False)}
     return [(sum(p.numel() * p.element_size() for p in bucket),
-             any(id(p) in sparse for p in bucket))
+             any(id(p) in sparse for p in bucket), len(bucket))
             for bucket in bucket_parameters(network, bucket_cap_mb)]
 
 
@@ -242,7 +242,7 @@ def fsdp_units(network: torch.nn.Module) -> tuple[int, int]:
 def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
                   batch_size: int | None = None, sequence_length: int | None = None,
                   precision: str = "fp32", data_entry: dict | None = None,
-                  ) -> tuple[list[tuple[int, bool]], list[float] | None, str, ModelFacts]:
+                  ) -> tuple[list[tuple[int, bool, int]], list[float] | None, str, ModelFacts]:
     """``meta_buckets`` of what ``--model`` names (a zoo model, one of the model configuration
     file, or a Hugging Face config), with ``--model-option``s; with ``batch_size``, when each is
     ready, as a share of backward (``backward_shares`` over a batch of the model's own data, of
@@ -258,7 +258,7 @@ def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
     facts = ModelFacts(parameters, largest_layer(network), None, "no batch given",
                        sum(1 for _ in network.parameters()), *fsdp_units(network),
                        [[list(p.shape) for p in bucket]
-                        for bucket, (_, sparse) in zip(buckets, sizes) if not sparse],
+                        for bucket, (_, sparse, _) in zip(buckets, sizes) if not sparse],
                        module_calls(network))
     if batch_size is None:
         return sizes, None, "no batch given", facts
@@ -300,12 +300,12 @@ def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
         f"device"), facts
 
 
-def spread(backward_ms: float, buckets: list[tuple[int, bool]]) -> list[tuple[float, int, bool]]:
-    """``(ready ms, bytes, sparse)``: each bucket ready when backward has made its share of the
-    gradients, in proportion to their bytes (layers' backward time taken as proportional to
-    their gradients)."""
-    total, made, timed = sum(nbytes for nbytes, _ in buckets) or 1, 0, []
-    for nbytes, sparse in buckets:
-        made += nbytes
-        timed.append((backward_ms * made / total, nbytes, sparse))
+def spread(backward_ms: float, buckets: list[tuple]) -> list[tuple]:
+    """Each bucket (``(bytes, sparse[, tensors])``) with, first, when it is ready: when backward
+    has made its share of the gradients, in proportion to their bytes (layers' backward time
+    taken as proportional to their gradients)."""
+    total, made, timed = sum(bucket[0] for bucket in buckets) or 1, 0, []
+    for bucket in buckets:
+        made += bucket[0]
+        timed.append((backward_ms * made / total, *bucket))
     return timed

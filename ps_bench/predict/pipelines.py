@@ -4,7 +4,9 @@ of each transfer hides behind backward, on the formulas of ``ps_bench.metrics.co
 Everything here is arithmetic on milliseconds and bytes. A link (``costs.Link``) is a latency
 ``α`` (ms) and a bandwidth ``B`` (bytes per ms), the same each way and full duplex; every
 trainer and every server has one. Buckets are ``(ready_ms, bytes)``: when backward hands the bucket
-to the strategy (ms after backward began) and what the strategy puts on the wire for it.
+to the strategy (ms after backward began) and what the strategy puts on the wire for it; one a
+parameter server answers with other bytes than it was sent (a compressor's dense answer) is
+``(ready_ms, bytes, answered bytes)``, and so are its pieces' (``server_pieces``).
 
 Overlap is computed, not assumed (``pipeline``): a bucket's transfer starts when it is ready
 and after the previous transfer on the same link has finished, as DDP launches buckets in
@@ -22,27 +24,36 @@ from ps_bench.metrics.costs import Link, Nodes, within_node_ms
 from ps_bench.runtime.topology import PIECES, piece_owners, piece_ranges, slice_size
 
 
-def server_pieces(buckets: list[tuple[float, float]], num_servers: int, piece: float | None = None,
-                  parts: int = 1, sparse: Iterable[int] = ()) -> list[tuple[float, float, int]]:
+def server_pieces(buckets: list[tuple], num_servers: int, piece: float | None = None,
+                  parts: int = 1, sparse: Iterable[int] = ()) -> list[tuple]:
     """``(ready ms, bytes, server)`` of each piece a sender pushes, in the order it pushes them:
     each bucket (``(ready ms, bytes)``) cut into ``parts`` slices, each into pieces of at most
     ``piece`` bytes (None: whole), dealt over ``num_servers`` as the run deals them
     (``topology.piece_owners``); the ``sparse`` buckets (their places in ``buckets``) whole, once,
-    dealt after the others."""
+    dealt after the others. A bucket answered with other bytes (``(ready ms, bytes, answered)``)
+    gives its pieces their share of them: ``(ready ms, bytes, server, answered)``."""
     sparse = set(sparse)
     cut = None if piece is None else max(1, int(piece))
-    sizes = {index: int(round(nbytes)) for index, (_, nbytes) in enumerate(buckets)}
+    sizes = {index: int(round(bucket[1])) for index, bucket in enumerate(buckets)}
     owners = piece_owners(sizes, parts, num_servers, cut, sparse)
     pieces = []
-    for index, (ready, _) in enumerate(buckets):
+    for index, (ready, nbytes, *answer) in enumerate(buckets):
+        share = [answer[0] / nbytes if nbytes else 0.0] if answer else []
         if index in sparse:
-            pieces.append((ready, sizes[index], owners[index * parts * PIECES]))
+            pieces.append((ready, sizes[index], owners[index * parts * PIECES],
+                           *[sizes[index] * ratio for ratio in share]))
             continue
         for part in range(parts):
             ranges = piece_ranges(slice_size(sizes[index], parts), cut)
-            pieces += [(ready, length, owners[(index * parts + part) * PIECES + place])
+            pieces += [(ready, length, owners[(index * parts + part) * PIECES + place],
+                        *[length * ratio for ratio in share])
                        for place, (_, length) in enumerate(ranges)]
     return pieces
+
+
+def answered(piece: tuple) -> float:
+    """The bytes a piece (``server_pieces``') is answered with: its own, unless it says others."""
+    return piece[3] if len(piece) > 3 else piece[1]
 
 
 def colocated_ps_pipeline(pieces: list[tuple[float, float, int]], nodes: Nodes,
@@ -54,7 +65,8 @@ def colocated_ps_pipeline(pieces: list[tuple[float, float, int]], nodes: Nodes,
     ``pushed_in_waves`` counts, and are answered together (``exchange``): for a bucket whose
     pieces node m's servers hold ``h_m`` bytes of S, node m's link carries its G trainers'
     pushes of the rest out, ``G·(S - h_m)``, while the other nodes' copies of its own come in,
-    ``(N-1)·G·h_m``; the answers then take the same bytes the other way; the next bucket's
+    ``(N-1)·G·h_m``; the answers then take the same bytes the other way (their own, where they
+    are of other bytes); the next bucket's
     pushes follow on each link. The G copies of ``h_m`` cross the node's local link each way.
     One piece, N = 2: ``2·G·S/B + 2α``; pieces spread evenly over N nodes: ``2G(N-1)/N · M/B``
     per bucket, a ring's bytes per trainer (BytePS's gain over all-reduce comes from the servers
@@ -62,40 +74,48 @@ def colocated_ps_pipeline(pieces: list[tuple[float, float, int]], nodes: Nodes,
     n, g, network, local = nodes.count, nodes.per_node, nodes.network, nodes.local
     free: dict[str, float] = {}  # each link and direction, when it is done with what it was given
     done = 0.0
-    for ready, bucket in _by_bucket(pieces):
-        held = [0.0] * n
-        for nbytes, server in bucket:
-            held[server % n] += nbytes
-        total = sum(held)
-        push: dict[str, float] = {}
+
+    def crossing(held: list[float]) -> dict[str, float]:
+        """ms on each link and direction for pieces of ``held`` bytes on each node's servers."""
+        total, times = sum(held), {}
         if n > 1:
             for m in range(n):
-                push[f"node {m} out"] = network.time(g * (total - held[m]))
-                push[f"node {m} in"] = network.time((n - 1) * g * held[m])
+                times[f"node {m} out"] = network.time(g * (total - held[m]))
+                times[f"node {m} in"] = network.time((n - 1) * g * held[m])
         if local is not None:
             for m in range(n):
                 if held[m]:
-                    push[f"local {m} out"] = g * local.time(held[m])
-                    push[f"local {m} in"] = g * local.time(held[m])
+                    times[f"local {m} out"] = g * local.time(held[m])
+                    times[f"local {m} in"] = g * local.time(held[m])
+        return times
+
+    for ready, bucket in _by_bucket(pieces):
+        held, back = [0.0] * n, [0.0] * n
+        for nbytes, server, answer in bucket:
+            held[server % n] += nbytes
+            back[server % n] += answer
+        push = crossing(held)
         link = network if n > 1 else local
         latency = link.latency_ms if link is not None else 0.0
-        largest = max(nbytes for nbytes, _ in bucket)
+        largest = max(nbytes for nbytes, _, _ in bucket)
         added = largest / aggregate_bytes_per_ms if aggregate_bytes_per_ms else 0.0
-        waves = pushed_in_waves([[server for _, server in bucket]], window)
-        done = max(done, exchange(free, ready, push, latency, added, waves))
+        waves = pushed_in_waves([[server for _, server, _ in bucket]], window)
+        done = max(done, exchange(free, ready, push, latency, added, waves,
+                                  None if back == held else crossing(back)))
     return done
 
 
 def exchange(free: dict[str, float], start: float, push: dict[str, float], latency: float,
-             added: float, waves: int = 1) -> float:
+             added: float, waves: int = 1, answers: dict[str, float] | None = None) -> float:
     """When a bucket's answers are back: its pushes (``push``: ms on each link and direction,
     ``"... out"`` or ``"... in"``) start at ``start`` or once the link has carried what it was
     given before (``free``, updated) and arrive in ``waves`` (``pushed_in_waves``: pieces in
     flight together share a link and arrive together); a wave is added (``added`` ms) and
-    answered, the answers taking the same time on each link the other way, after what that
-    direction was given, while the later waves are still pushed. One wave: the pushes, then
-    the answers; many: the answers of the last wave alone after the pushes. Returns when the
-    last answer is in, a latency later."""
+    answered, the answers taking the same time on each link the other way (``answers``: their
+    own ms, by the push they answer, where they are of other bytes), after what that direction
+    was given, while the later waves are still pushed. One wave: the pushes, then the answers;
+    many: the answers of the last wave alone after the pushes. Returns when the last answer is
+    in, a latency later."""
     first = last = start
     for link, ms in push.items():
         began = max(start, free.get(link, 0.0))
@@ -103,7 +123,7 @@ def exchange(free: dict[str, float], start: float, push: dict[str, float], laten
         first, last = max(first, began + ms / waves), max(last, free[link])
     answered = last + latency + added
     turned = {"out": "in", "in": "out"}
-    for link, ms in push.items():
+    for link, ms in (answers or push).items():
         name, direction = link.rsplit(" ", 1)
         back = f"{name} {turned[direction]}"
         free[back] = max(max(first + latency + added, free.get(back, 0.0)) + ms,
@@ -124,15 +144,15 @@ def pushed_in_waves(senders: list[list[int]], window: int) -> int:
                       default=1))
 
 
-def _by_bucket(pieces: list[tuple[float, float, int]]
-               ) -> list[tuple[float, list[tuple[float, int]]]]:
+def _by_bucket(pieces: list[tuple]) -> list[tuple[float, list[tuple[float, int, float]]]]:
     """``server_pieces``' pieces grouped by the bucket they came from (consecutive, one ready
-    time): ``(ready ms, [(bytes, server), ...])``."""
-    groups: list[tuple[float, list[tuple[float, int]]]] = []
-    for ready, nbytes, server in pieces:
+    time): ``(ready ms, [(bytes, server, answered bytes), ...])``."""
+    groups: list[tuple[float, list[tuple[float, int, float]]]] = []
+    for piece in pieces:
+        ready, nbytes, server = piece[:3]
         if not groups or groups[-1][0] != ready:
             groups.append((ready, []))
-        groups[-1][1].append((nbytes, server))
+        groups[-1][1].append((nbytes, server, answered(piece)))
     return groups
 
 
@@ -157,7 +177,8 @@ def ps_pipeline(pieces: list[tuple[float, float, int]], n: int, k: int, link: Li
     server, which hears from n/k trainers). The server's link receives the n_j copies
     (``n_j · S / B``) after the first can start arriving; the server adds the last copy
     (``S / A`` at aggregation throughput A) and sends the average back to each of its n_j
-    trainers (``n_j · S / B`` on its link, after its previous answers), which the trainers' (or
+    trainers (``n_j · S / B`` on its link, after its previous answers; of the answer's own bytes
+    where a piece says them), which the trainers' (or
     their node's) link receives after its previous answers. The bound it approaches, with
     everything ready at once and small pieces, is ``costs.ps_bound_ms``, ``max(M, n·M/k) / B``
     each way. With ``per_node`` G trainers sharing a node's link (servers on hosts of their
@@ -165,7 +186,6 @@ def ps_pipeline(pieces: list[tuple[float, float, int]], n: int, k: int, link: Li
     if not pieces:
         return 0.0
     if mapping == "group":
-        pieces = [(ready, nbytes, 0) for ready, nbytes, _ in pieces]
         fan_in = -(-n // k)  # the largest group
         servers = 1  # groups are alike: one stands for all
     else:
@@ -173,15 +193,17 @@ def ps_pipeline(pieces: list[tuple[float, float, int]], n: int, k: int, link: Li
     uplink = downlink = 0.0  # the trainer's (node's) link, outbound and inbound
     inbound, outbound = [0.0] * servers, [0.0] * servers  # each server's link, both ways
     done = 0.0
-    for ready, nbytes, server in pieces:
+    for piece in pieces:
+        ready, nbytes, server, back = *piece[:3], answered(piece)
+        server = 0 if mapping == "group" else server
         sent_from = max(ready, uplink)
         uplink = sent_from + per_node * link.time(nbytes)
         # the server's link is busy while the copies cross it; the last arrives α later
         inbound[server] = max(uplink, max(sent_from, inbound[server]) + fan_in * link.time(nbytes))
         added = (inbound[server] + link.latency_ms +
                  (nbytes / aggregate_bytes_per_ms if aggregate_bytes_per_ms else 0.0))
-        outbound[server] = max(added, outbound[server]) + fan_in * link.time(nbytes)
-        downlink = max(added, downlink) + per_node * link.time(nbytes)
+        outbound[server] = max(added, outbound[server]) + fan_in * link.time(back)
+        downlink = max(added, downlink) + per_node * link.time(back)
         done = max(done, outbound[server] + link.latency_ms, downlink + link.latency_ms)
     return done
 

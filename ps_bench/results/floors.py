@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ps_bench.metrics import limits as measure
-from ps_bench.metrics.messages import message_bytes
+from ps_bench.metrics.messages import answered_bytes, message_bytes
 from ps_bench.strategies import hook_options
 from ps_bench.strategies.record import calls_per_iteration
 
@@ -42,6 +42,7 @@ def limits(record: Any) -> dict | None:
                                        world=trainers if strategy.floor == "collective" else None,
                                        gathered_bytes=gathered_bytes(record, record.own_messages)),
                "transport": strategy.floor, "bytes_per_iter": own_bytes,
+               "answered_bytes_per_iter": answered_bytes(record.own_messages),
                "messages": {str(index): parts for index, parts in record.own_messages.items()}}
     return {
         "bytes_per_iter": per_iteration,
@@ -81,15 +82,18 @@ def periods(record: Any) -> dict[str, float]:
 
 
 def steps(record: Any) -> dict | None:
-    """The floor of the strategy's own steps: per collective (p50 ms, and how many iterations one
-    serves) and per iteration (each collective's p50 over its period, summed); None without any."""
+    """The floor of the strategy's own steps: per collective (its samples' count, p50 and p90 ms,
+    and how many iterations one serves) and per iteration (each collective's p50 over its period,
+    summed); None without any."""
     samples = record.floor_samples
     kinds = sorted(key[len(STEP):-3] for key in samples
                    if key.startswith(STEP) and key != f"{STEP}total_ms")
     if not kinds:
         return None
     serves = periods(record)
-    collectives = {kind: {"p50_ms": float(np.median(samples[f"{STEP}{kind}_ms"])),
+    collectives = {kind: {"count": len(samples[f"{STEP}{kind}_ms"]),
+                          "p50_ms": float(np.median(samples[f"{STEP}{kind}_ms"])),
+                          "p90_ms": float(np.percentile(samples[f"{STEP}{kind}_ms"], 90)),
                           "iterations": serves.get(kind, 1)}
                    for kind in kinds}
     return {"collectives": collectives, "p50_ms": float(np.median(samples[f"{STEP}total_ms"])),

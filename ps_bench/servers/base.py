@@ -151,7 +151,7 @@ class ParameterServer(Resident):
     def average_compressed(server_rref: rpc.RRef, bucket_index: int, message: torch.Tensor,
                            codec, layout: tuple[int, int, list[int]], compressed_answer: bool,
                            iteration: int = 0) -> Future:
-        """A trainer's bucket as ``codec`` compressed it (``strategies.compressors``; ``layout``:
+        """A trainer's bucket as ``codec`` compressed it (``strategies.codecs``; ``layout``:
         its values, the seed it was compressed with, its tensors' sizes), decoded and added as
         ``average_gradient`` adds it; the answer is the average, compressed by ``codec`` where
         ``compressed_answer`` (once for every trainer that asked)."""

@@ -85,9 +85,9 @@ class Cost:
     ``pipeline``: which of ``PIPELINES`` its buckets go through, None where no bucket is sent
     (the strategy's cost is then its record's ``sends``). ``bucket_ms(nodes, nbytes, gloo)``:
     with the collectives pipeline, what combining one dense bucket of ``nbytes`` takes on the
-    nodes' links (default ``costs.flat_ring_ms``, a ring over every trainer), and
-    ``bucket_ms_at(options)``, in its place, that cost at the hook's options where they change
-    it (a compressor's ratio or levels);
+    nodes' links (default ``costs.flat_ring_ms``, a ring over every trainer), ``nbytes`` being
+    what it puts on the wire for the bucket (in its wire dtype; a compressor's message, as its
+    ``compressor`` makes it at the hook's options);
     ``micro_batch_ms(nodes, nbytes)``: what it pays each micro-batch over the whole gradient's
     ``nbytes`` (in its wire dtype) besides, not hidden behind compute. ``like``: with no run of
     its own, the strategy whose own compute (what its transfers do not account for) it takes
@@ -111,7 +111,6 @@ class Cost:
 
     pipeline: str | None = None
     bucket_ms: Callable[[Nodes, float, bool], float] | None = None
-    bucket_ms_at: Callable[[dict], Callable[[Nodes, float, bool], float]] | None = None
     micro_batch_ms: Callable[[Nodes, float], float] | None = None
     like: str | None = None
     overlapped: tuple[str, ...] = ()
@@ -155,7 +154,7 @@ class Strategy:
     # an engine that communicates in a dtype of its own choosing: --reduce-dtype sets it
     reduce_dtype: bool = False
     holds: Holds = Holds()  # what each trainer keeps of the model states (predict's memory)
-    # "compressed": its hook options -> its codec (``strategies.compressors.Codec``), whose
+    # "compressed": its hook options -> its codec (``strategies.codecs.Codec``), whose
     # ``message_bytes(elements, tensors)`` is what a trainer all-gathers of a bucket
     compressor: Callable | None = None
 

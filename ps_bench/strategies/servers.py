@@ -19,7 +19,8 @@ from ps_bench.servers.base import ParameterServer
 from ps_bench.strategies.allreduce import allreduce, gather_into, host_rows
 from ps_bench.runtime.futures import device_future, issuing_stream, settle
 from ps_bench.strategies.base import HookContext
-from ps_bench.strategies.compressors import CODECS, Compressed, QSGDHook, check_ratio, named_codec
+from ps_bench.strategies.codecs import CODECS, check_ratio, named_codec
+from ps_bench.strategies.compressors import Compressed, QSGDHook
 from ps_bench.strategies.partitions import Partitioned, assembled
 from ps_bench.strategies.record import HOOKS, RPC, SERVERS, SPARSE_SERVERS, Cost, Strategy
 
@@ -264,11 +265,11 @@ class ServersCompressed(Compressed):
     def __init__(self, ctx: HookContext, compressor: str = "topk", ratio: float = 0.01,
                  levels: int = 127, per_tensor: bool = False,
                  error_feedback: bool | None = None, answer: str = "compressed") -> None:
-        self.codec = named_codec({"compressor": compressor, "ratio": ratio,
-                                              "levels": levels, "per_tensor": per_tensor})
+        self.codec = named_codec({"compressor": compressor, "ratio": ratio, "levels": levels,
+                                  "per_tensor": per_tensor, "answer": answer})
         super().__init__(ctx, self.codec.error_feedback if error_feedback is None
                          else error_feedback)
-        self.compressed_answer = answer == "compressed"
+        self.compressed_answer = not self.codec.dense_answer
 
     @staticmethod
     def check(compressor: str, ratio: float, levels: int, per_tensor: bool,

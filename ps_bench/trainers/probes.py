@@ -98,7 +98,7 @@ class FloorProbes:
         every server; ``messages`` are the float32 buckets whole (their sizes), ``slices`` the
         slices of a bucket (this trainer sends its own), ``piece`` the elements of a piece (None:
         each slice whole), ``sparse`` the buckets sent whole whatever ``piece`` is."""
-        sizes = {index: sum(count for count, _ in parts) for index, parts in messages.items()}
+        sizes = {index: sum(part[0] for part in parts) for index, parts in messages.items()}
         part = dist.get_rank() % slices
         places = {index: 1 if index in sparse
                   else len(piece_ranges(slice_size(size, slices), piece))

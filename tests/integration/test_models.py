@@ -102,7 +102,7 @@ def test_powersgd_bytes_are_what_its_rule_predicts(bench_runs):
     # predict --compute-ms knows the same buckets (DDP's first is of the cap given, not 1 MiB)
     # and the same payload from the model built on the meta device
     buckets, _, _, facts = model_buckets(model, 0.5)
-    assert [size for size, _ in buckets] == [b["bytes"] for b in results["config"]["model_size"]["ddp_buckets"]]
+    assert [size for size, _, _ in buckets] == [b["bytes"] for b in results["config"]["model_size"]["ddp_buckets"]]
     assert low_rank_ratios(facts.bucket_shapes)["powersgd"] * 4 * facts.parameters == pytest.approx(expected)
     # PowerSGD computes in gloo's callback threads: they must round as the main thread does
     assert results["replicas"]["identical"] is True, results["replicas"]

@@ -1,4 +1,4 @@
-"""The compressors (``ps_bench.strategies.compressors``), each on an example worked by hand: the
+"""The compressors' codecs (``ps_bench.strategies.codecs``), each on an example worked by hand: the
 message's bytes as its record's formula gives them, what it decodes to, and error feedback."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 from ps_bench.cli import main
 from ps_bench.strategies import HOOKS
-from ps_bench.strategies.compressors import (QSGD, Int8, RandomK, Signs, TopK, pack_signs,
-                                             unpack_signs)
+from ps_bench.strategies.codecs import (QSGD, ErrorFeedback, Int8, RandomK, Signs, TopK,
+                                        averaged, pack_signs, unpack_signs)
 
 X = torch.tensor([1.0, -3.0, 2.0, -0.5])
 
@@ -83,6 +83,56 @@ def test_each_compressor_names_its_formula_in_its_record():
         assert through_servers.message_bytes(n) == expected
 
 
+# every compressor at settings that give messages of every alignment: signs' ceil(n / 8) + 4 bytes,
+# and n + 4 (int8, QSGD up to 127 levels) or 2n + 4 (QSGD above) for odd n
+CODEC_CASES = [TopK(0.1), RandomK(0.1), Signs(False), Signs(True), QSGD(127), QSGD(255), Int8()]
+
+
+@pytest.mark.parametrize("codec", CODEC_CASES, ids=lambda codec: type(codec).__name__ + str(
+    getattr(codec, "levels", getattr(codec, "per_tensor", ""))))
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("n, sizes", [(945, [585, 81, 9, 270]), (1001, [1001]), (13, [7, 6])])
+def test_every_trainers_row_of_an_all_gather_decodes_whatever_the_bucket(codec, world, n, sizes):
+    """An all-gather lays the trainers' messages end to end, trainer r's at ``r x message
+    bytes``: a row that starts off a multiple of its scale's 4 bytes decodes as the message alone
+    does, to the byte count the formula gives, and their average is the mean of each."""
+    generator = torch.Generator().manual_seed(n * world)
+    grads = [torch.randn(n, generator=generator) for _ in range(world)]
+    messages = [codec.encode(grad, 11, rank, sizes) for rank, grad in enumerate(grads)]
+    assert all(message.numel() == codec.message_bytes(n, len(sizes)) for message in messages)
+    gathered = torch.cat(messages)
+    assert any(row.storage_offset() % 4 for row in gathered.view(world, -1)) or \
+        codec.message_bytes(n, len(sizes)) % 4 == 0  # the cases include misaligned rows
+    alone = [codec.decode(message, n, 11, sizes) for message in messages]
+    for rank, row in enumerate(gathered.view(world, -1)):
+        assert torch.equal(codec.decode(row, n, 11, sizes), alone[rank])
+    assert torch.allclose(averaged(codec, gathered, world, n, 11, sizes),
+                          sum(alone) / world, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("codec", [TopK(0.05), Signs(False), QSGD(7)],
+                         ids=["topk", "signsgd", "qsgd"])
+def test_error_feedback_sends_every_gradient_in_the_end(codec):
+    """What error feedback sent over the steps (decoded) and the residual it holds add up to the
+    gradients it was given: what compression left out of one step is added to the next, not
+    dropped. Without it, top-k's sends miss most of the gradients."""
+    n, sizes, feedback = 501, [501], ErrorFeedback()
+    generator = torch.Generator().manual_seed(3)
+    given = sent = torch.zeros(n)
+    plain = torch.zeros(n)
+    for step in range(20):
+        grad = torch.randn(n, generator=generator)
+        message = feedback.encode(codec, 0, grad, step, 0, sizes)
+        sent = sent + codec.decode(message, n, step, sizes)
+        plain = plain + codec.decode(codec.encode(grad, step, 0, sizes), n, step, sizes)
+        given = given + grad
+    assert torch.allclose(sent + feedback.residuals[0], given, atol=1e-4)
+    assert feedback.kept_bytes() == 4 * n
+    if isinstance(codec, TopK):
+        assert (plain - given).norm() > 0.5 * given.norm()
+        assert (sent - given).norm() < (plain - given).norm()
+
+
 @pytest.mark.parametrize("hook, option, words", [
     ("topk", "ratio=0", "hook option 'ratio' must be above 0 and at most 1; got 0.0"),
     ("topk", "ratio=1.5", "hook option 'ratio' must be above 0 and at most 1; got 1.5"),
@@ -116,3 +166,73 @@ def test_predict_costs_the_compressed_messages_both_routes():
     message = TopK(0.01).message_bytes(mb)
     assert predict(calibration, "topk", 4, 1)["communication_end_ms"] == pytest.approx(
         2.0 + allgather_ms(4, message, link), rel=1e-6)
+
+
+def test_predict_costs_per_tensor_scales_and_dense_answers_as_sent():
+    """A bucket's message as it is sent: ``per_tensor`` signs carry a scale for each of the
+    bucket's tensors, and ``ps_compressed`` with ``answer=dense`` is answered with the float32
+    average, so its answers cross the links at the gradient's size, not the message's."""
+    from ps_bench.metrics.costs import Link, allgather_ms
+    from ps_bench.predict.calibration import from_compute_ms
+    from ps_bench.predict.pipelines import Phases
+    from ps_bench.predict.predictor import predict
+
+    link = Link(0.05, 100e6 / 8 / 1e3)  # 100 Mbit/s, 50 us
+    n = 2 ** 20  # float32 elements of the one bucket, in 3 tensors, ready when backward ends
+    calibration = from_compute_ms("m", 8, Phases(1.0, 2.0, 0.5), [(4 * n, False, 3)], link, "test")
+    calibration.options = {"signsgd": {"per_tensor": True},
+                           "ps_compressed": {"compressor": "signsgd", "per_tensor": True,
+                                             "answer": "dense"}}
+    message = n // 8 + 3 * 4
+    assert predict(calibration, "signsgd", 4, 0)["communication_end_ms"] == pytest.approx(
+        2.0 + allgather_ms(4, message, link), rel=1e-9)
+    # one server hears 4 messages, adds them, and answers each trainer with 4n bytes
+    expected = 2.0 + 4 * message / link.bytes_per_ms + 4 * 4 * n / link.bytes_per_ms + 2 * 0.05
+    assert predict(calibration, "ps_compressed", 4, 1)["communication_end_ms"] == pytest.approx(
+        expected, rel=1e-9)
+    calibration.options["ps_compressed"]["answer"] = "compressed"
+    assert predict(calibration, "ps_compressed", 4, 1)["communication_end_ms"] == pytest.approx(
+        2.0 + 8 * message / link.bytes_per_ms + 2 * 0.05, rel=1e-9)
+
+
+def test_the_floor_of_a_dense_answer_sends_the_message_and_gets_the_gradient_back():
+    """``--limits``' messages through the servers are the compressor's bytes as sent (``uint8``)
+    and, answered dense, the float32 elements that come back."""
+    from ps_bench.metrics.messages import answered_bytes, floor_messages, message_bytes
+    from ps_bench.strategies import hook_options
+
+    buckets = [{"index": 0, "bytes": 4 * 945, "sparse": False, "shapes": [[585], [81], [279]]}]
+    record = HOOKS.record("ps_compressed")
+    signs = hook_options("ps_compressed", {"compressor": "signsgd", "per_tensor": True})
+    dense = {**signs, "answer": "dense"}
+    assert floor_messages(record, buckets, signs) == {0: [(119 + 12, "uint8")]}
+    assert floor_messages(record, buckets, dense) == {0: [(119 + 12, "uint8", 945)]}
+    assert message_bytes(floor_messages(record, buckets, dense)) == 131
+    assert answered_bytes(floor_messages(record, buckets, dense)) == 4 * 945
+    assert answered_bytes(floor_messages(record, buckets, signs)) == 131
+
+
+@pytest.fixture
+def one_trainer_group():
+    """A real gloo group of one process, this one (in memory: no process is started)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_limits_all_gather_each_message_as_its_buckets_tensors_make_it(one_trainer_group):
+    """``--limits``' all-gathers move each bucket's message as sent: ``per_tensor`` signs with a
+    scale for each of the bucket's tensors (the last iteration's buckets, as the trainer saw
+    them); a sparse bucket's rows as they are."""
+    from ps_bench.strategies.base import HookContext
+    from ps_bench.strategies.compressors import SignHook
+
+    ctx = HookContext(one_trainer_group, [], "shard", None, False, 10.0)
+    ctx.buckets = {0: (4 * 945, False, [[585], [81], [279]]), 1: (4 * 13, False, [[13]]),
+                   2: (4 * 40, True, [[10, 4]])}
+    per_tensor, one_scale = SignHook(ctx, per_tensor=True), SignHook(ctx)
+    assert [elements for _, _, elements in per_tensor.floor_steps([945, 13, 40])] == [
+        -(-(119 + 12) // 4), -(-(2 + 4) // 4), 40]
+    assert [elements for _, _, elements in one_scale.floor_steps([945, 13, 40])] == [
+        -(-(119 + 4) // 4), -(-(2 + 4) // 4), 40]

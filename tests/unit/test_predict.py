@@ -236,7 +236,7 @@ def test_calibration_reads_phases_timeline_and_link_and_fits_each_strategys_own_
     ps = Run.load(results_file(tmp_path, "ps.json", hook="ps", servers=1, batch_ms=150.0))
     calibration = calibrate([allreduce, ps])
     assert calibration.phases == Phases(forward=10.0, backward=40.0, optimizer=2.0)
-    assert [(ready, nbytes) for ready, nbytes, _ in calibration.buckets] == [(15.0, 10 * MB), (40.0, 10 * MB)]
+    assert [(bucket.ready_ms, bucket.nbytes) for bucket in calibration.buckets] == [(15.0, 10 * MB), (40.0, 10 * MB)]
     assert calibration.link == LINK
     # all-reduce at 2 trainers: 10 ms per bucket (+ 20 µs); bucket 1 starts at 40, ends at 50.02;
     # the iteration is 10 + 50.02 + 2 = 62.02 by the model, 80 measured: 17.98 ms its own
@@ -282,7 +282,7 @@ def test_what_a_hook_held_backward_for_is_its_strategys_own_compute_not_the_mode
             {"index": 1, "bytes": 10 * MB, "ready_ms": 60.0, "done_ms": 70.0, "held_ms": 1.0}]
     fp16 = Run.load(results_file(tmp_path, "fp16.json", hook="fp16", batch_ms=100.0, timeline=held))
     calibration = calibrate([allreduce, fp16])
-    assert [ready for ready, _, _ in calibration.buckets] == [15.0, 40.0]  # not the median of 40 and 60
+    assert [bucket.ready_ms for bucket in calibration.buckets] == [15.0, 40.0]  # not the median of 40 and 60
     assert calibration.phases.backward == 40.0
     # fp16 at 2 trainers on that timeline: 5 MB a bucket, 5.02 ms; the second ends at 45.02, and
     # 10 + 45.02 + 2 leaves 42.98 ms of the measured 100 to fp16 itself, the 21 ms held among it

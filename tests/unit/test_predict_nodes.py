@@ -249,12 +249,12 @@ def test_compute_ms_builds_ddps_buckets_and_spreads_their_ready_times_over_backw
         network = MadeUp()
     # reverse order, a bucket closed once it reaches its cap, the first bucket too (DDP's 1 MiB
     # first bucket is for a DDP given no cap; a trainer gives one): all three under 2 MiB
-    assert meta_buckets(network, bucket_cap_mb=2.0) == [(4_000_000, False)]
+    assert meta_buckets(network, bucket_cap_mb=2.0) == [(4_000_000, False, 3)]  # bytes, sparse, tensors
     # third and second (1.5 MB), then first, under 1 MiB
     buckets = meta_buckets(network, bucket_cap_mb=1.0)
-    assert buckets == [(1_500_000, False), (2_500_000, False)]
+    assert buckets == [(1_500_000, False, 2), (2_500_000, False, 1)]
     calibration = from_compute_ms("MadeUp", 8, Phases(10.0, 40.0, 2.0), buckets, NETWORK, "given")
-    assert [ready for ready, _, _ in calibration.buckets] == pytest.approx([15.0, 40.0])
+    assert [bucket.ready_ms for bucket in calibration.buckets] == pytest.approx([15.0, 40.0])
     # two trainers: each bucket a ring of 2 when ready: 1.5 + 0.02 ms after 15, 2.5 + 0.02 after
     # 40: backward ends at 42.52
     assert predict(calibration, "allreduce", 2, 0)["batch_ms"] == pytest.approx(10.0 + 42.52 + 2.0)
@@ -271,7 +271,7 @@ def test_compute_from_a_run_replaces_the_calibrations_phases(tmp_path):
     calibration = calibrate([network_run], compute=Run.load(str(tmp_path / "gpu.json")))
     assert calibration.phases == Phases(2.0, 4.0, 1.0)
     # two 10 MB buckets: ready at half and all of backward
-    assert [ready for ready, _, _ in calibration.buckets] == pytest.approx([2.0, 4.0])
+    assert [bucket.ready_ms for bucket in calibration.buckets] == pytest.approx([2.0, 4.0])
 
 
 def test_a_run_on_one_emulated_host_calibrates_the_local_link(tmp_path):
@@ -593,7 +593,8 @@ def test_deepspeed_is_predicted_at_your_ds_config(tmp_path, capsys):
 
 def test_an_engines_buckets_are_filled_as_backward_makes_the_gradients_ready():
     """DeepSpeed's rule: a bucket is reduced when the next gradient would take it past its size."""
-    ready = [(1.0, 40.0, False), (2.0, 40.0, False), (3.0, 40.0, False), (4.0, 100.0, False)]
-    assert engine_buckets(ready, 20) == [(2.0, 80.0, False), (3.0, 40.0, False), (4.0, 100.0, False)]
+    ready = [(1.0, 40.0, False, 1), (2.0, 40.0, False, 2), (3.0, 40.0, False, 1), (4.0, 100.0, False, 3)]
+    # (ready ms, bytes, sparse, tensors)
+    assert engine_buckets(ready, 20) == [(2.0, 80.0, False, 3), (3.0, 40.0, False, 1), (4.0, 100.0, False, 3)]
     assert engine_buckets(ready, 5) == ready  # no bucket smaller than DDP's
-    assert engine_buckets(ready, 10 ** 9) == [(4.0, 220.0, False)]
+    assert engine_buckets(ready, 10 ** 9) == [(4.0, 220.0, False, 7)]

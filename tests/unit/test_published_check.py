@@ -51,11 +51,12 @@ def test_a_communication_bound_case_is_predicted_within_a_fifth():
     row = next(line for line in done.stdout.splitlines()
                if line.startswith("| dlperf-pytorch-bert") and line.split("|")[2].strip() == "16")
     cells = [cell.strip() for cell in row.strip("|").split("|")]
-    measured, predicted, share = float(cells[3]), float(cells[4]), float(cells[7].rstrip("%")) / 100
+    measured, predicted, share = float(cells[3]), float(cells[4]), float(cells[8].rstrip("%")) / 100
+    assert cells[5] == "sentences/s"  # each table's throughput in its own unit
     assert measured == 1499.4
     assert predicted == pytest.approx(measured, rel=0.2)
     assert share > 0.15
-    assert "median |error|" in done.stdout
+    assert "median |error|" in done.stdout and "points on more than one node: median |error|" in done.stdout
 
 
 def test_a_case_whose_source_measured_a_full_node_is_given_that_nodes_compute_per_gpu():
@@ -139,3 +140,23 @@ def test_the_ethernet_what_if_moves_the_ethernet_cases_alone_and_refuses_bad_inp
             check.main(["--ethernet", bad])
         out, err = capsys.readouterr()
         assert stopped.value.code == 2 and "argument --ethernet" in err.splitlines()[-1] and not out
+
+
+def test_the_headline_gives_the_points_across_nodes_beside_every_point():
+    """A point on one node crosses no network, and one given its own measurement as compute is
+    off only by the modelled all-reduce within the node: the median over the points on more than
+    one node is printed beside the median over all."""
+    check = load_check()
+    rows = [{"nodes": 1, "error_pct": 0.5, "own_compute": True},
+            {"nodes": 1, "error_pct": -1.5, "own_compute": False},
+            {"nodes": 2, "error_pct": 4.0, "own_compute": False},
+            {"nodes": 4, "error_pct": -8.0, "own_compute": False},
+            {"nodes": 8, "error_pct": 20.0, "own_compute": False}]
+    summary = check.summarise(rows)
+    assert summary["all"] == {"points": 5, "median_pct": 4.0, "largest_pct": 20.0}
+    assert summary["nodes_over_one"] == {"points": 3, "median_pct": 8.0, "largest_pct": 20.0}
+    assert summary["one_node"] == {"points": 2, "median_pct": 1.0, "largest_pct": 1.5, "own_compute": 1}
+    assert check.headline(summary, 2) == (
+        "5 points from 2 tables: median |error| 4.0 %, largest 20.0 %; over the 3 points on more than one "
+        "node: median |error| 8.0 %, largest 20.0 % (the 2 on one node cross no network, median 1.0 %, 1 of "
+        "them given its own measurement as compute)")
