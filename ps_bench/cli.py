@@ -25,7 +25,8 @@ from tabulate import tabulate
 import ps_bench
 from ps_bench.registry import did_you_mean
 from ps_bench.runtime import network, preload, streams
-from ps_bench.config import ConfigError, RunConfig, build_config
+from ps_bench.config import ConfigError, RunConfig
+from ps_bench.runfiles import build_config
 from ps_bench.places import check_results_file
 from ps_bench.runtime.failures import Terminated, raise_terminated
 from ps_bench.job import cuda_device_count, default_servers, validate

@@ -14,7 +14,8 @@ import traceback
 from typing import Any, NoReturn
 
 from ps_bench.config import (CONVERGENCE, NETWORK, OPTIONS, PATHS, RUN, STRATEGY, TOPOLOGY,
-                             TYPE_WORDS, ConfigError, field_type)
+                             ConfigError, field_type)
+from ps_bench.runfiles import TYPE_WORDS
 from ps_bench.models import MODEL_PRESETS, TEST_SIZED
 from ps_bench.servers import SERVERS
 from ps_bench.strategies import HOOKS

@@ -34,8 +34,8 @@ from typing import IO, Any
 
 from tabulate import tabulate
 
-from ps_bench.config import (RESULTS_SCHEMA, ConfigError, RunConfig, build_config, is_run_options,
-                             option_values, read_json)
+from ps_bench.config import RESULTS_SCHEMA, ConfigError, RunConfig, read_json
+from ps_bench.runfiles import build_config, is_run_options, option_values
 from ps_bench.job import Job, cuda_device_count, validate
 from ps_bench.options import plural, typed
 from ps_bench.places import check_writable_folder, why_not_written

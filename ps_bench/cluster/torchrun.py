@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ps_bench.config import ConfigError, RunConfig, build_config
+from ps_bench.config import ConfigError, RunConfig
+from ps_bench.runfiles import build_config
 from ps_bench.job import check_options, validate
 from ps_bench.options import parse_run_options, plural, typed
 from ps_bench.places import check_apart, check_port

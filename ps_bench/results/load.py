@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ps_bench.config import RESULTS_SCHEMA, ConfigError, is_run_options
+from ps_bench.config import RESULTS_SCHEMA, ConfigError
+from ps_bench.runfiles import is_run_options
 from ps_bench.options import plural
 from ps_bench.results.files import RESULTS_NAME
 

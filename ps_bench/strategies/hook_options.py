@@ -8,7 +8,7 @@ import types
 import typing
 from typing import Any
 
-from ps_bench.config import as_type
+from ps_bench.runfiles import as_type
 from ps_bench.strategies.record import HOOKS
 
 

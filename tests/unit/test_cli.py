@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from ps_bench.cli import build_parser, main
-from ps_bench.config import build_config
+from ps_bench.runfiles import build_config
 from ps_bench.job import default_servers
 from ps_bench.models import DATA
 from ps_bench.models.dummy import DummyData

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from ps_bench.config import NOT_RERUN, ConfigError, RunConfig, build_config, load_run_file
+from ps_bench.config import ConfigError, RunConfig
+from ps_bench.runfiles import NOT_RERUN, build_config, load_run_file
 from ps_bench.job import validate
 from ps_bench.registry import Registry
 

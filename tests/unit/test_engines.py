@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ps_bench.cli import main
-from ps_bench.config import ConfigError, RunConfig, build_config
+from ps_bench.config import ConfigError, RunConfig
+from ps_bench.runfiles import build_config
 from ps_bench.job import validate
 from ps_bench.options import parse_run_options
 from ps_bench.strategies.deepspeed_config import (OPTIMIZER_PARAMS, regathered_share, resolve_config,

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from ps_bench.cli import main
-from ps_bench.config import ConfigError, build_config
+from ps_bench.config import ConfigError
+from ps_bench.runfiles import build_config
 from ps_bench.job import validate
 from ps_bench.options import parse_run_options
 from ps_bench.processes.launch import LaunchSpec, keep_finished_rounds

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ps_bench.config import build_config, load_run_file
+from ps_bench.runfiles import build_config, load_run_file
 from ps_bench.runtime.faults import Straggler, Straggling
 from ps_bench.servers.ssp import GO, ROUND_OVER, STOPPED, StaleSynchronousServer
 from ps_bench.strategies.stale import parse_staleness

@@ -7,7 +7,8 @@ import socket
 
 import pytest
 
-from ps_bench.config import ConfigError, build_config
+from ps_bench.config import ConfigError
+from ps_bench.runfiles import build_config
 from ps_bench.job import validate
 from ps_bench.report import load_rows, run_report, scaling_table, table, varying_options
 from ps_bench.report.command import Baseline
