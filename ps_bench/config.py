@@ -40,6 +40,7 @@ def flag(name: str) -> str:
 TOPOLOGY, STRATEGY, RUN = "topology", "strategy and workload", "rounds, rendezvous and output"
 NETWORK = "emulated network (see bench.py emulate --help)"
 CONVERGENCE = "time to a target loss"
+FAILURES = "checkpoints and failures"
 DEFAULT_MAX_ITERATIONS = 1000  # --max-iterations when --target-loss is given without it
 PATHS = ("FILE", "PATH", "DIR", "DIR|FILE", "RESULTS.json", "BASE", "NEW")  # files and folders
 
@@ -212,10 +213,31 @@ class RunConfig:
         None, "watchdog for the whole job in seconds: on expiry every rank's Python stacks go to "
         "the log and the job ends with status 1 (default: none)")
     inject_fault: str | None = option(
-        None, "make one rank fail on purpose: ROLE:INDEX:ITER:KIND[:first] with ROLE "
+        None, "make ranks fail on purpose: ROLE:INDEX:ITER:KIND[:first] with ROLE "
         "trainer|server|master, INDEX among that role from 0, ITER from 1 (a training iteration; "
         "the master's round), KIND exit|raise|hang; a trailing :first fails only torchrun's first "
-        "attempt, so --max-restarts can recover (default: none)")
+        "attempt, so --max-restarts can recover; several separated by commas (default: none)",
+        group=FAILURES)
+    mtbf: str | None = option(
+        None, "draw failures at exponential gaps of this mean from the job's start (seeded by "
+        "--torch-seed), each of a rank of --fail-roles drawn at random, which then exits: with "
+        "ms, s, min or h, e.g. 90s (default: none)", group=FAILURES, metavar="DURATION")
+    fail_roles: str = option("trainer", "the roles --mtbf draws the failed ranks from: trainer, "
+                                        "server or master, several separated by commas",
+                             group=FAILURES, metavar="ROLES")
+    checkpoint_every: int | None = option(
+        None, "save a checkpoint every N iterations (the model, the optimizer, the data's "
+        "position and the RNG, with torch.distributed.checkpoint; DeepSpeed's engines with their "
+        "own save_checkpoint): a job torchrun restarts, or started again with the same options, "
+        "resumes from the newest complete one at its iteration (default: none)",
+        group=FAILURES, metavar="N")
+    checkpoint_dir: str | None = option(
+        None, "the checkpoints' folder, shared by every trainer's host (default: "
+        "checkpoints/HOOK-Nt-HASH, HASH of the options that shape the training)",
+        group=FAILURES, metavar="DIR")
+    checkpoint_async: bool = option(
+        False, "save each checkpoint in the background (torch.distributed.checkpoint's "
+        "async_save): training goes on once the state is copied", group=FAILURES)
     limits: bool = option(False, "after each timed round, measure a share of the floors with this "
                                  "run's bytes and processes: raw RPC round trips to the servers "
                                  "(CUDA tensors where the run's cross RPC on the GPU), raw "

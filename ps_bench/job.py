@@ -25,13 +25,13 @@ from ps_bench.models.entries import Entry, construct, load_entry, model_size
 from ps_bench.options import plural
 from ps_bench.places import check_interface, check_port, check_writable_folder
 from ps_bench.registry import UnknownNameError
-from ps_bench.runtime import network
-from ps_bench.runtime.faults import Fault, Straggler
+from ps_bench.runtime import checkpoints, network
+from ps_bench.runtime.faults import Straggler, drawn_of, parse_faults
 from ps_bench.runtime.topology import Topology
 from ps_bench.servers import SERVERS
 from ps_bench.strategies import (HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Strategy, check_hook_options,
                                  stale)
-from ps_bench.strategies.record import ENGINE, ENGINES, FSDP, SHARDED
+from ps_bench.strategies.record import ENGINE, ENGINES, FSDP, RECOVERIES, SHARDED
 from ps_bench.trainers.trainer import TRAINERS
 
 
@@ -50,6 +50,7 @@ class Job:
     data: Entry
     engine_config: dict | None = None  # an engine's own config (DeepSpeed's), resolved from the run
     notes: tuple[str, ...] = ()  # what the user should hear before it starts (a line each)
+    checkpoints: checkpoints.Plan | None = None  # --checkpoint-every: where, and where it resumes
 
     def topology(self) -> Topology:
         """The job's ranks and roles; with node-aggregated parameter servers, a server hears once
@@ -92,14 +93,15 @@ def check_options(cfg: RunConfig, machine: bool = True) -> None:
         need(value is None or 0 < value < math.inf,
              f"{flag(name)} must be positive{' and finite' if value == math.inf else ''}; "
              f"got {value}")
-    if cfg.inject_fault is not None:
-        try:
-            fault = Fault.parse(cfg.inject_fault)
-        except ValueError as error:
-            raise ConfigError(f"--inject-fault: {error}") from None
+    try:
+        faults = parse_faults(cfg.inject_fault)
+    except ValueError as error:
+        raise ConfigError(f"--inject-fault: {error}") from None
+    for fault in faults:
         count = {"trainer": cfg.num_trainers, "server": cfg.num_servers, "master": 1}[fault.role]
         need(fault.index < count, f"--inject-fault: there is no {fault.role} {fault.index}; "
                                   f"this run has {plural(count, fault.role)}, numbered from 0")
+    drawn_of(cfg)
     for text in cfg.straggler:
         try:
             straggler = Straggler.parse(text)
@@ -338,7 +340,8 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
                      f"{cfg.num_servers} server{'' if one else 's'} asked for (--nserver "
                      f"{cfg.nserver}, --ncudaserver {cfg.ncudaserver}) "
                      f"{'idles' if one else 'idle'}; leave both out to start none")
-    return Job(cfg, record, model, data, engine_config, tuple(notes))
+    plan = checkpoints.plan(cfg, RECOVERIES[record.recovery])
+    return Job(cfg, record, model, data, engine_config, tuple(notes), plan)
 
 
 def check_engine(cfg: RunConfig, record: Strategy, gpus: int) -> tuple[dict | None, list[str]]:

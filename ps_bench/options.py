@@ -13,8 +13,8 @@ import textwrap
 import traceback
 from typing import Any, NoReturn
 
-from ps_bench.config import (CONVERGENCE, NETWORK, OPTIONS, PATHS, RUN, STRATEGY, TOPOLOGY,
-                             ConfigError, field_type)
+from ps_bench.config import (CONVERGENCE, FAILURES, NETWORK, OPTIONS, PATHS, RUN, STRATEGY,
+                             TOPOLOGY, ConfigError, field_type)
 from ps_bench.runfiles import TYPE_WORDS
 from ps_bench.models import MODEL_PRESETS, TEST_SIZED
 from ps_bench.servers import SERVERS
@@ -180,7 +180,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="run options as a JSON object whose keys are these option names, or "
                              "a results file (its run's options, but --out: that run again)")
     groups = {name: parser.add_argument_group(name)
-              for name in (TOPOLOGY, STRATEGY, CONVERGENCE, RUN, NETWORK)}
+              for name in (TOPOLOGY, STRATEGY, CONVERGENCE, RUN, FAILURES, NETWORK)}
     for name, field in OPTIONS.items():
         meta, default, kind = field.metadata, field.default, field_type(name)
         group = groups[meta["group"]]

@@ -52,8 +52,12 @@ class Keeper:
     ours reads the run folder (torchrun); else a stop writes the snapshot."""
 
     def __init__(self, record: RunRecord, run_dir: str,
-                 on_stop: Callable[[str], None] | None = None) -> None:
-        self.record, self.run_dir, self.on_stop = record, run_dir, on_stop
+                 on_stop: Callable[[str], None] | None = None,
+                 on_written: Callable[[dict], None] | None = None) -> None:
+        """``on_written``: also handed each snapshot written (the job's store keeps it for a
+        restarted attempt)."""
+        self.record, self.run_dir, self.on_stop, self.on_written = (record, run_dir, on_stop,
+                                                                    on_written)
         self.pacing = SnapshotPacing()
         self.recording = False  # a round is going into the record: a stop waits for it
         self.stopped_by: int | None = None  # the signal that waited
@@ -70,7 +74,10 @@ class Keeper:
             signal.signal(signum, signal.SIG_DFL)
 
     def write(self) -> None:
-        write_snapshot(self.record.results("failed", error=UNFINISHED), self.run_dir)
+        results = self.record.results("failed", error=UNFINISHED)
+        write_snapshot(results, self.run_dir)
+        if self.on_written is not None:
+            self.on_written(results)
 
     def snapshot(self) -> None:
         """After a timed round, unless paced out (``SnapshotPacing``)."""

@@ -43,6 +43,8 @@ from ps_bench.results.files import environment, failed_results, keep_results, re
 from ps_bench.processes import orphans, rendezvous
 from ps_bench.runtime import failures, network, preload, streams
 from ps_bench.runtime.addresses import interface_env, loopback
+from ps_bench.runtime.faults import TimedFault, arm, drawn_of, role_counts
+from ps_bench.processes.attempts import Attempts
 from ps_bench.processes.master import Master
 from ps_bench.processes.supervision import (JobFailed, listen_for_stack_requests, supervise,
                                             terminate)
@@ -176,6 +178,10 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
         store_timeout = max(cfg.rpc_timeout, 60.0)
         store, view = rendezvous.join(rank, int(os.environ.get("LOCAL_RANK", rank)), store_timeout)
         times = {"started": started, "joined": time.time()}
+        drawn = drawn_of(cfg)
+        if drawn is not None:  # --mtbf: this rank's next failure, on the job's clock
+            job_started = Attempts(store, rendezvous.restart_count()).job_started(started)
+            arm(TimedFault(drawn, role_counts(cfg), info.role, info.index, job_started, started))
         torch.manual_seed(cfg.torch_seed)
         device = spec.device_of(rank)
         if device is not None:
@@ -211,7 +217,8 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
                                 master, spec, f"{info.describe()} stopped by {name} before the "
                                 f"job finished (torchrun stops every rank when one fails or "
                                 f"when it is stopped)", quietly=True))
-                            if spec.torchrun else None)
+                            if spec.torchrun else None,
+                            attempts=Attempts(store, rendezvous.restart_count()))
             master.run()
         rpc.shutdown()
         if dist.is_initialized():

@@ -17,12 +17,13 @@ from ps_bench.metrics.startup import render_startup, startup_phases
 from ps_bench.models import build_data, build_held_out
 from ps_bench.models.entries import Entry
 from ps_bench.options import plural
+from ps_bench.processes.attempts import Attempts, RecoveryBooks
 from ps_bench.processes.kept import Keeper
 from ps_bench.results.files import environment, keep_results
 from ps_bench.results.printed import format_bytes, print_report
 from ps_bench.results.record import (RunRecord, mean_loss, replica_summary, replicas_alike,
                                      servers_model_summary)
-from ps_bench.runtime.faults import Fault, maybe_inject
+from ps_bench.runtime.faults import faults_of, maybe_inject
 from ps_bench.processes.rendezvous import crowded_warning, one_machine_warning, rpc_paths
 from ps_bench.runtime.topology import RankInfo, Topology
 from ps_bench.servers import SERVERS
@@ -148,14 +149,15 @@ class Master:
                  argv: list[str], run_dir: str, results_path: str, launched_at: float | None = None,
                  hosts: list[dict] | None = None, recovered: list[dict] | None = None,
                  startup: Callable[[], dict] | None = None, emulated: dict | None = None,
-                 on_stop: Callable[[str], None] | None = None) -> None:
+                 on_stop: Callable[[str], None] | None = None,
+                 attempts: Attempts | None = None) -> None:
         config = job.config
         self.job, self.config, self.topology = job, config, topology
         self.model, self.data = job.model, job.data
         self.servers_own_parameters = job.strategy.wrap == SERVER_OWNED  # --staleness
         self.device_of = device_of
         self.results_path = results_path
-        self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
+        self.fault = faults_of(config.inject_fault)
         self.launched_at = time.time() if launched_at is None else launched_at
         self.iterations_per_round = 0  # known once the trainers are built
         self.record = RunRecord(job, topology, argv,
@@ -168,7 +170,10 @@ class Master:
         self.floor_targets: list[list[rpc.RRef]] = []
         # () -> {"launcher": milestones, "ranks": [milestones]}, once every rank is up
         self.startup = startup
-        self.kept = Keeper(self.record, run_dir, on_stop)
+        self.kept = Keeper(self.record, run_dir, on_stop,
+                           on_written=attempts.keep if attempts is not None else None)
+        self.books = RecoveryBooks(attempts, job.checkpoints, self.record.recovered,
+                                   config.num_trainers * config.batch_size * config.grad_accum)
 
     # -- setting up ------------------------------------------------------------------------
     def create_servers(self) -> list[rpc.RRef]:
@@ -216,7 +221,8 @@ class Master:
             trainers.append(rpc.remote(info.name, trainer_class, args=(
                 info.index, cfg, self.job.strategy, self.model, shard.inputs, shard.targets,
                 handles, group_server, info.cuda_rpc, device_name(self.device_of(info.rank)),
-                held_out if info.index == 0 else None, rank_hosts, self.job.engine_config)))
+                held_out if info.index == 0 else None, rank_hosts, self.job.engine_config,
+                self.job.checkpoints)))
         # every replica is built
         iterations = [trainer.rpc_sync(timeout=0).ready() for trainer in trainers]
         self.iterations_per_round = min(iterations)
@@ -265,7 +271,12 @@ class Master:
                 print(render_startup(record.environment["startup_s"]), flush=True)
         print(describe_workload(self.model, self.data), flush=True)
         run_start = time.perf_counter()
-        converging, round_index = cfg.target_loss is not None, 0
+        converging = cfg.target_loss is not None
+        round_index, start_step = self.books.resume_point(self.iterations_per_round)
+        self.books.begin(ready_at)
+        if self.books.wanted:  # the failed run's file says where it resumed and saves to
+            self.note_recovery()
+            self.kept.write()
         # a --target-loss run goes on until its trainers stop
         while converging or round_index < total:
             maybe_inject(self.fault, "master", 0, round_index + 1)
@@ -273,13 +284,17 @@ class Master:
             start = time.perf_counter()
             futures = [t.rpc_async(timeout=0).run_round(
                            verify=round_index >= cfg.warmup_rounds and cfg.verify,
-                           profile_path=self.trace_path(info) if profiled else None)
+                           profile_path=self.trace_path(info) if profiled else None,
+                           start_step=start_step)
                        for t, info in zip(trainers, self.topology.trainers)]
+            start_step = 0
             of = "" if converging else f"/{total}"
             name = f"[round {round_index + 1}{of}]"
             rounds = wait_round(futures, trainers, f"{name} "
                                 f"{'timed' if round_index >= cfg.warmup_rounds else 'warmup':6}")
             elapsed = time.perf_counter() - start
+            self.books.add(rounds)
+            self.note_recovery()
             served = [s.rpc_sync().take_metrics() for s in servers]
             for server in servers:
                 server.rpc_sync().reset_state()
@@ -318,6 +333,7 @@ class Master:
         if cfg.limits:
             record.memcpy = limits.memcpy_floor(messages.message_bytes(record.floor_messages))
         self.kept.release()
+        self.note_recovery()
         results = record.results("ok")
         print_report(results, record.rows(split_ranks=cfg.per_rank))
         # a disk that filled during the run must not lose it: elsewhere, said on stderr
@@ -331,6 +347,14 @@ class Master:
                   f"(open at https://ui.perfetto.dev), each with its table of operators (.txt)",
                   flush=True)
         return results
+
+    def note_recovery(self) -> None:
+        """The record's checkpoints, failures and goodput so far (``RecoveryBooks``), from when
+        this attempt's first rank started (its start-up milestones)."""
+        restarted_at = (None if self.startup is None else
+                        min(ranks["started"] for ranks in self.startup()["ranks"]))
+        self.record.recovery = self.books.block(self.launched_at, restarted_at, time.time(),
+                                                self.record.samples_per_s)
 
     def trace_path(self, info: RankInfo) -> str:
         return str(Path(self.config.profile) / f"{info.role}{info.index}-rank{info.rank}.json")

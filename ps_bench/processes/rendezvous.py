@@ -222,6 +222,8 @@ def recovered_failures(store: dist.Store, world_size: int) -> list[dict]:
         who = (f"{first['role']} {first['index']} (rank {first['rank']}, {first['name']}) "
                f"on {first['host']}")
         recovered.append({"attempt": attempt, "role": first["role"], "rank": first["rank"],
-                          "host": first["host"],
+                          "host": first["host"], "time": first["time"],
+                          # a trainer's iterations done when it failed
+                          **({"iteration": first["iteration"]} if "iteration" in first else {}),
                           "failure": f"{who} failed: {first['error'].splitlines()[0]}"})
     return recovered

@@ -96,6 +96,7 @@ class RunRecord:
         self.model, self.data = job.model, job.data
         self.argv, self.environment = argv, environment
         self.recovered = recovered or []  # earlier attempts torchrun restarted the job after
+        self.recovery: dict | None = None  # checkpoints, failures, goodput (results.recovery)
         self.started = iso_now()
         self.trainer_samples: dict[int, dict[str, list[float]]] = defaultdict(
             lambda: defaultdict(list))
@@ -217,6 +218,13 @@ class RunRecord:
         return rows + summary_rows("server", self.server_samples, SERVER_METRICS,
                                    split_ranks=split_ranks)
 
+    @property
+    def samples_per_s(self) -> float:
+        """The timed rounds' samples a second, every trainer's."""
+        if not self.timed_s:
+            return 0.0
+        return sum(work[1] for work in self.trainer_work.values()) / self.timed_s
+
     def results(self, status: str, error: str | None = None) -> dict:
         """The ``ps_bench.result/1`` object of the run so far."""
         cfg, topo = self.config, self.topology
@@ -236,11 +244,11 @@ class RunRecord:
             "env": self.environment,
             "restarts": len(self.recovered),
             "recovered": self.recovered,
+            **({"recovery": self.recovery} if self.recovery is not None else {}),
             "rounds_completed": self.rounds_done,
             "summary": [r.to_dict() for r in self.rows() if r.unit == "ms"],
             "throughput": {
-                "samples_per_s": sum(work[1] for work in self.trainer_work.values()) / self.timed_s
-                if self.timed_s else 0.0,
+                "samples_per_s": self.samples_per_s,
                 "samples_per_iteration": cfg.batch_size * cfg.grad_accum,
                 "iterations": self.iterations,
                 "timed_s": self.timed_s,

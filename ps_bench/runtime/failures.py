@@ -35,6 +35,7 @@ class Identity:
 
 
 _identity: Identity | None = None
+_progress: Callable[[], int] | None = None  # a trainer's iterations done, for its failure record
 
 
 class Terminated(BaseException):
@@ -49,6 +50,12 @@ def raise_terminated(signum: int, frame: object) -> None:
 def set_identity(identity: Identity) -> None:
     global _identity
     _identity = identity
+
+
+def set_progress(progress: Callable[[], int]) -> None:
+    """A trainer's count of its iterations so far: its failure record says where it failed."""
+    global _progress
+    _progress = progress
 
 
 def error_file(run_dir: str | os.PathLike, rank: int) -> Path:
@@ -67,7 +74,8 @@ def add_sink(sink: Callable[[dict], None]) -> None:
 def _entry(error: BaseException) -> dict:
     text = "".join(traceback.format_exception(error))
     return {**asdict(_identity), "error": f"{type(error).__name__}: {error}".strip(),
-            "traceback": text, "time": time.time()}
+            "traceback": text, "time": time.time(),
+            **({"iteration": _progress()} if _progress is not None else {})}
 
 
 def announce(error: BaseException) -> None:

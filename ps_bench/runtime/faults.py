@@ -1,4 +1,4 @@
-"""``--inject-fault ROLE:INDEX:ITER:KIND[:first]``: make one rank fail on purpose; and
+"""``--inject-fault ROLE:INDEX:ITER:KIND[:first][,...]``: make ranks fail on purpose; and
 ``--straggler trainer:INDEX:DELAY``: make one trainer slower on purpose.
 
 ROLE is trainer, server or master; INDEX counts ranks of that role from 0 (trainer 1,
@@ -7,6 +7,7 @@ the training iteration of the gradient a server receives, or the master's round.
 ``exit`` (the process dies at once), ``raise`` (an exception) or ``hang`` (stops
 responding, for ever). A trailing ``:first`` limits the fault to torchrun's first attempt
 (``TORCHELASTIC_RESTART_COUNT`` 0), so a job started with ``--max-restarts`` can recover.
+Several faults are separated by commas: ``trainer:1:25:exit:first,trainer:2:60:exit``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from dataclasses import dataclass
 
+from ps_bench.config import ConfigError, RunConfig, need
 from ps_bench.runtime import failures
 
 ROLES = ("trainer", "server", "master")
@@ -80,9 +83,121 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def maybe_inject(fault: "Fault | None", role: str, index: int, iteration: int) -> None:
-    if fault is not None and fault.matches(role, index, iteration):
-        fault.trigger()
+def parse_faults(text: str | None) -> tuple[Fault, ...]:
+    """``--inject-fault``: one fault, or several separated by commas (each as ``Fault.parse``)."""
+    if not text:
+        return ()
+    return tuple(Fault.parse(part.strip()) for part in text.split(","))
+
+
+DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
+DRAWN_MOST = 10_000  # failures drawn ahead: far more than any run lives through
+
+
+def parse_duration(text: str) -> float:
+    """Seconds, from a positive number with a unit of ms, s, min or h (``90s``, ``5min``, ``2h``);
+    ValueError with a sentence for people."""
+    text = text.strip()
+    unit = next((u for u in ("ms", "min", "s", "h") if text.endswith(u)), None)
+    try:
+        value = float(text[:-len(unit)]) if unit else None
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < float("inf"):
+        raise ValueError(f"must be a positive number with a unit of ms, s, min or h, e.g. 90s or "
+                         f"2h; got {text!r}")
+    return value * DURATION_UNITS[unit]
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """``--mtbf``: the job's failures at exponential gaps of mean ``mtbf_s`` from its start (its
+    first attempt's), each of a rank drawn uniformly among those of ``roles``; seeded, so that
+    every rank draws the same schedule, and every run of the same seed."""
+
+    mtbf_s: float
+    roles: tuple[str, ...]
+    seed: int
+
+    def schedule(self, counts: dict[str, int]) -> list[tuple[float, str, int]]:
+        """``(seconds into the job, role, index)`` of each failure, ``counts`` the ranks of each
+        role."""
+        generator = random.Random(f"mtbf:{self.seed}")
+        ranks = [(role, index) for role in self.roles for index in range(counts[role])]
+        at, drawn = 0.0, []
+        for _ in range(DRAWN_MOST):
+            at += generator.expovariate(1.0 / self.mtbf_s)
+            drawn.append((at, *ranks[generator.randrange(len(ranks))]))
+        return drawn
+
+
+def drawn_of(cfg: RunConfig) -> Drawn | None:
+    """``--mtbf`` and ``--fail-roles`` checked (a positive duration, roles this run has: a
+    ``ConfigError`` in one line), as the schedule they draw (None: no ``--mtbf``)."""
+    if cfg.mtbf is None:
+        need(cfg.fail_roles == "trainer", "--fail-roles names the ranks --mtbf fails: give --mtbf")
+        return None
+    try:
+        mtbf_s = parse_duration(cfg.mtbf)
+    except ValueError as error:
+        raise ConfigError(f"--mtbf {error}") from None
+    roles = tuple(role.strip() for role in cfg.fail_roles.split(","))
+    counts = role_counts(cfg)
+    for role in roles:
+        need(role in counts, f"--fail-roles: {role!r} is no role; give trainer, server or master, "
+                             f"several separated by commas")
+        need(counts[role] > 0, f"--fail-roles {role}: this run has no {role}")
+    return Drawn(mtbf_s, roles, cfg.torch_seed)
+
+
+def role_counts(cfg: RunConfig) -> dict[str, int]:
+    return {"trainer": cfg.num_trainers, "server": cfg.num_servers, "master": 1}
+
+
+class TimedFault:
+    """This rank's next failure of a ``--mtbf`` schedule, due at a time rather than an iteration:
+    the first drawn for it after its attempt began (those drawn while the job was down, between
+    a failure and the restart, are passed over)."""
+
+    def __init__(self, drawn: Drawn, counts: dict[str, int], role: str, index: int,
+                 job_started: float, attempt_started: float) -> None:
+        mine = [at for at, who, which in drawn.schedule(counts)
+                if (who, which) == (role, index) and job_started + at >= attempt_started]
+        self.into_s = mine[0] if mine else None
+        self.at = job_started + mine[0] if mine else float("inf")
+        self.where, self.mtbf_s = f"{role} {index}", drawn.mtbf_s
+
+    def matches(self, role: str, index: int, iteration: int) -> bool:
+        return time.time() >= self.at
+
+    def trigger(self) -> None:
+        """Exits at once, its failure recorded: the launcher names it, and torchrun's next
+        attempt reads it."""
+        failures.record(InjectedFault(
+            f"failure drawn by --mtbf (mean {self.mtbf_s:g} s): {self.where} at "
+            f"{self.into_s:.1f} s into the job (exit)"))
+        os._exit(3)
+
+
+_armed: tuple[TimedFault, ...] = ()  # this process's --mtbf failure, once armed
+
+
+def arm(fault: TimedFault | None) -> None:
+    """This rank's ``--mtbf`` failure, checked wherever its injected faults are."""
+    global _armed
+    _armed = (fault,) if fault is not None else ()
+
+
+def faults_of(text: str | None) -> tuple[Fault | TimedFault, ...]:
+    """This rank's faults: ``--inject-fault``'s, and its ``--mtbf`` failure where armed."""
+    return parse_faults(text) + _armed
+
+
+def maybe_inject(faults: tuple[Fault, ...], role: str, index: int, iteration: int) -> None:
+    """The first of ``faults`` made for this rank at this iteration, triggered."""
+    for fault in faults:
+        if fault.matches(role, index, iteration):
+            fault.trigger()
 
 
 STRAGGLER_FORMAT = ("trainer:INDEX:DELAY (persistent) or any:DELAY:P (transient), "

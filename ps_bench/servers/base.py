@@ -21,7 +21,7 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from ps_bench.runtime.failures import fatal_on_error
-from ps_bench.runtime.faults import Fault, maybe_inject
+from ps_bench.runtime.faults import faults_of, maybe_inject
 from ps_bench.runtime.futures import device_future
 from ps_bench.metrics.memory import held_bytes, peak_memory
 from ps_bench.metrics.timers import now_ms, tensor_bytes
@@ -120,7 +120,7 @@ class ParameterServer(Resident):
         self.num_trainers = num_trainers
         self.mapping = mapping
         self.device = torch.device(device)
-        self.fault = Fault.parse(fault) if fault else None
+        self.fault = faults_of(fault)
         self.peers: list[rpc.RRef] = []
         self._buckets: dict[int, BucketState] = {}
         self._partials: dict[int, BucketState] = {}

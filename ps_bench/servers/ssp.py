@@ -30,7 +30,7 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from ps_bench.runtime.failures import fatal_on_error
-from ps_bench.runtime.faults import Fault, maybe_inject
+from ps_bench.runtime.faults import faults_of, maybe_inject
 from ps_bench.metrics.memory import held_bytes, peak_memory
 from ps_bench.metrics.timers import now_ms, tensor_bytes
 from ps_bench.models.base import build_model
@@ -57,7 +57,7 @@ class StaleSynchronousServer(Resident):
                  mapping: str, device: str = "cpu", fault: str | None = None) -> None:
         self.server_index, self.num_servers, self.num_trainers = (
             server_index, num_servers, num_trainers)
-        self.fault = Fault.parse(fault) if fault else None
+        self.fault = faults_of(fault)
         self.lock = threading.Lock()
         self.parameters: list[torch.Tensor] = []
         self.lr, self.bound, self.budget = 0.0, math.inf, 0

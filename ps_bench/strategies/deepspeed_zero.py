@@ -33,14 +33,17 @@ import sys
 import warnings
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.metrics.memory import state_tensors
 from ps_bench.strategies.base import HookContext, OptimizerSpec, Synchroniser, flat_parameters
+from ps_bench.strategies.checkpoints import own_entry
 from ps_bench.metrics import costs
 from ps_bench.strategies.deepspeed_config import (OPTIMIZER_PARAMS, overlap_comm, precision_of,
                                                   reduce_bucket_elements, regathered_share,
@@ -49,6 +52,8 @@ from ps_bench.strategies.deepspeed_config import (OPTIMIZER_PARAMS, overlap_comm
 from ps_bench.strategies.record import (COLLECTIVE, COLLECTIVE_BUCKETS, ENGINE, EVERY_ITERATION,
                                         GATHERED, GRADIENTS, HOOKS, OPTIMIZER, PARAMETERS, SHARDED,
                                         Cost, Holds, Strategy)
+
+CHECKPOINT_TAG = "deepspeed"  # the tag of the engine's checkpoint, in each step's folder
 
 def deepspeed_record(stage: int) -> Strategy:
     # the gradients, then the stepped parameters gathered once; with micro-batches (--grad-accum),
@@ -199,6 +204,19 @@ class DeepSpeedZero(Synchroniser):
         if self.comms is not None:
             comm.reset_log()
         return self.engine, EngineStep(self.engine)
+
+    def save_checkpoint(self, model: nn.Module, optimizer: Any, folder: str, own: dict) -> None:
+        """``--checkpoint-every``: the engine's own checkpoint (DeepSpeed's ``save_checkpoint``:
+        the module, and each rank's partition of the optimizer states), and this trainer's own
+        entry beside it; every trainer at once."""
+        self.engine.save_checkpoint(folder, tag=CHECKPOINT_TAG)
+        torch.save(own, Path(folder) / f"{own_entry(dist.get_rank())}.pt")
+        dist.barrier()
+
+    def load_checkpoint(self, model: nn.Module, optimizer: Any, folder: str, own: dict) -> dict:
+        """The engine's checkpoint read back (``load_checkpoint``); this trainer's own entry."""
+        self.engine.load_checkpoint(folder, tag=CHECKPOINT_TAG)
+        return torch.load(Path(folder) / f"{own_entry(dist.get_rank())}.pt", weights_only=True)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)

@@ -23,8 +23,8 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from ps_bench.metrics.memory import state_tensors
 from ps_bench.strategies.base import (HookContext, OptimizerSpec, Synchroniser, flat_parameters,
                                       timed_collective)
-from ps_bench.strategies.record import (AT_SYNCHRONISATION, COLLECTIVE, HOOKS, LOCAL, Holds,
-                                        Strategy)
+from ps_bench.strategies.record import (AT_SYNC, AT_SYNCHRONISATION, COLLECTIVE, HOOKS, LOCAL,
+                                        Holds, Strategy)
 
 
 def check_period(period: int) -> None:
@@ -58,7 +58,7 @@ class Periodic(Synchroniser):
 
 @HOOKS.register("local_sgd", aliases=("post_localSGD_hook", "localsgd"),
                 record=Strategy(COLLECTIVE, "float32", lossless=False, sparse_buckets=None,
-                                uncompressed="allreduce", family=LOCAL,
+                                uncompressed="allreduce", family=LOCAL, recovery=AT_SYNC,
                                 identical=AT_SYNCHRONISATION, sends=(("all_reduce", "period"),)))
 class LocalSGD(Periodic):
     """Local SGD: after ``warmup_steps`` iterations of all-reduce, each trainer steps on its own
@@ -99,7 +99,8 @@ class LocalSGD(Periodic):
 @HOOKS.register("diloco", aliases=("DiLoCo",),
                 record=Strategy(COLLECTIVE, "float32", lossless=False, sparse_buckets=None,
                                 uncompressed="allreduce", family=LOCAL, holds=Holds(copies=2),
-                                identical=AT_SYNCHRONISATION, sends=(("all_reduce", "period"),)))
+                                identical=AT_SYNCHRONISATION, sends=(("all_reduce", "period"),),
+                                recovery=AT_SYNC))
 class DiLoCo(Periodic):
     """DiLoCo: ``period`` inner steps of the run's optimizer on local gradients, then the mean
     parameter change (start - local) is the outer gradient of an SGD step from the start point

@@ -50,6 +50,21 @@ PIPELINES = (COLLECTIVE_BUCKETS, SERVER_BUCKETS, HOST_SERVER_BUCKETS, LOW_RANK_B
              SPARSE_SERVER_BUCKETS)
 
 
+# How a strategy survives a failure, as its real system does, and, for each, why --checkpoint-every
+# refuses it (None: it does not): every rank restarts from the newest checkpoint (DDP and every
+# hook around it, FSDP2, ZeRO, DeepSpeed); torchft's replica groups go on while a failed group
+# heals from a live peer; replicas that differ between synchronisations (local SGD, DiLoCo) are
+# checkpointed at one; parameter servers that own the parameters keep them
+RESTART, HEAL, AT_SYNC, SERVERS_KEEP = "restart", "heal", "at synchronisation", "servers keep"
+RECOVERIES = {
+    RESTART: None,
+    HEAL: "torchft's replica groups heal from a live peer rather than restart from a checkpoint, "
+          "not measured here yet",
+    AT_SYNC: "its replicas differ between synchronisations, and a checkpoint of each trainer's "
+             "own is not written yet",
+    SERVERS_KEEP: "the parameter servers own the parameters (--staleness), and their state is not "
+                  "checkpointed yet",
+}
 # The model states a trainer holds (a run's ``memory.trainer.model_states``, predict's memory)
 PARAMETERS, GRADIENTS, OPTIMIZER = "parameters", "gradients", "optimizer"
 MODEL_STATES = (PARAMETERS, GRADIENTS, OPTIMIZER)
@@ -154,6 +169,8 @@ class Strategy:
     # an engine that communicates in a dtype of its own choosing: --reduce-dtype sets it
     reduce_dtype: bool = False
     holds: Holds = Holds()  # what each trainer keeps of the model states (predict's memory)
+    # how it survives a failure (RECOVERIES)
+    recovery: str = RESTART
     # "compressed": its hook options -> its codec (``strategies.codecs.Codec``), whose
     # ``message_bytes(elements, tensors)`` is what a trainer all-gathers of a bucket
     compressor: Callable | None = None
@@ -175,7 +192,8 @@ class Strategy:
                 or self.engine not in (None, *ENGINES)
                 or any(state not in MODEL_STATES for state in self.holds.sharded)
                 or self.holds.over not in ("trainers", "host")
-                or self.holds.gathers not in ("", "layer", "unit")):
+                or self.holds.gathers not in ("", "layer", "unit")
+                or self.recovery not in RECOVERIES):
             raise ValueError(f"bad strategy record {self}")
         if self.transport is not None and self.lossless == (self.uncompressed is not None):
             raise ValueError(f"a lossy strategy names the lossless one it compresses, "

@@ -25,6 +25,7 @@ from torch import nn
 
 from ps_bench.metrics import costs
 from ps_bench.strategies.allreduce import allreduce
+from ps_bench.strategies.checkpoints import own_entry
 from ps_bench.strategies.base import (Capture, HookContext, OptimizerSpec, Synchroniser,
                                       flat_parameters)
 from ps_bench.strategies.record import (COLLECTIVE, COLLECTIVE_BUCKETS, FSDP, GATHERED, HOOKS,
@@ -223,6 +224,8 @@ class HybridShard(FullyShard):
                 ("all_reduce", across, -(-elements // ctx.per_host))]
 
 
+ZERO_OPTIMIZER = "zero1-optimizer.pt"  # zero1's consolidated optimizer, in a checkpoint
+
 @HOOKS.register("zero1", aliases=("zero", "ZeroRedundancyOptimizer"),
                 record=Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None,
                                 family=SHARDED, sends=(("broadcast", "iteration"),),
@@ -240,3 +243,32 @@ class ZeroOne(Synchroniser):
         model, _ = super().wrap(network, ctx, ddp_options, None)
         return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer.kind,
                                               process_group=ctx.process_group, **optimizer.options)
+
+    def save_checkpoint(self, model: nn.Module, optimizer: Any, folder: str, own: dict) -> None:
+        """``--checkpoint-every``: the model with DCP, and the optimizer as
+        ZeroRedundancyOptimizer saves it: its shards consolidated on trainer 0, written there;
+        every trainer at once."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        rank = dist.get_rank()
+        dcp.save({"model": get_model_state_dict(model), own_entry(rank): own}, checkpoint_id=folder)
+        optimizer.consolidate_state_dict(to=0)
+        if rank == 0:
+            torch.save(optimizer.state_dict(), os.path.join(folder, ZERO_OPTIMIZER))
+        dist.barrier()
+
+    def load_checkpoint(self, model: nn.Module, optimizer: Any, folder: str, own: dict) -> dict:
+        """The model read with DCP; the optimizer's consolidated state, each trainer taking its
+        shard of it (``load_state_dict``)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                             set_model_state_dict)
+
+        rank = dist.get_rank()
+        state = {"model": get_model_state_dict(model), own_entry(rank): own}
+        dcp.load(state, checkpoint_id=folder)
+        set_model_state_dict(model, state["model"])
+        optimizer.load_state_dict(torch.load(os.path.join(folder, ZERO_OPTIMIZER),
+                                             weights_only=False))
+        return state[own_entry(rank)]

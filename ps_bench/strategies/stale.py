@@ -17,11 +17,12 @@ from __future__ import annotations
 import math
 
 from ps_bench.config import ConfigError, RunConfig, flag, need
-from ps_bench.strategies.record import RPC, SERVERS, SERVERS_MODEL, SERVER_OWNED, Strategy
+from ps_bench.strategies.record import (RPC, SERVERS, SERVERS_KEEP, SERVERS_MODEL, SERVER_OWNED,
+                                        Strategy)
 
 STALE_SYNCHRONOUS = Strategy(transport=RPC, payload="float32", lossless=False, uncompressed="ps",
                              sparse_buckets=None, family=SERVERS, wrap=SERVER_OWNED,
-                             identical=SERVERS_MODEL)
+                             identical=SERVERS_MODEL, recovery=SERVERS_KEEP)
 MODE = "ssp"  # the trainer and server the mode runs
 
 

@@ -32,8 +32,8 @@ from ps_bench.metrics.costs import allreduce_bytes
 from ps_bench.metrics.timers import tensor_bytes
 from ps_bench.runtime.addresses import own_address
 from ps_bench.strategies.base import HookContext, OptimizerSpec, Synchroniser, flat_parameters
-from ps_bench.strategies.record import (AT_SYNCHRONISATION, COLLECTIVE, ENGINE, HOOKS, LOCAL,
-                                        Strategy)
+from ps_bench.strategies.record import (AT_SYNCHRONISATION, COLLECTIVE, ENGINE, HEAL, HOOKS,
+                                        LOCAL, Strategy)
 from ps_bench.strategies.local import check_outer, check_period
 
 LIGHTHOUSE_KEY = "torchft/lighthouse"  # in the trainers' store: trainer 0's lighthouse
@@ -43,7 +43,7 @@ def record() -> Strategy:
     return Strategy(COLLECTIVE, "float32", lossless=False, sparse_buckets=None,
                     uncompressed="allreduce", family=LOCAL, wrap=ENGINE,
                     identical=AT_SYNCHRONISATION, sends=(("all_reduce", "period"),),
-                    engine="torchft")
+                    engine="torchft", recovery=HEAL)
 
 
 def bound_store(address: str, timeout: timedelta) -> dist.TCPStore:

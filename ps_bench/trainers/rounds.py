@@ -1,13 +1,17 @@
 """What a trainer's round recorded, made into what it reports: the per-iteration samples, the
 bucket timeline and the time each kind of collective was open. The loop itself records only
-clock readings and byte counts (``DdpTrainer.run_round``); everything here runs after it."""
+clock readings and byte counts (``DdpTrainer.run_round``); everything here runs after it, but
+the contexts of ``--precision`` the loop computes in (``mixed_precision``)."""
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
+from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from ps_bench.metrics.timers import (StepTimer, bucket_offsets, covered_ms, cuda_bucket_offsets,
                                      folded)
@@ -15,6 +19,18 @@ from ps_bench.metrics.timers import (StepTimer, bucket_offsets, covered_ms, cuda
 VERIFIED_PER_ROUND = 4  # --verify checks at most this many evenly spaced iterations per round
 # the bucket timeline comes from this many timed iterations at the end of each round
 TIMELINE_ITERATIONS = 8
+
+
+def mixed_precision(device: torch.device, precision: str,
+                    synchroniser: Any) -> tuple[Callable[[], Any], Any]:
+    """``--precision``: a context for forward under ``torch.autocast`` in bf16 or fp16, and for
+    fp16 a gradient scaler (``torch.amp.GradScaler``, on a GPU); for fp32, or a strategy whose
+    engine casts the model itself (DeepSpeed), nothing."""
+    if precision == "fp32" or synchroniser.casts_itself:
+        return contextlib.nullcontext, None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    return (lambda: torch.autocast(device.type, dtype=dtype)), scaler
 
 
 def verified_steps(iterations: int) -> set[int]:

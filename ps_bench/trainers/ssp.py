@@ -25,7 +25,7 @@ from torch import nn
 
 from ps_bench.config import RunConfig
 from ps_bench.runtime.failures import fatal_on_error
-from ps_bench.runtime.faults import Fault, Straggling, maybe_inject
+from ps_bench.runtime.faults import Straggling, faults_of, maybe_inject
 from ps_bench.metrics.memory import held_bytes, peak_memory
 from ps_bench.metrics.timers import folded, tensor_bytes
 from ps_bench.models.base import Dataset, build_model
@@ -46,9 +46,11 @@ class StaleSynchronousTrainer(Resident):
                  inputs: tuple[torch.Tensor, ...], targets: torch.Tensor,
                  servers: list[tuple[rpc.RRef, bool]], group_server: int | None, cuda_rpc: bool,
                  device: str, held_out: Dataset | None = None, rank_hosts: list[int] | None = None,
-                 engine_config: dict | None = None) -> None:
+                 engine_config: dict | None = None, checkpoints: None = None) -> None:
+        """As ``DdpTrainer``'s; ``checkpoints`` is always None (validation refuses
+        ``--checkpoint-every`` here: the servers own the parameters)."""
         self.index = trainer_index
-        self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
+        self.fault = faults_of(config.inject_fault)
         self.straggling = Straggling(config.straggler, trainer_index, config.torch_seed)
         self.network = build_model(model.class_name, model.kwargs, config.torch_seed)
         self.parameters = list(self.network.parameters())
@@ -84,10 +86,11 @@ class StaleSynchronousTrainer(Resident):
         return min(self.clock - self.round_began + 1, budget), budget
 
     @fatal_on_error
-    def run_round(self, verify: bool = False, profile_path: str | None = None) -> dict:
+    def run_round(self, verify: bool = False, profile_path: str | None = None,
+                  start_step: int = 0) -> dict:
         """Iterations until the round's budget is spent or training stops: per-iteration samples
         (ms: forward, backward, the push and its answer as ``comm``, loading the answer as
-        ``optimizer``) and bytes."""
+        ``optimizer``) and bytes. ``start_step`` is always 0 (no checkpoint to resume from)."""
         readings, moved, losses = [], [], []
         clock = time.perf_counter
         status, self.round_began, pulled = GO, self.clock, 0

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -12,8 +10,10 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from ps_bench.config import RunConfig
+from ps_bench.runtime import failures
+from ps_bench.runtime.checkpoints import Plan
 from ps_bench.runtime.failures import fatal_on_error
-from ps_bench.runtime.faults import Fault, Straggling, maybe_inject
+from ps_bench.runtime.faults import Straggling, faults_of, maybe_inject
 from ps_bench.runtime.futures import on_default_stream
 from ps_bench.metrics import wire
 from ps_bench.metrics.memory import NO_COUNT, SavedActivations, held_bytes, trainer_memory
@@ -23,27 +23,16 @@ from ps_bench.models.base import Dataset, build_model
 from ps_bench.models.entries import Entry
 from ps_bench.registry import Registry
 from ps_bench.strategies import Strategy
-from ps_bench.strategies.base import (HookContext, ServerHandle, Synchroniser, build_synchroniser,
-                                      fingerprint, optimizer_spec)
+from ps_bench.strategies.base import (HookContext, ServerHandle, build_synchroniser, fingerprint,
+                                      optimizer_spec)
 from ps_bench.trainers.convergence import Convergence
 from ps_bench.trainers.probes import FloorProbes, finish_profile, start_profiler
-from ps_bench.trainers.rounds import collective_ms, recorded, verified_steps
+from ps_bench.trainers.saves import Saves
+from ps_bench.trainers.rounds import collective_ms, mixed_precision, recorded, verified_steps
 from ps_bench.runtime.resident import Resident
 
 TRAINERS: Registry = Registry("trainer")
 PROFILED_ITERATIONS = 3  # --profile traces this many iterations, from the second of the round on
-
-
-def mixed_precision(device: torch.device, precision: str,
-                    synchroniser: Synchroniser) -> tuple[Callable[[], Any], Any]:
-    """``--precision``: a context for forward under ``torch.autocast`` in bf16 or fp16, and for
-    fp16 a gradient scaler (``torch.amp.GradScaler``, on a GPU); for fp32, or a strategy whose
-    engine casts the model itself (DeepSpeed), nothing."""
-    if precision == "fp32" or synchroniser.casts_itself:
-        return contextlib.nullcontext, None
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    return (lambda: torch.autocast(device.type, dtype=dtype)), scaler
 
 
 @TRAINERS.register("ddp", aliases=("DdpTrainer",))
@@ -70,6 +59,7 @@ class DdpTrainer(FloorProbes, Resident):
         held_out: Dataset | None = None,
         rank_hosts: list[int] | None = None,
         engine_config: dict | None = None,
+        checkpoints: Plan | None = None,
     ) -> None:
         """Trainer ``trainer_index`` of a run configured by ``config``, training with ``strategy``
         (the job's resolved record) the model of entry ``model``: its data shard (``inputs``,
@@ -77,9 +67,11 @@ class DdpTrainer(FloorProbes, Resident):
         mapping the index of its group's server, and with ``--target-loss`` the held-out
         samples it evaluates the averaged model on (trainer 0); ``rank_hosts``, the host index of
         every rank of the job, lets it count the bytes that cross between hosts apart;
-        ``engine_config``, the job's resolved config of an engine of its own (DeepSpeed's)."""
+        ``engine_config``, the job's resolved config of an engine of its own (DeepSpeed's);
+        ``checkpoints``, where it saves its state every so many iterations, and the checkpoint
+        it resumes from (restored here, every trainer at once)."""
         self.index = trainer_index
-        self.fault = Fault.parse(config.inject_fault) if config.inject_fault else None
+        self.fault = faults_of(config.inject_fault)
         # --straggler
         self.straggling = Straggling(config.straggler, trainer_index, config.torch_seed)
         self.iteration = 0  # training iterations run so far, warmup included
@@ -145,6 +137,11 @@ class DdpTrainer(FloorProbes, Resident):
         self._compute_copy: nn.Module | None = None  # --limits: the model outside DDP, made once
         # --limits builds the compute-only copy from them
         self.entry, self.seed = model, config.torch_seed
+        self.saves = Saves(checkpoints, config, self.index, self.device, self.hook_context.wire)
+        failures.set_progress(lambda: self.completed)
+        if checkpoints is not None and checkpoints.resume is not None:
+            self.iteration = self.saves.restore(self.synchroniser, self.model, self.optimizer)
+        self.completed = self.iteration  # iterations whose optimizer step is done
 
     def ready(self) -> int:
         return self.iterations_per_epoch * self.epochs
@@ -156,8 +153,11 @@ class DdpTrainer(FloorProbes, Resident):
 
     @fatal_on_error
     @on_default_stream
-    def run_round(self, verify: bool = False, profile_path: str | None = None) -> dict:
+    def run_round(self, verify: bool = False, profile_path: str | None = None,
+                  start_step: int = 0) -> dict:
         """Runs ``epochs`` passes over the shard; returns per-iteration samples (ms, bytes).
+        ``start_step``: the round's iteration it begins at, where a run resumed from a
+        checkpoint taken amid a round (the batches before it were trained on then).
 
         With ``verify``, a few iterations keep each bucket's local gradient and what the
         strategy returned; they are left out of the timing samples, and compared with the exact
@@ -213,7 +213,9 @@ class DdpTrainer(FloorProbes, Resident):
         backward = self.synchroniser.backward
         if convergence is not None and convergence.stopped:
             return self.empty_round()
-        for step in range(iterations):
+        saves, every = self.saves, self.saves.every
+        began_at = time.time()  # with the first sample, when the round's first step was done
+        for step in range(start_step, iterations):
             first = (step % per_epoch) * step_size
             x, y = [t[first:first + step_size] for t in inputs], targets[first:first + step_size]
             if convergence is not None and convergence.check(iteration, x, y):  # outside the clock
@@ -230,7 +232,7 @@ class DdpTrainer(FloorProbes, Resident):
                 ctx.batch = (x, y) if ctx.capturing else None
                 if step in traced and profiler is None:
                     profiler = start_profiler(self.device, self.debug)
-            if fault is not None:
+            if fault:
                 maybe_inject(fault, "trainer", self.index, iteration)
             capturing, micro_losses = ctx.capturing, []
             readings = [clock()]
@@ -266,6 +268,9 @@ class DdpTrainer(FloorProbes, Resident):
                 note_synchronised(model)
             record((readings, wire.sent, wire.recv))
             append_loss(micro_losses[0] if accum == 1 else torch.stack(micro_losses).mean())
+            self.completed = iteration
+            if every and iteration % every == 0:  # between iterations, outside their clocks
+                untimed_s += saves.save(self.synchroniser, model, optimizer, iteration)
             if marked:
                 ctx.capturing = ctx.noting = False
                 ctx.batch = None
@@ -287,6 +292,8 @@ class DdpTrainer(FloorProbes, Resident):
             return self.empty_round()
         iterations = len(records)  # fewer where a --target-loss round stopped early
         first_iteration = iteration - iterations + 1
+        ran = set(range(start_step, start_step + iterations))
+        untimed = {step - start_step for step in untimed & ran}  # their places among the records
         timings = [timing for timing in wire.take_timings()
                    if timing[0] - first_iteration not in untimed]
         phases, samples, timeline = recorded(timer, records, (sent_before, recv_before),
@@ -303,14 +310,14 @@ class DdpTrainer(FloorProbes, Resident):
             "bytes_sent": sum(samples["bytes_sent"]),
             "bytes_recv": sum(samples["bytes_recv"]),
             "losses": torch.stack(losses).float().cpu().tolist(),
-            "verified_iterations": len(checked & set(range(iterations))),
+            "verified_iterations": len(checked & ran),
             "grad_errors": grad_errors,
             "untimed_s": untimed_s,
-            "untimed_samples": (len(untimed & set(range(iterations)))
-                                * self.batch_size * self.accum),
+            "untimed_samples": len(untimed) * self.batch_size * self.accum,
             **({"engine_counts": self.synchroniser.engine_counts(ctx.process_group.size())}
                if hasattr(self.synchroniser, "engine_counts") else {}),
             "memory": trainer_memory(self.device, self.held, self.activations, self.buffers),
+            "checkpoints": saves.take(), "began_at": began_at,
             "timeline": timeline,
             "collectives": collective_ms(timings),
             "host_traffic": [[source, destination, nbytes] for (source, destination), nbytes
@@ -376,5 +383,7 @@ class DdpTrainer(FloorProbes, Resident):
     @fatal_on_error
     @on_default_stream
     def close(self) -> None:
-        """Training is over (every trainer is asked at once): the strategy stops what it started."""
+        """Training is over (every trainer is asked at once): the strategy stops what it started,
+        and the last checkpoint written in the background is committed."""
+        self.saves.finish(self.completed)
         self.synchroniser.close()

@@ -27,15 +27,20 @@ def torchrun(*args: str, timeout_s: float = 300, env: dict | None = None) -> tup
     return process.returncode, stdout
 
 
-def test_a_worker_lost_on_the_first_attempt_is_recovered_by_a_restart(tmp_path):
+def test_a_worker_lost_on_the_first_attempt_is_recovered_by_a_restart_from_its_checkpoint(tmp_path, bench_runs):
+    """torchrun restarts every rank; the job resumes from its checkpoint of iteration 20, redoes
+    the 4 iterations after it that trainer 1 had done, and ends where a run that never failed
+    ends."""
     out, temporary = tmp_path / "results.json", tmp_path / "tmp"
     temporary.mkdir()
-    code, output = torchrun("--standalone", "--nproc-per-node", "4", "--max-restarts", "1", "bench.py",
-                            "--ntrainer", "2", "--nserver", "1", "--inject-fault", "trainer:1:5:exit:first",
-                            *QUICK, "--out", str(out), env={"TMPDIR": str(temporary)})
+    run = ("--hook", "allreduce", "--ntrainer", "3", "--nserver", "0", *QUICK)
+    code, output = torchrun("--standalone", "--nproc-per-node", "4", "--max-restarts", "2", "bench.py", *run,
+                            "--checkpoint-every", "10", "--checkpoint-dir", str(tmp_path / "ck"),
+                            "--inject-fault", "trainer:1:25:exit:first", "--out", str(out),
+                            env={"TMPDIR": str(temporary)})
     assert code == 0, output
-    assert "torchrun restart 1 of 1" in output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "tmp"]  # the lost attempt wrote no file
+    assert "torchrun restart 1 of 2" in output and "resumed from the checkpoint of iteration 20" in output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "results.json", "tmp"]  # the lost attempt wrote no file
     # the ranks torchrun stopped after the loss left their folders in torchrun's, none loose in TMPDIR
     assert not list(temporary.glob("ps_bench-*")), list(temporary.iterdir())
     results = json.loads(out.read_text())
@@ -43,8 +48,17 @@ def test_a_worker_lost_on_the_first_attempt_is_recovered_by_a_restart(tmp_path):
     assert results["restarts"] == 1
     [recovered] = results["recovered"]
     assert recovered["attempt"] == 0 and recovered["role"] == "trainer" and recovered["rank"] == 1
-    assert "injected fault: trainer 1 at iteration 5" in recovered["failure"]
+    assert "injected fault: trainer 1 at iteration 25" in recovered["failure"]
+    [failure] = results["recovery"]["failures"]
+    assert (failure["iterations_done"], failure["resumed_from"], failure["iterations_redone"]) == (24, 20, 4)
+    assert 0 < failure["restart_s"] < failure["recovery_s"]
+    assert [(a["began_at_iteration"], a["ended_at_iteration"]) for a in results["recovery"]["attempts"]] == [
+        (0, 24), (20, 63)]
+    goodput = results["recovery"]["goodput"]
+    assert goodput["committed_iterations"] == 63 and goodput["step_efficiency"] == pytest.approx(63 / 67)
     assert results["replicas"]["identical"] is True
+    assert results["replicas"]["param_norm"] == pytest.approx(bench_runs.ok(*run)["replicas"]["param_norm"],
+                                                              rel=1e-6)
     [host] = results["env"]["hosts"]
     assert host["ranks"] == [0, 1, 2, 3] and host["cpus"] >= 1
 

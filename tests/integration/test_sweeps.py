@@ -139,11 +139,12 @@ def test_a_sweep_whose_disk_fills_stops_with_one_line_saying_where_and_how_to_go
 
 def test_a_point_whose_results_find_no_room_is_recorded_from_the_temporary_folder(tmp_path):
     """A point's results file (indented JSON, about six pages) finds the disk full, while its
-    line in results.jsonl (about four) still fits: the point keeps its results in the temporary
-    folder, and the sweep records them from there, saying where they are."""
+    line in results.jsonl (four or five) still fits beside the sweep's lock, the point's config
+    and its log (a page each): the point keeps its results in the temporary folder, and the
+    sweep records them from there, saying where they are."""
     sweep = tmp_path / "sweep.json"
     sweep.write_text(json.dumps({"base": {"rounds": 1}, "grid": {"hook": ["ps"]}}))
-    with small_file_system(tmp_path / "full", "28k") as full:
+    with small_file_system(tmp_path / "full", "32k") as full:
         run = run_bench("sweep", str(sweep), "--out", str(full / "sweep"), timeout_s=120)
         recorded = lines(full / "sweep")
     assert run.returncode == 0, run.output

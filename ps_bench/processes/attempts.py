@@ -1,0 +1,142 @@
+"""What each attempt of a job keeps for the attempts after it, in the job's store: torchrun keeps
+its store across the restarts it makes (``--max-restarts``), so a restarted attempt finds when
+the job began, where each earlier attempt began (its first iteration, from a checkpoint or
+from the start) and the rounds it finished (its master's snapshots), and the results file of
+the attempt that completes holds every attempt's rounds. A job not under torchrun has one
+attempt: there is nothing earlier to find."""
+
+from __future__ import annotations
+
+import json
+
+import torch.distributed as dist
+
+from ps_bench.results.recovery import failure_entry, goodput, iso, saves_summary
+
+PREFIX = "ps_bench/attempts"
+STARTED = f"{PREFIX}/job-started"
+
+
+class Attempts:
+    """Attempt ``attempt`` of the job whose store is ``store``."""
+
+    def __init__(self, store: dist.Store, attempt: int) -> None:
+        self.store, self.attempt = store, attempt
+
+    def job_started(self, now: float) -> float:
+        """When the job's first attempt began (``now``, where this is the first)."""
+        return float(self.store.compare_set(STARTED, "", repr(now)))
+
+    def begin(self, iteration: int, at: float) -> None:
+        """This attempt begins training at ``iteration`` (the iterations done before it)."""
+        self.store.set(f"{PREFIX}/{self.attempt}/began",
+                       json.dumps({"iteration": iteration, "time": at}))
+
+    def keep(self, results: dict) -> None:
+        """This attempt's rounds so far (its master's snapshot of its record)."""
+        self.store.set(f"{PREFIX}/{self.attempt}/kept", json.dumps(results))
+
+    def earlier(self) -> list[dict]:
+        """Every earlier attempt: where it began (None: it began no training) and what it kept
+        (None: no round)."""
+        found = []
+        for attempt in range(self.attempt):
+            began, kept = (f"{PREFIX}/{attempt}/{name}" for name in ("began", "kept"))
+            found.append({"attempt": attempt,
+                          "began": (json.loads(self.store.get(began))
+                                    if self.store.check([began]) else None),
+                          "kept": (json.loads(self.store.get(kept))
+                                   if self.store.check([kept]) else None)})
+        return found
+
+
+class RecoveryBooks:
+    """What the master notes of this attempt's checkpoints and recovery as its rounds come in, and
+    the results file's ``recovery`` block from it (``results.recovery``)."""
+
+    def __init__(self, attempts: Attempts | None, plan, recovered: list[dict],
+                 samples_per_iteration: int) -> None:
+        self.attempts, self.plan, self.recovered = attempts, plan, recovered
+        self.samples_per_iteration = samples_per_iteration
+        self.began_at_iteration = (plan.resume["iteration"]
+                                   if plan is not None and plan.resume else 0)
+        self.iteration = self.began_at_iteration  # the iterations done so far
+        self.saves: list[dict] = []
+        self.restore_s: float | None = None
+        self.first_step_at: float | None = None  # this attempt's first step done (time.time())
+
+    @property
+    def wanted(self) -> bool:
+        """Only a run with checkpoints, or one restarted, has a recovery block."""
+        return self.plan is not None or bool(self.recovered)
+
+    def resume_point(self, per_round: int) -> tuple[int, int]:
+        """Where training begins, rounds of ``per_round`` iterations: the round and its iteration
+        after the checkpoint the job resumes from (``--checkpoint-every``), else the first's."""
+        done = self.began_at_iteration
+        if self.plan is not None and self.plan.start_over:
+            print(f"ps_bench: --checkpoint-dir {self.plan.folder} held a finished run's "
+                  f"checkpoints: this run starts over, and has removed them", flush=True)
+        if not done or not per_round:
+            return 0, 0
+        round_index, step = divmod(done, per_round)
+        print(f"ps_bench: resumed from the checkpoint of iteration {done} "
+              f"({self.plan.resume['path']}): round {round_index + 1}, from its iteration "
+              f"{step + 1}", flush=True)
+        return round_index, step
+
+    def begin(self, ready_at: float) -> None:
+        if self.attempts is not None:
+            self.attempts.begin(self.began_at_iteration, ready_at)
+
+    def add(self, rounds: list[dict]) -> None:
+        """A round's trainer results: its iterations, each save's longest hold over the
+        trainers, the restore, and when its first step was done."""
+        first = rounds[0]
+        self.iteration += first["iterations"]
+        books = [result.get("checkpoints") or {"saves": [], "restore_s": None} for result in rounds]
+        for place, save in enumerate(books[0]["saves"]):
+            self.saves.append({"iteration": save["iteration"],
+                               "held_s": max(each["saves"][place]["held_s"] for each in books
+                                             if place < len(each["saves"]))})
+        restored = [each["restore_s"] for each in books if each["restore_s"] is not None]
+        if restored:
+            self.restore_s = max(restored)
+        batches = first.get("samples", {}).get("batch")
+        if self.first_step_at is None and first["iterations"] and "began_at" in first:
+            self.first_step_at = first["began_at"] + (batches[0] / 1000.0 if batches else 0.0)
+
+    def block(self, launched_at: float, restarted_at: float | None, ended_at: float,
+              failure_free: float | None) -> dict | None:
+        """The ``recovery`` block: ``launched_at``, when this attempt began; ``restarted_at``,
+        when its first rank started; ``failure_free``, the timed rounds' samples a second."""
+        if not self.wanted:
+            return None
+        earlier = self.attempts.earlier() if self.attempts is not None else []
+        started = (self.attempts.job_started(launched_at) if self.attempts is not None
+                   else launched_at)
+        attempts, failures = [], []
+        for found, failure in zip(earlier, self.recovered):
+            began = (found["began"] or {}).get("iteration")
+            attempts.append({"attempt": found["attempt"], "began_at_iteration": began or 0,
+                             "ended_at_iteration": failure.get("iteration"),
+                             "failure": failure["failure"], "results": found["kept"]})
+        for place, failure in enumerate(self.recovered):
+            last = place == len(self.recovered) - 1
+            resumed = (self.began_at_iteration if last
+                       else ((earlier[place + 1]["began"] or {}).get("iteration") or 0))
+            failures.append(failure_entry(failure, resumed, restarted_at if last else None,
+                                          self.first_step_at if last else None))
+        attempts.append({"attempt": len(earlier), "began_at_iteration": self.began_at_iteration,
+                         "ended_at_iteration": self.iteration, "began": iso(launched_at)})
+        plan, base = self.plan, attempts[0]["began_at_iteration"]
+        return {"checkpoints": saves_summary(
+                    None if plan is None else {"folder": plan.folder, "every": plan.every,
+                                               "background": plan.asynchronous},
+                    self.saves, self.restore_s),
+                "failures": failures, "attempts": attempts,
+                # resumed from a checkpoint of a run before this one (started again by hand): the
+                # iterations it committed are no part of this file
+                "resumed_from_an_earlier_run": base or None,
+                "goodput": goodput(attempts, self.iteration - base, self.samples_per_iteration,
+                                   ended_at - started, failure_free)}
