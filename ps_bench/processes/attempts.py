@@ -18,10 +18,12 @@ STARTED = f"{PREFIX}/job-started"
 
 
 class Attempts:
-    """Attempt ``attempt`` of the job whose store is ``store``."""
+    """Attempt ``attempt`` of the job whose store is ``store``; ``restartable``: an attempt may
+    follow it (torchrun's ``--max-restarts``), for which it keeps its rounds."""
 
-    def __init__(self, store: dist.Store, attempt: int) -> None:
-        self.store, self.attempt = store, attempt
+    def __init__(self, store: dist.Store, attempt: int, restartable: bool = True) -> None:
+        self.store, self.attempt, self.restartable = store, attempt, restartable
+        self.found: list[dict] | None = None  # the earlier attempts, read once
 
     def job_started(self, now: float) -> float:
         """When the job's first attempt began (``now``, where this is the first)."""
@@ -33,12 +35,16 @@ class Attempts:
                        json.dumps({"iteration": iteration, "time": at}))
 
     def keep(self, results: dict) -> None:
-        """This attempt's rounds so far (its master's snapshot of its record)."""
-        self.store.set(f"{PREFIX}/{self.attempt}/kept", json.dumps(results))
+        """This attempt's rounds so far (its master's snapshot of its record), where an attempt
+        may follow to read them."""
+        if self.restartable:
+            self.store.set(f"{PREFIX}/{self.attempt}/kept", json.dumps(results))
 
     def earlier(self) -> list[dict]:
         """Every earlier attempt: where it began (None: it began no training) and what it kept
-        (None: no round)."""
+        (None: no round); read from the store once."""
+        if self.found is not None:
+            return self.found
         found = []
         for attempt in range(self.attempt):
             began, kept = (f"{PREFIX}/{attempt}/{name}" for name in ("began", "kept"))
@@ -47,6 +53,7 @@ class Attempts:
                                     if self.store.check([began]) else None),
                           "kept": (json.loads(self.store.get(kept))
                                    if self.store.check([kept]) else None)})
+        self.found = found
         return found
 
 
@@ -64,6 +71,7 @@ class RecoveryBooks:
         self.saves: list[dict] = []
         self.restore_s: float | None = None
         self.first_step_at: float | None = None  # this attempt's first step done (time.time())
+        self.started: float | None = None  # when the job's first attempt began
 
     @property
     def wanted(self) -> bool:
@@ -113,8 +121,10 @@ class RecoveryBooks:
         if not self.wanted:
             return None
         earlier = self.attempts.earlier() if self.attempts is not None else []
-        started = (self.attempts.job_started(launched_at) if self.attempts is not None
-                   else launched_at)
+        if self.started is None:
+            self.started = (self.attempts.job_started(launched_at) if self.attempts is not None
+                            else launched_at)
+        started = self.started
         attempts, failures = [], []
         for found, failure in zip(earlier, self.recovered):
             began = (found["began"] or {}).get("iteration")

@@ -218,7 +218,8 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
                                 f"job finished (torchrun stops every rank when one fails or "
                                 f"when it is stopped)", quietly=True))
                             if spec.torchrun else None,
-                            attempts=Attempts(store, rendezvous.restart_count()))
+                            attempts=Attempts(store, rendezvous.restart_count(),
+                                              restartable=rendezvous.restarts_left()))
             master.run()
         rpc.shutdown()
         if dist.is_initialized():

@@ -138,10 +138,11 @@ class DdpTrainer(FloorProbes, Resident):
         # --limits builds the compute-only copy from them
         self.entry, self.seed = model, config.torch_seed
         self.saves = Saves(checkpoints, config, self.index, self.device, self.hook_context.wire)
+        self.completed = 0  # iterations whose optimizer step is done
         failures.set_progress(lambda: self.completed)
         if checkpoints is not None and checkpoints.resume is not None:
-            self.iteration = self.saves.restore(self.synchroniser, self.model, self.optimizer)
-        self.completed = self.iteration  # iterations whose optimizer step is done
+            self.iteration = self.completed = self.saves.restore(self.synchroniser, self.model,
+                                                                 self.optimizer)
 
     def ready(self) -> int:
         return self.iterations_per_epoch * self.epochs
