@@ -13,16 +13,16 @@ from ps_bench.config import ConfigError
 from ps_bench.options import HookKeyValue, KeyValue
 from ps_bench.places import check_apart, check_output_file, write_output
 from ps_bench.plots import check_plot_file
-from ps_bench.predict import memory, pipelines
+from ps_bench.predict import goodput, memory, pipelines
 from ps_bench.predict.inputs import (LINK_KINDS, LOCAL_KINDS, NETWORK_KINDS, TargetLink, count_list,
                                      model_buckets, parse_phases, target_links)
 from ps_bench.predict.calibration import (Calibration, add_engine_terms, add_payloads, borrowed,
                                           from_compute_ms, give_options, other_precision,
                                           runs_model)
-from ps_bench.predict.predictor import calibrate, predict
-from ps_bench.predict.rows import prediction_rows, unplaced
+from ps_bench.predict.predictor import calibrate
+from ps_bench.predict.rows import (DEFAULT_HOOKS, choose_hooks, prediction_rows, strategies,
+                                   strategy, unplaced)
 from ps_bench.predict.runs import Run, accumulating, runs_of
-from ps_bench.registry import UnknownNameError
 from ps_bench.results.load import files_read
 from ps_bench.runtime.network import parse_delay
 from ps_bench.predict.tables import (describe_calibration, ethernet_note, plot, render,
@@ -31,7 +31,6 @@ from ps_bench.strategies import HOOKS, check_hook_options
 from ps_bench.strategies.deepspeed_config import predicted_config
 
 PREDICTION_SCHEMA = "ps_bench.prediction/1"
-DEFAULT_HOOKS = ("allreduce", "ps", "fp16")
 DESCRIPTION = (
     "Predict the batch time and throughput of each strategy at trainer and server counts you "
     "cannot run, from runs you did: compute phases, when each DDP bucket becomes ready, the link "
@@ -164,6 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --compute-ms: DDP's bucket cap, the first bucket's "
                         "too, as a trainer gives it to DDP (default: 25)")
     memory.add_arguments(parser)
+    goodput.add_arguments(parser)
     parser.add_argument("--out", metavar="FILE.json", help="write the calibration and every "
                         "prediction as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw batch time against trainers, one "
@@ -248,24 +248,11 @@ def check(args: argparse.Namespace, bench_argv: list[str]) -> Target:
     elif not args.results:
         raise ConfigError("predict needs results files to calibrate on, or --compute-ms with "
                           "--model, --batch-size and --link")
+    goodput.check_arguments(args)
     ds_config = args.ds_config and predicted_config(args.ds_config, args.precision)
     return Target(trainers, link, latency_s, args.per_node, intra,
                   list(dict.fromkeys(places)), compute_ms, checked_options(args.hook_options),
                   ds_config)
-
-
-def strategy(name: str, flag: str) -> str:
-    """A strategy's registered name for ``name`` (a name or alias), or a ConfigError as a run's
-    ``--hook`` gives (with "did you mean")."""
-    try:
-        return HOOKS.canonical(name.strip())
-    except UnknownNameError as error:
-        raise ConfigError(f"{flag}: {error}") from None
-
-
-def strategies(text: str) -> list[str]:
-    """``--hooks``' strategies by their registered names."""
-    return [strategy(name, "--hooks") for name in text.split(",")]
 
 
 def checked_options(given: dict[str, dict]) -> dict[str, dict]:
@@ -357,7 +344,11 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
                              calibration.options, calibration.gathered)
         for row in rows:
             row.update(held.row(row["strategy"], row["trainers"], row["per_node"]))
-    described = describe_calibration(calibration, hooks) + (held.describe() if held else "")
+    failures = goodput.target(args, runs, args.optimizer)
+    for row in rows if failures is not None else []:
+        row.update(failures.row(row, calibration.gradient_bytes, calibration.link.bytes_per_ms))
+    described = (describe_calibration(calibration, hooks) + (held.describe() if held else "")
+                 + (failures.describe() if failures else ""))
     note = (unplaced(servers, trainers, target.per_node)
             if args.servers is not None and "colocated" in target.servers_on else None)
     print(described.rstrip("\n") + f"\n  {note}\n" if note else described)
@@ -365,34 +356,19 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     synchronising = [hook for hook in hooks if HOOKS.record(hook).transport is not None]
     print(render_winners(winners(rows), "no strategy fits --gpu-memory" if synchronising else
                          f"{', '.join(hooks)} synchronises nothing (never a winner)"))
+    if failures is not None:
+        print(goodput.render_goodput_winners(rows))
     caveat = ethernet_note(target.link.kind if target.link is not None else None, rows)
     if caveat:
         print(caveat)
     if args.out:
         text = json.dumps({"schema": PREDICTION_SCHEMA, "calibration": calibration.to_dict(),
-                           "predictions": rows, "winners": winners(rows)}, indent=2) + "\n"
+                           "predictions": rows, "winners": winners(rows),
+                           **({"goodput_winners": goodput.goodput_winners(rows)}
+                              if failures else {})}, indent=2) + "\n"
         write_output(args.out, "--out", lambda path: Path(path).write_text(text))
         print(f"predictions: {args.out}")
     if args.plot:
         write_output(args.plot, "--plot", lambda path: plot(path, rows, calibration))
         print(f"plot: {args.plot}")
     return 0
-
-
-def choose_hooks(text: str | None, runs: list[Run], calibration: Calibration,
-                 per_node: int = 1) -> list[str]:
-    """The strategies to predict: ``--hooks``, else the runs' and the defaults (and, on nodes of
-    several trainers, ``ps_node`` beside ``ps``)."""
-    if text is None:
-        defaults = ([*DEFAULT_HOOKS[:2], "ps_node", *DEFAULT_HOOKS[2:]] if per_node > 1
-                    else list(DEFAULT_HOOKS))
-        names = list(dict.fromkeys([run.hook for run in runs] + defaults))
-        return [name for name in names if predict(calibration, name, 2, 1) is not None]
-    hooks = []
-    for hook in strategies(text):
-        if predict(calibration, hook, 2, 1) is None:
-            raise ConfigError(f"--hooks: {hook} sends low-rank factors whose size depends on the "
-                              f"layers' shapes, which these results files do not record: give "
-                              f"a run of {hook} to calibrate it")
-        hooks.append(hook)
-    return list(dict.fromkeys(hooks))

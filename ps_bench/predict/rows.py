@@ -8,8 +8,12 @@ from ps_bench.options import plural
 from ps_bench.predict.calibration import Calibration
 from ps_bench.predict.predictor import at_options, predict
 from ps_bench.predict.runs import Run
+from ps_bench.config import ConfigError
+from ps_bench.registry import UnknownNameError
 from ps_bench.strategies import HOOKS, RPC
 
+
+DEFAULT_HOOKS = ("allreduce", "ps", "fp16")  # predicted where --hooks is not given
 
 def server_counts(n: int) -> list[int]:
     """The server counts ``auto`` tries at ``n`` trainers: powers of two up to n, and n."""
@@ -124,3 +128,34 @@ def measured(calibration: Calibration, compared: list[Run], hook: str, n: int, k
             "calibration": any(run in calibration.runs for run in matches)}
 
 
+def strategy(name: str, flag: str) -> str:
+    """A strategy's registered name for ``name`` (a name or alias), or a ConfigError as a run's
+    ``--hook`` gives (with "did you mean")."""
+    try:
+        return HOOKS.canonical(name.strip())
+    except UnknownNameError as error:
+        raise ConfigError(f"{flag}: {error}") from None
+
+
+def strategies(text: str) -> list[str]:
+    """``--hooks``' strategies by their registered names."""
+    return [strategy(name, "--hooks") for name in text.split(",")]
+
+
+def choose_hooks(text: str | None, runs: list[Run], calibration: Calibration,
+                 per_node: int = 1) -> list[str]:
+    """The strategies to predict: ``--hooks``, else the runs' and the defaults (and, on nodes of
+    several trainers, ``ps_node`` beside ``ps``)."""
+    if text is None:
+        defaults = ([*DEFAULT_HOOKS[:2], "ps_node", *DEFAULT_HOOKS[2:]] if per_node > 1
+                    else list(DEFAULT_HOOKS))
+        names = list(dict.fromkeys([run.hook for run in runs] + defaults))
+        return [name for name in names if predict(calibration, name, 2, 1) is not None]
+    hooks = []
+    for hook in strategies(text):
+        if predict(calibration, hook, 2, 1) is None:
+            raise ConfigError(f"--hooks: {hook} sends low-rank factors whose size depends on the "
+                              f"layers' shapes, which these results files do not record: give "
+                              f"a run of {hook} to calibrate it")
+        hooks.append(hook)
+    return list(dict.fromkeys(hooks))

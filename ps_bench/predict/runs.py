@@ -47,6 +47,9 @@ class Run:
     engine_config: dict | None = None  # the config its engine (DeepSpeed) was built from
     reduce_dtype: str | None = None  # its --reduce-dtype
     data: dict | None = None  # its data entry, as its results file resolved it
+    # its checkpoints, failures and goodput (--checkpoint-every, or restarted by torchrun)
+    recovery: dict = field(default_factory=dict)
+    gradient_bytes: float = 0.0  # its model's float32 gradients, dense and sparse
 
     @property
     def precision(self) -> str:
@@ -114,7 +117,9 @@ class Run:
                                                 "reduce_dtype", "model_options") if key in cfg},
             hook_options=dict(cfg.get("hook_options") or {}),
             engine_config=cfg.get("engine_config"), reduce_dtype=cfg.get("reduce_dtype"),
-            data=cfg.get("data_config"),
+            data=cfg.get("data_config"), recovery=results.get("recovery") or {},
+            gradient_bytes=sum((cfg.get("model_size") or {}).get(key, 0) for key in
+                               ("dense_gradient_bytes", "sparse_gradient_bytes")),
         )
 
 

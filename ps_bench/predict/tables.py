@@ -104,6 +104,7 @@ def render(rows: list[dict]) -> str:
     nodes = any(row.get("per_node", 1) > 1 for row in rows)
     held = any("model_states_bytes" in row for row in rows)
     fits = any("fits" in row for row in rows)
+    failing = any("ettr" in row for row in rows)
     body = [[*([f"{row['nodes']} x {row['per_node']}"] if nodes else []), row["trainers"],
              row["strategy"], servers_label(row),
              f"{row['batch_ms']:.1f}",
@@ -114,20 +115,36 @@ def render(rows: list[dict]) -> str:
              "-" if row.get("byteps_bound_ms") is None else f"{row['byteps_bound_ms']:.1f}",
              "*" if (row["trainers"], row["strategy"], row["servers"],
                      row.get("servers_on")) in best else "",
-             *(memory_cells(row) if held else [])]
+             *(memory_cells(row) if held else []),
+             *(goodput_cells(row) if failing else [])]
             for row in rows]
     return tabulate(body, headers=[*(["nodes x G"] if nodes else []), "trainers", "strategy",
                                    "servers", "batch ms", "samples/s", "measured ms",
                                    "error %", "BytePS bound ms", "best",
                                    *(["states GiB", "memory GiB"] if held else []),
-                                   *(["fits"] if fits else [])],
+                                   *(["fits"] if fits else []),
+                                   *(["goodput/s", "ETTR", "checkpoint every"]
+                                     if failing else [])],
                     disable_numparse=True) + (
         "\nBytePS bound: the least any parameter-server layout with that many servers needs to "
         "move the gradients (communication only)") + (
         "\nstates: parameters, gradients, optimizer state and gathered layers a GPU holds; "
         "memory: with the activations and what the strategy keeps between iterations (error "
         "feedback's residuals, PowerSGD's state)" if held else "") + (
-        "; NO: does not fit --gpu-memory (never the best)" if fits else "")
+        "; NO: does not fit --gpu-memory (never the best)" if fits else "") + (
+        "\ngoodput: the samples a second training keeps under failures (ETTR: the share of wall "
+        "time it keeps); checkpoint every: the interval of work between checkpoints, where the "
+        "strategy restarts from one" if failing else "")
+
+
+def goodput_cells(row: dict) -> list[str]:
+    interval = row.get("checkpoint_interval_s")
+    return [f"{row['goodput_samples_per_s']:.0f}", f"{row['ettr']:.3f}",
+            "-" if interval is None else minutes(interval)]
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.1f} s"
 
 
 def gib(nbytes: float) -> str:

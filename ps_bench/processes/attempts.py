@@ -62,15 +62,16 @@ class RecoveryBooks:
     the results file's ``recovery`` block from it (``results.recovery``)."""
 
     def __init__(self, attempts: Attempts | None, plan, recovered: list[dict],
-                 samples_per_iteration: int) -> None:
+                 samples_per_iteration: int, trainers: int) -> None:
         self.attempts, self.plan, self.recovered = attempts, plan, recovered
         self.samples_per_iteration = samples_per_iteration
+        self.trainers = trainers
         self.began_at_iteration = (plan.resume["iteration"]
                                    if plan is not None and plan.resume else 0)
         self.iteration = self.began_at_iteration  # the iterations done so far
         self.saves: list[dict] = []
         self.restore_s: float | None = None
-        self.first_step_at: float | None = None  # this attempt's first step done (time.time())
+        self.ready_at: float | None = None  # when this attempt was ready to train (time.time())
         self.started: float | None = None  # when the job's first attempt began
 
     @property
@@ -94,25 +95,24 @@ class RecoveryBooks:
         return round_index, step
 
     def begin(self, ready_at: float) -> None:
+        """Training begins, every trainer built (and restored): its first step follows."""
+        self.ready_at = ready_at
         if self.attempts is not None:
             self.attempts.begin(self.began_at_iteration, ready_at)
 
     def add(self, rounds: list[dict]) -> None:
         """A round's trainer results: its iterations, each save's longest hold over the
-        trainers, the restore, and when its first step was done."""
+        trainers, and the restore."""
         first = rounds[0]
         self.iteration += first["iterations"]
         books = [result.get("checkpoints") or {"saves": [], "restore_s": None} for result in rounds]
         for place, save in enumerate(books[0]["saves"]):
-            self.saves.append({"iteration": save["iteration"],
+            self.saves.append({"iteration": save["iteration"], "bytes": save.get("bytes"),
                                "held_s": max(each["saves"][place]["held_s"] for each in books
                                              if place < len(each["saves"]))})
         restored = [each["restore_s"] for each in books if each["restore_s"] is not None]
         if restored:
             self.restore_s = max(restored)
-        batches = first.get("samples", {}).get("batch")
-        if self.first_step_at is None and first["iterations"] and "began_at" in first:
-            self.first_step_at = first["began_at"] + (batches[0] / 1000.0 if batches else 0.0)
 
     def block(self, launched_at: float, restarted_at: float | None, ended_at: float,
               failure_free: float | None) -> dict | None:
@@ -125,28 +125,48 @@ class RecoveryBooks:
             self.started = (self.attempts.job_started(launched_at) if self.attempts is not None
                             else launched_at)
         started = self.started
-        attempts, failures = [], []
-        for found, failure in zip(earlier, self.recovered):
-            began = (found["began"] or {}).get("iteration")
-            attempts.append({"attempt": found["attempt"], "began_at_iteration": began or 0,
-                             "ended_at_iteration": failure.get("iteration"),
-                             "failure": failure["failure"], "results": found["kept"]})
-        for place, failure in enumerate(self.recovered):
-            last = place == len(self.recovered) - 1
-            resumed = (self.began_at_iteration if last
-                       else ((earlier[place + 1]["began"] or {}).get("iteration") or 0))
-            failures.append(failure_entry(failure, resumed, restarted_at if last else None,
-                                          self.first_step_at if last else None))
+        attempts = [attempt_entry(found, failure) for found, failure in zip(earlier,
+                                                                           self.recovered)]
+        failures = [recovered_by(earlier, place + 1, failure)
+                    for place, failure in enumerate(self.recovered[:-1])]
+        if self.recovered:  # the failure this attempt recovered from
+            failures.append(failure_entry(self.recovered[-1], self.began_at_iteration,
+                                          restarted_at, self.ready_at))
         attempts.append({"attempt": len(earlier), "began_at_iteration": self.began_at_iteration,
-                         "ended_at_iteration": self.iteration, "began": iso(launched_at)})
-        plan, base = self.plan, attempts[0]["began_at_iteration"]
+                         "ended_at_iteration": self.iteration, "began": iso(launched_at),
+                         "iterations_run": self.iteration - self.began_at_iteration})
+        plan, base = self.plan, attempts[0]["began_at_iteration"] or 0
         return {"checkpoints": saves_summary(
                     None if plan is None else {"folder": plan.folder, "every": plan.every,
                                                "background": plan.asynchronous},
-                    self.saves, self.restore_s),
+                    self.saves, self.restore_s, self.trainers),
                 "failures": failures, "attempts": attempts,
                 # resumed from a checkpoint of a run before this one (started again by hand): the
                 # iterations it committed are no part of this file
                 "resumed_from_an_earlier_run": base or None,
                 "goodput": goodput(attempts, self.iteration - base, self.samples_per_iteration,
                                    ended_at - started, failure_free)}
+
+
+def attempt_entry(found: dict, failure: dict) -> dict:
+    """An earlier attempt (``Attempts.earlier``) and the failure that ended it: where it began
+    training and where it failed (none run where it failed before it began)."""
+    began = (found["began"] or {}).get("iteration")
+    ended = failure.get("iteration")
+    run = (0 if found["began"] is None else
+           ended - began if ended is not None and began is not None else None)
+    return {"attempt": found["attempt"], "began_at_iteration": began,
+            "ended_at_iteration": ended, "iterations_run": run, "failure": failure["failure"],
+            "results": found["kept"]}
+
+
+def recovered_by(earlier: list[dict], attempt: int, failure: dict) -> dict:
+    """The failure that ended attempt ``attempt - 1``, as attempt ``attempt`` recovered from it:
+    what that attempt's own books (its kept snapshot) measured of it."""
+    kept = earlier[attempt]["kept"] or {}
+    measured = ((kept.get("recovery") or {}).get("failures") or [{}])[-1]
+    began = earlier[attempt]["began"]
+    entry = failure_entry(failure, (began or {}).get("iteration") or 0, None, None)
+    for key in ("restart_s", "recovery_s"):
+        entry[key] = measured.get(key)
+    return entry

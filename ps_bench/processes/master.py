@@ -173,7 +173,8 @@ class Master:
         self.kept = Keeper(self.record, run_dir, on_stop,
                            on_written=attempts.keep if attempts is not None else None)
         self.books = RecoveryBooks(attempts, job.checkpoints, self.record.recovered,
-                                   config.num_trainers * config.batch_size * config.grad_accum)
+                                   config.num_trainers * config.batch_size * config.grad_accum,
+                                   config.num_trainers)
 
     # -- setting up ------------------------------------------------------------------------
     def create_servers(self) -> list[rpc.RRef]:

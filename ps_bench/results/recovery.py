@@ -21,23 +21,31 @@ def iso(seconds: float | None) -> str | None:
     return datetime.fromtimestamp(seconds, timezone.utc).astimezone().isoformat(timespec="seconds")
 
 
-def saves_summary(plan: dict | None, saves: list[dict], restore_s: float | None) -> dict | None:
+def saves_summary(plan: dict | None, saves: list[dict], restore_s: float | None,
+                  trainers: int) -> dict | None:
     """``--checkpoint-every``: the folder, the interval, the saves of this attempt (each's longest
-    hold of training over the trainers) and the restore it began with."""
+    hold of training over the trainers), a checkpoint's bytes and, saved in the foreground, the
+    rate a trainer wrote its share at (its bytes over the trainers, over the p50 save: what
+    ``predict`` scales a checkpoint's cost with), and the restore it began with."""
     if plan is None:
         return None
     held = [save["held_s"] for save in saves]
+    sizes = [save["bytes"] for save in saves if save.get("bytes")]
+    p50 = statistics.median(held) if held else None
+    nbytes = statistics.median(sizes) if sizes else None
     return {"folder": plan["folder"], "every": plan["every"], "background": plan["background"],
-            "saves": len(held), "save_s": sum(held),
-            "save_s_p50": statistics.median(held) if held else None,
+            "saves": len(held), "save_s": sum(held), "save_s_p50": p50,
+            "bytes": nbytes,
+            "bytes_per_s_per_trainer": (nbytes / trainers / p50
+                                        if nbytes and p50 and not plan["background"] else None),
             "restore_s": restore_s}
 
 
 def failure_entry(failure: dict, resumed_from: int, restarted_at: float | None,
-                  first_step_at: float | None) -> dict:
+                  ready_at: float | None) -> dict:
     """The failure an earlier attempt ended with (``rendezvous.recovered_failures``' entry), as this
     attempt recovered from it: resumed at ``resumed_from`` (0: from the start), its ranks started
-    at ``restarted_at``, its first step after the resume done at ``first_step_at``."""
+    at ``restarted_at``, ready to train again (started up and restored) at ``ready_at``."""
     failed_at, failed_in = failure.get("time"), failure.get("iteration")
     return {"attempt": failure["attempt"], "role": failure.get("role"),
             "rank": failure.get("rank"), "host": failure.get("host"),
@@ -50,17 +58,17 @@ def failure_entry(failure: dict, resumed_from: int, restarted_at: float | None,
             # starting them again
             "restart_s": (restarted_at - failed_at
                           if restarted_at is not None and failed_at is not None else None),
-            # failure -> the first step committed after it (start-up, restore, the first step)
-            "recovery_s": (first_step_at - failed_at
-                           if first_step_at is not None and failed_at is not None else None)}
+            # failure -> training again: detection, restart, start-up, restore
+            "recovery_s": (ready_at - failed_at
+                           if ready_at is not None and failed_at is not None else None)}
 
 
 def goodput(attempts: list[dict], committed: int, samples_per_iteration: int,
             wall_s: float | None, failure_free: float | None) -> dict:
     """The run's committed samples over its wall time, and its step efficiency: ``attempts``
-    each with the iteration it began at and the one it ended at (None where not known)."""
-    run = [attempt["ended_at_iteration"] - attempt["began_at_iteration"] for attempt in attempts
-           if attempt["ended_at_iteration"] is not None]
+    each with the iterations it ran (None where not known)."""
+    run = [attempt["iterations_run"] for attempt in attempts
+           if attempt["iterations_run"] is not None]
     known = len(run) == len(attempts)
     return {"committed_iterations": committed,
             "committed_samples": committed * samples_per_iteration,

@@ -65,12 +65,13 @@ class Saves:
                                                     self.plan.asynchronous, self.group)
         finally:
             self.wire.paused = False
+        nbytes = None
         if writing is None:
-            self.commit(folder, iteration, held)
+            nbytes = self.commit(folder, iteration, held)
         else:
             self.writing = (writing, folder, iteration, held)
         held = time.perf_counter() - started
-        self.taken.append({"iteration": iteration, "held_s": held})
+        self.taken.append({"iteration": iteration, "held_s": held, "bytes": nbytes})
         return held
 
     def settle(self) -> None:
@@ -81,13 +82,17 @@ class Saves:
             writing.result()
             self.commit(folder, iteration, held)
 
-    def commit(self, folder: Path, iteration: int, held_s: float) -> None:
+    def commit(self, folder: Path, iteration: int, held_s: float) -> int | None:
         """Trainer 0 writes the manifest once every trainer's part is in (DCP's save, and its
-        background writing, end with every trainer's)."""
-        if self.rank == 0:
-            checkpoints.commit(folder, self.config, iteration, {
-                "saved": time.time(), "held_s": held_s, "background": self.plan.asynchronous,
-                "trainers": self.config.num_trainers})
+        background writing, end with every trainer's); returns the checkpoint's bytes (trainer
+        0; None on the others)."""
+        if self.rank != 0:
+            return None
+        nbytes = sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+        checkpoints.commit(folder, self.config, iteration, {
+            "saved": time.time(), "held_s": held_s, "background": self.plan.asynchronous,
+            "trainers": self.config.num_trainers, "bytes": nbytes})
+        return nbytes
 
     def restore(self, synchroniser: Any, model: Any, optimizer: Any) -> int:
         """The checkpoint ``plan.resume`` names read into the model, the optimizer and this

@@ -215,7 +215,6 @@ class DdpTrainer(FloorProbes, Resident):
         if convergence is not None and convergence.stopped:
             return self.empty_round()
         saves, every = self.saves, self.saves.every
-        began_at = time.time()  # with the first sample, when the round's first step was done
         for step in range(start_step, iterations):
             first = (step % per_epoch) * step_size
             x, y = [t[first:first + step_size] for t in inputs], targets[first:first + step_size]
@@ -318,7 +317,7 @@ class DdpTrainer(FloorProbes, Resident):
             **({"engine_counts": self.synchroniser.engine_counts(ctx.process_group.size())}
                if hasattr(self.synchroniser, "engine_counts") else {}),
             "memory": trainer_memory(self.device, self.held, self.activations, self.buffers),
-            "checkpoints": saves.take(), "began_at": began_at,
+            "checkpoints": saves.take(),
             "timeline": timeline,
             "collectives": collective_ms(timings),
             "host_traffic": [[source, destination, nbytes] for (source, destination), nbytes

@@ -104,19 +104,18 @@ def test_several_faults_are_separated_by_commas():
 def test_a_failure_costs_the_iterations_since_the_checkpoint_and_the_time_to_the_next_step():
     failure = {"attempt": 0, "role": "trainer", "rank": 1, "host": "h", "time": 100.0,
                "iteration": 24, "failure": "trainer 1 failed"}
-    entry = failure_entry(failure, 20, restarted_at=104.0, first_step_at=108.5)
+    entry = failure_entry(failure, 20, restarted_at=104.0, ready_at=108.5)
     assert (entry["iterations_done"], entry["resumed_from"], entry["iterations_redone"]) == (24, 20, 4)
     assert (entry["restart_s"], entry["recovery_s"]) == (4.0, 8.5)
-    attempts = [{"began_at_iteration": 0, "ended_at_iteration": 24},
-                {"began_at_iteration": 20, "ended_at_iteration": 126}]
+    attempts = [{"iterations_run": 24}, {"iterations_run": 106}]
     assert goodput(attempts, 126, 48, 20.0, 3000.0) == {
         "committed_iterations": 126, "committed_samples": 6048, "iterations_run": 130,
         "step_efficiency": 126 / 130, "wall_s": 20.0, "samples_per_s": 6048 / 20.0,
         "failure_free_samples_per_s": 3000.0}
 
 
-def round_of(iterations: int, saves: list[dict], restore_s=None, began_at=50.0) -> dict:
-    return {"iterations": iterations, "began_at": began_at, "samples": {"batch": [500.0]},
+def round_of(iterations: int, saves: list[dict], restore_s=None) -> dict:
+    return {"iterations": iterations, "samples": {"batch": [500.0]},
             "checkpoints": {"saves": saves, "restore_s": restore_s}}
 
 
@@ -134,21 +133,23 @@ def test_the_books_of_a_restarted_attempt_hold_every_attempt_and_its_failure(tmp
     second = Attempts(store, 1)
     failure = {"attempt": 0, "role": "trainer", "rank": 1, "host": "h", "time": 40.0,
                "iteration": 24, "failure": "trainer 1 failed"}
-    books = RecoveryBooks(second, plan, [failure], 48)
+    books = RecoveryBooks(second, plan, [failure], 48, 3)
     assert books.resume_point(21) == (0, 20)
     books.begin(45.0)
     books.add([round_of(1, [], 0.25), round_of(1, [], 0.3)])
-    books.add([round_of(42, [{"iteration": 30, "held_s": 0.1}]),
-               round_of(42, [{"iteration": 30, "held_s": 0.2}])])
+    books.add([round_of(42, [{"iteration": 30, "held_s": 0.1, "bytes": 3000}]),
+               round_of(42, [{"iteration": 30, "held_s": 0.2, "bytes": None}])])
     block = books.block(launched_at=42.0, restarted_at=42.0, ended_at=60.0, failure_free=900.0)
     assert json.loads(json.dumps(block)) == block  # a results file holds it
     [lost] = block["failures"]
-    assert (lost["iterations_redone"], lost["restart_s"], lost["recovery_s"]) == (4, 2.0, 10.5)
+    assert (lost["iterations_redone"], lost["restart_s"], lost["recovery_s"]) == (4, 2.0, 5.0)
     assert [(a["attempt"], a["began_at_iteration"], a["ended_at_iteration"]) for a in block["attempts"]] == [
         (0, 0, 24), (1, 20, 63)]
     assert block["attempts"][0]["results"] == {"rounds_completed": 1}
     assert block["checkpoints"]["saves"] == 1 and block["checkpoints"]["save_s"] == 0.2
-    assert block["checkpoints"]["restore_s"] == 0.3
+    assert block["checkpoints"]["restore_s"] == 0.3 and block["checkpoints"]["bytes"] == 3000
+    # each of the 3 trainers wrote its 1000 bytes in the save's 0.2 s
+    assert block["checkpoints"]["bytes_per_s_per_trainer"] == pytest.approx(5000.0)
     assert block["goodput"]["committed_iterations"] == 63 and block["goodput"]["wall_s"] == 50.0
     assert block["goodput"]["step_efficiency"] == 63 / (24 + 43)
 
@@ -187,3 +188,29 @@ def test_bad_mtbf_options_are_one_line_exit_2(argv, words, capsys):
     assert main([*argv, "--dry-run"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1 and words in captured.err, captured.err
+
+
+def test_each_earlier_failure_keeps_what_the_attempt_after_it_measured(tmp_path):
+    """Three failures: attempt 1 died starting up (it began no training), attempt 2 resumed from
+    20 and measured its own recovery; the last attempt's books give each failure's, and count
+    no iteration run for the attempt that began none."""
+    store = dist.HashStore()
+    Attempts(store, 0).begin(0, 1.0)
+    two = Attempts(store, 2)
+    two.begin(20, 30.0)
+    two.keep({"recovery": {"failures": [{"restart_s": 3.0, "recovery_s": 6.5}]}})
+    cfg = config(tmp_path)
+    complete(cfg, 40)
+    plan = validate(config(tmp_path)).checkpoints
+    recovered = [{"attempt": 0, "time": 10.0, "iteration": 24, "failure": "trainer 1 failed"},
+                 {"attempt": 1, "time": 20.0, "failure": "trainer 0 failed"},
+                 {"attempt": 2, "time": 50.0, "iteration": 45, "failure": "trainer 2 failed"}]
+    books = RecoveryBooks(Attempts(store, 3), plan, recovered, 48, 3)
+    books.begin(58.0)
+    books.add([round_of(23, []), round_of(23, []), round_of(23, [])])
+    block = books.block(launched_at=55.0, restarted_at=54.0, ended_at=70.0, failure_free=900.0)
+    assert [(a["began_at_iteration"], a["ended_at_iteration"], a["iterations_run"])
+            for a in block["attempts"]] == [(0, 24, 24), (None, None, 0), (20, 45, 25), (40, 63, 23)]
+    assert [(f["resumed_from"], f["restart_s"], f["recovery_s"]) for f in block["failures"]] == [
+        (0, None, None), (20, 3.0, 6.5), (40, 4.0, 8.0)]
+    assert block["goodput"]["step_efficiency"] == 63 / (24 + 0 + 25 + 23)

@@ -5,6 +5,7 @@ made-up model, ``--compute`` from another run, and bad input."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -598,3 +599,78 @@ def test_an_engines_buckets_are_filled_as_backward_makes_the_gradients_ready():
     assert engine_buckets(ready, 20) == [(2.0, 80.0, False, 3), (3.0, 40.0, False, 1), (4.0, 100.0, False, 3)]
     assert engine_buckets(ready, 5) == ready  # no bucket smaller than DDP's
     assert engine_buckets(ready, 10 ** 9) == [(4.0, 220.0, False, 7)]
+
+
+def test_daly_gives_the_published_checkpoint_intervals():
+    """Daly (2006): for a checkpoint of 5 minutes, 117, 57 and 9.1 minutes at a mean time to
+    failure of 24 h, 6 h and 15 minutes (his higher-order estimate); Young's first order, sqrt(2δM)."""
+    from ps_bench.predict.goodput import daly_interval_s, young_interval_s
+
+    minutes = [daly_interval_s(300.0, mtbf * 60.0) / 60.0 for mtbf in (24 * 60, 6 * 60, 15)]
+    assert minutes == pytest.approx([117, 57, 9.1], abs=1.0)
+    assert young_interval_s(300.0, 6 * 3600.0) == pytest.approx(3600.0)
+    assert daly_interval_s(700.0, 300.0) == 300.0  # δ beyond 2M: checkpoint every M
+
+
+def test_what_a_failure_costs_each_way_of_recovering():
+    from ps_bench.predict.goodput import elastic_ettr, heal_ettr, restart_ettr
+
+    # no failure to speak of: only the checkpoints' own cost, τ / (τ + δ)
+    assert restart_ettr(600.0, 6.0, 0.0, 1e12) == pytest.approx(600 / 606, rel=1e-6)
+    # Daly's eq. 13 at τ = 1 h, δ = 5 min, R = 10 min, M = 6 h
+    expected = 3600 / (21600 * math.exp(600 / 21600) * math.expm1(3900 / 21600))
+    assert restart_ettr(3600.0, 300.0, 600.0, 21600.0) == pytest.approx(expected) == pytest.approx(0.819, abs=0.001)
+    # torchft: 30 groups, a failure a minute, steps of 10.9 s, a group back in 6 s
+    assert heal_ettr(5.0, 1.0, 30, 10.9, 60.0) == pytest.approx(1 - (10.9 + 6 / 30) / 60)
+    assert elastic_ettr(60.0, 10, 600.0) == pytest.approx(0.99)
+    assert heal_ettr(600.0, 0.0, 1, 10.0, 60.0) == 0.0  # never back before the next failure
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--mtbf", "0"], "--mtbf must be a positive number with a unit of ms, s, min or h"),
+    (["--mtbf", "abc"], "--mtbf must be a positive number with a unit"),
+    (["--mtbf", "5000h", "--checkpoint-time", "30"], "--checkpoint-time must be a positive number with a unit"),
+    (["--mtbf", "5000h", "--node-mtbf", "600h"], "give --mtbf (one GPU's) or --node-mtbf (one node's), not both"),
+    (["--restart-time", "5min"], "--restart-time costs failures: give --mtbf"),
+    (["--mtbf", "5000h", "--checkpoint-time", "30s"], "--mtbf: give --restart-time"),
+])
+def test_bad_goodput_input_is_one_line_and_exit_2(argv, words, capsys, tmp_path):
+    from ps_bench.cli import main
+
+    base = ["predict", "--model", "DummyModel", "--batch-size", "8", "--compute-ms",
+            "forward=10,backward=20,optimizer=1", "--link", "10gbit", "--trainers", "8"]
+    assert main([*base, *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and words in captured.err, captured.err
+
+
+def test_goodput_at_each_point_from_a_runs_own_checkpoint_and_recovery(tmp_path, capsys):
+    """A run made with --checkpoint-every that torchrun restarted gives the checkpoint's cost
+    (its trainers' write rate, scaled to each trainer's share) and the restart (its recovery);
+    the cluster's mean time between failures is one GPU's over the GPUs."""
+    from ps_bench.cli import main
+    from ps_bench.predict.goodput import daly_interval_s, restart_ettr
+    from tests.unit.test_predict import MB, results_file
+
+    recovery = {"checkpoints": {"bytes": 40e6, "bytes_per_s_per_trainer": 1e6, "save_s_p50": 20.0},
+                "failures": [{"recovery_s": 90.0}, {"recovery_s": 110.0}, {"recovery_s": 400.0}]}
+    run = results_file(tmp_path, recovery=recovery)
+    data = json.loads(open(run).read())
+    data["config"]["model_size"]["dense_gradient_bytes"] = 20 * MB  # its two buckets
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    out = tmp_path / "p.json"
+    assert main(["predict", run, "--trainers", "2,64", "--hooks", "allreduce", "--mtbf", "1000h",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "restart 110.0 s (the median recovery of 3 failures in the runs given)" in printed
+    assert "most goodput at 64 trainers: allreduce" in printed
+    rows = {row["trainers"]: row for row in json.loads(out.read_text())["predictions"]}
+    for n, row in rows.items():
+        mtbf = 1000 * 3600 / n
+        delta = 40e6 / n / 1e6  # each trainer's share of the same model, at 1 MB/s
+        assert row["mtbf_s"] == pytest.approx(mtbf) and row["checkpoint_s"] == pytest.approx(delta)
+        assert row["checkpoint_interval_s"] == pytest.approx(daly_interval_s(delta, mtbf))
+        assert row["ettr"] == pytest.approx(restart_ettr(row["checkpoint_interval_s"], delta, 110.0, mtbf))
+        assert row["goodput_samples_per_s"] == pytest.approx(row["samples_per_s"] * row["ettr"])
+    assert rows[64]["ettr"] < rows[2]["ettr"] < 1
+    assert json.loads(out.read_text())["goodput_winners"][0]["strategy"] == "allreduce"
