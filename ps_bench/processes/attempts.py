@@ -36,8 +36,14 @@ class Attempts:
 
     def keep(self, results: dict) -> None:
         """This attempt's rounds so far (its master's snapshot of its record), where an attempt
-        may follow to read them."""
+        may follow to read them: its own, not the earlier attempts' its record holds (each
+        attempt keeps its own once, or the kept would grow with every attempt)."""
         if self.restartable:
+            recovery = results.get("recovery")
+            if recovery:
+                results = {**results, "recovery": {**recovery, "attempts": [
+                    {key: value for key, value in attempt.items() if key != "results"}
+                    for attempt in recovery["attempts"]]}}
             self.store.set(f"{PREFIX}/{self.attempt}/kept", json.dumps(results))
 
     def earlier(self) -> list[dict]:

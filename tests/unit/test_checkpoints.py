@@ -214,3 +214,18 @@ def test_each_earlier_failure_keeps_what_the_attempt_after_it_measured(tmp_path)
     assert [(f["resumed_from"], f["restart_s"], f["recovery_s"]) for f in block["failures"]] == [
         (0, None, None), (20, 3.0, 6.5), (40, 4.0, 8.0)]
     assert block["goodput"]["step_efficiency"] == 63 / (24 + 0 + 25 + 23)
+
+
+def test_an_attempt_keeps_its_own_rounds_not_the_earlier_attempts_it_holds():
+    """Each attempt's kept snapshot holds the earlier attempts' rounds in its recovery block:
+    kept whole, they would nest, every attempt doubling the store's."""
+    store = dist.HashStore()
+    results = {"rounds_completed": 2, "recovery": {"attempts": [
+        {"attempt": 0, "results": {"rounds_completed": 1, "samples": [1] * 1000}},
+        {"attempt": 1, "began_at_iteration": 20}]}}
+    Attempts(store, 1).keep(results)
+    [first, second] = Attempts(store, 2).earlier()
+    assert first["kept"] is None
+    assert second["kept"] == {"rounds_completed": 2, "recovery": {"attempts": [
+        {"attempt": 0}, {"attempt": 1, "began_at_iteration": 20}]}}
+    assert "results" in results["recovery"]["attempts"][0]  # the record's own is left whole
