@@ -40,7 +40,7 @@ class Attempts:
         attempt keeps its own once, or the kept would grow with every attempt)."""
         if self.restartable:
             recovery = results.get("recovery")
-            if recovery:
+            if recovery and recovery.get("attempts"):
                 results = {**results, "recovery": {**recovery, "attempts": [
                     {key: value for key, value in attempt.items() if key != "results"}
                     for attempt in recovery["attempts"]]}}
