@@ -225,6 +225,11 @@ class RunConfig:
     fail_roles: str = option("trainer", "the roles --mtbf draws the failed ranks from: trainer, "
                                         "server or master, several separated by commas",
                              group=FAILURES, metavar="ROLES")
+    trainer_timeout: float | None = option(
+        None, "parameter servers drop a trainer that sends nothing this long while the others "
+        "wait, and go on with the living: each average divides by the trainers that sent "
+        "(ps, ps_fp16, ps_bf16, ps_compressed; default: wait for every trainer)",
+        group=FAILURES, metavar="SECONDS")
     checkpoint_every: int | None = option(
         None, "save a checkpoint every N iterations (the model, the optimizer, the data's "
         "position and the RNG, with torch.distributed.checkpoint; DeepSpeed's engines with their "

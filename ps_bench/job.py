@@ -25,7 +25,7 @@ from ps_bench.models.entries import Entry, construct, load_entry, model_size
 from ps_bench.options import plural
 from ps_bench.places import check_interface, check_port, check_writable_folder
 from ps_bench.registry import UnknownNameError
-from ps_bench.runtime import checkpoints, network
+from ps_bench.runtime import checkpoints, membership, network
 from ps_bench.runtime.faults import Straggler, drawn_of, parse_faults
 from ps_bench.runtime.topology import Topology
 from ps_bench.servers import SERVERS
@@ -340,6 +340,7 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
                      f"{cfg.num_servers} server{'' if one else 's'} asked for (--nserver "
                      f"{cfg.nserver}, --ncudaserver {cfg.ncudaserver}) "
                      f"{'idles' if one else 'idle'}; leave both out to start none")
+    membership.check(cfg, record.elastic, cfg.hook)
     plan = checkpoints.plan(cfg, RECOVERIES[record.recovery])
     return Job(cfg, record, model, data, engine_config, tuple(notes), plan)
 

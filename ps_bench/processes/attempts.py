@@ -79,11 +79,15 @@ class RecoveryBooks:
         self.restore_s: float | None = None
         self.ready_at: float | None = None  # when this attempt was ready to train (time.time())
         self.started: float | None = None  # when the job's first attempt began
+        # --trainer-timeout: the trainers dropped (``processes.waiting.Elastic``), and the samples
+        # the living trained on
+        self.drops: list[dict] = []
+        self.samples = 0
 
     @property
     def wanted(self) -> bool:
         """Only a run with checkpoints, or one restarted, has a recovery block."""
-        return self.plan is not None or bool(self.recovered)
+        return self.plan is not None or bool(self.recovered) or bool(self.drops)
 
     def resume_point(self, per_round: int) -> tuple[int, int]:
         """Where training begins, rounds of ``per_round`` iterations: the round and its iteration
@@ -111,6 +115,7 @@ class RecoveryBooks:
         trainers, and the restore."""
         first = rounds[0]
         self.iteration += first["iterations"]
+        self.samples += sum(result["samples_processed"] for result in rounds)
         books = [result.get("checkpoints") or {"saves": [], "restore_s": None} for result in rounds]
         for place, save in enumerate(books[0]["saves"]):
             self.saves.append({"iteration": save["iteration"], "bytes": save.get("bytes"),
@@ -151,7 +156,9 @@ class RecoveryBooks:
                 # iterations it committed are no part of this file
                 "resumed_from_an_earlier_run": base or None,
                 "goodput": goodput(attempts, self.iteration - base, self.samples_per_iteration,
-                                   ended_at - started, failure_free)}
+                                   ended_at - started, failure_free,
+                                   self.samples if self.drops else None),
+                **({"trainers_dropped": self.drops} if self.drops else {})}
 
 
 def attempt_entry(found: dict, failure: dict) -> dict:

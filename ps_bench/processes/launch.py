@@ -9,22 +9,19 @@ Under torchrun, ``run_torchrun_rank`` runs the one rank torchrun started; torchr
 store and supervises.
 
 A rank forked by the forkserver is the forkserver's child, not the launcher's: it dies with the
-forkserver (the kernel's parent-death signal) and with the launcher (a thread waits on the
-launcher's pidfd), so nothing outlives a launcher killed by SIGKILL.
+forkserver and with the launcher (``orphans.die_with``), so nothing outlives a launcher killed by
+SIGKILL.
 """
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import os
-import select
 import shutil
 import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -41,7 +38,7 @@ from ps_bench.job import Job
 from ps_bench.options import plural
 from ps_bench.results.files import environment, failed_results, keep_results, read_snapshot
 from ps_bench.processes import orphans, rendezvous
-from ps_bench.runtime import failures, network, preload, streams
+from ps_bench.runtime import failures, membership, network, preload, streams
 from ps_bench.runtime.addresses import interface_env, loopback
 from ps_bench.runtime.faults import TimedFault, arm, drawn_of, role_counts
 from ps_bench.processes.attempts import Attempts
@@ -51,7 +48,6 @@ from ps_bench.processes.supervision import (JobFailed, listen_for_stack_requests
 from ps_bench.runtime.topology import MASTER, TRAINER, Topology
 
 PG_BACKENDS = {"gloo": "gloo", "nccl": "nccl", "multi": "cpu:gloo,cuda:nccl"}
-PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
 
 
 @dataclass
@@ -130,32 +126,6 @@ def rpc_options(spec: LaunchSpec, rank: int) -> rpc.TensorPipeRpcBackendOptions:
     return options
 
 
-def prctl(option: int, value: int | bytes) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(option, value)
-    except (OSError, AttributeError):  # not Linux: the launcher's terminate() is what remains
-        pass
-
-
-def die_with(launcher_pid: int) -> None:
-    """This rank ends when its parent (the forkserver) ends, by the kernel's parent-death
-    signal, and when the launcher ends, even by SIGKILL: a thread blocks on the launcher's
-    pidfd, which becomes readable when it exits."""
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    try:
-        pidfd = os.pidfd_open(launcher_pid)
-    except ProcessLookupError:  # already gone
-        os._exit(1)
-    except (OSError, AttributeError):  # no pidfd here (not Linux 5.3+)
-        return
-
-    def watch() -> None:
-        select.select([pidfd], [], [])
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
-
-
 def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
     """One rank from start to shutdown. Any exception ends the process with status 1 after
     recording its role, rank and traceback for the launcher. ``started``: when this rank's
@@ -178,6 +148,8 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
         store_timeout = max(cfg.rpc_timeout, 60.0)
         store, view = rendezvous.join(rank, int(os.environ.get("LOCAL_RANK", rank)), store_timeout)
         times = {"started": started, "joined": time.time()}
+        if cfg.trainer_timeout is not None:
+            membership.keep_failures(store, rank)
         drawn = drawn_of(cfg)
         if drawn is not None:  # --mtbf: this rank's next failure, on the job's clock
             job_started = Attempts(store, rendezvous.restart_count()).job_started(started)
@@ -221,7 +193,10 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
                             attempts=Attempts(store, rendezvous.restart_count(),
                                               restartable=rendezvous.restarts_left()))
             master.run()
-        rpc.shutdown()
+        if cfg.trainer_timeout is None:
+            rpc.shutdown()
+        else:
+            membership.leave(rendezvous.attempt_view(store_timeout), info.role == MASTER)
         if dist.is_initialized():
             dist.destroy_process_group()
     except BaseException as error:  # noqa: BLE001 - every failure must reach the launcher
@@ -250,8 +225,9 @@ def keep_torchrun_rounds(master: Master, spec: LaunchSpec, error: str,
 
 def _spawned(rank: int, spec: LaunchSpec) -> None:
     started = time.time()
-    die_with(spec.launcher_pid)
-    prctl(PR_SET_NAME, f"ps_bench r{rank}".encode())  # what ps -o comm and /proc/PID/comm show
+    orphans.die_with(spec.launcher_pid)
+    # what ps -o comm and /proc/PID/comm show
+    orphans.prctl(orphans.PR_SET_NAME, f"ps_bench r{rank}".encode())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how the job ends
     # one thread yet, no socket: everything from here is on the emulated host
     if rank in spec.namespaces:
@@ -341,7 +317,8 @@ def spawn(spec: LaunchSpec, watchdog: tuple[float, str] | None = None) -> int:
             context = mp.start_processes(_spawned, args=(spec,), nprocs=cfg.world_size, join=False,
                                          start_method=preload.START_METHOD)
             processes = context.processes
-            supervise(spec, processes, watchdog)
+            supervise(spec, processes, watchdog, tolerated={
+                info.rank for info in spec.topology().trainers} if cfg.trainer_timeout else ())
             return 0
         except BaseException as error:
             terminate(processes)
@@ -390,6 +367,9 @@ def run_torchrun_rank(spec: LaunchSpec) -> int:
             f"torchrun started {world} processes but this run needs {cfg.world_size} "
             f"({plural(cfg.num_trainers, 'trainer')} + {plural(cfg.num_servers, 'server')} + 1 "
             f"master{why_none}); set --nproc-per-node x --nnodes to {cfg.world_size}")
+    if cfg.trainer_timeout is not None:
+        raise ConfigError("--trainer-timeout keeps the living trainers going, where torchrun stops "
+                          "every rank when one fails: run it without torchrun")
     spec.run_dir = new_run_dir()  # this rank's own: torchrun's agent does the supervising
     worker(int(os.environ["RANK"]), spec)
     shutil.rmtree(spec.run_dir, ignore_errors=True)

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable
 
-import torch
 import torch.distributed.rpc as rpc
 
 from ps_bench.job import Job
@@ -18,6 +16,8 @@ from ps_bench.models import build_data, build_held_out
 from ps_bench.models.entries import Entry
 from ps_bench.options import plural
 from ps_bench.processes.attempts import Attempts, RecoveryBooks
+from ps_bench.processes.waiting import (PROGRESS_EVERY_S, PROGRESS_FIRST_S, Elastic,
+                                        round_progress, wait_round)
 from ps_bench.processes.kept import Keeper
 from ps_bench.results.files import environment, keep_results
 from ps_bench.results.printed import format_bytes, print_report
@@ -34,9 +34,6 @@ from ps_bench.trainers.convergence import HELD_OUT_SAMPLES
 from ps_bench.trainers.trainer import TRAINERS
 
 SETTLING_ITERATIONS = 2  # DDP builds its buckets in the first, rebuilds them in the second
-# a round still running this long after it began prints a progress line, then every
-# PROGRESS_EVERY_S; each trainer has PROGRESS_ASK_S to say where it is
-PROGRESS_FIRST_S, PROGRESS_EVERY_S, PROGRESS_ASK_S = 10.0, 30.0, 5.0
 # what each way of wrapping the model had built on the trainers when the job is ready
 BUILT = {DDP: "DDP built on every trainer", FSDP: "every trainer's model sharded (FSDP2)",
          ENGINE: "every trainer's engine built", SERVER_OWNED: "every trainer's model built"}
@@ -83,44 +80,6 @@ def short_warmup_warning(warmup_rounds: int, per_round: int) -> str | None:
             f"{'s' if per_round != 1 else ''} each leaves {left} among the timed ones, where "
             f"DDP rebuilds its buckets and the optimizer and hooks make what they keep; "
             f"--warmup-rounds {need} times only what follows")
-
-
-def wait_round(futures: list, trainers: list, label: str) -> list[dict]:
-    """The trainers' rounds, once every one has ended; while they run, a progress line after
-    ``PROGRESS_FIRST_S`` and every ``PROGRESS_EVERY_S`` after that (``round_progress``)."""
-    ended = threading.Event()
-    torch.futures.collect_all(futures).then(lambda _: ended.set())
-    began, wait_s = time.perf_counter(), PROGRESS_FIRST_S
-    while not ended.wait(wait_s):
-        print(f"{label} {round_progress(trainers, time.perf_counter() - began)}", flush=True)
-        wait_s = PROGRESS_EVERY_S
-    return [future.wait() for future in futures]
-
-
-def round_progress(trainers: list, elapsed_s: float) -> str:
-    """Where the trainers are in the running round, asked of each at once: the slowest's
-    iteration and the fastest's, and the time left at the slowest's pace so far."""
-    asked = [t.rpc_async(timeout=PROGRESS_ASK_S).round_progress() for t in trainers]
-    at = {}
-    for index, future in enumerate(asked):
-        try:
-            at[index] = future.wait()
-        except RuntimeError:  # it did not answer in time: said below
-            pass
-    silent = [str(index) for index in range(len(trainers)) if index not in at]
-    quiet = (f"; trainer{'s' * (len(silent) > 1)} {', '.join(silent)} did not say where they are "
-             f"within {PROGRESS_ASK_S:g} s" if silent else "")
-    if not at:
-        return f"{elapsed_s:.0f} s so far{quiet}"
-    slowest = min(at, key=lambda index: at[index][0])
-    low, high, total = at[slowest][0], max(k for k, _ in at.values()), at[slowest][1]
-    text = (f"{elapsed_s:.0f} s so far: trainers at iteration {low}"
-            + (f" to {high} (the slowest: trainer {slowest})" if high > low else "")
-            + f" of {total}")
-    done = low - 1
-    if done > 0:
-        text += f", about {elapsed_s * (total - done) / done:.0f} s left"
-    return text + quiet
 
 
 def compare_replicas(trainers: list, checked_at: str) -> dict:
@@ -175,6 +134,10 @@ class Master:
         self.books = RecoveryBooks(attempts, job.checkpoints, self.record.recovered,
                                    config.num_trainers * config.batch_size * config.grad_accum,
                                    config.num_trainers)
+        # --trainer-timeout: the rounds wait for the living trainers only
+        self.elastic = (Elastic(topology, attempts.store)
+                        if config.trainer_timeout is not None and attempts is not None else None)
+        self.books.drops = self.elastic.drops if self.elastic is not None else []
 
     # -- setting up ------------------------------------------------------------------------
     def create_servers(self) -> list[rpc.RRef]:
@@ -189,6 +152,10 @@ class Master:
                 mapping=topo.mapping,
                 device=device_name(self.device_of(info.rank)),
                 fault=cfg.inject_fault,
+                **({} if cfg.trainer_timeout is None else dict(
+                    trainer_timeout=cfg.trainer_timeout,
+                    members=([info.name for info in topo.trainers],
+                             [info.name for info in topo.servers] + [topo.info(-1).name]))),
             ))
             for info in topo.servers
         ]
@@ -283,38 +250,50 @@ class Master:
             maybe_inject(self.fault, "master", 0, round_index + 1)
             profiled = cfg.profile is not None and round_index == total - 1
             start = time.perf_counter()
-            futures = [t.rpc_async(timeout=0).run_round(
+            living = self.living(trainers)
+            futures = {info.index: t.rpc_async(timeout=0).run_round(
                            verify=round_index >= cfg.warmup_rounds and cfg.verify,
                            profile_path=self.trace_path(info) if profiled else None,
                            start_step=start_step)
-                       for t, info in zip(trainers, self.topology.trainers)]
+                       for t, info in zip(trainers, self.topology.trainers) if t in living}
             start_step = 0
             of = "" if converging else f"/{total}"
             name = f"[round {round_index + 1}{of}]"
-            rounds = wait_round(futures, trainers, f"{name} "
-                                f"{'timed' if round_index >= cfg.warmup_rounds else 'warmup':6}")
+            label = f"{name} {'timed' if round_index >= cfg.warmup_rounds else 'warmup':6}"
+            if self.elastic is None:
+                rounds = wait_round(list(futures.values()), trainers, label)
+            else:  # the dropped trainers' places are None
+                by_index = self.elastic.wait(
+                    futures, lambda s: print(f"{label} {round_progress(living, s)}", flush=True),
+                    PROGRESS_FIRST_S, PROGRESS_EVERY_S)
+                rounds = [by_index.get(index) for index in range(len(trainers))]
             elapsed = time.perf_counter() - start
-            self.books.add(rounds)
+            present = [result for result in rounds if result is not None]
+            if not present:
+                raise RuntimeError("every trainer was dropped (--trainer-timeout): none is left "
+                                   "to train")
+            self.books.add(present)
+            record.dropped = {drop["rank"] for drop in self.books.drops}
             self.note_recovery()
             served = [s.rpc_sync().take_metrics() for s in servers]
             for server in servers:
                 server.rpc_sync().reset_state()
             # DDP rebuilds its buckets in the first iteration
-            if record.buckets is None and rounds[0]["iterations"]:
-                record.buckets = trainers[0].rpc_sync().bucket_layout()
+            if record.buckets is None and present[0]["iterations"]:
+                record.buckets = self.living(trainers)[0].rpc_sync().bucket_layout()
                 print(describe_buckets(record.buckets, shards=self.servers_own_parameters),
                       flush=True)
             with self.kept.adding():
-                stopped = converging and record.progress.add(rounds)
+                stopped = converging and record.progress.add(present)
                 # the round training stopped in is kept even within warmup, so that every run
                 # has one
                 timed = ((round_index >= cfg.warmup_rounds or stopped)
-                         and rounds[0]["iterations"] > 0)
+                         and present[0]["iterations"] > 0)
                 if timed:  # kept before it is announced
                     loss = record.add_round(elapsed, rounds, served)
                     self.kept.snapshot()
                 else:
-                    loss = mean_loss(rounds)
+                    loss = mean_loss(present)
             print(f"{name} {'timed' if timed else 'warmup':6} "
                   f"{elapsed:7.2f} s  (elapsed {time.perf_counter() - run_start:6.1f} s)  "
                   f"loss {loss:.4f}{record.progress.line() if converging else ''}", flush=True)
@@ -327,9 +306,10 @@ class Master:
             record.replicas = servers_model_summary(
                 [s.rpc_sync().parameters_vector() for s in servers])
         else:
-            record.replicas = compare_replicas(trainers, self.job.strategy.identical)
+            record.replicas = compare_replicas(self.living(trainers),
+                                               self.job.strategy.identical)
         # together: a close may be collective
-        for closed in [t.rpc_async(timeout=0).close() for t in trainers]:
+        for closed in [t.rpc_async(timeout=0).close() for t in self.living(trainers)]:
             closed.wait()
         if cfg.limits:
             record.memcpy = limits.memcpy_floor(messages.message_bytes(record.floor_messages))
@@ -348,6 +328,12 @@ class Master:
                   f"(open at https://ui.perfetto.dev), each with its table of operators (.txt)",
                   flush=True)
         return results
+
+    def living(self, trainers: list[rpc.RRef]) -> list[rpc.RRef]:
+        """The trainers not dropped (every one without --trainer-timeout)."""
+        if self.elastic is None:
+            return trainers
+        return [trainers[index] for index in self.elastic.living()]
 
     def note_recovery(self) -> None:
         """The record's checkpoints, failures and goodput so far (``RecoveryBooks``), from when

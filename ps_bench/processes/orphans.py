@@ -2,15 +2,20 @@
 stop), where nothing could write the failed run's results. A launcher holds a lock in its run
 folder while it lives (the kernel lets go of it when the process dies, however it dies); the
 next launch on the machine writes the finished rounds such a folder holds as that run's results
-file, where that run would have written it, and removes the folder."""
+file, where that run would have written it, and removes the folder. And a rank never outlives
+its launcher (``die_with``)."""
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import os
+import select
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import IO
 
@@ -63,3 +68,32 @@ def recover(folder: str | None = None) -> list[Path]:
                     kept.append(path)
             shutil.rmtree(run_dir, ignore_errors=True)
     return kept
+
+
+PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
+
+
+def prctl(option: int, value: int | bytes) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, value)
+    except (OSError, AttributeError):  # not Linux: the launcher's terminate() is what remains
+        pass
+
+
+def die_with(launcher_pid: int) -> None:
+    """This rank ends when its parent (the forkserver) ends, by the kernel's parent-death
+    signal, and when the launcher ends, even by SIGKILL: a thread blocks on the launcher's
+    pidfd, which becomes readable when it exits."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    try:
+        pidfd = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:  # already gone
+        os._exit(1)
+    except (OSError, AttributeError):  # no pidfd here (not Linux 5.3+)
+        return
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()

@@ -5,13 +5,14 @@ outlives its watchdog gives every rank's Python stacks (faulthandler, on SIGUSR1
 from __future__ import annotations
 
 import faulthandler
+import math
 import os
 import signal
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Protocol
+from typing import Collection, Protocol
 
 from ps_bench.runtime import failures
 from ps_bench.runtime.topology import Topology
@@ -27,6 +28,7 @@ class Job(Protocol):
 
 GRACE_S = 2.0  # SIGTERM, then this long, then SIGKILL
 SETTLE_S = 0.3  # after a failure, how long the ranks it took down get to report theirs
+LEAVE_S = 2.0  # how long the trainers a job went on without get to end after it
 STACKS_WAIT_S = 5.0  # how long a rank asked for its stacks gets to write them
 
 
@@ -160,20 +162,28 @@ def terminate(processes: list) -> None:
             process.join()
 
 
-def supervise(spec: Job, processes: list, watchdog: tuple[float, str] | None = None) -> None:
-    """Returns when every rank exited 0; raises JobFailed otherwise, or when ``watchdog``
-    (seconds, the option that set them) runs out. Waits on the ranks' sentinels: it wakes
-    when one ends, not on a polling interval."""
+def supervise(spec: Job, processes: list, watchdog: tuple[float, str] | None = None,
+              tolerated: Collection[int] = ()) -> None:
+    """Returns when every rank exited 0 (those of ``tolerated`` may have failed: trainers the
+    job goes on without); raises JobFailed otherwise, or when ``watchdog`` (seconds, the option
+    that set them) runs out. Waits on the ranks' sentinels: it wakes when one ends, not on a
+    polling interval."""
     deadline = time.monotonic() + watchdog[0] if watchdog else None
     while True:
         codes = {rank: p.exitcode for rank, p in enumerate(processes)}
-        if any(code not in (None, 0) for code in codes.values()):
+        if any(code not in (None, 0) and rank not in tolerated for rank, code in codes.items()):
             time.sleep(SETTLE_S)
             codes = {rank: p.exitcode for rank, p in enumerate(processes)}
             terminate(processes)
             raise describe_failures(spec, {r: c for r, c in codes.items() if c not in (None, 0)})
-        if all(code == 0 for code in codes.values()):
+        if all(code is not None for code in codes.values()):  # 0, or tolerated
             return
+        if tolerated and all(codes[rank] == 0 for rank in codes if rank not in tolerated):
+            # the job is done; a tolerated rank still running is stuck where it failed (a hang)
+            deadline = min(deadline or math.inf, time.monotonic() + LEAVE_S)
+            if time.monotonic() >= deadline:
+                terminate(processes)
+                return
         if deadline is not None and time.monotonic() > deadline:
             stacks = dump_stacks(spec, processes)
             terminate(processes)

@@ -109,6 +109,7 @@ class RunRecord:
         self.rounds_done = 0
         # rank -> iterations, samples
         self.trainer_work: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+        self.dropped: set[int] = set()  # ranks of trainers dropped (--trainer-timeout)
         # --staleness: each applied update's observed staleness, every server
         self.staleness: list[int] = []
         # --staleness: server rank -> updates applied
@@ -142,18 +143,21 @@ class RunRecord:
 
     # -- what the master hands in ------------------------------------------------------------
     def add_round(self, elapsed_s: float, rounds: list[dict], served: list[dict]) -> float:
-        """One timed round: ``rounds`` in trainer order, ``served`` in server order. Returns the
-        round's mean training loss."""
+        """One timed round: ``rounds`` in trainer order (None: a trainer dropped by then),
+        ``served`` in server order. Returns the round's mean training loss."""
         topo = self.topology
+        ran = [result for result in rounds if result is not None]
         self.rounds_done += 1
         # less the iterations --verify checks and --profile traces, as the batch samples are. The
         # trainers run them nearly in step, each its own time on them plus its wait for the
         # others: less the least of them, so that every trainer's timed iterations still fit
-        untimed_s = min(elapsed_s, min(result.get("untimed_s", 0.0) for result in rounds))
+        untimed_s = min(elapsed_s, min(result.get("untimed_s", 0.0) for result in ran))
         self.timed_s += elapsed_s - untimed_s
         self.untimed_s += untimed_s
-        self.verified_iterations += rounds[0]["verified_iterations"]
+        self.verified_iterations += ran[0]["verified_iterations"]
         for info, result in zip(topo.trainers, rounds):
+            if result is None:
+                continue
             self.trainer_work[info.rank][0] += result["iterations"]
             self.trainer_work[info.rank][1] += (result["samples_processed"]
                                                 - result.get("untimed_samples", 0))
@@ -182,7 +186,7 @@ class RunRecord:
             self.memory["server"][info.rank] = result["memory"]
             self.staleness.extend(result.get("staleness", []))
             self.server_updates[info.rank] += result.get("updates", 0)
-        loss = mean_loss(rounds)
+        loss = mean_loss(ran)
         self.losses.append(loss)
         return loss
 
@@ -298,7 +302,7 @@ class RunRecord:
     def mean_iterations(self) -> float:
         """The timed iterations of a trainer (with --staleness each runs as many as it can in a
         round: their mean, over the whole run)."""
-        done = [work[0] for work in self.trainer_work.values()]
+        done = [work[0] for rank, work in self.trainer_work.items() if rank not in self.dropped]
         return sum(done) / len(done) if done else 0.0
 
     @property

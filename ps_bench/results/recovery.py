@@ -64,16 +64,19 @@ def failure_entry(failure: dict, resumed_from: int, restarted_at: float | None,
 
 
 def goodput(attempts: list[dict], committed: int, samples_per_iteration: int,
-            wall_s: float | None, failure_free: float | None) -> dict:
+            wall_s: float | None, failure_free: float | None,
+            samples: int | None = None) -> dict:
     """The run's committed samples over its wall time, and its step efficiency: ``attempts``
-    each with the iterations it ran (None where not known)."""
+    each with the iterations it ran (None where not known); ``samples``: those trained on where
+    not every trainer ran every iteration (a trainer dropped, ``--trainer-timeout``)."""
+    samples = committed * samples_per_iteration if samples is None else samples
     run = [attempt["iterations_run"] for attempt in attempts
            if attempt["iterations_run"] is not None]
     known = len(run) == len(attempts)
     return {"committed_iterations": committed,
-            "committed_samples": committed * samples_per_iteration,
+            "committed_samples": samples,
             "iterations_run": sum(run) if known else None,
             "step_efficiency": committed / sum(run) if known and sum(run) else None,
             "wall_s": wall_s,
-            "samples_per_s": committed * samples_per_iteration / wall_s if wall_s else None,
+            "samples_per_s": samples / wall_s if wall_s else None,
             "failure_free_samples_per_s": failure_free}

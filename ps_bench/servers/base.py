@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections import defaultdict
-from dataclasses import dataclass, field
+import time
 from typing import Callable
 
 import torch
@@ -23,82 +22,15 @@ from torch.futures import Future
 from ps_bench.runtime.failures import fatal_on_error
 from ps_bench.runtime.faults import faults_of, maybe_inject
 from ps_bench.runtime.futures import device_future
+from ps_bench.runtime.membership import MEMBERSHIP, announce, drop_entry
 from ps_bench.metrics.memory import held_bytes, peak_memory
 from ps_bench.metrics.timers import now_ms, tensor_bytes
 from ps_bench.registry import Registry
 from ps_bench.runtime.resident import Resident
 from ps_bench.runtime.topology import piece_root
+from ps_bench.servers.state import BucketState, ServerBooks
 
 SERVERS: Registry = Registry("server")
-
-
-@dataclass
-class BucketState:
-    """What one bucket has received so far in the current iteration, and the buffers it keeps
-    across iterations."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    count: int = 0
-    # algorithm-specific: a received tensor, a running sum or a list of tensors
-    accumulator: object = None
-    # future, on device, wire dtype
-    # (the trainer's answer, on its device, its dtype or what makes its answer)
-    waiting: list[tuple[Future, bool, torch.dtype | Callable]] = field(default_factory=list)
-    first_ms: float = 0.0
-    aggregate_ms: float = 0.0
-    shape: torch.Size | None = None
-    buffers: list[torch.Tensor] = field(default_factory=list)
-    turn: int = 0
-    iteration: int = 0  # the trainers' last iteration that sent to it
-    # on a CUDA server: recorded after the last contribution was added, on its request's stream
-    added: torch.cuda.Event | None = None
-
-    def clear(self) -> None:
-        """Forgets this iteration's contributions; the buffers stay."""
-        self.count, self.accumulator, self.waiting = 0, None, []
-        self.aggregate_ms, self.shape = 0.0, None
-
-    def buffer_like(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This iteration's sum buffer, allocated once and reused.
-
-        Two buffers take turns, one per iteration: an answer may still be on its way to a trainer
-        (TensorPipe sends from the tensor's memory) when the others' next contributions arrive,
-        and none of them can arrive before every trainer has its answer, so the buffer two
-        iterations back is always free."""
-        self.turn ^= 1
-        if len(self.buffers) < 2:
-            self.buffers = [torch.empty_like(tensor), torch.empty_like(tensor)]
-        buffer = self.buffers[self.turn]
-        if (buffer.shape != tensor.shape or buffer.dtype != tensor.dtype or
-                buffer.device != tensor.device):
-            buffer = self.buffers[self.turn] = torch.empty_like(tensor)
-        return buffer
-
-
-class ServerBooks:
-    """What a server measures between two ``take`` calls: samples (ms) by name and payload bytes
-    received and sent; thread-safe."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.samples: dict[str, list[float]] = defaultdict(list)
-        self.bytes = {"recv": 0, "sent": 0}
-
-    def count(self, direction: str, nbytes: int) -> None:
-        with self.lock:
-            self.bytes[direction] += nbytes
-
-    def record(self, **samples_ms: float) -> None:
-        with self.lock:
-            for name, value in samples_ms.items():
-                self.samples[name].append(value)
-
-    def take(self) -> dict:
-        """The samples and byte counts since the last call, then clears them."""
-        with self.lock:
-            out = {"samples": dict(self.samples), "bytes": dict(self.bytes)}
-            self.samples, self.bytes = defaultdict(list), {"recv": 0, "sent": 0}
-        return out
 
 
 class ParameterServer(Resident):
@@ -113,7 +45,12 @@ class ParameterServer(Resident):
         mapping: str,
         device: str = "cpu",
         fault: str | None = None,
+        trainer_timeout: float | None = None,
+        members: tuple[list[str], list[str]] = ([], []),
     ) -> None:
+        """``trainer_timeout``: drop a trainer that sends nothing for that long while a bucket
+        waits on it (``runtime.membership``), ``members`` naming every rank to tell: the
+        trainers, in index order, and the others."""
         self.server_index = server_index
         self.num_servers = num_servers
         self.contributors = contributors
@@ -126,6 +63,10 @@ class ParameterServer(Resident):
         self._partials: dict[int, BucketState] = {}
         self._table_lock = threading.Lock()  # guards only the creation of bucket states
         self.books = ServerBooks()
+        self.trainer_timeout, self.members = trainer_timeout, members
+        if trainer_timeout is not None:
+            MEMBERSHIP.listeners.append(self._recheck)
+            threading.Thread(target=self._watch, name="trainer-watchdog", daemon=True).start()
 
     # -- what subclasses define ---------------------------------------------------------
     def accumulate(self, state: BucketState, tensor: torch.Tensor) -> None:
@@ -139,18 +80,19 @@ class ParameterServer(Resident):
     @rpc.functions.async_execution
     @fatal_on_error
     def average_gradient(server_rref: rpc.RRef, bucket_index: int, tensor: torch.Tensor,
-                         iteration: int = 0) -> Future:
-        """Called by a trainer; the future completes with the global average of the bucket."""
+                         iteration: int = 0, sender: int | None = None) -> Future:
+        """Called by trainer ``sender``; the future completes with the global average of the
+        bucket."""
         server = server_rref.local_value()
         maybe_inject(server.fault, "server", server.server_index, iteration)
-        return server.contribute(bucket_index, tensor, iteration=iteration)
+        return server.contribute(bucket_index, tensor, iteration=iteration, sender=sender)
 
     @staticmethod
     @rpc.functions.async_execution
     @fatal_on_error
     def average_compressed(server_rref: rpc.RRef, bucket_index: int, message: torch.Tensor,
                            codec, layout: tuple[int, int, list[int]], compressed_answer: bool,
-                           iteration: int = 0) -> Future:
+                           iteration: int = 0, sender: int | None = None) -> Future:
         """A trainer's bucket as ``codec`` compressed it (``strategies.codecs``; ``layout``:
         its values, the seed it was compressed with, its tensors' sizes), decoded and added as
         ``average_gradient`` adds it; the answer is the average, compressed by ``codec`` where
@@ -161,7 +103,8 @@ class ParameterServer(Resident):
         answer = (functools.partial(encoded, codec, seed, sizes) if compressed_answer else None)
         return server.contribute(bucket_index, codec.decode(message.to(server.device), n, seed,
                                                             sizes),
-                                 received=message.numel(), answer=answer, iteration=iteration)
+                                 received=message.numel(), answer=answer, iteration=iteration,
+                                 sender=sender)
 
     @staticmethod
     @rpc.functions.async_execution
@@ -246,50 +189,116 @@ class ParameterServer(Resident):
         if state.added is not None:
             torch.cuda.current_stream().wait_event(state.added)
 
-    def _divide(self, state: BucketState, summed: torch.Tensor) -> torch.Tensor:
-        """The average, in the bucket's sum buffer: one division, no new tensor. A sum that is
-        not in a buffer of ours (a lone contribution) is divided into one, so the caller's
-        tensor is left as it was."""
+    def _divide(self, state: BucketState, summed: torch.Tensor,
+                divisor: int | None = None) -> torch.Tensor:
+        """The average (over ``divisor`` trainers, else all), in the bucket's sum buffer: one
+        division, no new tensor. A sum that is not in a buffer of ours (a lone contribution) is
+        divided into one, so the caller's tensor is left as it was."""
+        divisor = divisor or self.num_trainers
         if summed.is_sparse:
-            return summed / self.num_trainers
+            return summed / divisor
         if not any(summed is buffer for buffer in state.buffers):
-            return torch.div(summed, self.num_trainers, out=state.buffer_like(summed))
-        return summed.div_(self.num_trainers)
+            return torch.div(summed, divisor, out=state.buffer_like(summed))
+        return summed.div_(divisor)
 
     def contribute(self, bucket_index: int, tensor: torch.Tensor, received: int | None = None,
                    answer: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   iteration: int = 0) -> Future:
-        """Adds a trainer's bucket (``received``: the bytes it came as, where not the tensor's;
-        ``iteration``: the trainer's); the future completes with the global average (``answer``:
-        made into what it returns)."""
+                   iteration: int = 0, sender: int | None = None) -> Future:
+        """Adds trainer ``sender``'s bucket (``received``: the bytes it came as, where not the
+        tensor's; ``iteration``: the trainer's); the future completes with the global average
+        (``answer``: made into what it returns)."""
         future = device_future(self.device)
         self.books.count("recv", tensor_bytes(tensor) if received is None else received)
+        if sender is not None and sender in MEMBERSHIP.dropped:
+            future.set_exception(RuntimeError(
+                f"trainer {sender} was dropped: it sent nothing for --trainer-timeout "
+                f"{self.trainer_timeout:g} s while the others waited"))
+            return future
         state = self._state(self._buckets, bucket_index)
         try:
             with state.lock:
                 state.iteration = max(state.iteration, iteration)
+                if sender is not None:
+                    state.senders.add(sender)
                 state.waiting.append((future, tensor.device.type == "cuda",
                                       answer or tensor.dtype))
-                complete, arrived = self._add(state, tensor, self.contributors)
-                if not complete:
+                _, arrived = self._add(state, tensor, self.contributors)
+                if not self._complete(state):
                     return future
-                start = now_ms()
-                summed = self.total(state)
-                aggregate_ms = state.aggregate_ms + now_ms() - start
-                waiting, first_ms = state.waiting, state.first_ms
-                state.clear()  # before answering, so the next iteration starts afresh
+                taken = self._take(state)
         except Exception as error:  # answer every waiting trainer, or they wait for a timeout
             self._fail(state, error)
             return future
+        self._reply(bucket_index, state, taken, arrived)
+        return future
+
+    def _complete(self, state: BucketState) -> bool:
+        """Every contribution is in (caller holds the bucket's lock): every trainer's, or, where
+        trainers may be dropped, every living trainer's."""
+        if self.trainer_timeout is None:
+            return state.count == self.contributors
+        return state.count > 0 and state.senders.issuperset(MEMBERSHIP.living(self.num_trainers))
+
+    def _take(self, state: BucketState) -> tuple:
+        """The complete bucket's sum and what answering needs, the bucket cleared for the next
+        iteration (caller holds its lock)."""
+        start = now_ms()
+        summed = self.total(state)
+        # --trainer-timeout: over the trainers that sent (ps_node's host sums: every trainer's)
+        divisor = len(state.senders) if self.trainer_timeout is not None else None
+        taken = (summed, divisor, state.waiting, state.first_ms,
+                 state.aggregate_ms + now_ms() - start)
+        state.clear()  # before answering, so the next iteration starts afresh
+        return taken
+
+    def _reply(self, bucket_index: int, state: BucketState, taken: tuple, arrived: float) -> None:
+        summed, divisor, waiting, first_ms, aggregate_ms = taken
         straggler_ms = arrived - first_ms
         if self.mapping == "group":
             result = self._global_average(bucket_index, summed)
         else:
             result = Future()
-            result.set_result(self._divide(state, summed))
+            result.set_result(self._divide(state, summed, divisor))
         result.add_done_callback(
             lambda fut: self._answer(waiting, fut, first_ms, straggler_ms, aggregate_ms))
-        return future
+
+    # -- --trainer-timeout -------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Every quarter of the timeout: a bucket that has waited longer on a living trainer
+        drops it (every trainer missing from any such bucket), told to every rank."""
+        limit_ms = self.trainer_timeout * 1000
+        while True:
+            time.sleep(self.trainer_timeout / 4)
+            living = set(MEMBERSHIP.living(self.num_trainers))
+            missing: set[int] = set()
+            waited_ms, iteration = 0.0, None
+            with self._table_lock:
+                states = list(self._buckets.values())
+            for state in states:
+                with state.lock:
+                    waited = now_ms() - state.first_ms
+                    if state.count and waited > limit_ms:
+                        missing |= living - state.senders
+                        waited_ms, iteration = max(waited_ms, waited), state.iteration
+            if missing:
+                trainers, others = self.members
+                me = rpc.get_worker_info().name
+                announce({index: drop_entry(index, f"server {self.server_index}", iteration,
+                                            waited_ms / 1000) for index in sorted(missing)},
+                         [trainers[index] for index in sorted(living - missing)],
+                         [name for name in others if name != me])
+
+    def _recheck(self) -> None:
+        """A trainer was dropped: every bucket that now has all the living's contributions is
+        answered."""
+        with self._table_lock:
+            states = list(self._buckets.items())
+        for bucket_index, state in states:
+            with state.lock:
+                if not (state.count and self._complete(state)):
+                    continue
+                taken = self._take(state)
+            self._reply(bucket_index, state, taken, now_ms())
 
     def _global_average(self, bucket_index: int, partial_sum: torch.Tensor) -> Future:
         """``group`` mapping: hands this group's sum to the bucket's root server."""

@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ps_bench.metrics.memory import state_tensors
 from ps_bench.metrics.timers import IntervalTracker, sent_bytes
 from ps_bench.metrics.wire import ByteCounter
+from ps_bench.runtime.membership import MEMBERSHIP
 from ps_bench.runtime.topology import PIECES, piece_owners, piece_ranges, piece_root, slice_size
 from ps_bench.strategies.record import HOOKS, Strategy
 from ps_bench.strategies.scratch import Scratch
@@ -58,6 +59,8 @@ class Capture:
     bucket_index: int
     raw: torch.Tensor
     delivered: torch.Tensor | None = None
+    # --trainer-timeout: the trainers dropped when it was delivered (its mean is the others')
+    dropped: frozenset = frozenset()
 
 
 @dataclass
@@ -77,6 +80,7 @@ class HookContext:
     held: IntervalTracker = field(default_factory=IntervalTracker)
     wire: ByteCounter = field(default_factory=ByteCounter)
     iteration: int = 0  # the trainer's current training iteration, from 1
+    trainer: int = 0  # this trainer's index (who sent, to servers that may drop a trainer)
     # on a GPU: (iteration, CUDA event recorded as DDP handed a bucket over), in hand-over order
     ready_events: list | None = None
     capturing: bool = False  # --verify: keep this iteration's buckets
@@ -373,6 +377,7 @@ def instrument(hook: Hook) -> Hook:
             value = fut.value()
             if capture is not None:
                 capture.delivered = value.detach().clone()
+                capture.dropped = frozenset(MEMBERSHIP.dropped)
             return value
 
         # A chained future, not a done callback: DDP waits on what the hook returns, and a done

@@ -171,6 +171,9 @@ class Strategy:
     holds: Holds = Holds()  # what each trainer keeps of the model states (predict's memory)
     # how it survives a failure (RECOVERIES)
     recovery: str = RESTART
+    # its servers can drop a trainer that stops sending and average over the living
+    # (--trainer-timeout, ``runtime.membership``)
+    elastic: bool = False
     # "compressed": its hook options -> its codec (``strategies.codecs.Codec``), whose
     # ``message_bytes(elements, tensors)`` is what a trainer all-gathers of a bucket
     compressor: Callable | None = None

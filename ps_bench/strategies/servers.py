@@ -51,7 +51,7 @@ def send_tensor(ctx: HookContext, tensor: torch.Tensor, key: int, server_index: 
     reply = rpc.rpc_async(
         server.rref.owner(),
         ParameterServer.average_gradient,
-        args=(server.rref, key, payload, ctx.iteration),
+        args=(server.rref, key, payload, ctx.iteration, ctx.trainer),
         timeout=ctx.rpc_timeout,
     )
 
@@ -65,7 +65,7 @@ def send_tensor(ctx: HookContext, tensor: torch.Tensor, key: int, server_index: 
 
 @HOOKS.register("ps", aliases=("rpc_hook",),
                 record=Strategy(RPC, "float32", lossless=True, sparse_buckets=SPARSE_SERVERS,
-                                family=SERVERS))
+                                family=SERVERS, elastic=True))
 class PartitionedServers(Partitioned):
     """Every bucket to the parameter servers over RPC, cut into pieces dealt over all of them,
     which answer with the average; lossless."""
@@ -79,7 +79,7 @@ class PartitionedServers(Partitioned):
 
 @HOOKS.register("ps_fp16", record=Strategy(RPC, "float16", lossless=False,
                                            sparse_buckets=SPARSE_SERVERS, uncompressed="ps",
-                                           family=SERVERS))
+                                           family=SERVERS, elastic=True))
 class HalfPrecisionServers(PartitionedServers):
     """The ps strategy with float16 on the wire (servers add in float32); lossy."""
 
@@ -88,7 +88,7 @@ class HalfPrecisionServers(PartitionedServers):
 
 @HOOKS.register("ps_bf16", record=Strategy(RPC, "bfloat16", lossless=False,
                                            sparse_buckets=SPARSE_SERVERS, uncompressed="ps",
-                                           family=SERVERS))
+                                           family=SERVERS, elastic=True))
 class BrainFloatServers(PartitionedServers):
     """The ps strategy with bfloat16 on the wire (servers add in float32); lossy."""
 
@@ -251,7 +251,7 @@ class NodeAggregated(Partitioned):
 
 @HOOKS.register("ps_compressed", record=Strategy(
     RPC, "compressed", lossless=False, sparse_buckets=SPARSE_SERVERS, uncompressed="ps",
-    family=SERVERS, compressor=named_codec))
+    family=SERVERS, compressor=named_codec, elastic=True))
 class ServersCompressed(Compressed):
     """The compressors through the parameter servers: each dense bucket compressed by the
     ``compressor`` (topk, randomk, signsgd, qsgd or int8, with their options) and sent whole to
@@ -291,7 +291,7 @@ class ServersCompressed(Compressed):
         ctx.wire.add(sent=tensor_bytes(message), peer=peer)
         reply = rpc.rpc_async(server.rref.owner(), ParameterServer.average_compressed,
                               args=(server.rref, key, message.cpu(), self.codec, layout,
-                                    self.compressed_answer, ctx.iteration),
+                                    self.compressed_answer, ctx.iteration, ctx.trainer),
                               timeout=ctx.rpc_timeout)
         tensor, (n, seed, sizes) = bucket.buffer(), layout
 

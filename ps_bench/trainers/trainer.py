@@ -14,6 +14,7 @@ from ps_bench.runtime import failures
 from ps_bench.runtime.checkpoints import Plan
 from ps_bench.runtime.failures import fatal_on_error
 from ps_bench.runtime.faults import Straggling, faults_of, maybe_inject
+from ps_bench.runtime.membership import ELASTIC_DDP, MEMBERSHIP
 from ps_bench.runtime.futures import on_default_stream
 from ps_bench.metrics import wire
 from ps_bench.metrics.memory import NO_COUNT, SavedActivations, held_bytes, trainer_memory
@@ -92,6 +93,7 @@ class DdpTrainer(FloorProbes, Resident):
             engine_bytes=config.verify,
             reduce_dtype=(DTYPES[PRECISIONS[config.reduce_dtype]] if config.reduce_dtype else None),
             verifying=config.verify,
+            trainer=trainer_index,
         )
         # trainers rank first
         self.hook_context.wire.hosts, self.hook_context.wire.rank = rank_hosts, trainer_index
@@ -110,6 +112,8 @@ class DdpTrainer(FloorProbes, Resident):
         ddp_options = {"device_ids": [self.device.index] if self.device.type == "cuda" else None,
                        "bucket_cap_mb": config.bucket_cap_mb,
                        "gradient_as_bucket_view": config.gradient_as_bucket_view}
+        if config.trainer_timeout is not None:  # a broadcast from trainer 0 would wait on the dead
+            ddp_options.update(ELASTIC_DDP)
         # the whole model's, before wrap shards it (DeepSpeed's stage 3 leaves each parameter a
         # placeholder)
         self.elements = sum(p.numel() for p in network.parameters())
@@ -346,13 +350,17 @@ class DdpTrainer(FloorProbes, Resident):
         ctx = self.hook_context
         captures, ctx.captures = ctx.captures, []
         errors = []
+        # the living trainers' own group, where one was dropped (--trainer-timeout)
+        group = MEMBERSHIP.group(ctx.process_group.size()) or ctx.process_group
         ctx.wire.paused = True
         try:
-            for capture in captures:
+            for capture in captures:  # every capture all-reduced: the same on every trainer
                 raw = capture.raw.to_dense() if capture.raw.is_sparse else capture.raw
                 exact = raw.double()
-                dist.all_reduce(exact, group=ctx.process_group)
-                exact /= ctx.process_group.size()
+                dist.all_reduce(exact, group=group)
+                exact /= group.size()
+                if capture.dropped != frozenset(MEMBERSHIP.dropped):
+                    continue  # averaged with a trainer gone since: no exact mean to check it by
                 delivered = capture.delivered
                 delivered = (delivered.to_dense() if delivered.is_sparse
                              else delivered).double().to(exact.device)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ps_bench.cli import main
-from ps_bench.processes.master import PROGRESS_FIRST_S
+from ps_bench.processes.waiting import PROGRESS_FIRST_S
 from tests.benchrun import (ROOT, communicate, descendants, is_loopback, listening_sockets, rank_pids, read_until,
                             run_bench, small_file_system, start_bench)
 

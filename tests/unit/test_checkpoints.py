@@ -86,6 +86,15 @@ def test_the_default_folder_follows_the_training_options_alone(tmp_path):
     (["--checkpoint-every", "5", "--staleness", "2"], "the parameter servers own the parameters"),
     (["--checkpoint-every", "5", "--hook", "torchft_diloco"], "heal from a live peer"),
     (["--inject-fault", "trainer:0:3:exit,server:4:2:exit"], "--inject-fault: there is no server 4"),
+    (["--trainer-timeout", "60"], "--trainer-timeout must be positive and shorter than "
+                                  "--rpc-timeout (60 s)"),
+    (["--trainer-timeout", "0"], "--trainer-timeout must be positive"),
+    (["--trainer-timeout", "2", "--hook", "allreduce"], "--hook allreduce does not send every "
+                                                        "gradient to servers that average"),
+    (["--trainer-timeout", "2", "--limits"], "--trainer-timeout with --limits: it waits on every "
+                                             "trainer together"),
+    (["--trainer-timeout", "2", "--mapping", "group", "--nserver", "2", "--ntrainer", "4"],
+     "--trainer-timeout with --mapping group"),
 ])
 def test_bad_checkpoint_and_fault_options_are_one_line_exit_2(argv, words, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -116,6 +125,7 @@ def test_a_failure_costs_the_iterations_since_the_checkpoint_and_the_time_to_the
 
 def round_of(iterations: int, saves: list[dict], restore_s=None) -> dict:
     return {"iterations": iterations, "samples": {"batch": [500.0]},
+            "samples_processed": iterations * 16,
             "checkpoints": {"saves": saves, "restore_s": restore_s}}
 
 

@@ -1,0 +1,72 @@
+"""Elastic membership for real (``--trainer-timeout``): a job of three trainers on parameter
+servers loses one, and the two left finish it. A trainer that exits is dropped by the master as
+its round fails; one that hangs, by the server whose bucket waited on it past the timeout. From
+the drop on, every average is over the trainers that sent it: ``--verify`` holds each delivered
+bucket to the exact float64 mean of the living trainers' gradients, and the replicas stay equal.
+Nothing is left running, the hung trainer included."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+RUN = ("--hook", "ps", "--ntrainer", "3", "--warmup-rounds", "1", "--rounds", "2", "--verify")
+
+
+def ranks_running() -> set[int]:
+    """Every process on this machine named as a rank (``ps_bench rN``)."""
+    pids = set()
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().startswith("ps_bench r"):
+                pids.add(int(comm.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+def assert_went_on_with_two(results: dict, dropped: int) -> dict:
+    assert results["status"] == "ok" and results["replicas"]["identical"] is True
+    verify = results["verify"]
+    assert verify["buckets_checked"] > 0 and verify["grad_rel_error_max"] < 1e-6
+    entry, = results["recovery"]["trainers_dropped"]
+    assert entry["trainer"] == dropped and entry["living"] == 2
+    per_trainer = {row["index"]: row["iterations"] for row in results["throughput"]["per_trainer"]}
+    assert per_trainer[dropped] < per_trainer[(dropped + 1) % 3] == 42  # 21 a round, 2 timed
+    assert results["throughput"]["iterations"] == 42  # a living trainer's
+    goodput = results["recovery"]["goodput"]
+    assert goodput["committed_samples"] < 3 * 63 * 16  # 63 iterations of 3 trainers' batches
+    return entry
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_that_exits_is_dropped_and_the_living_average_alone(bench_runs):
+    before = ranks_running()
+    run = bench_runs.get(*RUN, "--nserver", "1", "--trainer-timeout", "20",
+                         "--inject-fault", "trainer:1:30:exit", timeout_s=240)
+    assert run.returncode == 0, run.output
+    entry = assert_went_on_with_two(run.results, dropped=1)
+    # its round failed as its process ended: the master dropped it long before the 20 s
+    assert entry["noticed_by"] == "master" and entry["at_iteration"] == 30
+    assert entry["failure"] == "InjectedFault: injected fault: trainer 1 at iteration 30 (exit)"
+    assert 0 < entry["recovery_s"] < 10
+    assert "ps_bench: trainer 1 dropped at iteration 30 by master" in run.stdout
+    assert ranks_running() - before == set()
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_that_hangs_is_dropped_by_the_server_it_kept_waiting(bench_runs):
+    before = ranks_running()
+    began = time.monotonic()
+    run = bench_runs.get(*RUN, "--nserver", "2", "--trainer-timeout", "1.5",
+                         "--inject-fault", "trainer:2:30:hang", timeout_s=240)
+    assert run.returncode == 0, run.output
+    entry = assert_went_on_with_two(run.results, dropped=2)
+    assert entry["noticed_by"] in ("server 0", "server 1") and entry["at_iteration"] == 30
+    assert 1.5 <= entry["waited_s"] < 10 and entry["failure"] is None
+    # both servers waited on it; the first to notice told the other: one drop
+    assert run.stdout.count("dropped at iteration") == 1
+    assert ranks_running() - before == set()  # the hung trainer too, stopped after the job
+    assert time.monotonic() - began < 120
