@@ -28,7 +28,7 @@ from ps_bench.registry import UnknownNameError
 from ps_bench.runtime import checkpoints, membership, network
 from ps_bench.runtime.faults import Straggler, drawn_of, parse_faults
 from ps_bench.runtime.topology import Topology
-from ps_bench.servers import SERVERS
+from ps_bench.servers import SERVERS, replicas
 from ps_bench.strategies import (HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Strategy, check_hook_options,
                                  stale)
 from ps_bench.strategies.record import ENGINE, ENGINES, FSDP, RECOVERIES, SHARDED
@@ -341,6 +341,7 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
                      f"{cfg.nserver}, --ncudaserver {cfg.ncudaserver}) "
                      f"{'idles' if one else 'idle'}; leave both out to start none")
     membership.check(cfg, record.elastic, cfg.hook)
+    replicas.check(cfg, record.replicated, cfg.hook)
     plan = checkpoints.plan(cfg, RECOVERIES[record.recovery])
     return Job(cfg, record, model, data, engine_config, tuple(notes), plan)
 

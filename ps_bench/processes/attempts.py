@@ -82,12 +82,14 @@ class RecoveryBooks:
         # --trainer-timeout: the trainers dropped (``processes.waiting.Elastic``), and the samples
         # the living trained on
         self.drops: list[dict] = []
+        self.servers_lost: list[dict] = []  # --server-replicas
         self.samples = 0
 
     @property
     def wanted(self) -> bool:
         """Only a run with checkpoints, or one restarted, has a recovery block."""
-        return self.plan is not None or bool(self.recovered) or bool(self.drops)
+        return (self.plan is not None or bool(self.recovered) or bool(self.drops)
+                or bool(self.servers_lost))
 
     def resume_point(self, per_round: int) -> tuple[int, int]:
         """Where training begins, rounds of ``per_round`` iterations: the round and its iteration
@@ -158,7 +160,8 @@ class RecoveryBooks:
                 "goodput": goodput(attempts, self.iteration - base, self.samples_per_iteration,
                                    ended_at - started, failure_free,
                                    self.samples if self.drops else None),
-                **({"trainers_dropped": self.drops} if self.drops else {})}
+                **({"trainers_dropped": self.drops} if self.drops else {}),
+                **({"servers_lost": self.servers_lost} if self.servers_lost else {})}
 
 
 def attempt_entry(found: dict, failure: dict) -> dict:

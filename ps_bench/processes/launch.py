@@ -148,7 +148,7 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
         store_timeout = max(cfg.rpc_timeout, 60.0)
         store, view = rendezvous.join(rank, int(os.environ.get("LOCAL_RANK", rank)), store_timeout)
         times = {"started": started, "joined": time.time()}
-        if cfg.trainer_timeout is not None:
+        if any(membership.goes_on(cfg).values()):
             membership.keep_failures(store, rank)
         drawn = drawn_of(cfg)
         if drawn is not None:  # --mtbf: this rank's next failure, on the job's clock
@@ -193,7 +193,7 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
                             attempts=Attempts(store, rendezvous.restart_count(),
                                               restartable=rendezvous.restarts_left()))
             master.run()
-        if cfg.trainer_timeout is None:
+        if not any(membership.goes_on(cfg).values()):
             rpc.shutdown()
         else:
             membership.leave(rendezvous.attempt_view(store_timeout), info.role == MASTER)
@@ -317,8 +317,9 @@ def spawn(spec: LaunchSpec, watchdog: tuple[float, str] | None = None) -> int:
             context = mp.start_processes(_spawned, args=(spec,), nprocs=cfg.world_size, join=False,
                                          start_method=preload.START_METHOD)
             processes = context.processes
+            goes_on = membership.goes_on(cfg)
             supervise(spec, processes, watchdog, tolerated={
-                info.rank for info in spec.topology().trainers} if cfg.trainer_timeout else ())
+                info.rank for info in spec.topology().ranks if goes_on.get(info.role)})
             return 0
         except BaseException as error:
             terminate(processes)
@@ -367,9 +368,10 @@ def run_torchrun_rank(spec: LaunchSpec) -> int:
             f"torchrun started {world} processes but this run needs {cfg.world_size} "
             f"({plural(cfg.num_trainers, 'trainer')} + {plural(cfg.num_servers, 'server')} + 1 "
             f"master{why_none}); set --nproc-per-node x --nnodes to {cfg.world_size}")
-    if cfg.trainer_timeout is not None:
-        raise ConfigError("--trainer-timeout keeps the living trainers going, where torchrun stops "
-                          "every rank when one fails: run it without torchrun")
+    if any(membership.goes_on(cfg).values()):
+        raise ConfigError("--trainer-timeout and --server-replicas keep a job going without a "
+                          "rank, where torchrun stops every rank when one fails: run without "
+                          "torchrun")
     spec.run_dir = new_run_dir()  # this rank's own: torchrun's agent does the supervising
     worker(int(os.environ["RANK"]), spec)
     shutil.rmtree(spec.run_dir, ignore_errors=True)

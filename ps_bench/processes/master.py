@@ -17,7 +17,7 @@ from ps_bench.models.entries import Entry
 from ps_bench.options import plural
 from ps_bench.processes.attempts import Attempts, RecoveryBooks
 from ps_bench.processes.waiting import (PROGRESS_EVERY_S, PROGRESS_FIRST_S, Elastic,
-                                        round_progress, wait_round)
+                                        ServersLost, round_progress, wait_round)
 from ps_bench.processes.kept import Keeper
 from ps_bench.results.files import environment, keep_results
 from ps_bench.results.printed import format_bytes, print_report
@@ -138,6 +138,9 @@ class Master:
         self.elastic = (Elastic(topology, attempts.store)
                         if config.trainer_timeout is not None and attempts is not None else None)
         self.books.drops = self.elastic.drops if self.elastic is not None else []
+        self.servers_lost = (ServersLost(topology, attempts.store)
+                             if config.server_replicas and attempts is not None else None)
+        self.books.servers_lost = self.servers_lost.entries if self.servers_lost else []
 
     # -- setting up ------------------------------------------------------------------------
     def create_servers(self) -> list[rpc.RRef]:
@@ -156,6 +159,7 @@ class Master:
                     trainer_timeout=cfg.trainer_timeout,
                     members=([info.name for info in topo.trainers],
                              [info.name for info in topo.servers] + [topo.info(-1).name]))),
+                **({"replicas": cfg.server_replicas} if cfg.server_replicas else {}),
             ))
             for info in topo.servers
         ]
@@ -275,9 +279,7 @@ class Master:
             self.books.add(present)
             record.dropped = {drop["rank"] for drop in self.books.drops}
             self.note_recovery()
-            served = [s.rpc_sync().take_metrics() for s in servers]
-            for server in servers:
-                server.rpc_sync().reset_state()
+            served = self.take_served(servers)
             # DDP rebuilds its buckets in the first iteration
             if record.buckets is None and present[0]["iterations"]:
                 record.buckets = self.living(trainers)[0].rpc_sync().bucket_layout()
@@ -328,6 +330,16 @@ class Master:
                   f"(open at https://ui.perfetto.dev), each with its table of operators (.txt)",
                   flush=True)
         return results
+
+    def take_served(self, servers: list[rpc.RRef]) -> list[dict | None]:
+        """Each server's books of the round, reset for the next (None: a server lost, its replica
+        answering for it)."""
+        if self.servers_lost is not None:
+            return self.servers_lost.take(servers)
+        served = [server.rpc_sync().take_metrics() for server in servers]
+        for server in servers:
+            server.rpc_sync().reset_state()
+        return served
 
     def living(self, trainers: list[rpc.RRef]) -> list[rpc.RRef]:
         """The trainers not dropped (every one without --trainer-timeout)."""

@@ -136,7 +136,8 @@ class Elastic:
             at = f" at iteration {entry['iteration']}" if entry["iteration"] else ""
             print(f"ps_bench: trainer {index} dropped{at} by {entry['noticed_by']}{waited}"
                   f"{f' ({cause})' if cause else ''}; {plural(len(self.living()), 'trainer')} "
-                  f"go on, each average over the trainers that sent", flush=True)
+                  f"go{'es' * (len(self.living()) == 1)} on, each average over the trainers "
+                  f"that sent", flush=True)
 
 
 def failed(future: Future) -> bool:
@@ -145,3 +146,53 @@ def failed(future: Future) -> bool:
     except RuntimeError:
         return True
     return False
+
+
+class ServersLost:
+    """``--server-replicas``: the servers found gone as the master asks each for its round's
+    books, and each one's replica answering for it (when, from which iteration, how long after
+    the server failed)."""
+
+    def __init__(self, topology: Topology, view) -> None:
+        self.topology, self.view = topology, view
+        self.lost: set[int] = set()
+        self.entries: list[dict] = []
+
+    def take(self, servers: list) -> list[dict | None]:
+        """Each server's books of the round, reset for the next (None: lost)."""
+        served: list[dict | None] = []
+        for index, server in enumerate(servers):
+            books = None
+            if index not in self.lost:
+                try:
+                    books = server.rpc_sync().take_metrics()
+                    server.rpc_sync().reset_state()
+                except RuntimeError:  # gone: its replica answers for it
+                    self.lost.add(index)
+                    books = None
+            served.append(books)
+        for books in served:
+            for takeover in (books or {}).get("takeovers", []):
+                self.note(takeover)
+        return served
+
+    def note(self, takeover: dict) -> None:
+        index = takeover["server"]
+        if any(entry["server"] == index for entry in self.entries):
+            return
+        info = self.topology.servers[index]
+        record = failure_of(self.view, info.rank) or {}
+        failed_at = record.get("time")
+        replica = (index + 1) % len(self.topology.servers)
+        self.entries.append({
+            "server": index, "rank": info.rank, "replica": replica,
+            "failure": record.get("error"), "failed_at": iso(failed_at),
+            "answered_from_iteration": takeover["iteration"],
+            # failure -> its replica's first answer for it: the trainers' calls failing, asked
+            # again of the replica, every living trainer's contribution there
+            "recovery_s": takeover["at"] - failed_at if failed_at is not None else None})
+        after = (f", {takeover['at'] - failed_at:.2f} s after it failed"
+                 if failed_at is not None else "")
+        cause = f" ({record['error']})" if record.get("error") else ""
+        print(f"ps_bench: server {index} lost{cause}; server {replica}, its replica, answers "
+              f"for it from iteration {takeover['iteration']}{after}", flush=True)

@@ -179,6 +179,8 @@ class RunRecord:
             for bucket, offsets in result.get("timeline", {}).items():
                 self.bucket_offsets[bucket].extend(offsets)
         for info, result in zip(topo.servers, served):
+            if result is None:  # lost (--server-replicas)
+                continue
             for metric, values in result["samples"].items():
                 self.server_samples[info.rank][metric].extend(values)
             self.server_bytes[info.rank][0] += result["bytes"]["recv"]

@@ -124,6 +124,12 @@ def check(cfg: RunConfig, elastic: bool, hook: str) -> None:
 DONE_KEY = "membership/done"
 
 
+def goes_on(cfg: RunConfig) -> dict[str, bool]:
+    """The roles a job goes on without (a trainer dropped, a server answered for by its
+    replica)."""
+    return {"trainer": cfg.trainer_timeout is not None, "server": bool(cfg.server_replicas)}
+
+
 def leave(view: dist.Store, master: bool) -> None:
     """Ends RPC in a run that may have dropped trainers, whose graceful shutdown would wait on
     every rank, the dropped too: the master says in the store that the job is done (its results

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 import torch.distributed.rpc as rpc
-from torch.futures import Future
+from torch.futures import Future, collect_all
 
 from ps_bench.runtime.failures import fatal_on_error
 from ps_bench.runtime.faults import faults_of, maybe_inject
@@ -28,6 +28,7 @@ from ps_bench.metrics.timers import now_ms, tensor_bytes
 from ps_bench.registry import Registry
 from ps_bench.runtime.resident import Resident
 from ps_bench.runtime.topology import piece_root
+from ps_bench.servers.replicas import Copies, forward
 from ps_bench.servers.state import BucketState, ServerBooks
 
 SERVERS: Registry = Registry("server")
@@ -47,10 +48,13 @@ class ParameterServer(Resident):
         fault: str | None = None,
         trainer_timeout: float | None = None,
         members: tuple[list[str], list[str]] = ([], []),
+        replicas: int = 0,
     ) -> None:
         """``trainer_timeout``: drop a trainer that sends nothing for that long while a bucket
         waits on it (``runtime.membership``), ``members`` naming every rank to tell: the
-        trainers, in index order, and the others."""
+        trainers, in index order, and the others; ``replicas`` 1: each contribution is also
+        kept by the next server, which answers for this one once it is lost
+        (``servers.replicas``)."""
         self.server_index = server_index
         self.num_servers = num_servers
         self.contributors = contributors
@@ -59,11 +63,13 @@ class ParameterServer(Resident):
         self.device = torch.device(device)
         self.fault = faults_of(fault)
         self.peers: list[rpc.RRef] = []
+        self.lost: set[int] = set()  # --server-replicas: the servers found gone
         self._buckets: dict[int, BucketState] = {}
         self._partials: dict[int, BucketState] = {}
         self._table_lock = threading.Lock()  # guards only the creation of bucket states
         self.books = ServerBooks()
         self.trainer_timeout, self.members = trainer_timeout, members
+        self.copies = Copies(num_trainers, trainer_timeout is not None) if replicas else None
         if trainer_timeout is not None:
             MEMBERSHIP.listeners.append(self._recheck)
             threading.Thread(target=self._watch, name="trainer-watchdog", daemon=True).start()
@@ -145,7 +151,8 @@ class ParameterServer(Resident):
             buffers = [b for state in [*self._buckets.values(), *self._partials.values()]
                        for b in state.buffers]
         held = held_bytes({"parameters": [], "gradients": buffers, "optimizer": []})
-        return {**self.books.take(), "memory": {**peak_memory(self.device), "model_states": held}}
+        return {**self.books.take(), "memory": {**peak_memory(self.device), "model_states": held},
+                **({"takeovers": self.copies.take()} if self.copies is not None else {})}
 
     # -- the work ---------------------------------------------------------------------------
     def _state(self, table: dict[int, BucketState], bucket_index: int) -> BucketState:
@@ -215,9 +222,13 @@ class ParameterServer(Resident):
                 f"{self.trainer_timeout:g} s while the others waited"))
             return future
         state = self._state(self._buckets, bucket_index)
+        copy = (forward(self, bucket_index, tensor, iteration, sender)
+                if self.copies is not None else None)
         try:
             with state.lock:
                 state.iteration = max(state.iteration, iteration)
+                if copy is not None:
+                    state.copies.append(copy)
                 if sender is not None:
                     state.senders.add(sender)
                 state.waiting.append((future, tensor.device.type == "cuda",
@@ -247,12 +258,16 @@ class ParameterServer(Resident):
         # --trainer-timeout: over the trainers that sent (ps_node's host sums: every trainer's)
         divisor = len(state.senders) if self.trainer_timeout is not None else None
         taken = (summed, divisor, state.waiting, state.first_ms,
-                 state.aggregate_ms + now_ms() - start)
+                 state.aggregate_ms + now_ms() - start, state.copies)
         state.clear()  # before answering, so the next iteration starts afresh
         return taken
 
     def _reply(self, bucket_index: int, state: BucketState, taken: tuple, arrived: float) -> None:
-        summed, divisor, waiting, first_ms, aggregate_ms = taken
+        summed, divisor, waiting, first_ms, aggregate_ms, copies = taken
+        if copies:  # answered once the replica holds every contribution (a lost one: none)
+            collect_all(copies).add_done_callback(
+                lambda _: self._reply(bucket_index, state, (*taken[:5], []), arrived))
+            return
         straggler_ms = arrived - first_ms
         if self.mapping == "group":
             result = self._global_average(bucket_index, summed)

@@ -30,6 +30,7 @@ class BucketState:
     buffers: list[torch.Tensor] = field(default_factory=list)
     turn: int = 0
     iteration: int = 0  # the trainers' last iteration that sent to it
+    copies: list[Future] = field(default_factory=list)  # --server-replicas: kept by the replica
     senders: set[int] = field(default_factory=set)  # --trainer-timeout: who sent this iteration
     # on a CUDA server: recorded after the last contribution was added, on its request's stream
     added: torch.cuda.Event | None = None
@@ -37,7 +38,7 @@ class BucketState:
     def clear(self) -> None:
         """Forgets this iteration's contributions; the buffers stay."""
         self.count, self.accumulator, self.waiting = 0, None, []
-        self.senders = set()
+        self.senders, self.copies = set(), []
         self.aggregate_ms, self.shape = 0.0, None
 
     def buffer_like(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,8 @@ class HookContext:
     wire: ByteCounter = field(default_factory=ByteCounter)
     iteration: int = 0  # the trainer's current training iteration, from 1
     trainer: int = 0  # this trainer's index (who sent, to servers that may drop a trainer)
+    replicas: int = 0  # --server-replicas: a lost server's replica answers for it
+    lost_servers: set[int] = field(default_factory=set)  # the servers found gone
     # on a GPU: (iteration, CUDA event recorded as DDP handed a bucket over), in hand-over order
     ready_events: list | None = None
     capturing: bool = False  # --verify: keep this iteration's buckets

@@ -174,6 +174,9 @@ class Strategy:
     # its servers can drop a trainer that stops sending and average over the living
     # (--trainer-timeout, ``runtime.membership``)
     elastic: bool = False
+    # its servers' buckets can be kept by a replica that answers for a lost server
+    # (--server-replicas, ``servers.replicas``)
+    replicated: bool = False
     # "compressed": its hook options -> its codec (``strategies.codecs.Codec``), whose
     # ``message_bytes(elements, tensors)`` is what a trainer all-gathers of a bucket
     compressor: Callable | None = None

@@ -16,6 +16,7 @@ from torch.futures import Future
 from ps_bench.metrics.timers import tensor_bytes
 from ps_bench.runtime.topology import piece_ranges, slice_size
 from ps_bench.servers.base import ParameterServer
+from ps_bench.servers.replicas import failover
 from ps_bench.strategies.allreduce import allreduce, gather_into, host_rows
 from ps_bench.runtime.futures import device_future, issuing_stream, settle
 from ps_bench.strategies.base import HookContext
@@ -48,12 +49,14 @@ def send_tensor(ctx: HookContext, tensor: torch.Tensor, key: int, server_index: 
         payload = payload.to(wire_dtype)
     peer = server.rref.owner().id  # the server's rank in the job
     ctx.wire.add(sent=tensor_bytes(payload), peer=peer)
-    reply = rpc.rpc_async(
+    reply = None if server_index in ctx.lost_servers else rpc.rpc_async(
         server.rref.owner(),
         ParameterServer.average_gradient,
         args=(server.rref, key, payload, ctx.iteration, ctx.trainer),
         timeout=ctx.rpc_timeout,
     )
+    if ctx.replicas:  # a server gone: its replica answers
+        reply = failover(ctx, reply, payload, key, server_index)
 
     def received(fut: Future) -> torch.Tensor:
         average = fut.value()
@@ -65,7 +68,8 @@ def send_tensor(ctx: HookContext, tensor: torch.Tensor, key: int, server_index: 
 
 @HOOKS.register("ps", aliases=("rpc_hook",),
                 record=Strategy(RPC, "float32", lossless=True, sparse_buckets=SPARSE_SERVERS,
-                                family=SERVERS, elastic=True))
+                                family=SERVERS, elastic=True,
+                                replicated=True))
 class PartitionedServers(Partitioned):
     """Every bucket to the parameter servers over RPC, cut into pieces dealt over all of them,
     which answer with the average; lossless."""
@@ -79,7 +83,8 @@ class PartitionedServers(Partitioned):
 
 @HOOKS.register("ps_fp16", record=Strategy(RPC, "float16", lossless=False,
                                            sparse_buckets=SPARSE_SERVERS, uncompressed="ps",
-                                           family=SERVERS, elastic=True))
+                                           family=SERVERS, elastic=True,
+                                replicated=True))
 class HalfPrecisionServers(PartitionedServers):
     """The ps strategy with float16 on the wire (servers add in float32); lossy."""
 
@@ -88,7 +93,8 @@ class HalfPrecisionServers(PartitionedServers):
 
 @HOOKS.register("ps_bf16", record=Strategy(RPC, "bfloat16", lossless=False,
                                            sparse_buckets=SPARSE_SERVERS, uncompressed="ps",
-                                           family=SERVERS, elastic=True))
+                                           family=SERVERS, elastic=True,
+                                replicated=True))
 class BrainFloatServers(PartitionedServers):
     """The ps strategy with bfloat16 on the wire (servers add in float32); lossy."""
 

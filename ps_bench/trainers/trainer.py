@@ -94,6 +94,7 @@ class DdpTrainer(FloorProbes, Resident):
             reduce_dtype=(DTYPES[PRECISIONS[config.reduce_dtype]] if config.reduce_dtype else None),
             verifying=config.verify,
             trainer=trainer_index,
+            replicas=config.server_replicas,
         )
         # trainers rank first
         self.hook_context.wire.hosts, self.hook_context.wire.rank = rank_hosts, trainer_index

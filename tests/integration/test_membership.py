@@ -1,9 +1,11 @@
-"""Elastic membership for real (``--trainer-timeout``): a job of three trainers on parameter
+"""Elastic membership for real. ``--trainer-timeout``: a job of three trainers on parameter
 servers loses one, and the two left finish it. A trainer that exits is dropped by the master as
 its round fails; one that hangs, by the server whose bucket waited on it past the timeout. From
 the drop on, every average is over the trainers that sent it: ``--verify`` holds each delivered
 bucket to the exact float64 mean of the living trainers' gradients, and the replicas stay equal.
-Nothing is left running, the hung trainer included."""
+Nothing is left running, the hung trainer included. ``--server-replicas 1``: a job that loses
+one of its two servers goes on, the other answering for it from the copies it kept, and ends
+with the parameters of the same job that lost none."""
 
 from __future__ import annotations
 
@@ -70,3 +72,24 @@ def test_a_trainer_that_hangs_is_dropped_by_the_server_it_kept_waiting(bench_run
     assert run.stdout.count("dropped at iteration") == 1
     assert ranks_running() - before == set()  # the hung trainer too, stopped after the job
     assert time.monotonic() - began < 120
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_server_is_answered_for_by_its_replica(bench_runs):
+    run = ("--hook", "ps", "--hook-option", "partition_mb=0.001", "--ntrainer", "3",
+           "--nserver", "2", "--warmup-rounds", "1", "--rounds", "2", "--server-replicas", "1")
+    before = ranks_running()
+    lost = bench_runs.get(*run, "--verify", "--inject-fault", "server:1:30:exit", timeout_s=240)
+    assert lost.returncode == 0, lost.output
+    kept = bench_runs.ok(*run, "--verify", timeout_s=240)
+    results = lost.results
+    entry, = results["recovery"]["servers_lost"]
+    assert (entry["server"], entry["replica"], entry["answered_from_iteration"]) == (1, 0, 30)
+    assert entry["failure"] == "InjectedFault: injected fault: server 1 at iteration 30 (exit)"
+    assert 0 < entry["recovery_s"] < 2
+    assert results["verify"]["grad_rel_error_max"] < 1e-6
+    assert results["replicas"]["identical"] is True
+    assert results["replicas"]["param_norm"] == pytest.approx(kept["replicas"]["param_norm"],
+                                                               rel=1e-6)
+    assert "recovery" not in kept or "servers_lost" not in (kept["recovery"] or {})
+    assert ranks_running() - before == set()

@@ -95,6 +95,13 @@ def test_the_default_folder_follows_the_training_options_alone(tmp_path):
                                              "trainer together"),
     (["--trainer-timeout", "2", "--mapping", "group", "--nserver", "2", "--ntrainer", "4"],
      "--trainer-timeout with --mapping group"),
+    (["--server-replicas", "1", "--nserver", "1"], "--server-replicas 1 keeps each server's "
+                                                   "buckets on another server: give --nserver 2 "
+                                                   "or more (this run has 1)"),
+    (["--server-replicas", "2", "--nserver", "3"], "--server-replicas must be 0 or 1"),
+    (["--server-replicas", "1", "--nserver", "2", "--hook", "ps_node", "--ntrainer", "4",
+      "--per-host", "2"],
+     "--hook ps_node does not (use ps, ps_fp16 or ps_bf16)"),
 ])
 def test_bad_checkpoint_and_fault_options_are_one_line_exit_2(argv, words, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
