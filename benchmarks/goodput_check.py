@@ -38,7 +38,10 @@ EPOCHS = 100  # passes over each trainer's shard a round: 2,100 iterations a rou
 
 
 def run_case(hook: str, every: int, mtbf: str, rounds: int, folder: Path) -> dict:
+    """The case's run under torchrun, or the one its folder holds already."""
     out = folder / f"{hook}-{every}.json"
+    if out.exists():
+        return json.loads(out.read_text()) | {"path": str(out)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                str(TRAINERS + 1), "--max-restarts", "1000", str(ROOT / "bench.py"), "--hook", hook,
                "--ntrainer", str(TRAINERS), "--nserver", "0", "--epochs", str(EPOCHS),

@@ -17,7 +17,6 @@ each point's output (its run file, ``POINT.config.json``, reruns it alone with `
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import fcntl
 import json
@@ -27,7 +26,6 @@ import signal
 import socket
 import sys
 import time
-from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -36,16 +34,15 @@ from tabulate import tabulate
 
 from ps_bench.config import RESULTS_SCHEMA, ConfigError, RunConfig, read_json
 from ps_bench.runfiles import build_config, is_run_options, option_values
-from ps_bench.job import Job, cuda_device_count, validate
+from ps_bench.job import Job, validate
 from ps_bench.options import plural, typed
 from ps_bench.places import check_writable_folder, why_not_written
 from ps_bench.registry import did_you_mean
-from ps_bench.results.files import (RESULTS_NAME, append_line, config_hash, environment,
-                                    failed_results, iso_now, kept_since)
-from ps_bench.results.load import diverged, load_file, load_lines
+from ps_bench.results.files import RESULTS_NAME, append_line, config_hash
+from ps_bench.results.load import diverged, load_lines
 from ps_bench.runtime import preload
-from ps_bench.runtime.failures import Terminated, raise_terminated
-from ps_bench.processes.launch import JobFailed, LaunchSpec, spawn
+from ps_bench.runtime.failures import raise_terminated
+from ps_bench.points import Interrupted, run_point, split_restarts
 
 DESCRIPTION = (
     "Run every point of a sweep file, each in its own process tree, appending one JSON line per "
@@ -75,6 +72,7 @@ class Point:
     resolved: dict[str, Any]
     job: Job  # validated
     repeats: int = 1  # how many times the sweep runs it, each run a line of its own
+    max_restarts: int | None = None  # run under torchrun with that many restarts (points.py)
 
 
 def run_options(values: dict[str, Any], where: str) -> dict[str, Any]:
@@ -108,7 +106,8 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
             raise ConfigError(f"sweep file {path!r}: unknown key {key!r}; "
                               f"{did_you_mean(key, SWEEP_KEYS)}valid keys: {', '.join(SWEEP_KEYS)}")
     name = raw.get("name", Path(path).stem)
-    base = run_options(raw.get("base", {}), f"sweep {path!r}: base")
+    base, base_restarts = split_restarts(raw.get("base", {}), f"sweep {path!r}: base")
+    base = run_options(base, f"sweep {path!r}: base")
     grid_raw = raw.get("grid", {})
     if not isinstance(grid_raw, dict):
         raise ConfigError(f"sweep {path!r}: grid must be an object of option: [values]")
@@ -127,16 +126,17 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
         if not isinstance(variant, dict):
             raise ConfigError(f"sweep {path!r}: variant {number} must be an object")
         label = variant.get("name", f"variant{number}")
-        if label in [named for named, _ in variants]:
+        if label in [named for named, _, _ in variants]:
             raise ConfigError(f"sweep {path!r}: two variants are named {label!r}: the report "
                               f"could not tell their points apart")
-        options = run_options({k: v for k, v in variant.items() if k != "name"},
-                              f"sweep {path!r}: variant {label!r}")
+        where = f"sweep {path!r}: variant {label!r}"
+        variant, restarts = split_restarts(variant, where)
+        options = run_options({k: v for k, v in variant.items() if k != "name"}, where)
         clash = set(options) & set(grid)
         if clash:
             raise ConfigError(f"sweep {path!r}: variant {label!r} sets {', '.join(sorted(clash))}, "
                               f"which the grid varies")
-        variants.append((label, options))
+        variants.append((label, options, base_restarts if restarts is None else restarts))
     if not grid and not variants:
         raise ConfigError(f"sweep {path!r} has no points: give a grid, variants, or both")
     repeats = raw.get("repeat", 1)
@@ -146,7 +146,7 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
     combos = ([dict(zip(grid, values)) for values in itertools.product(*grid.values())] if grid
               else [{}])
     points = []
-    for variant_label, variant_options in variants or [(None, {})]:
+    for variant_label, variant_options, restarts in variants or [(None, {}, base_restarts)]:
         for combo in combos:
             overrides = {**({"variant": variant_label} if variant_label else {}), **combo}
             options = {**base, **variant_options, **combo}
@@ -165,7 +165,7 @@ def load_sweep(path: str, machine: bool = True) -> tuple[str, list[Point]]:
                                   f"({label}) are the same run: list each once (\"repeat\": N "
                                   f"runs every point N times)")
             points.append(Point(index, label, {**overrides, **variant_options}, options,
-                                hashed, resolved, job, repeats))
+                                hashed, resolved, job, repeats, restarts))
     return name, points
 
 
@@ -191,59 +191,6 @@ def processes(cfg: RunConfig) -> str:
 def duration(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
-
-
-class Interrupted(Exception):
-    """The sweep was stopped by a signal; ``exit_code`` is 130 or 143."""
-
-    def __init__(self, exit_code: int) -> None:
-        super().__init__(exit_code)
-        self.exit_code = exit_code
-
-
-def run_point(point: Point, out_dir: Path, timeout_s: float | None) -> dict:
-    """Runs one point's job, its output to the point's log; returns its results (a failed stub
-    if it wrote none). Raises Interrupted on Ctrl-C or SIGTERM, once its ranks are stopped."""
-    stem = f"{point.index:03d}-{point.config_hash}"
-    attempt = 1
-    while (out_dir / "points" / f"{stem}-{attempt}.json").exists():
-        attempt += 1
-    config_file = out_dir / "points" / f"{stem}.config.json"
-    config_file.write_text(json.dumps(point.options, indent=2))
-    results_file = out_dir / "points" / f"{stem}-{attempt}.json"
-    log_file = out_dir / "logs" / f"{stem}.log"
-    argv = ["bench.py", "--config", str(config_file), "--out", str(results_file)]
-    cfg = dataclasses.replace(point.job.config, out=str(results_file))
-    started = time.time()
-    spec = LaunchSpec(dataclasses.replace(point.job, config=cfg), argv, "", str(results_file),
-                      cfg.world_size, cuda_device_count(),
-                      launched_at=started, milestones={"imported": started, "validated": started},
-                      log_path=str(log_file))
-    error = None
-    with open(log_file, "a") as log, redirect_stdout(log), redirect_stderr(log):
-        print(f"==== {iso_now()} attempt {attempt}: {' '.join(argv)}", flush=True)
-        for note in point.job.notes:
-            print(f"ps_bench: note: {note}", flush=True)
-        try:
-            spawn(spec, watchdog=(timeout_s, "--point-timeout") if timeout_s else None)
-        except (JobFailed, ConfigError) as failure:
-            error = str(failure)
-            if isinstance(failure, JobFailed) and failure.detail:
-                print(failure.detail.rstrip())
-            print(f"ps_bench: error: {failure}", flush=True)
-        except KeyboardInterrupt:
-            raise Interrupted(130) from None
-        except Terminated:
-            raise Interrupted(143) from None
-    if results_file.exists():
-        return load_file(results_file)
-    kept = kept_since(results_file, started)  # its folder could not take them: a disk filled
-    if kept:
-        print(f"ps_bench: warning: point {point.index}'s results could not be written to "
-              f"{results_file}; they are in {kept}", file=sys.stderr, flush=True)
-        return load_file(kept)
-    return failed_results(None, error or f"the point wrote no results; see {log_file}",
-                          config=point.resolved, argv=argv, env=environment(cfg.backend))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

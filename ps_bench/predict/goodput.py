@@ -226,8 +226,12 @@ def target(args: argparse.Namespace, runs: list[Run], optimizer: str | None) -> 
     if checkpoint is not None:
         failures.sources.append(f"checkpoint {checkpoint:g} s (--checkpoint-time)")
         return failures
-    saved = [(run, recovery["checkpoints"]) for run, recovery in zip(runs, recoveries)
-             if (recovery.get("checkpoints") or {}).get("bytes_per_s_per_trainer")]
+    # the last attempt's saves, else an earlier attempt's (one that failed before it saved)
+    saved = [(run, checkpoints) for run, recovery in zip(runs, recoveries)
+             for checkpoints in [recovery.get("checkpoints")] + [
+                 (((attempt.get("results") or {}).get("recovery") or {}).get("checkpoints"))
+                 for attempt in recovery.get("attempts", [])]
+             if (checkpoints or {}).get("bytes_per_s_per_trainer")]
     if saved:
         run, checkpoints = saved[0]
         failures.write_rate = checkpoints["bytes_per_s_per_trainer"]

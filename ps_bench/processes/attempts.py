@@ -82,14 +82,17 @@ class RecoveryBooks:
         # --trainer-timeout: the trainers dropped (``processes.waiting.Elastic``), and the samples
         # the living trained on
         self.drops: list[dict] = []
+        # --mtbf, --trainer-timeout or --server-replicas: a recovery block even with no failure
+        self.failing = False
         self.servers_lost: list[dict] = []  # --server-replicas
         self.samples = 0
 
     @property
     def wanted(self) -> bool:
-        """Only a run with checkpoints, or one restarted, has a recovery block."""
-        return (self.plan is not None or bool(self.recovered) or bool(self.drops)
-                or bool(self.servers_lost))
+        """Only a run with checkpoints, one that fails on a schedule or goes on without a rank,
+        or one restarted, has a recovery block."""
+        return (self.plan is not None or self.failing or bool(self.recovered)
+                or bool(self.drops) or bool(self.servers_lost))
 
     def resume_point(self, per_round: int) -> tuple[int, int]:
         """Where training begins, rounds of ``per_round`` iterations: the round and its iteration

@@ -138,6 +138,7 @@ class Master:
         self.elastic = (Elastic(topology, attempts.store)
                         if config.trainer_timeout is not None and attempts is not None else None)
         self.books.drops = self.elastic.drops if self.elastic is not None else []
+        self.books.failing = bool(config.mtbf or config.trainer_timeout or config.server_replicas)
         self.servers_lost = (ServersLost(topology, attempts.store)
                              if config.server_replicas and attempts is not None else None)
         self.books.servers_lost = self.servers_lost.entries if self.servers_lost else []

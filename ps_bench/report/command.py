@@ -119,18 +119,35 @@ def convergence_columns(row: Row, reference_s: float | None) -> list:
     return [iterations, fixed(seconds, 3), f"{speedup:.2f}x" if speedup else None]
 
 
+def recovery_columns(row: Row) -> list:
+    """A run's failures (restarts, trainers dropped, servers lost), its goodput, the goodput's
+    share of its failure-free rate, and its step efficiency (``results.recovery``)."""
+    recovery = row.results.get("recovery") or {}
+    if not recovery:
+        return [None] * 4
+    good = recovery.get("goodput") or {}
+    failures = sum(len(recovery.get(key) or []) for key in ("failures", "trainers_dropped",
+                                                             "servers_lost"))
+    rate, free = good.get("samples_per_s"), good.get("failure_free_samples_per_s")
+    return [failures, fixed(rate, 0), f"{rate / free:.2f}" if rate and free else None,
+            fixed(good.get("step_efficiency"), 3)]
+
+
 def table(rows: list[Row], metric: str, baseline: Baseline) -> tuple[list[str], list[list]]:
     columns = varying_options(rows)
     runs = any(row.run is not None for row in rows)
     converging = any(row.results.get("convergence") for row in rows)
     stale = any(row.results.get("staleness") for row in rows)
     held = any(row.trainer_peak is not None for row in rows)
+    recovering = any(row.results.get("recovery") for row in rows)
     headers = (columns + (["run"] if runs else [])
                + [f"{metric} p50 ms", f"{metric} p90 ms", "samples/s", "bytes/iter"]
                + (["trainer MiB"] if held else []) + ["grad error", "speedup"]
                + (["staleness p50/max"] if stale else [])
                + (["iterations to target", "seconds to target", "speedup to target"]
-                  if converging else []) + ["status"])
+                  if converging else [])
+               + (["failures", "goodput samples/s", "of failure-free", "step efficiency"]
+                  if recovering else []) + ["status"])
     body = []
     for row in rows:
         p50 = row.stat(metric, "p50")
@@ -151,6 +168,7 @@ def table(rows: list[Row], metric: str, baseline: Baseline) -> tuple[list[str], 
             f"{speedup:.2f}x" if speedup else None,
             *([staleness_column(row)] if stale else []),
             *(convergence_columns(row, reference_s) if converging else []),
+            *(recovery_columns(row) if recovering else []),
             status_of(row),
         ])
     return headers, body

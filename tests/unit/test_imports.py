@@ -98,7 +98,8 @@ LAYERS = [
     ("ps_bench.results",),  # the books of a run, and its files
     ("ps_bench.processes",),  # the processes of a job
     ("ps_bench.cluster",),  # the engines past one machine
-    ("ps_bench.plots", "ps_bench.sweep", "ps_bench.report", "ps_bench.compare", "ps_bench.predict"),  # subcommands
+    ("ps_bench.plots", "ps_bench.points", "ps_bench.sweep", "ps_bench.report", "ps_bench.compare",
+     "ps_bench.predict"),  # subcommands
     ("ps_bench.cli", "ps_bench.__main__"),
 ]
 

@@ -674,3 +674,25 @@ def test_goodput_at_each_point_from_a_runs_own_checkpoint_and_recovery(tmp_path,
         assert row["goodput_samples_per_s"] == pytest.approx(row["samples_per_s"] * row["ettr"])
     assert rows[64]["ettr"] < rows[2]["ettr"] < 1
     assert json.loads(out.read_text())["goodput_winners"][0]["strategy"] == "allreduce"
+
+
+def test_a_checkpoint_written_by_an_earlier_attempt_costs_the_checkpoint(tmp_path, capsys):
+    """The attempt that finished saved nothing (each failed before its interval came round):
+    the write rate is an earlier attempt's, from the rounds it kept."""
+    from ps_bench.cli import main
+    from tests.unit.test_predict import MB, results_file
+
+    earlier = {"recovery": {"checkpoints": {"bytes": 40e6, "bytes_per_s_per_trainer": 2e6}}}
+    recovery = {"checkpoints": {"bytes": None, "bytes_per_s_per_trainer": None, "saves": 0},
+                "failures": [{"recovery_s": 60.0}],
+                "attempts": [{"attempt": 0, "results": earlier}, {"attempt": 1}]}
+    run = results_file(tmp_path, recovery=recovery)
+    data = json.loads(open(run).read())
+    data["config"]["model_size"]["dense_gradient_bytes"] = 20 * MB  # its two buckets
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    out = tmp_path / "p.json"
+    assert main(["predict", run, "--trainers", "4", "--hooks", "allreduce", "--mtbf", "1000h",
+                 "--out", str(out)]) == 0
+    assert "at 2.0 MB/s" in capsys.readouterr().out
+    row, = json.loads(out.read_text())["predictions"]
+    assert row["checkpoint_s"] == pytest.approx(40e6 / 4 / 2e6, rel=0.01)

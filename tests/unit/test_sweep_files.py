@@ -53,6 +53,34 @@ def test_variants_times_grid_and_either_alone(tmp_path):
     assert len(alone) == 1 and alone[0].options == {"rounds": 2}
 
 
+def test_max_restarts_runs_a_point_under_torchrun_and_is_no_run_option(tmp_path):
+    _, points = load_sweep(sweep(tmp_path, {
+        "base": {"hook": "allreduce", "nserver": 0, "max_restarts": 3},
+        "variants": [{"name": "torchrun's"}, {"name": "own", "max_restarts": 0, "rounds": 2}]}))
+    assert [p.max_restarts for p in points] == [3, 0]
+    assert "max_restarts" not in points[0].options and points[1].options["rounds"] == 2
+    _, (plain,) = load_sweep(sweep(tmp_path, {"variants": [{"name": "v"}]}))
+    assert plain.max_restarts is None
+
+
+def test_report_gives_each_runs_failures_and_goodput(tmp_path):
+    failed = dict(result("allreduce", 2.0), recovery={
+        "failures": [{}, {}], "goodput": {"samples_per_s": 300.0, "failure_free_samples_per_s": 400.0,
+                                          "step_efficiency": 0.9}})
+    dropped = dict(result("ps", 4.0), recovery={
+        "failures": [], "trainers_dropped": [{}], "goodput": {
+            "samples_per_s": 100.0, "failure_free_samples_per_s": 200.0, "step_efficiency": 1.0}})
+    lines = [dict(failed, point={"index": 1, "name": "a", "hash": "a"}),
+             dict(dropped, point={"index": 2, "name": "b", "hash": "b"}),
+             dict(result("fsdp", 3.0), point={"index": 3, "name": "c", "hash": "c"})]
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    headers, body = table(load_rows([str(tmp_path)]), "batch", Baseline(()))
+    at = headers.index("failures")
+    assert headers[at:at + 4] == ["failures", "goodput samples/s", "of failure-free", "step efficiency"]
+    assert [row[at:at + 4] for row in body] == [[2, "300", "0.75", "0.900"], [1, "100", "0.50", "1.000"],
+                                               [None, None, None, None]]
+
+
 def test_hash_follows_the_resolved_configuration(tmp_path):
     (ps, allreduce), (alias,) = (load_sweep(sweep(tmp_path, {"grid": {"hook": hooks}}))[1]
                                  for hooks in (["ps", "allreduce"], ["rpc_hook"]))
@@ -78,6 +106,9 @@ def test_hash_follows_the_resolved_configuration(tmp_path):
         ({"base": {"rounds": 2}}, "has no points"),
         ({"grid": {"hook": ["ps"]}, "extra": 1}, "unknown key 'extra'; valid keys: name, base, grid, variants"),
         ({"grid": {"hook": ["ps"]}, "bse": {}}, "unknown key 'bse'; did you mean 'base'[?] valid keys: name"),
+        ({"variants": [{"name": "v", "max_restarts": -1}]},
+         "variant 'v': max_restarts runs the point under torchrun with that many restarts: a whole "
+         "number, 0 or more; got -1"),
     ],
 )
 def test_bad_sweeps_name_the_point_and_the_problem(tmp_path, content, message):
