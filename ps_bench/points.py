@@ -14,17 +14,28 @@ import sys
 import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from ps_bench.config import ConfigError
-from ps_bench.job import cuda_device_count
+from ps_bench.job import Job, cuda_device_count
 from ps_bench.processes.launch import JobFailed, LaunchSpec, spawn
 from ps_bench.results.files import environment, failed_results, iso_now, kept_since
 from ps_bench.results.load import load_file
 from ps_bench.runtime.failures import Terminated
 
-if TYPE_CHECKING:
-    from ps_bench.sweep import Point
+@dataclass
+class Point:
+    index: int  # from 1
+    name: str
+    overrides: dict[str, Any]
+    options: dict[str, Any]  # base plus overrides, as a run JSON
+    config_hash: str
+    resolved: dict[str, Any]
+    job: Job  # validated
+    repeats: int = 1  # how many times the sweep runs it, each run a line of its own
+    max_restarts: int | None = None  # run under torchrun with that many restarts (points.py)
+
 
 RESTARTS_KEY = "max_restarts"  # a sweep point's: run it under torchrun with that many restarts
 

@@ -26,7 +26,6 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,7 +33,7 @@ from tabulate import tabulate
 
 from ps_bench.config import RESULTS_SCHEMA, ConfigError, RunConfig, read_json
 from ps_bench.runfiles import build_config, is_run_options, option_values
-from ps_bench.job import Job, validate
+from ps_bench.job import validate
 from ps_bench.options import plural, typed
 from ps_bench.places import check_writable_folder, why_not_written
 from ps_bench.registry import did_you_mean
@@ -42,7 +41,7 @@ from ps_bench.results.files import RESULTS_NAME, append_line, config_hash
 from ps_bench.results.load import diverged, load_lines
 from ps_bench.runtime import preload
 from ps_bench.runtime.failures import raise_terminated
-from ps_bench.points import Interrupted, run_point, split_restarts
+from ps_bench.points import Interrupted, Point, run_point, split_restarts
 
 DESCRIPTION = (
     "Run every point of a sweep file, each in its own process tree, appending one JSON line per "
@@ -50,7 +49,9 @@ DESCRIPTION = (
     "\"base\": {options}, \"grid\": {option: [values]}, "
     "\"variants\": [{\"name\": ..., option: value}]}: the points are the "
     "cartesian product of grid (times each variant), each base plus its overrides; "
-    "\"repeat\": N runs each point N times, every run recorded (bench.py compare reads them all).")
+    "\"repeat\": N runs each point N times, every run recorded (bench.py compare reads them all); "
+    "\"max_restarts\": N in base or a variant runs those points under torchrun, which restarts "
+    "each up to N times.")
 EPILOG = (
     "examples:\n"
     "  python bench.py sweep configs/sweeps/hooks.json --out results/hooks --dry-run"
@@ -60,19 +61,6 @@ EPILOG = (
 
 SWEEP_KEYS = ("name", "base", "grid", "variants", "repeat")
 LOCK_NAME = "sweep.lock"  # held by the sweep running into the folder (hold_folder)
-
-
-@dataclass
-class Point:
-    index: int  # from 1
-    name: str
-    overrides: dict[str, Any]
-    options: dict[str, Any]  # base plus overrides, as a run JSON
-    config_hash: str
-    resolved: dict[str, Any]
-    job: Job  # validated
-    repeats: int = 1  # how many times the sweep runs it, each run a line of its own
-    max_restarts: int | None = None  # run under torchrun with that many restarts (points.py)
 
 
 def run_options(values: dict[str, Any], where: str) -> dict[str, Any]:
