@@ -135,12 +135,11 @@ class Master:
                                    config.num_trainers * config.batch_size * config.grad_accum,
                                    config.num_trainers)
         # --trainer-timeout: the rounds wait for the living trainers only
-        self.elastic = (Elastic(topology, attempts.store)
-                        if config.trainer_timeout is not None and attempts is not None else None)
+        store = attempts.store if attempts is not None else None  # failure records, if any
+        self.elastic = Elastic(topology, store) if config.trainer_timeout is not None else None
         self.books.drops = self.elastic.drops if self.elastic is not None else []
         self.books.failing = bool(config.mtbf or config.trainer_timeout or config.server_replicas)
-        self.servers_lost = (ServersLost(topology, attempts.store)
-                             if config.server_replicas and attempts is not None else None)
+        self.servers_lost = ServersLost(topology, store) if config.server_replicas else None
         self.books.servers_lost = self.servers_lost.entries if self.servers_lost else []
 
     # -- setting up ------------------------------------------------------------------------

@@ -154,7 +154,7 @@ def keep_failures(view: dist.Store, rank: int) -> None:
     failures.add_sink(keep)
 
 
-def failure_of(view: dist.Store, rank: int) -> dict | None:
-    """Rank ``rank``'s failure record (``keep_failures``), where it left one."""
+def failure_of(view: dist.Store | None, rank: int) -> dict | None:
+    """Rank ``rank``'s failure record (``keep_failures``), where it left one in ``view``."""
     key = f"membership/failure/rank{rank}"
-    return json.loads(view.get(key)) if view.check([key]) else None
+    return json.loads(view.get(key)) if view is not None and view.check([key]) else None
