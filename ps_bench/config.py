@@ -232,7 +232,7 @@ class RunConfig:
         group=FAILURES, metavar="SECONDS")
     server_replicas: int = option(
         0, "1: each server's buckets also kept by the next server, which answers for it if it "
-        "is lost (ps, ps_fp16, ps_bf16; default: 0, none)", group=FAILURES, metavar="N")
+        "is lost (ps, ps_fp16, ps_bf16); 0: none", group=FAILURES, metavar="N")
     checkpoint_every: int | None = option(
         None, "save a checkpoint every N iterations (the model, the optimizer, the data's "
         "position and the RNG, with torch.distributed.checkpoint; DeepSpeed's engines with their "
