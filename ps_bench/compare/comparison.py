@@ -93,6 +93,10 @@ METRICS = (
            ("less memory", "more memory")),
     Metric("seconds to target", "s", 3, False, lambda r: reached(r, "seconds")),
     Metric("iterations to target", "", 0, False, lambda r: reached(r, "iterations")),
+    # under failures (the results' recovery block): the samples a second of the whole wall time
+    Metric("goodput samples/s", "1/s", 0, True,
+           lambda r: ((r.get("recovery") or {}).get("goodput") or {}).get("samples_per_s"),
+           words=("more goodput", "less goodput")),
 )
 
 

@@ -235,6 +235,19 @@ def test_time_to_target_compares_where_both_sides_reached_it(tmp_path, capsys):
     assert "seconds to target: one value a run: an interval needs 3 runs a side" in out
 
 
+def test_goodput_compares_where_both_sides_have_a_recovery_block(tmp_path, capsys):
+    def failing(seed: int, goodput: float) -> dict:
+        return {**results(seed, 2.0), "recovery": {"goodput": {"samples_per_s": goodput}}}
+
+    base = write_runs(tmp_path / "base", [failing(s, 1000.0 + s) for s in (1, 2, 3)])
+    new = write_runs(tmp_path / "new", [failing(s, 1500.0 + s) for s in (4, 5, 6)])
+    code, out, err = run_compare(capsys, str(base), str(new))
+    assert code == 0, err
+    assert "more goodput" in row_of(out, "goodput samples/s")
+    code, out, _ = run_compare(capsys, str(write_runs(tmp_path / "plain", [results(7, 2.0)])), str(new))
+    assert not any(line.startswith("goodput") for line in out.splitlines())  # one side has none
+
+
 def test_points_match_by_configuration_and_the_rest_is_listed(tmp_path, capsys):
     base = write_runs(tmp_path / "base", [results(1, 2.0, hook="ps"), results(2, 3.0, hook="allreduce")])
     new = write_runs(tmp_path / "new", [results(3, 2.0, hook="ps"), results(4, 3.0, hook="fp16")])
