@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -644,20 +645,28 @@ def test_bad_goodput_input_is_one_line_and_exit_2(argv, words, capsys, tmp_path)
     assert captured.err.count("\n") == 1 and words in captured.err, captured.err
 
 
+def run_with_recovery(tmp_path, recovery: dict) -> str:
+    """A made-up run of DummyModel's 20 MB of gradients (its two buckets) with this recovery
+    block."""
+    from tests.unit.test_predict import MB, results_file
+
+    run = results_file(tmp_path, recovery=recovery)
+    data = json.loads(open(run).read())
+    data["config"]["model_size"]["dense_gradient_bytes"] = 20 * MB
+    Path(run).write_text(json.dumps(data))
+    return run
+
+
 def test_goodput_at_each_point_from_a_runs_own_checkpoint_and_recovery(tmp_path, capsys):
     """A run made with --checkpoint-every that torchrun restarted gives the checkpoint's cost
     (its trainers' write rate, scaled to each trainer's share) and the restart (its recovery);
     the cluster's mean time between failures is one GPU's over the GPUs."""
     from ps_bench.cli import main
     from ps_bench.predict.goodput import daly_interval_s, restart_ettr
-    from tests.unit.test_predict import MB, results_file
 
     recovery = {"checkpoints": {"bytes": 40e6, "bytes_per_s_per_trainer": 1e6, "save_s_p50": 20.0},
                 "failures": [{"recovery_s": 90.0}, {"recovery_s": 110.0}, {"recovery_s": 400.0}]}
-    run = results_file(tmp_path, recovery=recovery)
-    data = json.loads(open(run).read())
-    data["config"]["model_size"]["dense_gradient_bytes"] = 20 * MB  # its two buckets
-    (tmp_path / "r.json").write_text(json.dumps(data))
+    run = run_with_recovery(tmp_path, recovery)
     out = tmp_path / "p.json"
     assert main(["predict", run, "--trainers", "2,64", "--hooks", "allreduce", "--mtbf", "1000h",
                  "--out", str(out)]) == 0
@@ -680,16 +689,12 @@ def test_a_checkpoint_written_by_an_earlier_attempt_costs_the_checkpoint(tmp_pat
     """The attempt that finished saved nothing (each failed before its interval came round):
     the write rate is an earlier attempt's, from the rounds it kept."""
     from ps_bench.cli import main
-    from tests.unit.test_predict import MB, results_file
 
     earlier = {"recovery": {"checkpoints": {"bytes": 40e6, "bytes_per_s_per_trainer": 2e6}}}
     recovery = {"checkpoints": {"bytes": None, "bytes_per_s_per_trainer": None, "saves": 0},
                 "failures": [{"recovery_s": 60.0}],
                 "attempts": [{"attempt": 0, "results": earlier}, {"attempt": 1}]}
-    run = results_file(tmp_path, recovery=recovery)
-    data = json.loads(open(run).read())
-    data["config"]["model_size"]["dense_gradient_bytes"] = 20 * MB  # its two buckets
-    (tmp_path / "r.json").write_text(json.dumps(data))
+    run = run_with_recovery(tmp_path, recovery)
     out = tmp_path / "p.json"
     assert main(["predict", run, "--trainers", "4", "--hooks", "allreduce", "--mtbf", "1000h",
                  "--out", str(out)]) == 0
