@@ -22,6 +22,7 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from ps_bench.config import RunConfig, need
+from ps_bench.metrics.timers import tensor_bytes
 from ps_bench.runtime.failures import fatal_on_error
 from ps_bench.runtime.membership import MEMBERSHIP
 
@@ -91,7 +92,7 @@ def keep_copy(server_rref: rpc.RRef, owner: int, key: int, tensor: torch.Tensor,
               sender: int) -> None:
     """RPC target: server ``owner`` forwards a contribution to its replica."""
     server = server_rref.local_value()
-    server.books.count("recv", tensor.numel() * tensor.element_size())
+    server.books.count("recv", tensor_bytes(tensor))
     server.copies.keep(owner, key, iteration, sender, tensor)
 
 
@@ -102,7 +103,7 @@ def average_for(server_rref: rpc.RRef, owner: int, key: int, tensor: torch.Tenso
     """RPC target: a trainer whose server ``owner`` is gone asks its replica for the average."""
     server = server_rref.local_value()
     future = Future()
-    server.books.count("recv", tensor.numel() * tensor.element_size())
+    server.books.count("recv", tensor_bytes(tensor))
     server.copies.ask(owner, key, iteration, sender, tensor, future)
     return future
 
@@ -115,7 +116,7 @@ def forward(server, key: int, tensor: torch.Tensor, iteration: int,
     if replica in server.lost or sender is None:
         return None
     peer = server.peers[replica]
-    server.books.count("sent", tensor.numel() * tensor.element_size())
+    server.books.count("sent", tensor_bytes(tensor))
     future = rpc.rpc_async(peer.owner(), keep_copy, args=(
         peer, server.server_index, key, tensor.cpu(), iteration, sender))
 
