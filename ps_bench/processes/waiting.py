@@ -9,26 +9,24 @@ import threading
 import time
 from typing import Callable
 
-import torch
-
 from torch.futures import Future, collect_all
 
 from ps_bench.options import plural
 from ps_bench.results.recovery import iso
 from ps_bench.runtime.membership import MEMBERSHIP, announce, drop_entry, failure_of
 from ps_bench.runtime.topology import Topology
+from ps_bench.servers.replicas import replica_of
 
 # a round still running this long after it began prints a progress line, then every
 # PROGRESS_EVERY_S; each trainer has PROGRESS_ASK_S to say where it is
 PROGRESS_FIRST_S, PROGRESS_EVERY_S, PROGRESS_ASK_S = 10.0, 30.0, 5.0
-WAKE_S = 0.5  # how often a waiting round looks again, besides waking on a drop or its end
 
 
 def wait_round(futures: list, trainers: list, label: str) -> list[dict]:
     """The trainers' rounds, once every one has ended; while they run, a progress line after
     ``PROGRESS_FIRST_S`` and every ``PROGRESS_EVERY_S`` after that (``round_progress``)."""
     ended = threading.Event()
-    torch.futures.collect_all(futures).then(lambda _: ended.set())
+    collect_all(futures).then(lambda _: ended.set())
     began, wait_s = time.perf_counter(), PROGRESS_FIRST_S
     while not ended.wait(wait_s):
         print(f"{label} {round_progress(trainers, time.perf_counter() - began)}", flush=True)
@@ -79,23 +77,26 @@ class Elastic:
         trainer not dropped has ended; a trainer whose round failed is dropped here and told to
         every other rank. ``progress(elapsed_s)`` prints a line after ``first_s``, then every
         ``every_s``."""
-        began = time.perf_counter()
-        ended = collect_all(list(futures.values()))
-        next_line = began + first_s
-        while True:
-            for index, future in futures.items():
-                if future.done() and index not in MEMBERSHIP.dropped and failed(future):
-                    self.drop_failed(index)
-            waiting = [index for index, future in futures.items()
-                       if not future.done() and index not in MEMBERSHIP.dropped]
-            if not waiting:
-                break
-            MEMBERSHIP.changed.clear()
-            if not ended.done():
-                MEMBERSHIP.changed.wait(WAKE_S)
-            if time.perf_counter() > next_line:
-                progress(time.perf_counter() - began)
-                next_line = time.perf_counter() + every_s
+        began, next_line = time.perf_counter(), time.perf_counter() + first_s
+        wake = threading.Event()  # a round ended, or a trainer was dropped
+        for future in futures.values():
+            future.add_done_callback(lambda _: wake.set())
+        MEMBERSHIP.listeners.append(wake.set)
+        try:
+            while True:
+                wake.clear()  # before looking: what happens after it wakes the wait below
+                for index, future in futures.items():
+                    if future.done() and index not in MEMBERSHIP.dropped and failed(future):
+                        self.drop_failed(index)
+                if all(future.done() or index in MEMBERSHIP.dropped
+                       for index, future in futures.items()):
+                    break
+                wake.wait(max(0.0, next_line - time.perf_counter()))
+                if time.perf_counter() >= next_line:
+                    progress(time.perf_counter() - began)
+                    next_line = time.perf_counter() + every_s
+        finally:
+            MEMBERSHIP.listeners.remove(wake.set)
         self.note()
         return {index: (future.wait() if future.done() and index not in MEMBERSHIP.dropped
                         else None) for index, future in futures.items()}
@@ -183,7 +184,7 @@ class ServersLost:
         info = self.topology.servers[index]
         record = failure_of(self.view, info.rank) or {}
         failed_at = record.get("time")
-        replica = (index + 1) % len(self.topology.servers)
+        replica = replica_of(index, len(self.topology.servers))
         self.entries.append({
             "server": index, "rank": info.rank, "replica": replica,
             "failure": record.get("error"), "failed_at": iso(failed_at),

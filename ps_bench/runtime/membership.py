@@ -8,7 +8,8 @@ trainer's round that fails. Whoever notices announces the drop to every other ra
 the master before the servers, and waits for them: a living trainer knows its peer is gone before
 any average without that peer reaches it (its ``--verify`` means over the living), and a server
 that waits on the same trainer completes its buckets as the notice arrives. Each process keeps one
-``Membership``; its listeners (a server's waiting buckets) run as a notice arrives."""
+``Membership``; its listeners (a server's waiting buckets, the master's waiting round) run as a
+notice arrives."""
 
 from __future__ import annotations
 
@@ -40,7 +41,6 @@ class Membership:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.dropped: dict[int, dict] = {}
-        self.changed = threading.Event()
         self.listeners: list[Callable[[], None]] = []
         self._group: tuple[frozenset, dist.ProcessGroup] | None = None
 
@@ -51,7 +51,6 @@ class Membership:
             for index in new:
                 self.dropped[index] = drops[index]
         if new:
-            self.changed.set()
             for listener in list(self.listeners):
                 listener()
         return new
