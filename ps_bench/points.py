@@ -13,8 +13,8 @@ import subprocess
 import sys
 import time
 from contextlib import redirect_stderr, redirect_stdout
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ps_bench.config import ConfigError
@@ -23,6 +23,7 @@ from ps_bench.processes.launch import JobFailed, LaunchSpec, spawn
 from ps_bench.results.files import environment, failed_results, iso_now, kept_since
 from ps_bench.results.load import load_file
 from ps_bench.runtime.failures import Terminated
+
 
 @dataclass
 class Point:
@@ -34,7 +35,7 @@ class Point:
     resolved: dict[str, Any]
     job: Job  # validated
     repeats: int = 1  # how many times the sweep runs it, each run a line of its own
-    max_restarts: int | None = None  # run under torchrun with that many restarts (points.py)
+    max_restarts: int | None = None  # run under torchrun with that many restarts
 
 
 RESTARTS_KEY = "max_restarts"  # a sweep point's: run it under torchrun with that many restarts
@@ -50,6 +51,8 @@ def split_restarts(values: Any, where: str) -> tuple[Any, int | None]:
         raise ConfigError(f"{where}: {RESTARTS_KEY} runs the point under torchrun with that many "
                           f"restarts: a whole number, 0 or more; got {json.dumps(restarts)}")
     return {k: v for k, v in values.items() if k != RESTARTS_KEY}, restarts
+
+
 class Interrupted(Exception):
     """The sweep was stopped by a signal; ``exit_code`` is 130 or 143."""
 
