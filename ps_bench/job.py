@@ -31,7 +31,7 @@ from ps_bench.runtime.topology import Topology
 from ps_bench.servers import SERVERS, replicas
 from ps_bench.strategies import (HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Strategy, check_hook_options,
                                  stale)
-from ps_bench.strategies.record import ENGINE, ENGINES, FSDP, RECOVERIES, SHARDED
+from ps_bench.strategies.record import ENGINE, ENGINES, FSDP, HEAL, RECOVERIES, SHARDED
 from ps_bench.trainers.trainer import TRAINERS
 
 
@@ -60,6 +60,10 @@ class Job:
                         cuda_collectives=cfg.backend != "gloo",
                         pushing_hosts=(cfg.per_host if strategy.per_host and strategy.needs_servers
                                        else None))
+
+    def goes_on(self) -> dict[str, bool]:
+        """The roles this job goes on without (``membership.goes_on``)."""
+        return membership.goes_on(self.config, self.strategy.recovery == HEAL)
 
 
 def cuda_device_count() -> int:
@@ -341,6 +345,7 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
                      f"{cfg.nserver}, --ncudaserver {cfg.ncudaserver}) "
                      f"{'idles' if one else 'idle'}; leave both out to start none")
     membership.check(cfg, record.elastic, cfg.hook)
+    membership.check_healing(cfg, record.recovery == HEAL, cfg.hook)
     replicas.check(cfg, record.replicated, cfg.hook)
     plan = checkpoints.plan(cfg, RECOVERIES[record.recovery])
     return Job(cfg, record, model, data, engine_config, tuple(notes), plan)

@@ -133,6 +133,18 @@ def rank_pids(launcher_pid: int) -> list[int]:
     return [ranks[rank] for rank in sorted(ranks)]
 
 
+def ranks_running() -> set[int]:
+    """Every process on this machine named as a rank (``ps_bench rN``)."""
+    pids = set()
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().startswith("ps_bench r"):
+                pids.add(int(comm.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
 def listening_sockets(pids: list[int]) -> dict[int, list[str]]:
     """pid -> the TCP addresses ("127.0.0.1:41234", "[::]:29500") each of ``pids`` listens on,
     from /proc: the socket inodes of its open files, matched against /proc/net/tcp and tcp6."""

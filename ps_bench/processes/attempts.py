@@ -85,6 +85,7 @@ class RecoveryBooks:
         # --mtbf, --trainer-timeout or --server-replicas: a recovery block even with no failure
         self.failing = False
         self.servers_lost: list[dict] = []  # --server-replicas
+        self.healed: dict | None = None  # the groups healed from a live peer (processes.healing)
         self.samples = 0
 
     @property
@@ -152,6 +153,9 @@ class RecoveryBooks:
                          "ended_at_iteration": self.iteration, "began": iso(launched_at),
                          "iterations_run": self.iteration - self.began_at_iteration})
         plan, base = self.plan, attempts[0]["began_at_iteration"] or 0
+        healed = dict(self.healed or {})  # groups started again: their samples after healing
+        samples = self.samples + (healed.pop("iterations", 0) * self.samples_per_iteration
+                                  // self.trainers)
         return {"checkpoints": saves_summary(
                     None if plan is None else {"folder": plan.folder, "every": plan.every,
                                                "background": plan.asynchronous},
@@ -162,9 +166,10 @@ class RecoveryBooks:
                 "resumed_from_an_earlier_run": base or None,
                 "goodput": goodput(attempts, self.iteration - base, self.samples_per_iteration,
                                    ended_at - started, failure_free,
-                                   self.samples if self.drops else None),
+                                   samples if self.drops else None),
                 **({"trainers_dropped": self.drops} if self.drops else {}),
-                **({"servers_lost": self.servers_lost} if self.servers_lost else {})}
+                **({"servers_lost": self.servers_lost} if self.servers_lost else {}),
+                **healed}
 
 
 def attempt_entry(found: dict, failure: dict) -> dict:

@@ -37,7 +37,7 @@ from ps_bench.config import ConfigError, RunConfig
 from ps_bench.job import Job
 from ps_bench.options import plural
 from ps_bench.results.files import environment, failed_results, keep_results, read_snapshot
-from ps_bench.processes import orphans, rendezvous
+from ps_bench.processes import orphans, rejoin, rendezvous
 from ps_bench.runtime import failures, membership, network, preload, streams
 from ps_bench.runtime.addresses import interface_env, loopback
 from ps_bench.runtime.faults import TimedFault, arm, drawn_of, role_counts
@@ -46,6 +46,7 @@ from ps_bench.processes.master import Master
 from ps_bench.processes.supervision import (JobFailed, listen_for_stack_requests, supervise,
                                             terminate)
 from ps_bench.runtime.topology import MASTER, TRAINER, Topology
+from ps_bench.strategies.record import HEAL
 
 PG_BACKENDS = {"gloo": "gloo", "nccl": "nccl", "multi": "cpu:gloo,cuda:nccl"}
 
@@ -148,7 +149,7 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
         store_timeout = max(cfg.rpc_timeout, 60.0)
         store, view = rendezvous.join(rank, int(os.environ.get("LOCAL_RANK", rank)), store_timeout)
         times = {"started": started, "joined": time.time()}
-        if any(membership.goes_on(cfg).values()):
+        if any(spec.job.goes_on().values()):
             membership.keep_failures(store, rank)
         drawn = drawn_of(cfg)
         if drawn is not None:  # --mtbf: this rank's next failure, on the job's clock
@@ -193,7 +194,7 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
                             attempts=Attempts(store, rendezvous.restart_count(),
                                               restartable=rendezvous.restarts_left()))
             master.run()
-        if not any(membership.goes_on(cfg).values()):
+        if not any(spec.job.goes_on().values()):
             rpc.shutdown()
         else:
             membership.leave(rendezvous.attempt_view(store_timeout), info.role == MASTER)
@@ -225,20 +226,7 @@ def keep_torchrun_rounds(master: Master, spec: LaunchSpec, error: str,
 
 def _spawned(rank: int, spec: LaunchSpec) -> None:
     started = time.time()
-    orphans.die_with(spec.launcher_pid)
-    # what ps -o comm and /proc/PID/comm show
-    orphans.prctl(orphans.PR_SET_NAME, f"ps_bench r{rank}".encode())
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides how the job ends
-    # one thread yet, no socket: everything from here is on the emulated host
-    if rank in spec.namespaces:
-        network.enter(spec.namespaces[rank])
-    os.environ.update(spec.env)  # the forkserver kept the environment it started with
-    if spec.log_path is not None:
-        log = os.open(spec.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-    streams.outlive_reader()  # the launcher's reader may leave before the job ends
+    rejoin.enter(rank, spec)
     worker(rank, spec, started)
     # The rank's work is done and RPC and its process group are shut down: end here rather than
     # in the interpreter's teardown of torch, which took 1.3 s per rank on the development machine,
@@ -317,9 +305,11 @@ def spawn(spec: LaunchSpec, watchdog: tuple[float, str] | None = None) -> int:
             context = mp.start_processes(_spawned, args=(spec,), nprocs=cfg.world_size, join=False,
                                          start_method=preload.START_METHOD)
             processes = context.processes
-            goes_on = membership.goes_on(cfg)
+            goes_on = spec.job.goes_on()
+            heals = spec.job.strategy.recovery == HEAL
             supervise(spec, processes, watchdog, tolerated={
-                info.rank for info in spec.topology().ranks if goes_on.get(info.role)})
+                info.rank for info in spec.topology().ranks if goes_on.get(info.role)},
+                restart=(lambda rank: rejoin.start_again(rank, spec)) if heals else None)
             return 0
         except BaseException as error:
             terminate(processes)
@@ -368,10 +358,10 @@ def run_torchrun_rank(spec: LaunchSpec) -> int:
             f"torchrun started {world} processes but this run needs {cfg.world_size} "
             f"({plural(cfg.num_trainers, 'trainer')} + {plural(cfg.num_servers, 'server')} + 1 "
             f"master{why_none}); set --nproc-per-node x --nnodes to {cfg.world_size}")
-    if any(membership.goes_on(cfg).values()):
-        raise ConfigError("--trainer-timeout and --server-replicas keep a job going without a "
-                          "rank, where torchrun stops every rank when one fails: run without "
-                          "torchrun")
+    if any(spec.job.goes_on().values()):
+        raise ConfigError("--trainer-timeout, --server-replicas and torchft's groups under "
+                          "failures keep a job going without a rank, where torchrun stops every "
+                          "rank when one fails: run without torchrun")
     spec.run_dir = new_run_dir()  # this rank's own: torchrun's agent does the supervising
     worker(int(os.environ["RANK"]), spec)
     shutil.rmtree(spec.run_dir, ignore_errors=True)

@@ -16,6 +16,7 @@ from ps_bench.models import build_data, build_held_out
 from ps_bench.models.entries import Entry
 from ps_bench.options import plural
 from ps_bench.processes.attempts import Attempts, RecoveryBooks
+from ps_bench.processes.healing import Healing
 from ps_bench.processes.waiting import (PROGRESS_EVERY_S, PROGRESS_FIRST_S, Elastic,
                                         ServersLost, round_progress, wait_round)
 from ps_bench.processes.kept import Keeper
@@ -136,7 +137,9 @@ class Master:
                                    config.num_trainers)
         # --trainer-timeout: the rounds wait for the living trainers only
         store = attempts.store if attempts is not None else None  # failure records, if any
-        self.elastic = Elastic(topology, store) if config.trainer_timeout is not None else None
+        self.elastic = (Elastic(topology, store, job.strategy.recovery)
+                        if job.goes_on()["trainer"] else None)
+        self.healing = Healing(job, store)
         self.books.drops = self.elastic.drops if self.elastic is not None else []
         self.books.failing = bool(config.mtbf or config.trainer_timeout or config.server_replicas)
         self.servers_lost = ServersLost(topology, store) if config.server_replicas else None
@@ -184,7 +187,7 @@ class Master:
                                       min(HELD_OUT_SAMPLES, len(dataset)))
         handles = [(rref, info.cuda_rpc) for rref, info in zip(servers, topo.servers)]
         trainer_class = TRAINERS.get(cfg.trainer)
-        rank_hosts = self.rank_hosts()
+        rank_hosts, beside = self.rank_hosts(), self.healing.start()
         trainers = []
         for info in topo.trainers:
             shard = dataset.shard(info.index, topo.num_trainers)
@@ -194,7 +197,7 @@ class Master:
                 info.index, cfg, self.job.strategy, self.model, shard.inputs, shard.targets,
                 handles, group_server, info.cuda_rpc, device_name(self.device_of(info.rank)),
                 held_out if info.index == 0 else None, rank_hosts, self.job.engine_config,
-                self.job.checkpoints)))
+                self.job.checkpoints, beside)))
         # every replica is built
         iterations = [trainer.rpc_sync(timeout=0).ready() for trainer in trainers]
         self.iterations_per_round = min(iterations)
@@ -310,9 +313,14 @@ class Master:
         else:
             record.replicas = compare_replicas(self.living(trainers),
                                                self.job.strategy.identical)
+        if self.healing.heals:
+            self.books.healed = self.healing.report(
+                self.living(trainers)[0].rpc_sync().commit_log(), self.books.drops,
+                self.elastic.failed_times())
         # together: a close may be collective
         for closed in [t.rpc_async(timeout=0).close() for t in self.living(trainers)]:
             closed.wait()
+        self.healing.close()
         if cfg.limits:
             record.memcpy = limits.memcpy_floor(messages.message_bytes(record.floor_messages))
         self.kept.release()

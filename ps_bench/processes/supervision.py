@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Collection, Protocol
+from typing import Any, Callable, Collection, Protocol
 
 from ps_bench.runtime import failures
 from ps_bench.runtime.topology import Topology
@@ -29,6 +29,7 @@ class Job(Protocol):
 GRACE_S = 2.0  # SIGTERM, then this long, then SIGKILL
 SETTLE_S = 0.3  # after a failure, how long the ranks it took down get to report theirs
 LEAVE_S = 2.0  # how long the trainers a job went on without get to end after it
+RESTARTS_MOST = 8  # the failed ranks a job starts again at most (a rank that fails at once, again)
 STACKS_WAIT_S = 5.0  # how long a rank asked for its stacks gets to write them
 
 
@@ -163,14 +164,23 @@ def terminate(processes: list) -> None:
 
 
 def supervise(spec: Job, processes: list, watchdog: tuple[float, str] | None = None,
-              tolerated: Collection[int] = ()) -> None:
+              tolerated: Collection[int] = (),
+              restart: Callable[[int], Any] | None = None) -> None:
     """Returns when every rank exited 0 (those of ``tolerated`` may have failed: trainers the
     job goes on without); raises JobFailed otherwise, or when ``watchdog`` (seconds, the option
-    that set them) runs out. Waits on the ranks' sentinels: it wakes when one ends, not on a
-    polling interval."""
+    that set them) runs out. ``restart(rank)``: a tolerated rank that failed while the job runs
+    starts again in the process it returns (at most RESTARTS_MOST times a job). Waits on the
+    ranks' sentinels: it wakes when one ends, not on a polling interval."""
     deadline = time.monotonic() + watchdog[0] if watchdog else None
+    restarts = 0
     while True:
         codes = {rank: p.exitcode for rank, p in enumerate(processes)}
+        running = any(code is None for rank, code in codes.items() if rank not in tolerated)
+        for rank, code in codes.items():
+            if (restart is not None and running and rank in tolerated and code not in (None, 0)
+                    and restarts < RESTARTS_MOST):
+                processes[rank], codes[rank] = restart(rank), None
+                restarts += 1
         if any(code not in (None, 0) and rank not in tolerated for rank, code in codes.items()):
             time.sleep(SETTLE_S)
             codes = {rank: p.exitcode for rank, p in enumerate(processes)}
@@ -191,5 +201,5 @@ def supervise(spec: Job, processes: list, watchdog: tuple[float, str] | None = N
                             f"{stacks.summary()}", stacks.text)
         # from the same reading as ``codes``: a rank that ends after it has a ready sentinel (a
         # second reading could find every rank ended, and wait on nothing until the deadline)
-        running = [processes[rank].sentinel for rank, code in codes.items() if code is None]
-        wait(running, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        waiting = [processes[rank].sentinel for rank, code in codes.items() if code is None]
+        wait(waiting, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))

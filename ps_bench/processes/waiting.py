@@ -16,6 +16,7 @@ from ps_bench.results.recovery import iso
 from ps_bench.runtime.membership import MEMBERSHIP, announce, drop_entry, failure_of
 from ps_bench.runtime.topology import Topology
 from ps_bench.servers.replicas import replica_of
+from ps_bench.strategies.record import HEAL
 
 # a round still running this long after it began prints a progress line, then every
 # PROGRESS_EVERY_S; each trainer has PROGRESS_ASK_S to say where it is
@@ -63,10 +64,12 @@ def round_progress(trainers: list, elapsed_s: float) -> str:
 class Elastic:
     """The drops the master has seen, and the rounds' waits that leave the dropped out."""
 
-    def __init__(self, topology: Topology, view) -> None:
+    def __init__(self, topology: Topology, view, recovery: str | None = None) -> None:
         self.topology, self.view = topology, view
         self.reported: set[int] = set()
         self.drops: list[dict] = []
+        self.heals = recovery == HEAL  # a dropped trainer's group starts again and heals
+        self.failed: dict[int, float] = {}  # trainer -> when it failed, where it said
 
     def living(self) -> list[int]:
         return MEMBERSHIP.living(self.topology.num_trainers)
@@ -122,6 +125,8 @@ class Elastic:
             self.reported.add(index)
             record = self.record_of(index)
             failed_at = (record or {}).get("time")
+            if failed_at is not None:
+                self.failed[index] = failed_at
             cause = (record or {}).get("error")
             self.drops.append({
                 "trainer": index, "rank": self.topology.trainers[index].rank,
@@ -135,10 +140,15 @@ class Elastic:
             waited = (f" after {entry['waited_s']:.1f} s without its gradient"
                       if entry["waited_s"] is not None else " (its round failed)")
             at = f" at iteration {entry['iteration']}" if entry["iteration"] else ""
+            how = ("its replica group starts again and heals from a live peer" if self.heals
+                   else "each average over the trainers that sent")
             print(f"ps_bench: trainer {index} dropped{at} by {entry['noticed_by']}{waited}"
                   f"{f' ({cause})' if cause else ''}; {plural(len(self.living()), 'trainer')} "
-                  f"go{'es' * (len(self.living()) == 1)} on, each average over the trainers "
-                  f"that sent", flush=True)
+                  f"go{'es' * (len(self.living()) == 1)} on, {how}", flush=True)
+
+    def failed_times(self) -> dict[int, float]:
+        """When each dropped trainer failed (time.time()), where its record says."""
+        return dict(self.failed)
 
 
 def failed(future: Future) -> bool:

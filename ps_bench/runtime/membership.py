@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ps_bench.config import RunConfig, need
 from ps_bench.runtime import failures
+from ps_bench.runtime.faults import parse_faults
 
 # DDP without the buffers' broadcast from trainer 0 before every forward, which would wait on a
 # dropped trainer (each keeps its own BatchNorm statistics): the option's newer name where it has it
@@ -120,13 +121,29 @@ def check(cfg: RunConfig, elastic: bool, hook: str) -> None:
                             f"together, the dropped one too")
 
 
+def check_healing(cfg: RunConfig, heals: bool, hook: str) -> None:
+    """Failures in a job whose groups heal from a live peer (``processes.healing``): what the
+    living groups can go on without."""
+    if not heals or not (cfg.inject_fault or cfg.mtbf):
+        return
+    hung = [fault for fault in parse_faults(cfg.inject_fault) if fault.kind == "hang"]
+    need(not hung, f"--hook {hook}: a hung trainer's replica group still answers torchft's "
+                   f"heartbeats, so nothing leaves it out; inject exit or raise")
+    for option, value in (("--target-loss", cfg.target_loss), ("--limits", cfg.limits or None)):
+        need(value is None, f"--hook {hook} under failures with {option}: it waits on every "
+                            f"trainer together, the failed one too")
+
+
 DONE_KEY = "membership/done"
 
 
-def goes_on(cfg: RunConfig) -> dict[str, bool]:
+def goes_on(cfg: RunConfig, heals: bool = False) -> dict[str, bool]:
     """The roles a job goes on without (a trainer dropped, a server answered for by its
-    replica)."""
-    return {"trainer": cfg.trainer_timeout is not None, "server": bool(cfg.server_replicas)}
+    replica); ``heals``: the strategy's groups heal from a live peer, so that a trainer that
+    fails is left out until it is started again and heals."""
+    failing = bool(cfg.inject_fault or cfg.mtbf)
+    return {"trainer": cfg.trainer_timeout is not None or (heals and failing),
+            "server": bool(cfg.server_replicas)}
 
 
 def leave(view: dist.Store, master: bool) -> None:

@@ -82,6 +82,9 @@ class HookContext:
     iteration: int = 0  # the trainer's current training iteration, from 1
     trainer: int = 0  # this trainer's index (who sent, to servers that may drop a trainer)
     replicas: int = 0  # --server-replicas: a lost server's replica answers for it
+    # what the master runs beside the job for this strategy (``beside``: torchft's lighthouse)
+    beside: dict | None = None
+    rejoined: bool = False  # a trainer started again after its failure, outside the rounds
     lost_servers: set[int] = field(default_factory=set)  # the servers found gone
     # on a GPU: (iteration, CUDA event recorded as DDP handed a bucket over), in hand-over order
     ready_events: list | None = None
@@ -251,6 +254,11 @@ class Synchroniser:
 
     def close(self) -> None:
         """Once training is over, on every trainer at once: stops what the strategy started."""
+
+    def commit_log(self) -> list[dict]:
+        """Each step committed, where a strategy's groups heal from a live peer: when, its step,
+        the digest of what it synchronised (a group started again is compared with these)."""
+        return []
 
     def floor_steps(self, ctx: HookContext, sends: tuple[tuple[str, str], ...], elements: int,
                     buckets: list[int]) -> list[tuple[str, dist.ProcessGroup, int]]:

@@ -58,8 +58,8 @@ PIPELINES = (COLLECTIVE_BUCKETS, SERVER_BUCKETS, HOST_SERVER_BUCKETS, LOW_RANK_B
 RESTART, HEAL, AT_SYNC, SERVERS_KEEP = "restart", "heal", "at synchronisation", "servers keep"
 RECOVERIES = {
     RESTART: None,
-    HEAL: "torchft's replica groups heal from a live peer rather than restart from a checkpoint, "
-          "not measured here yet",
+    HEAL: "torchft's replica groups heal from a live peer rather than restart from a checkpoint "
+          "(give --inject-fault or --mtbf without it)",
     AT_SYNC: "its replicas differ between synchronisations, and a checkpoint of each trainer's "
              "own is not written yet",
     SERVERS_KEEP: "the parameter servers own the parameters (--staleness), and their state is not "

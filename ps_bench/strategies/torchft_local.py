@@ -3,15 +3,19 @@ its LocalSGD and its DiLoCo, streaming DiLoCo with ``fragments`` (Douillard et a
 DiLoCo with overlapping communication", 2025), run by torchft's own Manager over its own gloo
 process group, so that torchft can be held against ps_bench's ``local_sgd`` and ``diloco``.
 
-Every trainer is a replica group of one. The lighthouse that forms torchft's quorums runs inside
-trainer 0, bound to the trainers' interface (loopback for a job on one machine); each trainer's
-store for torchft's process group is bound there too. torchft's manager server listens on every
-interface (it takes no address to bind). The trainers start from the same seeded parameters, so
-no replica heals from another: ps_bench gives torchft no checkpoint transport to serve one, and a
-replica that falls behind fails the run, named. Bytes are counted at the Manager's all-reduce
-(torchft's process group does not go through ``torch.distributed``'s functions), each charged as a
-ring all-reduce among the replicas; ``comm`` is the time its all-reduces were open. Everything
-torchft started is stopped when training is over; a killed trainer takes its share with it.
+Every trainer is a replica group of one. The lighthouse that forms torchft's quorums runs in the
+master (``beside``), bound to its interface (loopback for a job on one machine); each trainer's
+store for torchft's process group is bound to the trainer's. torchft's manager server and its
+HTTP checkpoint transport listen on every interface (they take no address to bind). The trainers
+start from the same seeded parameters. In a job whose trainers may fail (``--inject-fault``,
+``--mtbf``), a failed group is left out of the next quorum while the others go on committing
+steps; the launcher starts it again, and at its first synchronisation it heals from a live peer
+through torchft's own ``HTTPTransport``: the model, the inner optimizer and each fragment's
+global parameters and outer optimizer, at the quorum's step. Bytes are counted at the Manager's
+all-reduce (torchft's process group does not go through ``torch.distributed``'s functions), each
+charged as a ring all-reduce among the replicas; ``comm`` is the time its all-reduces were open.
+Everything torchft started is stopped when training is over; a trainer killed in a job without
+failures (SIGKILL from outside) ends the job, named.
 """
 
 from __future__ import annotations
@@ -31,12 +35,15 @@ from ps_bench.config import ConfigError, RunConfig
 from ps_bench.metrics.costs import allreduce_bytes
 from ps_bench.metrics.timers import tensor_bytes
 from ps_bench.runtime.addresses import own_address
-from ps_bench.strategies.base import HookContext, OptimizerSpec, Synchroniser, flat_parameters
+from ps_bench.runtime.membership import MEMBERSHIP
+from ps_bench.strategies.base import (HookContext, OptimizerSpec, Synchroniser, fingerprint,
+                                      flat_parameters)
 from ps_bench.strategies.record import (AT_SYNCHRONISATION, COLLECTIVE, ENGINE, HEAL, HOOKS,
                                         LOCAL, Strategy)
 from ps_bench.strategies.local import check_outer, check_period
 
-LIGHTHOUSE_KEY = "torchft/lighthouse"  # in the trainers' store: trainer 0's lighthouse
+HEARTBEAT_TIMEOUT_MS = 1000  # a group silent this long is left out of the next quorum
+COMMITS_KEPT = 4096  # the steps a trainer remembers committing (time, step, fragment's digest)
 
 
 def record() -> Strategy:
@@ -68,12 +75,16 @@ class TorchftLocal(Synchroniser):
         os.environ.setdefault("RUST_LOG", "warn")
         self.period, self.fragments = period, fragments
         self.manager: Any = None
-        self.lighthouse: Any = None
+        self.trainers = (ctx.beside or {}).get("trainers", 1)
         self.parts: list[list[nn.Parameter]] = []
         self.synced: list[torch.Tensor | None] = []
         self.syncs = 0
         self.context: Any = None
-        self.held: list[Any] = []  # the store and process group, kept until close
+        self.held: list[Any] = []  # the store, process group and transport, kept until close
+        self.heals, self.failed_syncs = False, 0
+        # a job whose trainers may fail: (time, step, fragment, its digest) of each commit
+        self.commits: list[dict] = []
+        self.on_commit: Any = None  # a group started again: told of each commit
 
     @classmethod
     def configure(cls, cfg: RunConfig, gpus: int) -> tuple[None, list[str]]:
@@ -84,49 +95,74 @@ class TorchftLocal(Synchroniser):
                               f"(torchft's replicas all-reduce on its own gloo process group)")
         return None, []
 
+    @classmethod
+    def beside(cls, cfg: RunConfig, heals: bool) -> tuple[dict, Any]:
+        """In the master, before the trainers are built: torchft's lighthouse, which forms the
+        quorums, bound to the master's interface. ``heals``: the job's trainers may fail, so that
+        a quorum forms without a failed group (any one group; torchft's own majority rule
+        still holds). Returns what every trainer is told, and what to shut down at the end."""
+        os.environ.setdefault("RUST_LOG", "warn")
+        from torchft._torchft import LighthouseServer
+
+        address = own_address()
+        # Without failures every quorum waits for every group. Where groups may fail, a quorum
+        # waits for every group still sending heartbeats, as torchft's own defaults do (a group
+        # late by a scheduling hiccup must not split it), and a group that stops sending them is
+        # left out after HEARTBEAT_TIMEOUT_MS; a group started again joins once it asks
+        lighthouse = LighthouseServer(
+            bind=f"{address}:0", min_replicas=1 if heals else cfg.num_trainers,
+            join_timeout_ms=int(cfg.rpc_timeout * 1000) if heals else 100, quorum_tick_ms=10,
+            heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+        port = lighthouse.address().rsplit(":", 1)[1]
+        return ({"lighthouse": f"http://{address}:{port}", "trainers": cfg.num_trainers,
+                 "heals": heals}, lighthouse)
+
     def start(self, ctx: HookContext) -> Any:
         """The Manager of this trainer's replica group, once every trainer's has joined the
-        quorum."""
-        from torchft._torchft import LighthouseServer
+        quorum (a group started again joins at its first synchronisation, and heals there)."""
+        from torchft.checkpointing.http_transport import HTTPTransport
         from torchft.checkpointing.transport import CheckpointTransport
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
         class NoHealing(CheckpointTransport):
-            """Replicas start identical and never heal: nothing to serve, no server to open."""
+            """Replicas start identical and never fail: nothing to serve, no server to open."""
 
             def metadata(self) -> str:
                 return "ps_bench: no checkpoints"
 
             def send_checkpoint(self, dst_ranks, step, state_dict, timeout) -> None:
-                raise RuntimeError(f"a torchft replica fell behind at step {step}: "
-                                   f"ps_bench's replicas never heal")
+                raise RuntimeError(f"a torchft replica fell behind at step {step} in a job "
+                                   f"without failures")
 
             def recv_checkpoint(self, src_rank, metadata, step, timeout):
-                raise RuntimeError(f"this torchft replica fell behind at step {step}: "
-                                   f"ps_bench's replicas never heal")
+                raise RuntimeError(f"this torchft replica fell behind at step {step} in a job "
+                                   f"without failures")
 
         timeout = timedelta(seconds=ctx.rpc_timeout)
-        index, count, address = dist.get_rank(), dist.get_world_size(), own_address()
-        shared = dist.distributed_c10d._get_default_store()
-        if index == 0:
-            self.lighthouse = LighthouseServer(bind=f"{address}:0", min_replicas=count,
-                                               join_timeout_ms=100, quorum_tick_ms=10)
-            shared.set(LIGHTHOUSE_KEY,
-                       f"http://{address}:{self.lighthouse.address().rsplit(':', 1)[1]}")
-        lighthouse = shared.get(LIGHTHOUSE_KEY).decode()
+        beside, address = ctx.beside or {}, own_address()
+        heals = bool(beside.get("heals"))
         store = bound_store(address, timeout)
         group = ProcessGroupGloo(timeout=timeout)
-        self.held = [store, group]
-        manager = Manager(pg=group, load_state_dict=None, state_dict=None, min_replica_size=count,
-                          use_async_quorum=False, init_sync=False, max_retries=0, rank=0,
-                          world_size=1, store_addr=address, store_port=store.port,
-                          lighthouse_addr=lighthouse, replica_id=f"trainer_{index:05d}",
-                          hostname=address, timeout=timeout, quorum_timeout=timeout,
-                          connect_timeout=timeout, checkpoint_transport=NoHealing())
-        manager.start_quorum()  # the first quorum's rendezvous, outside the clock
-        manager.wait_quorum()
-        plain = manager.allreduce
+        transport = HTTPTransport(timeout, num_chunks=0) if heals else NoHealing()
+        if heals:  # its server's handler would log every request it serves on stderr
+            transport._server.RequestHandlerClass.log_message = lambda *args: None
+        self.held = [store, group] + ([transport] if heals else [])
+        manager = Manager(pg=group, load_state_dict=None, state_dict=None,
+                          min_replica_size=1 if heals else beside["trainers"],
+                          use_async_quorum=False, init_sync=False,
+                          max_retries=None if heals else 0, rank=0, world_size=1,
+                          store_addr=address, store_port=store.port,
+                          lighthouse_addr=beside["lighthouse"],
+                          replica_id=f"trainer_{ctx.trainer:05d}", hostname=address,
+                          timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+                          checkpoint_transport=transport)
+        if not ctx.rejoined:
+            if heals:  # every group's manager is up: the first quorum waits for none of them
+                dist.barrier()
+            manager.start_quorum()  # the first quorum's rendezvous, outside the clock
+            manager.wait_quorum()
+        plain, plain_commit = manager.allreduce, manager.should_commit
 
         def counted(tensor: torch.Tensor, *args, **kwargs):
             ctx.wire.add_ring(allreduce_bytes(tensor_bytes(tensor), manager.num_participants()),
@@ -138,9 +174,26 @@ class TorchftLocal(Synchroniser):
                 lambda _: ctx.comm.add((iteration, started, time.perf_counter())))
             return work
 
-        manager.allreduce = counted
-        self.manager = manager
+        def commit(*args, **kwargs) -> bool:
+            committed = plain_commit(*args, **kwargs)
+            self.failed_syncs += not committed
+            return committed
+
+        manager.allreduce, manager.should_commit = counted, commit
+        self.manager, self.heals = manager, heals
         return manager
+
+    def heal_with(self, network: nn.Module, inner: torch.optim.Optimizer) -> None:
+        """What a group started again loads from a live peer besides what torchft's own
+        wrappers register: the model and the inner optimizer."""
+        if self.heals:
+            def load(state: dict) -> None:
+                network.load_state_dict(state["model"])
+                inner.load_state_dict(state["optimizer"])
+
+            self.manager.register_state_dict_fn(
+                "ps_bench", load, lambda: {"model": network.state_dict(),
+                                           "optimizer": inner.state_dict()})
 
     def fragment_modules(self, network: nn.Module) -> list[nn.Module]:
         """The model's parameters in ``fragments`` contiguous parts balanced by bytes, each a
@@ -170,9 +223,19 @@ class TorchftLocal(Synchroniser):
         return True
 
     def note_synchronised(self, model: nn.Module) -> None:
-        """The fragment just synchronised: its parameters, as every replica now holds them."""
+        """The fragment just synchronised: its parameters, as every replica now holds them (in a
+        job whose trainers may fail, their digest kept with the step's)."""
         which = (self.syncs - 1) % len(self.parts)
         self.synced[which] = flat_parameters(self.parts[which]).cpu()
+        if self.heals:
+            entry = {"at": time.time(), "step": self.syncs, "fragment": which,
+                     "failed_before": self.failed_syncs, **fingerprint(self.synced[which])}
+            self.commits = self.commits[-COMMITS_KEPT + 1:] + [entry]
+            if self.on_commit is not None:
+                self.on_commit(entry)
+
+    def commit_log(self) -> list[dict]:
+        return self.commits
 
     def parameters_vector(self, model: nn.Module) -> torch.Tensor:
         """Each fragment at its own last synchronisation (the replicas' common state)."""
@@ -181,19 +244,18 @@ class TorchftLocal(Synchroniser):
         return torch.cat(self.synced)
 
     def close(self) -> None:
-        """Every trainer at once: past the barrier nobody needs trainer 0's lighthouse any more."""
+        """Every living trainer at once (a group started again is stopped by the launcher)."""
         if self.context is not None:
             self.context.__exit__(None, None, None)
-        dist.barrier()
+        group = MEMBERSHIP.group(self.trainers)  # None while every trainer lives
+        dist.barrier(group=group)
         if self.manager is not None:
             self.manager.shutdown(wait=True)
         for held in reversed(self.held):
             if hasattr(held, "shutdown"):
                 held.shutdown()
-        dist.barrier()
-        if self.lighthouse is not None:
-            self.lighthouse.shutdown()
-        self.manager = self.lighthouse = self.context = None
+        dist.barrier(group=group)
+        self.manager = self.context = None
         self.held = []
         gc.collect()
 
@@ -217,6 +279,7 @@ class TorchftLocalSGD(TorchftLocal):
         inner = optimizer.build(network.parameters())
         self.fragment_modules(network)
         self.context = LocalSGD(self.start(ctx), network, inner, sync_every=self.period).__enter__()
+        self.heal_with(network, inner)
         return network, inner
 
 
@@ -258,4 +321,5 @@ class TorchftDiLoCo(TorchftLocal):
         self.context = DiLoCo(self.start(ctx), fragments, inner, outers, sync_every=self.period,
                               backup_device=torch.device("cpu"), pin_memory=False,
                               fragment_sync_delay=self.delay).__enter__()
+        self.heal_with(network, inner)
         return network, inner

@@ -61,6 +61,8 @@ class DdpTrainer(FloorProbes, Resident):
         rank_hosts: list[int] | None = None,
         engine_config: dict | None = None,
         checkpoints: Plan | None = None,
+        beside: dict | None = None,
+        rejoined: bool = False,
     ) -> None:
         """Trainer ``trainer_index`` of a run configured by ``config``, training with ``strategy``
         (the job's resolved record) the model of entry ``model``: its data shard (``inputs``,
@@ -70,7 +72,8 @@ class DdpTrainer(FloorProbes, Resident):
         every rank of the job, lets it count the bytes that cross between hosts apart;
         ``engine_config``, the job's resolved config of an engine of its own (DeepSpeed's);
         ``checkpoints``, where it saves its state every so many iterations, and the checkpoint
-        it resumes from (restored here, every trainer at once)."""
+        it resumes from (restored here, every trainer at once); ``beside`` and ``rejoined``, as
+        ``HookContext``'s."""
         self.index = trainer_index
         self.fault = faults_of(config.inject_fault)
         # --straggler
@@ -94,16 +97,14 @@ class DdpTrainer(FloorProbes, Resident):
             reduce_dtype=(DTYPES[PRECISIONS[config.reduce_dtype]] if config.reduce_dtype else None),
             verifying=config.verify,
             trainer=trainer_index,
-            replicas=config.server_replicas,
-        )
+            replicas=config.server_replicas, beside=beside, rejoined=rejoined)
         # trainers rank first
         self.hook_context.wire.hosts, self.hook_context.wire.rank = rank_hosts, trainer_index
         wire.install(self.hook_context.wire)
         self.synchroniser = build_synchroniser(config.hook, self.hook_context, config.hook_options)
         self.strategy = strategy
         self.loss_fn = nn.CrossEntropyLoss()
-        # before the strategy wraps the model (FSDP2 shards it in place): the averaged model's
-        # template
+        # before the strategy wraps the model (FSDP2 shards it): the averaged model's template
         self.convergence = None if config.target_loss is None else Convergence(
             network, self.loss_fn, dist.group.WORLD, self.hook_context.wire, config.target_loss,
             config.max_iterations,
@@ -120,19 +121,17 @@ class DdpTrainer(FloorProbes, Resident):
         self.elements = sum(p.numel() for p in network.parameters())
         # the run's optimizer as the strategy steps it; --limits steps the compute-only copy with
         # one of its own
-        self.optimizer_spec = self.synchroniser.optimizer_for(
-            self.hook_context, optimizer_spec(config.optimizer, config.lr, config.momentum,
-                                              config.weight_decay))
+        self.optimizer_spec = self.synchroniser.optimizer_for(self.hook_context, optimizer_spec(
+            config.optimizer, config.lr, config.momentum, config.weight_decay))
         self.model, self.optimizer = self.synchroniser.wrap(
             network, self.hook_context, ddp_options, self.optimizer_spec)
         cast = self.synchroniser.input_dtype  # an engine's model in bf16: float inputs in bf16 too
-        self.inputs = tuple(t.to(self.device,
-                                 dtype=cast if cast and t.is_floating_point() else t.dtype)
-                            for t in inputs)
+        self.inputs = tuple(t.to(self.device, dtype=cast if cast and t.is_floating_point()
+                                 else t.dtype) for t in inputs)
         self.targets = targets.to(self.device)
         self.batch_size, self.accum = config.batch_size, config.grad_accum
-        self.debug = config.debug  # --profile's logs and warnings kept
         self.epochs = config.epochs
+        self.debug = config.debug  # --profile's logs and warnings kept
         self.iterations_per_epoch = len(targets) // (config.batch_size * config.grad_accum)
         self.micro_step = self.synchroniser.micro_step
         self.autocast, self.scaler = mixed_precision(self.device, config.precision,
@@ -153,8 +152,8 @@ class DdpTrainer(FloorProbes, Resident):
         return self.iterations_per_epoch * self.epochs
 
     def round_progress(self) -> tuple[int, int]:
-        """The iteration the running round is at (0 before its first) and its iterations: the
-        master asks while ``run_round`` runs, for its progress line."""
+        """The running round's iteration (0 before its first) and its iterations (the master's
+        progress line)."""
         return self.hook_context.iteration - self.iteration, self.ready()
 
     @fatal_on_error
@@ -331,15 +330,13 @@ class DdpTrainer(FloorProbes, Resident):
                if convergence is not None else {}),
         }
 
-    def empty_round(self) -> dict:
-        """A round that ran no iteration: training had stopped (``--target-loss``)."""
+    def empty_round(self) -> dict:  # training had stopped (--target-loss)
         return {"samples": {}, "iterations": 0, "samples_processed": 0, "bytes_sent": 0,
                 "bytes_recv": 0, "losses": [], "verified_iterations": 0, "grad_errors": [],
                 "memory": trainer_memory(self.device, self.held, self.activations, self.buffers),
                 "timeline": {}, "convergence": self.convergence.take([])}
 
-    def note_memory(self, activations: int) -> None:
-        """The model states held before a step, its forward's activations, the kept buffers."""
+    def note_memory(self, activations: int) -> None:  # states held, activations, kept buffers
         self.held = held_bytes(self.synchroniser.held_tensors(self.model, self.optimizer))
         self.activations, self.buffers = activations, self.synchroniser.kept_bytes()
 
@@ -388,6 +385,9 @@ class DdpTrainer(FloorProbes, Resident):
     def parameters_fingerprint(self) -> dict:
         """``parameters_vector``'s digest and norm (``strategies.base.fingerprint``)."""
         return fingerprint(self.parameters_vector())
+
+    def commit_log(self) -> list[dict]:
+        return self.synchroniser.commit_log()
 
     @fatal_on_error
     @on_default_stream

@@ -18,8 +18,8 @@ from ps_bench.predict.predictor import calibrate
 from ps_bench.predict.runs import Run
 from ps_bench.strategies import HOOKS
 from ps_bench.strategies.deepspeed_config import zero3_gathers
-from tests.benchrun import ROOT, communicate, descendants, is_loopback, listening_sockets, rank_pids, read_until, \
-    start_bench
+from tests.benchrun import ROOT, communicate, descendants, is_loopback, listening_sockets, rank_pids, \
+    ranks_running, read_until, start_bench
 from tests.integration.shared_runs import DILOCO, QUICK, quick_run
 
 run = quick_run  # DummyModelSmall, 2 trainers, SGD: 32 iterations a round
@@ -156,7 +156,7 @@ def test_torchft_local_sgd_averages_every_period(bench_runs):
 
 
 def test_torchft_listens_where_it_can_be_told_to_and_a_killed_trainer_ends_it(results_path):
-    """The lighthouse and every trainer's store bind to loopback; torchft's manager servers take
+    """The lighthouse (in the master) and every trainer's store bind to loopback; torchft's manager servers take
     no address (every interface). A trainer killed with SIGKILL ends the job, named, and no
     process of it survives (``communicate`` checks the whole session)."""
     process = start_bench("--hook", "torchft_diloco", "--nserver", "0", "--hook-option", "period=4", "--rounds",
@@ -169,9 +169,36 @@ def test_torchft_listens_where_it_can_be_told_to_and_a_killed_trainer_ends_it(re
     assert process.returncode == 1
     assert stderr.strip().splitlines()[-1].startswith("ps_bench: error: trainer 1 (rank 1, trainer1) was killed by "
                                                       "SIGKILL"), stderr
-    trainer0 = [address for address in sockets[pids[0]]]
-    assert sum(is_loopback(address) for address in trainer0) >= 3, sockets  # its store, RPC, the lighthouse
+    assert sum(is_loopback(address) for address in sockets[pids[0]]) >= 2, sockets  # its store, RPC
+    assert sum(is_loopback(address) for address in sockets[pids[-1]]) >= 2, sockets  # the master: RPC, the lighthouse
     assert json.loads(results_path.read_text())["status"] == "failed"
+
+
+@pytest.mark.timeout(300)
+def test_a_torchft_group_that_fails_heals_from_a_live_peer_while_the_others_commit(bench_runs):
+    """Three replica groups, the middle one's process ended at iteration 300 of 5040: the other two
+    go on committing steps while the launcher starts it again (a new interpreter, seconds), and at
+    its first synchronisation it heals from a live peer through torchft's HTTP transport, ending
+    with their parameters bit for bit; the job completes and nothing of it is left running."""
+    before = ranks_running()
+    completed = bench_runs.get("--hook", "torchft_diloco", "--nserver", "0", "--ntrainer", "3", "--epochs", "40",
+                               "--warmup-rounds", "1", "--rounds", "5", "--inject-fault", "trainer:1:300:exit",
+                               timeout_s=240)
+    assert completed.returncode == 0, completed.output
+    results = completed.results
+    recovery = results["recovery"]
+    group, = recovery["groups_healed"]
+    assert group["trainer"] == 1 and group["parameters_equal"] is True
+    assert group["norm"] == group["their_norm"] and group["healed_at_step"] > 300 // 16
+    assert group["steps_committed_while_away"] >= 1 and 0 < group["restart_s"] < group["recovery_s"] < 30
+    assert group["iterations_after_healing"] > 0  # its samples count in the goodput
+    dropped, = recovery["trainers_dropped"]
+    assert dropped["at_iteration"] == 300 and dropped["living"] == 2
+    steps = recovery["steps"]  # a living group's: a synchronisation every 16 iterations
+    assert steps["committed"] + steps["failed"] == 5040 // 16 and steps["step_efficiency"] > 0.9
+    assert results["replicas"]["identical"] is True  # the two that never failed
+    assert "trainer 1's replica group started again" in completed.stdout and "step efficiency" in completed.stdout
+    assert ranks_running() - before == set()
 
 
 def test_a_killed_deepspeed_trainer_ends_the_job_named_and_leaves_nothing(results_path):

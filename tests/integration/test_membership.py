@@ -10,23 +10,12 @@ with the parameters of the same job that lost none."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
+from tests.benchrun import ranks_running
+
 RUN = ("--hook", "ps", "--ntrainer", "3", "--warmup-rounds", "1", "--rounds", "2", "--verify")
-
-
-def ranks_running() -> set[int]:
-    """Every process on this machine named as a rank (``ps_bench rN``)."""
-    pids = set()
-    for comm in Path("/proc").glob("[0-9]*/comm"):
-        try:
-            if comm.read_text().startswith("ps_bench r"):
-                pids.add(int(comm.parent.name))
-        except OSError:
-            continue
-    return pids
 
 
 def assert_went_on_with_two(results: dict, dropped: int) -> dict:
