@@ -31,7 +31,7 @@ from ps_bench.runtime.topology import Topology
 from ps_bench.servers import SERVERS, replicas
 from ps_bench.strategies import (HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Strategy, check_hook_options,
                                  stale)
-from ps_bench.strategies.record import ENGINE, ENGINES, FSDP, HEAL, RECOVERIES, SHARDED
+from ps_bench.strategies.record import BY_ITSELF, ENGINE, ENGINES, FSDP, RECOVERIES, SHARDED
 from ps_bench.trainers.trainer import TRAINERS
 
 
@@ -61,9 +61,13 @@ class Job:
                         pushing_hosts=(cfg.per_host if strategy.per_host and strategy.needs_servers
                                        else None))
 
+    @property
+    def recovers_by_itself(self) -> bool:  # no option turns its recovery on (BY_ITSELF)
+        return self.strategy.recovery in BY_ITSELF
+
     def goes_on(self) -> dict[str, bool]:
         """The roles this job goes on without (``membership.goes_on``)."""
-        return membership.goes_on(self.config, self.strategy.recovery == HEAL)
+        return membership.goes_on(self.config, self.recovers_by_itself)
 
 
 def cuda_device_count() -> int:
@@ -345,7 +349,7 @@ def validate(cfg: RunConfig, gpus: int | None = None, trainers_on_node: int | No
                      f"{cfg.nserver}, --ncudaserver {cfg.ncudaserver}) "
                      f"{'idles' if one else 'idle'}; leave both out to start none")
     membership.check(cfg, record.elastic, cfg.hook)
-    membership.check_healing(cfg, record.recovery == HEAL, cfg.hook)
+    membership.check_going_on(cfg, record.recovery in BY_ITSELF, cfg.hook)
     replicas.check(cfg, record.replicated, cfg.hook)
     plan = checkpoints.plan(cfg, RECOVERIES[record.recovery])
     return Job(cfg, record, model, data, engine_config, tuple(notes), plan)

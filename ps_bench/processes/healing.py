@@ -67,11 +67,13 @@ class Healing:
         return [json.loads(self.store.get(key)) if self.store.check([key]) else None
                 for key in keys]
 
-    def report(self, log: list[dict], drops: list[dict], failed_at: dict[int, float]) -> dict:
-        """The groups healed (``drops``: the trainers dropped, ``failed_at`` when each first
-        failed), against ``log``: the steps a group that never failed committed
-        (``commit_log``). Returns the recovery block's part, with ``iterations``: those the
-        groups started again committed after they healed."""
+    def report(self, living: Any, elastic: Any) -> dict:
+        """The groups healed (``elastic``'s drops, ``waiting.Elastic``), against the steps
+        ``living``, a trainer that never failed, committed (``commit_log``). Returns the recovery
+        block's part, with ``iterations``: those the groups started again committed after they
+        healed."""
+        log, drops, failed_at = (living.rpc_sync().commit_log(), elastic.drops,
+                                 elastic.failed_times())
         by_step = {entry["step"]: entry for entry in log}
         groups, iterations = [], 0
         for drop in drops:

@@ -141,7 +141,8 @@ class Master:
                         if job.goes_on()["trainer"] else None)
         self.healing = Healing(job, store)
         self.books.drops = self.elastic.drops if self.elastic is not None else []
-        self.books.failing = bool(config.mtbf or config.trainer_timeout or config.server_replicas)
+        self.books.failing = bool(config.mtbf or config.trainer_timeout or config.server_replicas
+                                  or job.recovers_by_itself)  # its books in every run, then
         self.servers_lost = ServersLost(topology, store) if config.server_replicas else None
         self.books.servers_lost = self.servers_lost.entries if self.servers_lost else []
 
@@ -197,7 +198,7 @@ class Master:
                 info.index, cfg, self.job.strategy, self.model, shard.inputs, shard.targets,
                 handles, group_server, info.cuda_rpc, device_name(self.device_of(info.rank)),
                 held_out if info.index == 0 else None, rank_hosts, self.job.engine_config,
-                self.job.checkpoints, beside)))
+                self.job.checkpoints), kwargs={"beside": beside} if beside else {}))
         # every replica is built
         iterations = [trainer.rpc_sync(timeout=0).ready() for trainer in trainers]
         self.iterations_per_round = min(iterations)
@@ -314,9 +315,7 @@ class Master:
             record.replicas = compare_replicas(self.living(trainers),
                                                self.job.strategy.identical)
         if self.healing.heals:
-            self.books.healed = self.healing.report(
-                self.living(trainers)[0].rpc_sync().commit_log(), self.books.drops,
-                self.elastic.failed_times())
+            self.books.healed = self.healing.report(self.living(trainers)[0], self.elastic)
         # together: a close may be collective
         for closed in [t.rpc_async(timeout=0).close() for t in self.living(trainers)]:
             closed.wait()

@@ -16,11 +16,15 @@ from ps_bench.results.recovery import iso
 from ps_bench.runtime.membership import MEMBERSHIP, announce, drop_entry, failure_of
 from ps_bench.runtime.topology import Topology
 from ps_bench.servers.replicas import replica_of
-from ps_bench.strategies.record import HEAL
+from ps_bench.strategies.record import HEAL, SERVERS_KEEP
 
 # a round still running this long after it began prints a progress line, then every
 # PROGRESS_EVERY_S; each trainer has PROGRESS_ASK_S to say where it is
 PROGRESS_FIRST_S, PROGRESS_EVERY_S, PROGRESS_ASK_S = 10.0, 30.0, 5.0
+# how the living go on after a drop, by the strategy's way of recovering (else: their servers
+# average over those that sent)
+HOW_IT_GOES_ON = {HEAL: "its replica group starts again and heals from a live peer",
+                  SERVERS_KEEP: "the servers, which own the parameters, apply their updates"}
 
 
 def wait_round(futures: list, trainers: list, label: str) -> list[dict]:
@@ -68,7 +72,7 @@ class Elastic:
         self.topology, self.view = topology, view
         self.reported: set[int] = set()
         self.drops: list[dict] = []
-        self.heals = recovery == HEAL  # a dropped trainer's group starts again and heals
+        self.how = HOW_IT_GOES_ON.get(recovery, "each average over the trainers that sent")
         self.failed: dict[int, float] = {}  # trainer -> when it failed, where it said
 
     def living(self) -> list[int]:
@@ -140,11 +144,9 @@ class Elastic:
             waited = (f" after {entry['waited_s']:.1f} s without its gradient"
                       if entry["waited_s"] is not None else " (its round failed)")
             at = f" at iteration {entry['iteration']}" if entry["iteration"] else ""
-            how = ("its replica group starts again and heals from a live peer" if self.heals
-                   else "each average over the trainers that sent")
             print(f"ps_bench: trainer {index} dropped{at} by {entry['noticed_by']}{waited}"
                   f"{f' ({cause})' if cause else ''}; {plural(len(self.living()), 'trainer')} "
-                  f"go{'es' * (len(self.living()) == 1)} on, {how}", flush=True)
+                  f"go{'es' * (len(self.living()) == 1)} on, {self.how}", flush=True)
 
     def failed_times(self) -> dict[int, float]:
         """When each dropped trainer failed (time.time()), where its record says."""

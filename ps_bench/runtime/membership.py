@@ -121,14 +121,15 @@ def check(cfg: RunConfig, elastic: bool, hook: str) -> None:
                             f"together, the dropped one too")
 
 
-def check_healing(cfg: RunConfig, heals: bool, hook: str) -> None:
-    """Failures in a job whose groups heal from a live peer (``processes.healing``): what the
-    living groups can go on without."""
-    if not heals or not (cfg.inject_fault or cfg.mtbf):
+def check_going_on(cfg: RunConfig, by_itself: bool, hook: str) -> None:
+    """Failures in a job whose strategy goes on without a failed trainer by itself
+    (``goes_on``): what the living can go on without."""
+    if not by_itself or not (cfg.inject_fault or cfg.mtbf):
         return
-    hung = [fault for fault in parse_faults(cfg.inject_fault) if fault.kind == "hang"]
-    need(not hung, f"--hook {hook}: a hung trainer's replica group still answers torchft's "
-                   f"heartbeats, so nothing leaves it out; inject exit or raise")
+    hung = [fault for fault in parse_faults(cfg.inject_fault)
+            if fault.kind == "hang" and fault.role == "trainer"]
+    need(not hung, f"--hook {hook} under failures: a hung trainer is noticed by nothing (torchft's "
+                   f"heartbeats still come, the servers never wait for it); inject exit or raise")
     for option, value in (("--target-loss", cfg.target_loss), ("--limits", cfg.limits or None)):
         need(value is None, f"--hook {hook} under failures with {option}: it waits on every "
                             f"trainer together, the failed one too")
@@ -137,12 +138,13 @@ def check_healing(cfg: RunConfig, heals: bool, hook: str) -> None:
 DONE_KEY = "membership/done"
 
 
-def goes_on(cfg: RunConfig, heals: bool = False) -> dict[str, bool]:
+def goes_on(cfg: RunConfig, by_itself: bool = False) -> dict[str, bool]:
     """The roles a job goes on without (a trainer dropped, a server answered for by its
-    replica); ``heals``: the strategy's groups heal from a live peer, so that a trainer that
-    fails is left out until it is started again and heals."""
+    replica); ``by_itself``: the strategy goes on without a failed trainer as its real system
+    does (torchft's groups, the one started again healing from a live peer; servers that own the
+    parameters), where the job has failures."""
     failing = bool(cfg.inject_fault or cfg.mtbf)
-    return {"trainer": cfg.trainer_timeout is not None or (heals and failing),
+    return {"trainer": cfg.trainer_timeout is not None or (by_itself and failing),
             "server": bool(cfg.server_replicas)}
 
 

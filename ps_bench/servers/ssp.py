@@ -8,7 +8,8 @@ every trainer is one synchronous step at ``lr``) and answers with the shard's pa
 the trainer's next clock once the bound allows: a trainer about to compute clock ``c`` reads
 only when the slowest trainer has pushed clock ``c - S - 1`` (Ho et al., NIPS 2013). ``S = 0``
 is bulk-synchronous: every update of clock ``c`` is in before anyone reads for ``c + 1``, so it
-trains as the synchronous ``ps`` strategy does; ``S = inf`` never waits.
+trains as the synchronous ``ps`` strategy does; ``S = inf`` never waits. A trainer that failed
+(dropped by the master, ``runtime.membership``) holds nobody back: the bound counts the living.
 
 The observed staleness of an update is ``c`` minus the slowest trainer's clock when the
 parameters it was computed from were read: how many clocks of some trainer's updates it may be
@@ -31,6 +32,7 @@ from torch.futures import Future
 
 from ps_bench.runtime.failures import fatal_on_error
 from ps_bench.runtime.faults import faults_of, maybe_inject
+from ps_bench.runtime.membership import MEMBERSHIP
 from ps_bench.metrics.memory import held_bytes, peak_memory
 from ps_bench.metrics.timers import now_ms, tensor_bytes
 from ps_bench.models.base import build_model
@@ -70,6 +72,12 @@ class StaleSynchronousServer(Resident):
         self.books = ServerBooks()
         # each applied update's observed staleness, since the last take_metrics
         self._staleness: list[int] = []
+        MEMBERSHIP.listeners.append(self._recheck)  # a trainer dropped: nobody waits on its clock
+
+    def _recheck(self) -> None:
+        with self.lock:
+            ready = self.release()
+        self.answer(ready)
 
     def set_peers(self, peers: list[rpc.RRef]) -> None:
         """Servers of this kind never talk to each other."""
@@ -168,7 +176,9 @@ class StaleSynchronousServer(Resident):
 
     def release(self) -> list[tuple[Future, tuple, float]]:
         """Which waiting trainers may be answered now, and with what (the caller holds the lock)."""
-        slowest = min(self.clocks)
+        living = [clock for trainer, clock in enumerate(self.clocks)
+                  if trainer not in MEMBERSHIP.dropped]
+        slowest = min(living) if living else math.inf
         ready, still = [], []
         for trainer, clock, future, since in self.waiting:
             if self.stopped or self.round_over:

@@ -65,6 +65,9 @@ RECOVERIES = {
     SERVERS_KEEP: "the parameter servers own the parameters (--staleness), and their state is not "
                   "checkpointed yet",
 }
+# the recoveries a strategy goes on by, without a failed trainer, as its real system does (no
+# option turns them on)
+BY_ITSELF = (HEAL, SERVERS_KEEP)
 # The model states a trainer holds (a run's ``memory.trainer.model_states``, predict's memory)
 PARAMETERS, GRADIENTS, OPTIMIZER = "parameters", "gradients", "optimizer"
 MODEL_STATES = (PARAMETERS, GRADIENTS, OPTIMIZER)

@@ -5,7 +5,8 @@ the drop on, every average is over the trainers that sent it: ``--verify`` holds
 bucket to the exact float64 mean of the living trainers' gradients, and the replicas stay equal.
 Nothing is left running, the hung trainer included. ``--server-replicas 1``: a job that loses
 one of its two servers goes on, the other answering for it from the copies it kept, and ends
-with the parameters of the same job that lost none."""
+with the parameters of the same job that lost none. Servers that own the parameters
+(``--staleness``) go on without a trainer that ends, as they do."""
 
 from __future__ import annotations
 
@@ -81,4 +82,24 @@ def test_a_lost_server_is_answered_for_by_its_replica(bench_runs):
     assert results["replicas"]["param_norm"] == pytest.approx(kept["replicas"]["param_norm"],
                                                                rel=1e-6)
     assert "recovery" not in kept or "servers_lost" not in (kept["recovery"] or {})
+    assert ranks_running() - before == set()
+
+
+@pytest.mark.timeout(300)
+def test_servers_that_own_the_parameters_go_on_without_a_trainer_that_exits(bench_runs):
+    """``--staleness 2``: the servers step the parameters themselves, so a trainer that ends holds
+    nothing up once the master has dropped it: the bound counts the living, and the two left
+    spend the whole round's budget of updates (three trainers' 21 iterations a round)."""
+    before = ranks_running()
+    run = bench_runs.get("--hook", "ps", "--staleness", "2", "--ntrainer", "3", "--nserver", "1",
+                         "--warmup-rounds", "1", "--rounds", "2", "--inject-fault", "trainer:1:10:exit",
+                         timeout_s=240)
+    assert run.returncode == 0, run.output
+    results = run.results
+    entry, = results["recovery"]["trainers_dropped"]
+    assert entry["trainer"] == 1 and entry["living"] == 2
+    assert results["staleness"]["max"] <= 2 and results["staleness"]["updates"] >= 2 * 3 * 21
+    per_trainer = {row["index"]: row["iterations"] for row in results["throughput"]["per_trainer"]}
+    assert per_trainer[1] == 0 and per_trainer[0] + per_trainer[2] >= 2 * 3 * 21
+    assert "the servers, which own the parameters, apply their updates" in run.stdout
     assert ranks_running() - before == set()

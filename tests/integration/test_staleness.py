@@ -88,9 +88,11 @@ def test_a_straggler_slows_a_synchronous_run_too(bench_runs):
     assert p50[(0, "comm")] >= 10  # trainer 0 waits for it in the all-reduce
 
 
-def test_a_killed_trainer_ends_the_job_named(results_path):
-    run = run_bench("--staleness", "1", "--inject-fault", "trainer:1:5:exit", "--rpc-timeout", "30",
+def test_a_killed_server_ends_the_job_named(results_path):
+    """The servers own the parameters: losing one ends the job (a trainer lost is gone on without,
+    ``test_membership``)."""
+    run = run_bench("--staleness", "1", "--inject-fault", "server:0:5:exit", "--rpc-timeout", "30",
                     out=results_path, timeout_s=180)
     assert run.returncode == 1
-    assert "trainer 1 (rank 1, trainer1) exited with status 3" in run.stderr.strip().splitlines()[-1], run.stderr
+    assert "server 0 (rank 2, server2) exited with status 3" in run.stderr.strip().splitlines()[-1], run.stderr
     assert run.results["status"] == "failed"
