@@ -26,7 +26,7 @@ from ps_bench.options import plural
 from ps_bench.places import check_interface, check_port, check_writable_folder
 from ps_bench.registry import UnknownNameError
 from ps_bench.runtime import checkpoints, membership, network
-from ps_bench.runtime.faults import Straggler, drawn_of, parse_faults
+from ps_bench.runtime.faults import CUT, Straggler, drawn_of, parse_faults
 from ps_bench.runtime.topology import Topology
 from ps_bench.servers import SERVERS, replicas
 from ps_bench.strategies import (HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Strategy, check_hook_options,
@@ -109,6 +109,8 @@ def check_options(cfg: RunConfig, machine: bool = True) -> None:
         count = {"trainer": cfg.num_trainers, "server": cfg.num_servers, "master": 1}[fault.role]
         need(fault.index < count, f"--inject-fault: there is no {fault.role} {fault.index}; "
                                   f"this run has {plural(count, fault.role)}, numbered from 0")
+        need(fault.kind != CUT or cfg.emulate_link is not None, "--inject-fault: a link cut is of "
+             "an emulated host's link: give --emulate-link (or run bench.py emulate)")
     drawn_of(cfg)
     for text in cfg.straggler:
         try:

@@ -86,6 +86,7 @@ class RecoveryBooks:
         self.failing = False
         self.servers_lost: list[dict] = []  # --server-replicas
         self.healed: dict | None = None  # the groups healed from a live peer (processes.healing)
+        self.cuts: list[dict] = []  # links cut (--inject-fault trainer:I:N:cut=DURATION)
         self.samples = 0
 
     @property
@@ -93,7 +94,7 @@ class RecoveryBooks:
         """Only a run with checkpoints, one that fails on a schedule or goes on without a rank,
         or one restarted, has a recovery block."""
         return (self.plan is not None or self.failing or bool(self.recovered)
-                or bool(self.drops) or bool(self.servers_lost))
+                or bool(self.drops) or bool(self.servers_lost) or bool(self.cuts))
 
     def resume_point(self, per_round: int) -> tuple[int, int]:
         """Where training begins, rounds of ``per_round`` iterations: the round and its iteration
@@ -116,9 +117,11 @@ class RecoveryBooks:
         if self.attempts is not None:
             self.attempts.begin(self.began_at_iteration, ready_at)
 
-    def add(self, rounds: list[dict]) -> None:
+    def add(self, rounds: list[dict], elapsed: float | None = None) -> None:
         """A round's trainer results: its iterations, each save's longest hold over the
-        trainers, and the restore."""
+        trainers, the restore, and the link cuts that ended in it (``elapsed``: its time)."""
+        self.cuts += [{**cut, "began": iso(cut["began"]), "round_s": elapsed}
+                      for result in rounds for cut in result.get("link_cuts", [])]
         first = rounds[0]
         self.iteration += first["iterations"]
         self.samples += sum(result["samples_processed"] for result in rounds)
@@ -169,6 +172,7 @@ class RecoveryBooks:
                                    samples if self.drops else None),
                 **({"trainers_dropped": self.drops} if self.drops else {}),
                 **({"servers_lost": self.servers_lost} if self.servers_lost else {}),
+                **({"links_cut": self.cuts} if self.cuts else {}),
                 **healed}
 
 

@@ -280,7 +280,7 @@ class Master:
             if not present:
                 raise RuntimeError("every trainer was dropped (--trainer-timeout): none is left "
                                    "to train")
-            self.books.add(present)
+            self.books.add(present, elapsed)
             record.dropped = {drop["rank"] for drop in self.books.drops}
             self.note_recovery()
             served = self.take_served(servers)

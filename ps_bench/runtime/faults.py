@@ -4,8 +4,10 @@
 ROLE is trainer, server or master; INDEX counts ranks of that role from 0 (trainer 1,
 server 0, master 0). ITER counts from 1: a trainer's training iterations (warmup included),
 the training iteration of the gradient a server receives, or the master's round. KIND is
-``exit`` (the process dies at once), ``raise`` (an exception) or ``hang`` (stops
-responding, for ever). A trailing ``:first`` limits the fault to torchrun's first attempt
+``exit`` (the process dies at once), ``raise`` (an exception), ``hang`` (stops responding, for
+ever) or, for a trainer on an emulated network (``--emulate-link``), ``cut=DURATION``: its host's
+link down for that long (``ip link set eth0 down`` in its namespace, then up), the process going
+on, its connections waiting as TCP does. A trailing ``:first`` limits the fault to torchrun's first attempt
 (``TORCHELASTIC_RESTART_COUNT`` 0), so a job started with ``--max-restarts`` can recover.
 Several faults are separated by commas: ``trainer:1:25:exit:first,trainer:2:60:exit``.
 """
@@ -14,15 +16,18 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
 
 from ps_bench.config import ConfigError, RunConfig, need
 from ps_bench.runtime import failures
+from ps_bench.runtime.network import HOST_IFACE
 
 ROLES = ("trainer", "server", "master")
-KINDS = ("exit", "raise", "hang")
+KINDS = ("exit", "raise", "hang", "cut=DURATION")
+CUT = "cut"
 FIRST_ATTEMPT = "first"
 FORMAT = "ROLE:INDEX:ITER:KIND[:first], e.g. trainer:1:3:hang or trainer:1:5:exit:first"
 
@@ -38,6 +43,7 @@ class Fault:
     iteration: int
     kind: str
     first_attempt_only: bool = False
+    duration_s: float | None = None  # a link cut's
 
     @classmethod
     def parse(cls, text: str) -> "Fault":
@@ -51,7 +57,16 @@ class Fault:
                              f"(first attempt only); got {parts[4]!r}")
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
-        if kind not in KINDS:
+        duration_s = None
+        if kind.startswith(f"{CUT}="):
+            try:
+                duration_s = parse_duration(kind.split("=", 1)[1])
+            except ValueError as error:
+                raise ValueError(f"a cut's DURATION {error}") from None
+            kind = CUT
+            if role != "trainer":
+                raise ValueError(f"a link cut is a trainer's (its host's link); got {role!r}")
+        elif kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
         try:
             index_value, iteration_value = int(index), int(iteration)
@@ -61,7 +76,8 @@ class Fault:
         if index_value < 0 or iteration_value < 1:
             raise ValueError(f"INDEX must be 0 or more and ITER 1 or more; "
                              f"got {index_value} and {iteration_value}")
-        return cls(role, index_value, iteration_value, kind, first_attempt_only=len(parts) == 5)
+        return cls(role, index_value, iteration_value, kind, first_attempt_only=len(parts) == 5,
+                   duration_s=duration_s)
 
     def matches(self, role: str, index: int, iteration: int) -> bool:
         if self.first_attempt_only and restart_count() > 0:
@@ -75,7 +91,38 @@ class Fault:
             os._exit(3)
         if self.kind == "raise":
             raise InjectedFault(f"injected fault: {where}")
+        if self.kind == CUT:
+            print(f"ps_bench: {where}: its link down for {self.duration_s:g} s (--inject-fault)",
+                  flush=True)
+            cut_link(self.duration_s, self.iteration)
+            return
         threading.Event().wait()  # hang: never returns
+
+
+_cuts: list[dict] = []  # this rank's link cuts not yet taken
+
+
+def cut_link(duration_s: float, iteration: int) -> None:
+    """This rank's host link (in its emulated host's namespace) down for ``duration_s``, then up
+    again from a thread of its own; the cut is kept for the round's results (``take_cuts``)."""
+    link = ["ip", "link", "set", "dev", HOST_IFACE]
+    subprocess.run([*link, "down"], check=True, capture_output=True)
+    began = time.time()
+
+    def restore() -> None:
+        time.sleep(duration_s)
+        subprocess.run([*link, "up"], check=True, capture_output=True)
+        _cuts.append({"at_iteration": iteration, "duration_s": duration_s, "began": began,
+                      "down_s": time.time() - began})
+
+    threading.Thread(target=restore, name="ps_bench link cut", daemon=True).start()
+
+
+def take_cuts(**tags) -> list[dict]:
+    """The link cuts this rank has made and ended since the last take, each with ``tags``."""
+    taken = list(_cuts)
+    del _cuts[:len(taken)]
+    return [{**tags, **cut} for cut in taken]
 
 
 def restart_count() -> int:

@@ -13,7 +13,7 @@ from ps_bench.config import RunConfig
 from ps_bench.runtime import failures
 from ps_bench.runtime.checkpoints import Plan
 from ps_bench.runtime.failures import fatal_on_error
-from ps_bench.runtime.faults import Straggling, faults_of, maybe_inject
+from ps_bench.runtime.faults import Straggling, faults_of, maybe_inject, take_cuts
 from ps_bench.runtime.membership import ELASTIC_DDP, MEMBERSHIP
 from ps_bench.runtime.futures import on_default_stream
 from ps_bench.metrics import wire
@@ -322,6 +322,7 @@ class DdpTrainer(FloorProbes, Resident):
                if hasattr(self.synchroniser, "engine_counts") else {}),
             "memory": trainer_memory(self.device, self.held, self.activations, self.buffers),
             "checkpoints": saves.take(),
+            "link_cuts": take_cuts(trainer=self.index),
             "timeline": timeline,
             "collectives": collective_ms(timings),
             "host_traffic": [[source, destination, nbytes] for (source, destination), nbytes
