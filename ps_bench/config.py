@@ -215,7 +215,8 @@ class RunConfig:
     inject_fault: str | None = option(
         None, "make ranks fail on purpose: ROLE:INDEX:ITER:KIND[:first] with ROLE "
         "trainer|server|master, INDEX among that role from 0, ITER from 1 (a training iteration; "
-        "the master's round), KIND exit|raise|hang; a trailing :first fails only torchrun's first "
+        "the master's round), KIND exit|raise|hang, or cut=DURATION (a trainer's host link down "
+        "that long, under --emulate-link); a trailing :first fails only torchrun's first "
         "attempt, so --max-restarts can recover; several separated by commas (default: none)",
         group=FAILURES)
     mtbf: str | None = option(

@@ -77,6 +77,22 @@ def test_the_rpc_floor_across_200mbit_links_is_what_the_links_allow(tmp_path, no
     assert run.results["efficiency"]["floor"] == "rpc"
 
 
+def test_a_trainers_link_cut_for_a_second_holds_the_round_up_and_the_job_goes_on(tmp_path, nothing_left_behind):
+    """``cut=1s``: trainer 1's host link down for a second at iteration 40 (in round 2 of 21-iteration rounds);
+    its peer's all-reduce waits on it, the round takes the cut and TCP's retransmission after it, and the job
+    ends with identical replicas; the cut is in the results."""
+    run = emulate("--link", "1gbit", "--", "--hook", "allreduce", "--nserver", "0", *QUICK,
+                  "--inject-fault", "trainer:1:40:cut=1s", "--out", str(tmp_path / "r.json"))
+    assert run.returncode == 0, run.output
+    assert "ps_bench: trainer 1 at iteration 40: its link down for 1 s (--inject-fault)" in run.stdout
+    results = run.results
+    assert results["replicas"]["identical"] is True
+    cut, = results["recovery"]["links_cut"]
+    assert (cut["trainer"], cut["at_iteration"], cut["duration_s"]) == (1, 40, 1.0) and cut["down_s"] >= 1.0
+    batch, = [row for row in results["summary"] if (row["role"], row["metric"]) == ("trainer", "batch")]
+    assert cut["round_s"] >= 1.0 and batch["max"] >= 1000 > 100 * batch["p50"]  # one iteration held for it
+
+
 def test_a_failed_rank_ctrl_c_and_kill_leave_nothing_behind(tmp_path, nothing_left_behind):
     # hosts of several ranks: 2 trainers and a co-located server on each
     failed = emulate("--link", "1gbit", "--", "--ntrainer", "4", "--per-host", "2", "--nserver", "2", "--servers-on",

@@ -90,6 +90,9 @@ def test_the_default_folder_follows_the_training_options_alone(tmp_path):
     (["--hook", "torchft_local_sgd", "--mtbf", "30s", "--target-loss", "1"],
      "--hook torchft_local_sgd under failures with --target-loss: it waits on every trainer"),
     (["--inject-fault", "trainer:0:3:exit,server:4:2:exit"], "--inject-fault: there is no server 4"),
+    (["--inject-fault", "trainer:1:3:cut=1s"], "--inject-fault: a link cut is of an emulated host's link"),
+    (["--inject-fault", "server:0:3:cut=1s"], "a link cut is a trainer's (its host's link); got 'server'"),
+    (["--inject-fault", "trainer:1:3:cut=soon"], "a cut's DURATION must be a positive number with a unit"),
     (["--trainer-timeout", "60"], "--trainer-timeout must be positive and shorter than "
                                   "--rpc-timeout (60 s)"),
     (["--trainer-timeout", "0"], "--trainer-timeout must be positive"),
