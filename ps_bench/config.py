@@ -110,6 +110,11 @@ class RunConfig:
                                     "torch.autocast (fp16 with a gradient scaler, on a GPU); "
                                     "DeepSpeed casts the model as its config says",
                             group=STRATEGY, choices=("fp32", "bf16", "fp16"))
+    activation_checkpointing: str = option(
+        "none", "recompute activations in backward instead of keeping them: full (every unit: "
+        "a Hugging Face model's transformer blocks, else each module holding parameters) or "
+        "selective (every other unit), with torch's checkpoint_wrapper", group=STRATEGY,
+        choices=("none", "full", "selective"))
     reduce_dtype: str | None = option(
         None, "what an engine that has one communicates the gradients in: FSDP2's "
         "MixedPrecisionPolicy (its gathers too), DeepSpeed's communication_data_type (default: "

@@ -134,7 +134,19 @@ class SavedActivations:
 
     def __enter__(self) -> "SavedActivations":
         self.hooks.__enter__()
+        _counting.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        _counting.remove(self)
         self.hooks.__exit__(*exc)
+
+
+_counting: list[SavedActivations] = []  # the counts open in this process
+
+
+def keep_saved(tensor: torch.Tensor) -> None:
+    """``tensor`` is kept for backward by other means than autograd's saved tensors (a
+    recomputed unit's input, ``strategies.recompute``): the open counts take it as saved."""
+    for count in _counting:
+        count.pack(tensor)

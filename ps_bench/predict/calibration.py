@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ps_bench.config import ConfigError
 from ps_bench.metrics.costs import Link
 from ps_bench.metrics.messages import PRECISIONS, bucket_factors
 from ps_bench.options import plural
@@ -308,11 +309,18 @@ def from_compute_ms(model: str, batch_size: int, phases: Phases, buckets: list[t
 
 
 def runs_model(run: Run, args: argparse.Namespace) -> ModelFacts:
-    """What predict needs of the runs' model, built on the meta device, over their data."""
+    """What predict needs of the runs' model, built on the meta device, over their data, with
+    the runs' activation checkpointing (their times have its recomputation in them)."""
     training = run.training or {}
+    theirs = training.get("activation_checkpointing", "none")
+    if args.activation_checkpointing not in (None, theirs):
+        raise ConfigError(f"--activation-checkpointing {args.activation_checkpointing}: the runs "
+                          f"were made with {theirs}, and their times are what they recomputed; "
+                          f"give runs made with it, or --compute-ms")
     return model_buckets(run.model, args.bucket_cap_mb, training.get("model_options"),
                          run.batch_size, None,
-                         args.precision or training.get("precision", "fp32"), run.data)[3]
+                         args.precision or training.get("precision", "fp32"), run.data,
+                         theirs)[3]
 
 
 def add_engine_terms(calibration: Calibration, hooks: list[str], facts: ModelFacts) -> None:

@@ -273,12 +273,20 @@ def no_run_calibration(args: argparse.Namespace,
     """``--compute-ms``: the phases given, DDP's buckets for the model built on the meta device,
     each ready when backward has done the FLOPs of the layers after its parameters'; and what
     the memory needs of the model."""
+    mode = args.activation_checkpointing or "none"
     buckets, shares, shares_from, facts = model_buckets(
         args.model, args.bucket_cap_mb, args.model_options, args.batch_size,
-        args.sequence_length, args.precision or "fp32")
-    calibration = from_compute_ms(args.model, args.batch_size,
-                                  pipelines.Phases(**target.compute_ms), buckets,
+        args.sequence_length, args.precision or "fp32", checkpointing=mode)
+    given = target.compute_ms
+    again = given["forward"] * facts.recomputed  # the recomputed units' forward, inside backward
+    phases = pipelines.Phases(**{**given, "backward": given["backward"] + again})
+    calibration = from_compute_ms(args.model, args.batch_size, phases, buckets,
                                   target.link.link(), target.link.describe(), shares, shares_from)
+    if mode != "none":
+        calibration.notes.append(
+            f"activation checkpointing {mode}: backward recomputes "
+            f"{facts.recomputed:.0%} of the forward's FLOPs, {again:.1f} ms a micro-batch added "
+            f"to --compute-ms's backward ({phases.backward:.1f} ms)")
     give_options(calibration, target.options)
     if target.intra is not None:
         calibration.intra_link = target.intra.link()

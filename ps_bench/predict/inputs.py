@@ -20,6 +20,7 @@ from ps_bench.models.entries import Entry, construct, load_entry
 from ps_bench.options import plural
 from ps_bench.predict.memory import (ModelFacts, largest_layer, meta_friendly,
                                      saved_activations)
+from ps_bench.strategies import recompute
 from ps_bench.strategies.sharded import shard_units
 from ps_bench.runtime.network import parse_delay, parse_rate
 
@@ -182,8 +183,8 @@ class FirstUses(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def backward_shares(network: torch.nn.Module,
-                    inputs: tuple[torch.Tensor, ...]) -> dict[int, float]:
+def backward_shares(network: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
+                    recomputed: list[torch.nn.Module] = ()) -> tuple[dict[int, float], float]:
     """Parameter id -> the share of backward done when its gradient is ready, from the FLOPs of
     a forward pass on the meta device (``torch.utils.flop_counter.FlopCounterMode``): backward
     runs the forward's operations in reverse, each taken to cost in proportion to its forward
@@ -191,15 +192,26 @@ def backward_shares(network: torch.nn.Module,
     first operation that used it on (its first use is its gradient's last contribution: a tied
     embedding is ready at its earlier use; a weight that its module's parent uses itself, as
     ``nn.MultiheadAttention`` uses its ``out_proj``, where the parent uses it). A parameter no
-    operation used is ready at the end. Raises where the model's forward cannot run on the meta
-    device (a step whose shape depends on the data, as a mixture of experts' routing)."""
+    operation used is ready at the end. Also the share of the forward's FLOPs done inside
+    ``recomputed`` (the units ``--activation-checkpointing`` runs again inside backward). Raises
+    where the model's forward cannot run on the meta device (a step whose shape depends on the
+    data, as a mixture of experts' routing)."""
     counter = FlopCounterMode(display=False)
     uses = FirstUses(counter, {id(parameter) for parameter in network.parameters()})
-    with counter, uses, torch.no_grad(), meta_friendly(network):
-        network(*inputs)
+    inside = [0.0]
+    hooks = [hook for unit in recomputed for hook in (
+        unit.register_forward_pre_hook(lambda *_: inside.append(-counter.get_total_flops())),
+        unit.register_forward_hook(lambda *_: inside.append(counter.get_total_flops())))]
+    try:
+        with counter, uses, torch.no_grad(), meta_friendly(network):
+            network(*inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
     total = counter.get_total_flops() or 1
-    return {id(parameter): (total - uses.first[id(parameter)]) / total
-            if id(parameter) in uses.first else 1.0 for parameter in network.parameters()}
+    return ({id(parameter): (total - uses.first[id(parameter)]) / total
+             if id(parameter) in uses.first else 1.0 for parameter in network.parameters()},
+            sum(inside) / total)
 
 
 def module_calls(network: torch.nn.Module, called: list[tuple[bool, torch.nn.Module]] | None = None
@@ -242,14 +254,15 @@ def fsdp_units(network: torch.nn.Module) -> tuple[int, int]:
 def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
                   batch_size: int | None = None, sequence_length: int | None = None,
                   precision: str = "fp32", data_entry: dict | None = None,
+                  checkpointing: str = "none",
                   ) -> tuple[list[tuple[int, bool, int]], list[float] | None, str, ModelFacts]:
     """``meta_buckets`` of what ``--model`` names (a zoo model, one of the model configuration
     file, or a Hugging Face config), with ``--model-option``s; with ``batch_size``, when each is
     ready, as a share of backward (``backward_shares`` over a batch of the model's own data, of
     ``sequence_length`` where it has sequences, on the meta device; None where the forward cannot
     run there), and how that was found; and what predict's memory needs of it
-    (``predict.memory``). The data: ``data_entry`` (a run's, as its results file resolved it),
-    else the model's own."""
+    (``predict.memory``), its activations under ``checkpointing`` (``--activation-checkpointing``).
+    The data: ``data_entry`` (a run's, as its results file resolved it), else the model's own."""
     entry = model_entry(model, options or {}, RunConfig().model_config_path)
     network = construct(entry, MODELS)
     buckets = bucket_parameters(network, bucket_cap_mb)
@@ -279,7 +292,8 @@ def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
     try:
         batch = DATA.get(data.class_name)(**kwargs).build(0)
         inputs = tuple(t.to("meta") for t in batch.inputs)
-        shares = backward_shares(network, inputs)
+        recomputed = recompute.recomputed_units(network, checkpointing)
+        shares, facts.recomputed = backward_shares(network, inputs, recomputed)
         facts.modules = module_calls(network, called)
     except Exception as error:  # noqa: BLE001 - any op without a meta kernel: said, and passed over
         facts.activations_from = "the model's forward did not run on the meta device"
@@ -292,9 +306,12 @@ def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
     named = (data.id if sequence_length is None
              else f"{data.id} at --sequence-length {sequence_length}")
     facts.activations_bytes, facts.cast_weights = saved_activations(
-        network, inputs, precision, batch.targets.to("meta"))
+        network, inputs, precision, batch.targets.to("meta"), checkpointing)
+    facts.checkpointing = checkpointing
+    recomputing = (f", activation checkpointing {checkpointing}" if checkpointing != "none"
+                   else "")
     facts.activations_from = (f"saved for backward by a forward of {shape} {named} and its "
-                              f"loss ({precision}) on the meta device")
+                              f"loss ({precision}{recomputing}) on the meta device")
     return sizes, [max(shares.get(id(p), 1.0) for p in bucket) for bucket in buckets], (
         f"FLOPs of a forward of {plural(batch_size, 'sample')} of --data {named} on the meta "
         f"device"), facts

@@ -29,7 +29,8 @@ parameters left out, on the meta device, in the model's dtype under ``--precisio
 keeps some in float32, so a lower bound there), attention counted as a fused kernel saves it
 (its inputs, output and a float32 log-sum-exp a row, as torch's flash attention on a GPU). Not
 counted: temporary buffers, the allocator's fragmentation, the communication buffers, the CUDA
-context, activation checkpointing (not modelled: every activation is kept)."""
+context. With ``--activation-checkpointing``, a recomputed unit counts its input in place of what
+its forward saves (``strategies.recompute``), and one unit's recomputation at a time is not."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ from ps_bench.config import ConfigError
 from ps_bench.metrics.memory import SavedActivations
 from ps_bench.metrics.messages import ELEMENT_BYTES, bucket_factors, square_side
 from ps_bench.results.printed import format_bytes
-from ps_bench.strategies import HOOKS, hook_options
+from ps_bench.strategies import HOOKS, hook_options, recompute
 from ps_bench.strategies.record import (GRADIENTS, OPTIMIZER, PARAMETERS, SERVER_OWNED, Holds,
                                         Strategy)
 
@@ -82,6 +83,10 @@ class ModelFacts:
     # the elements of the weights a forward's matrix products and convolutions take: autocast
     # casts them to 16 bits and saves the copies for backward (``saved_activations``)
     cast_weights: int = 0
+    # --activation-checkpointing: the mode the activations were counted under, and the share of
+    # a forward's FLOPs its recomputed units do again inside backward (``inputs.recomputed_share``)
+    checkpointing: str = "none"
+    recomputed: float = 0.0
 
 
 def moments_bytes(optimizer: str, momentum: float) -> int:
@@ -126,11 +131,10 @@ def model_states(record: Strategy, facts: ModelFacts, trainers: int, per_node: i
 
 def kept_bytes(hook: str, facts: ModelFacts, given: dict | None = None) -> int:
     """What the strategy keeps on the GPU between iterations besides the model states, at its
-    default options, then those ``given`` (a run's ``buffers_bytes``): error feedback's
-    residual, a float32 copy of each
-    bucket (the compressors); PowerSGD's error of each bucket (``batched_powersgd``'s padded to a
-    square) and, with warm start, its P and Q. The CPU-only copies of the parameter servers are
-    not kept on a GPU."""
+    default options, then those ``given`` (a run's ``buffers_bytes``): error feedback's residual,
+    a float32 copy of each bucket (the compressors); PowerSGD's error of each bucket
+    (``batched_powersgd``'s padded to a square) and, with warm start, its P and Q. The parameter
+    servers' CPU-only copies are not kept on a GPU."""
     record, options = HOOKS.record(hook), hook_options(hook, given or {})
     sizes = [sum(math.prod(shape) for shape in shapes) for shapes in facts.bucket_shapes]
     if record.factors is not None:
@@ -157,10 +161,8 @@ def memory(record: Strategy, facts: ModelFacts, trainers: int, per_node: int,
                           gathered)
     activations = (None if facts.activations_bytes is None else facts.activations_bytes
                    + autocast_copies(record, facts, precision, gathered))
-    total = (None if activations is None
-             else states["model_states_bytes"] + activations + kept)
-    out = {**states, "activations_bytes": activations, "kept_bytes": kept,
-           "memory_bytes": total}
+    total = None if activations is None else states["model_states_bytes"] + activations + kept
+    out = {**states, "activations_bytes": activations, "kept_bytes": kept, "memory_bytes": total}
     if gpu_memory is not None:
         out["fits"] = (total if total is not None
                        else states["model_states_bytes"] + kept) <= gpu_memory
@@ -196,12 +198,6 @@ def largest_layer(network: torch.nn.Module) -> int:
                 for module in network.modules()), default=0)
 
 
-def saved_activations_bytes(network: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
-                            precision: str = "fp32", targets: torch.Tensor | None = None) -> int:
-    """``saved_activations``' bytes saved for backward alone."""
-    return saved_activations(network, inputs, precision, targets)[0]
-
-
 # the operators autocast runs in 16 bits whose operands include weights (torch.amp's list, as
 # they reach aten: linear as addmm or mm of the weight's transpose, conv as convolution)
 CAST_OPS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "convolution", "matmul")
@@ -213,9 +209,10 @@ class CastWeights(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.elements: dict[int, int] = {}
+        self.recomputing = 0  # inside units recomputed in backward: their copies are not kept
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in CAST_OPS:
+        if func.overloadpacket.__name__ in CAST_OPS and not self.recomputing:
             for arg in tree_leaves((args, kwargs or {})):
                 base = arg._base if isinstance(arg, torch.Tensor) and arg._base is not None else arg
                 if isinstance(base, torch.nn.Parameter):
@@ -224,22 +221,37 @@ class CastWeights(TorchDispatchMode):
 
 
 def saved_activations(network: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
-                      precision: str = "fp32", targets: torch.Tensor | None = None
-                      ) -> tuple[int, int]:
+                      precision: str = "fp32", targets: torch.Tensor | None = None,
+                      checkpointing: str = "none") -> tuple[int, int]:
     """The bytes of the tensors one forward (and, with ``targets``, the trainers' loss of it)
     saves for backward, each storage once, the parameters left out: on the meta device, so
     nothing is allocated (see the module). The loss in float32, as autocast computes it: a
-    language model's log-probabilities of every token of its vocabulary."""
+    language model's log-probabilities of every token of its vocabulary. ``checkpointing``: the
+    units ``--activation-checkpointing`` recomputes keep their inputs alone (the network is
+    wrapped in place, as a trainer wraps it)."""
+    recompute.apply(network, checkpointing)
     dtype = DTYPES[precision]
     if dtype != torch.float32:
         network = network.to(dtype)
         inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
-    with (SavedActivations() as saved, torch.enable_grad(), meta_friendly(network, fused=True),
-          CastWeights() as cast):
-        output = network(*inputs)
-        if targets is not None:
-            torch.nn.functional.cross_entropy(output.float(), targets)
+    cast = CastWeights()
+    hooks = [hook for unit in network.modules() if isinstance(unit, recompute.CheckpointWrapper)
+             for hook in (unit.register_forward_pre_hook(lambda *_: cast_depth(cast, 1)),
+                          unit.register_forward_hook(lambda *_: cast_depth(cast, -1)))]
+    try:
+        with (SavedActivations() as saved, torch.enable_grad(),
+              meta_friendly(network, fused=True), cast):
+            output = network(*inputs)
+            if targets is not None:
+                torch.nn.functional.cross_entropy(output.float(), targets)
+    finally:
+        for hook in hooks:
+            hook.remove()
     return saved.nbytes, sum(cast.elements.values())
+
+
+def cast_depth(cast: CastWeights, step: int) -> None:  # into (1) or out of a recomputed unit
+    cast.recomputing += step
 
 
 class FusedAttention(torch.autograd.Function):
@@ -305,6 +317,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sequence-length", type=int, metavar="T",
                         help="with --compute-ms: the tokens a sample of the model's data "
                         "(default: the data's own)")
+    parser.add_argument("--activation-checkpointing", choices=recompute.MODES, default=None,
+                        help="the units whose activations backward recomputes, as a run's "
+                        "option: their inputs kept in place of what they save, and with "
+                        "--compute-ms their forward again in the backward time (default: the "
+                        "runs', else none)")
 
 
 def in_float32(hook: str) -> str:

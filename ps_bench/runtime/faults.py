@@ -7,8 +7,9 @@ the training iteration of the gradient a server receives, or the master's round.
 ``exit`` (the process dies at once), ``raise`` (an exception), ``hang`` (stops responding, for
 ever) or, for a trainer on an emulated network (``--emulate-link``), ``cut=DURATION``: its host's
 link down for that long (``ip link set eth0 down`` in its namespace, then up), the process going
-on, its connections waiting as TCP does. A trailing ``:first`` limits the fault to torchrun's first attempt
-(``TORCHELASTIC_RESTART_COUNT`` 0), so a job started with ``--max-restarts`` can recover.
+on, its connections waiting as TCP does. A trailing ``:first`` limits the fault to torchrun's
+first attempt (``TORCHELASTIC_RESTART_COUNT`` 0), so a job started with ``--max-restarts`` can
+recover.
 Several faults are separated by commas: ``trainer:1:25:exit:first,trainer:2:60:exit``.
 """
 

@@ -31,7 +31,7 @@ from ps_bench.metrics.timers import folded, tensor_bytes
 from ps_bench.models.base import Dataset, build_model
 from ps_bench.models.entries import Entry
 from ps_bench.servers.ssp import GO, STOPPED, StaleSynchronousServer, shard_owners
-from ps_bench.strategies import Strategy
+from ps_bench.strategies import Strategy, recompute
 from ps_bench.trainers.convergence import Convergence
 from ps_bench.trainers.trainer import TRAINERS
 from ps_bench.runtime.resident import Resident
@@ -53,6 +53,7 @@ class StaleSynchronousTrainer(Resident):
         self.fault = faults_of(config.inject_fault)
         self.straggling = Straggling(config.straggler, trainer_index, config.torch_seed)
         self.network = build_model(model.class_name, model.kwargs, config.torch_seed)
+        recompute.apply(self.network, config.activation_checkpointing)
         self.parameters = list(self.network.parameters())
         self.servers = [rref for rref, _ in servers]
         owners = shard_owners(self.network, len(self.servers))

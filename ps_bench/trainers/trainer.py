@@ -23,7 +23,7 @@ from ps_bench.metrics.timers import StepTimer
 from ps_bench.models.base import Dataset, build_model
 from ps_bench.models.entries import Entry
 from ps_bench.registry import Registry
-from ps_bench.strategies import Strategy
+from ps_bench.strategies import Strategy, recompute
 from ps_bench.strategies.base import (HookContext, ServerHandle, build_synchroniser, fingerprint,
                                       optimizer_spec)
 from ps_bench.trainers.convergence import Convergence
@@ -83,6 +83,7 @@ class DdpTrainer(FloorProbes, Resident):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         network = build_model(model.class_name, model.kwargs, config.torch_seed).to(self.device)
+        recompute.apply(network, config.activation_checkpointing)  # before the strategy wraps it
         self.hook_context = HookContext(
             process_group=dist.group.WORLD,
             servers=[ServerHandle(rref, is_cuda) for rref, is_cuda in servers],

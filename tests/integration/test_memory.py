@@ -72,3 +72,26 @@ def test_a_parameter_server_holds_two_sums_of_its_share_after_ddp_rebuilds_its_b
     held = results["memory"]["server"]["model_states"]["gradients_bytes"]  # the server that holds the most
     assert dense / 2 * 2 <= held <= dense / 2 * 2 * 1.1, (held, dense)
     assert results["replicas"]["identical"] is True
+
+
+def test_activation_checkpointing_changes_no_gradient_and_keeps_what_predict_counts(bench_runs, tmp_path):
+    """``--activation-checkpointing full`` under allreduce, fsdp and DeepSpeed's ZeRO-3: the same
+    parameters at the end as without it (every unit recomputed gives the same gradients), fewer
+    activations kept, and predict's count of them on the meta device within 10 % of the run's,
+    with checkpointing and without."""
+    config = tmp_path / "zero3_bf16.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}))
+    for hook, extra in (("allreduce", ()), ("fsdp", ()), ("deepspeed_zero3", ("--ds-config", str(config)))):
+        plain = bench_runs.ok(*LLAMA, "--hook", hook, *extra, timeout_s=240)
+        recomputed = bench_runs.ok(*LLAMA, "--hook", hook, *extra, "--activation-checkpointing", "full",
+                                   timeout_s=240)
+        assert recomputed["replicas"]["param_norm"] == pytest.approx(plain["replicas"]["param_norm"], rel=1e-6), hook
+        kept = {mode: results["memory"]["trainer"]["activations_bytes"]
+                for mode, results in (("none", plain), ("full", recomputed))}
+        assert kept["full"] < kept["none"] / 2, (hook, kept)
+        if hook == "allreduce":
+            cfg = plain["config"]
+            for mode, measured in kept.items():
+                facts = model_buckets("hf:llama-tiny", 25.0, None, cfg["batch_size"], None, "fp32",
+                                      cfg.get("data_config"), mode)[3]
+                assert facts.activations_bytes == pytest.approx(measured, rel=0.10), (mode, facts.activations_bytes)

@@ -13,7 +13,7 @@ from ps_bench.cli import main
 from ps_bench.metrics.memory import SavedActivations, held_bytes
 from ps_bench.predict.inputs import model_buckets
 from ps_bench.predict.memory import (ModelFacts, kept_bytes, model_states, parse_memory,
-                                     saved_activations, saved_activations_bytes)
+                                     saved_activations)
 from ps_bench.strategies import HOOKS
 from ps_bench.strategies.stale import STALE_SYNCHRONOUS
 
@@ -102,14 +102,14 @@ def test_activations_are_what_a_forward_saves_for_backward_counted_by_hand():
     assert saved.nbytes == (12 + 24) * 4
     with torch.device("meta"):
         meta = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    assert saved_activations_bytes(meta, (torch.ones(3, 4, device="meta"),)) == (12 + 24) * 4
-    assert saved_activations_bytes(meta, (torch.ones(3, 4, device="meta"),), "bf16") == (12 + 24) * 2
+    assert saved_activations(meta, (torch.ones(3, 4, device="meta"),))[0] == (12 + 24) * 4
+    assert saved_activations(meta, (torch.ones(3, 4, device="meta"),), "bf16")[0] == (12 + 24) * 2
     # the trainers' loss: its log-probabilities (3 x 2, float32 as autocast computes it), the
     # targets (3 int64) and the weight's total (a float); a language model's logits are most of it
     targets = torch.zeros(3, dtype=torch.long, device="meta")
     loss = 6 * 4 + 3 * 8 + 4
-    assert saved_activations_bytes(meta, (torch.ones(3, 4, device="meta"),), targets=targets) == (12 + 24) * 4 + loss
-    assert saved_activations_bytes(meta, (torch.ones(3, 4, device="meta"),), "bf16", targets) == (12 + 24) * 2 + loss
+    assert saved_activations(meta, (torch.ones(3, 4, device="meta"),), targets=targets)[0] == (12 + 24) * 4 + loss
+    assert saved_activations(meta, (torch.ones(3, 4, device="meta"),), "bf16", targets)[0] == (12 + 24) * 2 + loss
 
 
 def test_autocast_copies_of_the_weights_are_counted_for_the_strategies_that_autocast(tmp_path):
@@ -236,3 +236,50 @@ def test_what_a_strategy_keeps_between_iterations_is_in_its_memory(capsys):
     assert "a forward of 1x1024 tokens64 at --sequence-length 1024 and its loss (fp32)" in printed
     assert float(rows["topk"][-2]) - float(rows["allreduce"][-2]) == pytest.approx(
         4 * facts.parameters / 2 ** 30, abs=0.1)
+
+
+class Blocked(torch.nn.Module):
+    """A block FSDP2 would wrap (``shard_units``) and a head outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8),
+                                         torch.nn.ReLU())
+        self.head = torch.nn.Linear(8, 2)
+
+    def shard_units(self) -> list[torch.nn.Module]:
+        return [self.block]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def test_a_recomputed_unit_keeps_its_input_alone_and_changes_no_gradient():
+    """--activation-checkpointing full: the block keeps its input (3 x 4) in place of what it
+    saves (its two ReLUs' outputs, 3 x 8 each); the head still saves its input. bf16: autocast's
+    copies of the block's weights are made again in backward, not kept. Backward redoes the
+    block's share of the forward's FLOPs; on the CPU the gradients are bit for bit the same."""
+    from ps_bench.predict.inputs import backward_shares
+    from ps_bench.strategies import recompute
+
+    x = torch.ones(3, 4, device="meta")
+    for mode, kept, copies in (("none", (12 + 24 + 24) * 4, 4 * 8 + 8 + 8 * 8 + 8 + 8 * 2 + 2),
+                               ("full", (12 + 24) * 4, 8 * 2 + 2)):
+        with torch.device("meta"):
+            network = Blocked()
+        assert saved_activations(network, (x,), checkpointing=mode)[0] == kept, mode
+        with torch.device("meta"):
+            network = Blocked()
+        assert saved_activations(network, (x,), "bf16", checkpointing=mode)[1] == copies, mode
+    with torch.device("meta"):
+        network = Blocked()
+    _, share = backward_shares(network, (x,), recompute.recomputed_units(network, "full"))
+    assert share == pytest.approx((4 * 8 + 8 * 8) / (4 * 8 + 8 * 8 + 8 * 2))
+    gradients = []
+    for mode in ("none", "full"):
+        torch.manual_seed(0)
+        network = Blocked()
+        assert recompute.apply(network, mode) == (mode == "full")
+        network(torch.arange(12.0).reshape(3, 4)).square().sum().backward()
+        gradients.append(torch.cat([p.grad.reshape(-1) for p in network.parameters()]))
+    assert torch.equal(*gradients)

@@ -93,7 +93,7 @@ def test_hash_follows_the_resolved_configuration(tmp_path):
     [
         ({"grid": {"hook": ["ps", "allredcue"]}}, "point 2 (hook=allredcue): --hook: unknown hook 'allredcue'"),
         ({"grid": {"nserver": [1, 3]}, "base": {"mapping": "group"}}, "point 2 (nserver=3): --mapping group"),
-        ({"grid": {"hooks": ["ps"]}}, "unknown option 'hooks'; did you mean 'hook'[?] valid options: backend"),
+        ({"grid": {"hooks": ["ps"]}}, "unknown option 'hooks'; did you mean 'hook'[?] valid options: activation_checkpointing, backend"),
         ({"grid": {"hook": []}}, "needs a non-empty list"),
         ({"grid": {"ntrainer": ["two"]}}, "'ntrainer' must be a whole number"),
         ({"base": {"out": "x.json"}, "grid": {"hook": ["ps"]}}, "'out' is set by the sweep"),
