@@ -115,6 +115,10 @@ class RunConfig:
         "a Hugging Face model's transformer blocks, else each module holding parameters) or "
         "selective (every other unit), with torch's checkpoint_wrapper", group=STRATEGY,
         choices=("none", "full", "selective"))
+    peak_tflops: float | None = option(
+        None, "one trainer's GPU's dense peak TFLOP/s in the run's precision, for the MFU of a "
+        "model of sequences (default: the table of GPUs in docs/results.md for CUDA trainers; "
+        "none on a CPU)", group=STRATEGY, metavar="TFLOPS")
     reduce_dtype: str | None = option(
         None, "what an engine that has one communicates the gradients in: FSDP2's "
         "MixedPrecisionPolicy (its gathers too), DeepSpeed's communication_data_type (default: "

@@ -96,7 +96,7 @@ def check_options(cfg: RunConfig, machine: bool = True) -> None:
     for name in ("epochs", "batch_size", "grad_accum", "rounds", "rpc_threads"):
         value = getattr(cfg, name)
         need(value is None or value >= 1, f"{flag(name)} must be at least 1; got {value}")
-    for name in ("lr", "rpc_timeout", "bucket_cap_mb", "timeout"):
+    for name in ("lr", "rpc_timeout", "bucket_cap_mb", "timeout", "peak_tflops"):
         value = getattr(cfg, name)
         need(value is None or 0 < value < math.inf,
              f"{flag(name)} must be positive{' and finite' if value == math.inf else ''}; "

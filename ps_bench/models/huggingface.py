@@ -20,9 +20,10 @@ sparse gradients: the strategies made for sparse embeddings are refused on them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from torch import nn
 
@@ -181,3 +182,21 @@ class HuggingFaceModel(BenchmarkModel):
         layers); the embeddings, final norm and output stay with the root."""
         names = set(getattr(self.model, "_no_split_modules", None) or ())
         return [module for module in self.model.modules() if type(module).__name__ in names]
+
+
+@contextlib.contextmanager
+def unpacked_on_meta(network: nn.Module) -> Iterator[None]:
+    """Around a forward on the meta device: a Hugging Face causal mask looks for packed sequences
+    in the position ids, a data-dependent check no meta tensor can answer (the data here is never
+    packed): told there are none. Any other model: nothing to do."""
+    if not isinstance(network, HuggingFaceModel):
+        yield
+        return
+    from transformers import masking_utils  # a Hugging Face model: already imported
+
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original

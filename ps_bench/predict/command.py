@@ -352,6 +352,10 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
                              calibration.options, calibration.gathered)
         for row in rows:
             row.update(held.row(row["strategy"], row["trainers"], row["per_node"]))
+    for row in rows if args.peak_tflops and facts and facts.model_flops else []:
+        row["mfu"] = (facts.model_flops * (args.batch_size or runs[0].batch_size)
+                      * calibration.micro_batches / (row["batch_ms"] / 1e3)
+                      / (args.peak_tflops * 1e12))
     failures = goodput.target(args, runs, args.optimizer)
     for row in rows if failures is not None else []:
         row.update(failures.row(row, calibration.gradient_bytes, calibration.link.bytes_per_ms))

@@ -184,7 +184,8 @@ class FirstUses(TorchDispatchMode):
 
 
 def backward_shares(network: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
-                    recomputed: list[torch.nn.Module] = ()) -> tuple[dict[int, float], float]:
+                    recomputed: list[torch.nn.Module] = ()
+                    ) -> tuple[dict[int, float], float, int]:
     """Parameter id -> the share of backward done when its gradient is ready, from the FLOPs of
     a forward pass on the meta device (``torch.utils.flop_counter.FlopCounterMode``): backward
     runs the forward's operations in reverse, each taken to cost in proportion to its forward
@@ -193,7 +194,8 @@ def backward_shares(network: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
     embedding is ready at its earlier use; a weight that its module's parent uses itself, as
     ``nn.MultiheadAttention`` uses its ``out_proj``, where the parent uses it). A parameter no
     operation used is ready at the end. Also the share of the forward's FLOPs done inside
-    ``recomputed`` (the units ``--activation-checkpointing`` runs again inside backward). Raises
+    ``recomputed`` (the units ``--activation-checkpointing`` runs again inside backward), and the
+    forward's FLOPs. Raises
     where the model's forward cannot run on the meta device (a step whose shape depends on the
     data, as a mixture of experts' routing)."""
     counter = FlopCounterMode(display=False)
@@ -211,7 +213,7 @@ def backward_shares(network: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
     total = counter.get_total_flops() or 1
     return ({id(parameter): (total - uses.first[id(parameter)]) / total
              if id(parameter) in uses.first else 1.0 for parameter in network.parameters()},
-            sum(inside) / total)
+            sum(inside) / total, counter.get_total_flops())
 
 
 def module_calls(network: torch.nn.Module, called: list[tuple[bool, torch.nn.Module]] | None = None
@@ -293,7 +295,8 @@ def model_buckets(model: str, bucket_cap_mb: float, options: dict | None = None,
         batch = DATA.get(data.class_name)(**kwargs).build(0)
         inputs = tuple(t.to("meta") for t in batch.inputs)
         recomputed = recompute.recomputed_units(network, checkpointing)
-        shares, facts.recomputed = backward_shares(network, inputs, recomputed)
+        shares, facts.recomputed, forward = backward_shares(network, inputs, recomputed)
+        facts.model_flops = 3 * forward // batch_size  # a sample's, as MFU counts (metrics.flops)
         facts.modules = module_calls(network, called)
     except Exception as error:  # noqa: BLE001 - any op without a meta kernel: said, and passed over
         facts.activations_from = "the model's forward did not run on the meta device"

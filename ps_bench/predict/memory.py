@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_leaves
 from ps_bench.config import ConfigError
 from ps_bench.metrics.memory import SavedActivations
 from ps_bench.metrics.messages import ELEMENT_BYTES, bucket_factors, square_side
+from ps_bench.models.huggingface import unpacked_on_meta
 from ps_bench.results.printed import format_bytes
 from ps_bench.strategies import HOOKS, hook_options, recompute
 from ps_bench.strategies.record import (GRADIENTS, OPTIMIZER, PARAMETERS, SERVER_OWNED, Holds,
@@ -87,6 +88,7 @@ class ModelFacts:
     # a forward's FLOPs its recomputed units do again inside backward (``inputs.recomputed_share``)
     checkpointing: str = "none"
     recomputed: float = 0.0
+    model_flops: int | None = None  # a sample's model FLOPs, for MFU (``metrics.flops``)
 
 
 def moments_bytes(optimizer: str, momentum: float) -> int:
@@ -278,26 +280,18 @@ def fused_attention(query, key, value, *args, **kwargs):
 
 @contextlib.contextmanager
 def meta_friendly(network: torch.nn.Module, fused: bool = False):
-    """Around a forward on the meta device: a Hugging Face causal mask looks for packed
-    sequences in the position ids, a data-dependent check no meta tensor can answer (the data
-    here is never packed); with ``fused``, attention saves what a fused kernel saves
+    """Around a forward on the meta device: a Hugging Face causal mask told the data is never
+    packed (``unpacked_on_meta``); with ``fused``, attention saves what a fused kernel saves
     (``FusedAttention``)."""
     functional = torch.nn.functional
     attention = functional.scaled_dot_product_attention
-    masking_utils = original = None
-    if type(network).__name__ == "HuggingFaceModel":
-        from transformers import masking_utils  # a Hugging Face model: already imported
-
-        original = masking_utils.find_packed_sequence_indices
-        masking_utils.find_packed_sequence_indices = lambda position_ids: None
     if fused:
         functional.scaled_dot_product_attention = fused_attention
     try:
-        yield
+        with unpacked_on_meta(network):
+            yield
     finally:
         functional.scaled_dot_product_attention = attention
-        if masking_utils is not None:
-            masking_utils.find_packed_sequence_indices = original
 
 
 def add_arguments(parser) -> None:
@@ -317,6 +311,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sequence-length", type=int, metavar="T",
                         help="with --compute-ms: the tokens a sample of the model's data "
                         "(default: the data's own)")
+    parser.add_argument("--peak-tflops", type=float, metavar="TFLOPS",
+                        help="a GPU's dense peak TFLOP/s in the precision predicted: each row's "
+                        "MFU, its model FLOPs a second over it (needs the model's forward on the "
+                        "meta device: --compute-ms, or --gpu-memory with runs)")
     parser.add_argument("--activation-checkpointing", choices=recompute.MODES, default=None,
                         help="the units whose activations backward recomputes, as a run's "
                         "option: their inputs kept in place of what they save, and with "

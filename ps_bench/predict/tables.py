@@ -105,6 +105,7 @@ def render(rows: list[dict]) -> str:
     held = any("model_states_bytes" in row for row in rows)
     fits = any("fits" in row for row in rows)
     failing = any("ettr" in row for row in rows)
+    mfu = any("mfu" in row for row in rows)
     body = [[*([f"{row['nodes']} x {row['per_node']}"] if nodes else []), row["trainers"],
              row["strategy"], servers_label(row),
              f"{row['batch_ms']:.1f}",
@@ -116,7 +117,8 @@ def render(rows: list[dict]) -> str:
              "*" if (row["trainers"], row["strategy"], row["servers"],
                      row.get("servers_on")) in best else "",
              *(memory_cells(row) if held else []),
-             *(goodput_cells(row) if failing else [])]
+             *(goodput_cells(row) if failing else []),
+             *([f"{row['mfu']:.1%}"] if mfu else [])]
             for row in rows]
     return tabulate(body, headers=[*(["nodes x G"] if nodes else []), "trainers", "strategy",
                                    "servers", "batch ms", "samples/s", "measured ms",
@@ -124,7 +126,7 @@ def render(rows: list[dict]) -> str:
                                    *(["states GiB", "memory GiB"] if held else []),
                                    *(["fits"] if fits else []),
                                    *(["goodput/s", "ETTR", "checkpoint every"]
-                                     if failing else [])],
+                                     if failing else []), *(["MFU"] if mfu else [])],
                     disable_numparse=True) + (
         "\nBytePS bound: the least any parameter-server layout with that many servers needs to "
         "move the gradients (communication only)") + (
@@ -134,7 +136,9 @@ def render(rows: list[dict]) -> str:
         "; NO: does not fit --gpu-memory (never the best)" if fits else "") + (
         "\ngoodput: the samples a second training keeps under failures (ETTR: the share of wall "
         "time it keeps); checkpoint every: the interval of work between checkpoints, where the "
-        "strategy restarts from one" if failing else "")
+        "strategy restarts from one" if failing else "") + (
+        "\nMFU: the model's FLOPs a second a GPU (three times its forward's, counted on the meta "
+        "device) over --peak-tflops" if mfu else "")
 
 
 def goodput_cells(row: dict) -> list[str]:

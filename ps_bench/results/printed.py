@@ -46,6 +46,8 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
     print(f"\nthroughput: {rate:.1f} samples/s ({1000.0 / rate if rate else 0.0:.3f} ms a "
           f"sample) over {plural(throughput['iterations'], 'iteration')}{steps} per trainer"
           f"{left_out}")
+    if "tokens_per_s" in throughput:  # a model of sequences (metrics.flops)
+        print(tokens_line(throughput))
     busiest = moved.get("server_recv_busiest_per_iter", 0.0)
     uneven = (f" (the busiest server {busiest:.0f})"
               if busiest > IMBALANCE * moved["server_recv_per_iter"] else "")
@@ -221,3 +223,16 @@ def render_limits(limits: dict, efficiency: dict | None) -> str:
     else:
         lines.append("efficiency: - (this strategy moves nothing)")
     return "\n".join(lines)
+
+
+def tokens_line(throughput: dict) -> str:
+    """Tokens a second, and the model FLOPs and MFU where known."""
+    line = (f"tokens: {throughput['tokens_per_s']:.1f}/s "
+            f"({throughput['tokens_per_s_per_trainer']:.1f} a trainer)")
+    if "model_flops_per_token" in throughput:
+        line += (f"; model FLOPs {throughput['model_flops_per_token'] / 1e9:.3g} G a token, "
+                 f"{throughput['model_tflops_per_s_per_trainer']:.3g} TFLOP/s a trainer")
+    if "mfu" in throughput:
+        line += (f"; MFU {throughput['mfu']:.1%} of {throughput['peak_tflops']:g} TFLOP/s "
+                 f"({throughput['peak_from']})")
+    return line

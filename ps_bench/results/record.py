@@ -17,10 +17,12 @@ import torch
 
 from ps_bench.config import RESULTS_SCHEMA
 from ps_bench.job import Job
+from ps_bench.metrics import flops
 from ps_bench.metrics.costs import collective_bytes
 from ps_bench.metrics.memory import combine_peaks, peak_memory
 from ps_bench.metrics.stats import SummaryRow, summary_rows
 from ps_bench.metrics.wire import host_links
+from ps_bench.models import DATA, MODELS
 from ps_bench.results import floors
 from ps_bench.results.files import iso_now
 from ps_bench.results.progress import Progress
@@ -95,6 +97,10 @@ class RunRecord:
             job.config, job.strategy, topology, job.engine_config)
         self.model, self.data = job.model, job.data
         self.argv, self.environment = argv, environment
+        # a model of sequences: its tokens and model FLOPs a sample (metrics.flops)
+        self.tokens = flops.sequence_length(job.data)
+        self.flops = (flops.model_flops_per_sample(job.model, job.data, MODELS, DATA)
+                      if self.tokens else None)
         self.recovered = recovered or []  # earlier attempts torchrun restarted the job after
         self.recovery: dict | None = None  # checkpoints, failures, goodput (results.recovery)
         self.started = iso_now()
@@ -264,6 +270,11 @@ class RunRecord:
                                  "samples_per_s": (self.trainer_work[info.rank][1] / self.timed_s
                                                    if self.timed_s else 0.0)}
                                 for info in topo.trainers],
+                **flops.throughput_of(self.samples_per_s, topo.num_trainers - len(self.dropped),
+                                      self.tokens, self.flops, flops.peak_tflops(
+                                          cfg.peak_tflops,
+                                          self.environment.get("cuda_devices") or []
+                                          if cfg.ncudatrainer else [], cfg.precision)),
             },
             "bytes": {
                 "trainer_sent_per_iter": self.per_iteration(self.trainer_bytes, 0,

@@ -46,6 +46,10 @@ def test_each_strategy_holds_its_share_of_the_model_states(bench_runs, tmp_path)
     assert held(zero1)["parameters_bytes"] == held(whole)["parameters_bytes"]
     memory = whole["memory"]["trainer"]
     assert memory["activations_bytes"] > 0 and memory["peak_from"].startswith("model states")
+    # a model of sequences: tokens a second; no MFU on a CPU without --peak-tflops
+    throughput = whole["throughput"]
+    assert throughput["tokens_per_s"] == pytest.approx(throughput["samples_per_s"] * 64)
+    assert throughput["model_flops_per_token"] > 6 * 139_584 / 2 and "mfu" not in throughput
     assert memory["peak_bytes"] == memory["model_states"]["total_bytes"] + memory["activations_bytes"]
 
     config = tmp_path / "zero3_bf16.json"
@@ -84,7 +88,10 @@ def test_activation_checkpointing_changes_no_gradient_and_keeps_what_predict_cou
     for hook, extra in (("allreduce", ()), ("fsdp", ()), ("deepspeed_zero3", ("--ds-config", str(config)))):
         plain = bench_runs.ok(*LLAMA, "--hook", hook, *extra, timeout_s=240)
         recomputed = bench_runs.ok(*LLAMA, "--hook", hook, *extra, "--activation-checkpointing", "full",
-                                   timeout_s=240)
+                                   "--peak-tflops", "2", timeout_s=240)
+        throughput = recomputed["throughput"]  # its recomputation is no model FLOP
+        assert throughput["mfu"] == pytest.approx(throughput["model_tflops_per_s_per_trainer"] / 2)
+        assert throughput["model_flops_per_token"] == plain["throughput"]["model_flops_per_token"]
         assert recomputed["replicas"]["param_norm"] == pytest.approx(plain["replicas"]["param_norm"], rel=1e-6), hook
         kept = {mode: results["memory"]["trainer"]["activations_bytes"]
                 for mode, results in (("none", plain), ("full", recomputed))}

@@ -273,8 +273,9 @@ def test_a_recomputed_unit_keeps_its_input_alone_and_changes_no_gradient():
         assert saved_activations(network, (x,), "bf16", checkpointing=mode)[1] == copies, mode
     with torch.device("meta"):
         network = Blocked()
-    _, share = backward_shares(network, (x,), recompute.recomputed_units(network, "full"))
+    _, share, forward = backward_shares(network, (x,), recompute.recomputed_units(network, "full"))
     assert share == pytest.approx((4 * 8 + 8 * 8) / (4 * 8 + 8 * 8 + 8 * 2))
+    assert forward == 2 * 3 * (4 * 8 + 8 * 8 + 8 * 2)  # a multiply and an add a weight, 3 samples
     gradients = []
     for mode in ("none", "full"):
         torch.manual_seed(0)
