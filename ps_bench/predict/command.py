@@ -352,6 +352,14 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
                              calibration.options, calibration.gathered)
         for row in rows:
             row.update(held.row(row["strategy"], row["trainers"], row["per_node"]))
+        if gpu_memory is not None and facts.checkpointing != "none" and runs == []:
+            keeping = memory.target(args, model_buckets(  # every activation kept, as without it
+                args.model, args.bucket_cap_mb, args.model_options, args.batch_size,
+                args.sequence_length, args.precision or "fp32")[3], [], gpu_memory,
+                calibration.options, calibration.gathered)
+            for row in rows:
+                row["fits_only_recomputing"] = row["fits"] and not keeping.row(
+                    row["strategy"], row["trainers"], row["per_node"])["fits"]
     for row in rows if args.peak_tflops and facts and facts.model_flops else []:
         row["mfu"] = (facts.model_flops * (args.batch_size or runs[0].batch_size)
                       * calibration.micro_batches / (row["batch_ms"] / 1e3)

@@ -133,7 +133,8 @@ def render(rows: list[dict]) -> str:
         "\nstates: parameters, gradients, optimizer state and gathered layers a GPU holds; "
         "memory: with the activations and what the strategy keeps between iterations (error "
         "feedback's residuals, PowerSGD's state)" if held else "") + (
-        "; NO: does not fit --gpu-memory (never the best)" if fits else "") + (
+        "; NO: does not fit --gpu-memory (never the best); recomputing: fits only with its "
+        "--activation-checkpointing" if fits else "") + (
         "\ngoodput: the samples a second training keeps under failures (ETTR: the share of wall "
         "time it keeps); checkpoint every: the interval of work between checkpoints, where the "
         "strategy restarts from one" if failing else "") + (
@@ -161,7 +162,9 @@ def memory_cells(row: dict) -> list[str]:
     """A row's model states and memory, GiB, and whether it fits (where asked)."""
     total = row.get("memory_bytes")
     return [gib(row["model_states_bytes"]), "-" if total is None else gib(total),
-            *([] if "fits" not in row else ["yes" if row["fits"] else "NO"])]
+            *([] if "fits" not in row else [
+                "NO" if not row["fits"] else
+                "yes, recomputing" if row.get("fits_only_recomputing") else "yes"])]
 
 
 ETHERNET_CHECKED_NODES = 4  # benchmarks/published_check.py: every point from here up was slower

@@ -43,9 +43,9 @@ OFFLOAD = ("offload_optimizer", "offload_param")
 def resolve_config(cfg: RunConfig, stage: int, gpus: int) -> tuple[dict[str, Any], list[str]]:
     """The DeepSpeed config a run of ``--hook deepspeed_zero{stage}`` trains with: the user's
     ``--ds-config`` (its ``"auto"`` values filled from the run) or a minimal one; the run's batch
-    size, optimizer and learning rate are set from it (``cfg`` is updated); and what of the
-    user's config the run leaves out, in a line each. ConfigError names the input for anything
-    that cannot run here."""
+    size, optimizer, learning rate and activation checkpointing are set from it (``cfg`` is
+    updated); and what of the user's config the run leaves out, in a line each. ConfigError names
+    the input for anything that cannot run here."""
     source = f"--ds-config {cfg.ds_config}" if cfg.ds_config else f"--hook deepspeed_zero{stage}"
     given = read_json(cfg.ds_config, "--ds-config", own_format=False) if cfg.ds_config else {}
     if not isinstance(given, dict):
@@ -100,6 +100,12 @@ def resolve_config(cfg: RunConfig, stage: int, gpus: int) -> tuple[dict[str, Any
     notes = ([f"{source}: its scheduler ({given['scheduler'].get('type', '?')}) is left out: "
               f"ps_bench steps a constant learning rate (--lr {cfg.lr:g})"]
              if isinstance(given.get("scheduler"), dict) else [])
+    if isinstance(given.get("activation_checkpointing"), dict) and (
+            cfg.activation_checkpointing == "none"):  # the engine calls no checkpoint itself
+        cfg.activation_checkpointing = "full"
+        notes.append(f"{source}: its activation_checkpointing section recomputes every unit "
+                     f"(--activation-checkpointing full, with torch's checkpoint_wrapper; what "
+                     f"it says of partitioning or offloading activations is not modelled)")
     return config, notes
 
 

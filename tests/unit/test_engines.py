@@ -50,6 +50,16 @@ def test_a_seed_style_config_takes_the_runs_batch_and_its_own_optimizer():
                            f"learning rate (--lr 0.003)",)
 
 
+def test_a_configs_activation_checkpointing_section_recomputes_every_unit(tmp_path):
+    path = written(tmp_path, {"activation_checkpointing": {"partition_activations": True}})
+    built = job("--hook", "deepspeed_zero3", "--nserver", "0", "--ds-config", path)
+    assert built.config.activation_checkpointing == "full"
+    assert "its activation_checkpointing section recomputes every unit" in built.notes[-1]
+    chosen = job("--hook", "deepspeed_zero3", "--nserver", "0", "--ds-config", path,
+                 "--activation-checkpointing", "selective")
+    assert chosen.config.activation_checkpointing == "selective"  # the option given wins
+
+
 def test_the_configs_values_become_the_runs_unless_an_option_given_disagrees(tmp_path):
     path = written(tmp_path, {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3},
                               "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}})

@@ -67,3 +67,26 @@ def test_predict_gives_each_row_its_mfu_against_the_peak_given(tmp_path, capsys)
     per_sample = flops.model_flops_per_sample(entry, data, MODELS, DATA)
     for row in json.loads(out.read_text())["predictions"]:
         assert row["mfu"] == pytest.approx(per_sample * 2 / (row["batch_ms"] / 1e3) / 1e9, rel=1e-3), row["trainers"]
+
+
+def test_predict_says_which_rows_fit_only_with_activation_checkpointing(tmp_path, capsys):
+    """A GPU's memory between what a row needs with every unit recomputed and without: the row fits,
+    and the table says it does only so."""
+    from ps_bench.cli import main
+
+    base = ["predict", "--model", "hf:llama-tiny", "--batch-size", "2", "--sequence-length", "48",
+            "--compute-ms", "forward=1,backward=2,optimizer=1", "--link", "100gbit", "--trainers", "4",
+            "--hooks", "allreduce"]
+    needs = {}
+    for mode in ("none", "full"):
+        out = tmp_path / f"{mode}.json"
+        assert main([*base, "--activation-checkpointing", mode, "--gpu-memory", "1TB", "--out", str(out)]) == 0
+        needs[mode] = json.loads(out.read_text())["predictions"][0]["memory_bytes"]
+    assert needs["full"] < needs["none"]
+    capsys.readouterr()
+    between = (needs["full"] + needs["none"]) // 2
+    out = tmp_path / "between.json"
+    assert main([*base, "--activation-checkpointing", "full", "--gpu-memory", f"{between}B", "--out", str(out)]) == 0
+    row, = json.loads(out.read_text())["predictions"]
+    assert row["fits"] is True and row["fits_only_recomputing"] is True
+    assert "yes, recomputing" in capsys.readouterr().out
