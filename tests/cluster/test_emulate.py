@@ -47,8 +47,17 @@ def emulate(*args: str, timeout_s: float = 300):
 
 
 def test_an_emulated_run_records_its_network_and_trains_identical_replicas(tmp_path, nothing_left_behind):
-    run = emulate("--link", "1gbit", "--", *QUICK, "--verify", "--out", str(tmp_path / "r.json"))
+    """And ``cut=1s``: trainer 1's host link down for a second at iteration 40 (in round 2 of 32-iteration
+    rounds); the server waits on its bucket, the round takes the cut and TCP's retransmission after it, and
+    the job ends with identical replicas; the cut is in the results."""
+    run = emulate("--link", "1gbit", "--", *QUICK, "--verify", "--out", str(tmp_path / "r.json"),
+                  "--inject-fault", "trainer:1:40:cut=1s")
     assert run.returncode == 0, run.output
+    assert "ps_bench: trainer 1 at iteration 40: its link down for 1 s (--inject-fault)" in run.stdout
+    cut, = run.results["recovery"]["links_cut"]
+    assert (cut["trainer"], cut["at_iteration"], cut["duration_s"]) == (1, 40, 1.0) and cut["down_s"] >= 1.0
+    batch, = [row for row in run.results["summary"] if (row["role"], row["metric"]) == ("trainer", "batch")]
+    assert cut["round_s"] >= 1.0 and batch["max"] >= 1000 > 100 * batch["p50"]  # one iteration held for it
     assert "ps_bench: emulated network: 3 hosts" in run.stdout and "each link 1 Gbit/s both ways" in run.stdout
     results = run.results
     assert results["status"] == "ok" and results["replicas"]["identical"] is True
@@ -75,22 +84,6 @@ def test_the_rpc_floor_across_200mbit_links_is_what_the_links_allow(tmp_path, no
     expected_ms = 2 * limits["bytes_per_iter"] * 8 / 200e6 * 1000
     assert crossed_at_its_rate(limits["rpc"]["p50_ms"], expected_ms), (limits["rpc"], expected_ms)
     assert run.results["efficiency"]["floor"] == "rpc"
-
-
-def test_a_trainers_link_cut_for_a_second_holds_the_round_up_and_the_job_goes_on(tmp_path, nothing_left_behind):
-    """``cut=1s``: trainer 1's host link down for a second at iteration 40 (in round 2 of 21-iteration rounds);
-    its peer's all-reduce waits on it, the round takes the cut and TCP's retransmission after it, and the job
-    ends with identical replicas; the cut is in the results."""
-    run = emulate("--link", "1gbit", "--", "--hook", "allreduce", "--nserver", "0", *QUICK,
-                  "--inject-fault", "trainer:1:40:cut=1s", "--out", str(tmp_path / "r.json"))
-    assert run.returncode == 0, run.output
-    assert "ps_bench: trainer 1 at iteration 40: its link down for 1 s (--inject-fault)" in run.stdout
-    results = run.results
-    assert results["replicas"]["identical"] is True
-    cut, = results["recovery"]["links_cut"]
-    assert (cut["trainer"], cut["at_iteration"], cut["duration_s"]) == (1, 40, 1.0) and cut["down_s"] >= 1.0
-    batch, = [row for row in results["summary"] if (row["role"], row["metric"]) == ("trainer", "batch")]
-    assert cut["round_s"] >= 1.0 and batch["max"] >= 1000 > 100 * batch["p50"]  # one iteration held for it
 
 
 def test_a_failed_rank_ctrl_c_and_kill_leave_nothing_behind(tmp_path, nothing_left_behind):
