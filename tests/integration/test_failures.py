@@ -195,7 +195,7 @@ def test_hang_with_timeout_dumps_stacks_and_ends(results_path, startup_s):
     waits, then the watchdog ends it with every rank's stacks."""
     # long enough that every rank is up, trainer 1 is hanging and the round has run for
     # PROGRESS_FIRST_S when the watchdog fires, however busy the machine is while this runs
-    timeout = round(3 * startup_s + PROGRESS_FIRST_S) + 3
+    timeout = round(2 * startup_s + PROGRESS_FIRST_S) + 3
     # the peers of the hung trainer wait in RPC calls: those must not time out before the watchdog
     run = run_bench("--inject-fault", "trainer:1:3:hang", "--timeout", str(timeout), "--rpc-timeout",
                     str(3 * timeout), out=results_path, timeout_s=timeout + 120)

@@ -172,22 +172,21 @@ def test_report_without_results_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_point_with_max_restarts_runs_under_torchrun_which_restarts_it(tmp_path):
-    """torchrun restarts the point after its trainer fails on the first attempt; the second
-    attempt resumes from the checkpoint, and the report gives the failure and the goodput."""
-    sweep = write_sweep(tmp_path, {"name": "restarted", "base": {
+def test_a_point_with_max_restarts_runs_under_torchrun(tmp_path):
+    """A point with ``max_restarts`` runs under torchrun, with that many restarts to give (what
+    torchrun does with them, a restart from the checkpoint, is tests/cluster/test_elastic.py's),
+    and the report gives its goodput."""
+    sweep = write_sweep(tmp_path, {"name": "restartable", "base": {
         **QUICK, "hook": "allreduce", "nserver": 0, "checkpoint_every": 10,
         "checkpoint_dir": str(tmp_path / "ck"), "max_restarts": 1},
-        "variants": [{"name": "fails once", "inject_fault": "trainer:1:25:exit:first"}]})
+        "variants": [{"name": "under torchrun"}]})
     out = tmp_path / "out"
     run = run_bench("sweep", sweep, "--out", str(out), timeout_s=240)
     assert run.returncode == 0, run.stdout + run.stderr
     recorded, = lines(out)
-    failure, = recorded["recovery"]["failures"]
-    assert recorded["status"] == "ok" and recorded["restarts"] == 1
-    assert (failure["iterations_done"], failure["resumed_from"]) == (24, 20)
+    assert recorded["status"] == "ok" and recorded["restarts"] == 0
+    assert recorded["recovery"]["checkpoints"]["saves"] > 0
     log = next((out / "logs").glob("*.log")).read_text()
-    assert "under torchrun: -m torch.distributed.run --standalone" in log
-    assert "resumed from the checkpoint of iteration 20" in log
+    assert "under torchrun: -m torch.distributed.run --standalone" in log and "--max-restarts 1" in log
     report = run_bench("report", str(out))
     assert report.returncode == 0 and "goodput samples/s" in report.stdout.splitlines()[0]
