@@ -18,7 +18,6 @@ from __future__ import annotations
 import faulthandler
 import os
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -28,7 +27,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
@@ -38,9 +36,8 @@ from ps_bench.job import Job
 from ps_bench.options import plural
 from ps_bench.results.files import environment, failed_results, keep_results, read_snapshot
 from ps_bench.processes import orphans, rejoin, rendezvous
-from ps_bench.runtime import failures, membership, network, preload, streams
+from ps_bench.runtime import failures, membership, network, preload
 from ps_bench.runtime.addresses import interface_env, loopback
-from ps_bench.runtime.faults import TimedFault, arm, drawn_of, role_counts
 from ps_bench.processes.attempts import Attempts
 from ps_bench.processes.master import Master
 from ps_bench.processes.supervision import (JobFailed, listen_for_stack_requests, supervise,
@@ -151,15 +148,7 @@ def worker(rank: int, spec: LaunchSpec, started: float | None = None) -> None:
         times = {"started": started, "joined": time.time()}
         if any(spec.job.goes_on().values()):
             membership.keep_failures(store, rank)
-        drawn = drawn_of(cfg)
-        if drawn is not None:  # --mtbf: this rank's next failure, on the job's clock
-            job_started = Attempts(store, rendezvous.restart_count()).job_started(started)
-            arm(TimedFault(drawn, role_counts(cfg), info.role, info.index, job_started, started))
-        torch.manual_seed(cfg.torch_seed)
-        device = spec.device_of(rank)
-        if device is not None:
-            torch.cuda.set_device(device)
-            torch.cuda.manual_seed_all(cfg.cuda_seed)
+        rejoin.arm_and_seed(cfg, store, info, spec.device_of(rank), started)
         if info.role == TRAINER:  # before RPC, so the group exists when the master builds DDP
             dist.init_process_group(
                 PG_BACKENDS[cfg.backend],

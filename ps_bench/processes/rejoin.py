@@ -58,6 +58,18 @@ def enter(rank: int, spec: LaunchSpec) -> None:
     streams.outlive_reader()  # the launcher's reader may leave before the job ends
 
 
+def arm_and_seed(cfg, store: dist.Store, info, device: int | None, started: float) -> None:
+    """This rank's next ``--mtbf`` failure, on the job's clock, and its seeds, on its device."""
+    drawn = drawn_of(cfg)
+    if drawn is not None:
+        job_started = Attempts(store, rendezvous.restart_count()).job_started(started)
+        arm(TimedFault(drawn, role_counts(cfg), info.role, info.index, job_started, started))
+    torch.manual_seed(cfg.torch_seed)
+    if device is not None:
+        torch.cuda.set_device(device)
+        torch.cuda.manual_seed_all(cfg.cuda_seed)
+
+
 def start_again(rank: int, spec: LaunchSpec) -> Any:
     """Trainer rank ``rank`` in a new process (``rejoined``); returns the process."""
     info = spec.topology().info(rank)
@@ -89,15 +101,8 @@ def rejoined(rank: int, spec: LaunchSpec, started: float) -> None:
     beside = json.loads(store.get(BESIDE_KEY))
     # the fault it met is over; under --mtbf it meets its next drawn failure, as every rank does
     cfg = dataclasses.replace(job.config, inject_fault=None)
-    drawn = drawn_of(cfg)
-    if drawn is not None:
-        job_started = Attempts(store, rendezvous.restart_count()).job_started(started)
-        arm(TimedFault(drawn, role_counts(cfg), info.role, info.index, job_started, started))
-    torch.manual_seed(cfg.torch_seed)
     device = spec.device_of(rank)
-    if device is not None:
-        torch.cuda.set_device(device)
-        torch.cuda.manual_seed_all(cfg.cuda_seed)
+    arm_and_seed(cfg, store, info, device, started)
     # a group of its own: the strategy's code asks torch.distributed who it is; its replica
     # group's traffic goes over the strategy's own process group
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
