@@ -80,7 +80,8 @@ class Healing:
             index = drop["trainer"]
             starts = self.starts(index)
             healed = next((start for start in starts if start is not None), None)
-            iterations += sum(start["iterations"] for start in starts if start is not None)
+            after = sum(start["iterations"] for start in starts if start is not None)
+            iterations += after
             failed = failed_at.get(index)
             until = healed["at"] if healed else time.time()
             theirs = by_step.get(healed["step"]) if healed else None
@@ -99,8 +100,7 @@ class Healing:
                                      and theirs["fragment"] == healed["fragment"]),
                 "norm": healed["norm"] if healed else None,
                 "their_norm": theirs["norm"] if theirs else None,
-                "iterations_after_healing": sum(start["iterations"] for start in starts
-                                                if start is not None)})
+                "iterations_after_healing": after})
         last = log[-1] if log else {"step": 0, "failed_before": 0}
         attempted = last["step"] + last["failed_before"]
         steps = {"committed": last["step"], "failed": last["failed_before"],
