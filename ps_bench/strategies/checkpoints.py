@@ -16,9 +16,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 
 def own_entry(rank: int) -> str:
@@ -49,6 +47,11 @@ def save(synchroniser: Any, model: nn.Module, optimizer: Any, folder: str, rank:
     if custom is not None:
         custom(model, optimizer, folder, own)
         return time.perf_counter() - started, None
+    # imported where a checkpoint is written or read: DCP brings DTensor and sympy (0.7 s on
+    # every command's path otherwise)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state, own_entry(rank): own}
     if background:
@@ -65,6 +68,9 @@ def load(synchroniser: Any, model: nn.Module, optimizer: Any, folder: str, rank:
     custom = getattr(synchroniser, "load_checkpoint", None)
     if custom is not None:
         return custom(model, optimizer, folder, own)
+    import torch.distributed.checkpoint as dcp  # as in save
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state, own_entry(rank): own}
     dcp.load(state, checkpoint_id=folder)

@@ -1,10 +1,13 @@
-"""Start-up bookkeeping without processes: which command lines start ranks (and so warm the
-forkserver early), and how rank milestones become phases."""
+"""Start-up bookkeeping without ranks: which command lines start ranks (and so warm the
+forkserver early), how rank milestones become phases, and what the default job imports."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -12,9 +15,11 @@ from ps_bench.processes.master import ready_words, short_warmup_warning
 from ps_bench.processes.rendezvous import crowded_warning
 from ps_bench.processes.supervision import supervise
 from ps_bench.metrics.startup import render_startup, startup_phases
-from ps_bench.runtime.preload import starts_ranks
+from ps_bench.runtime.preload import PRELOAD, starts_ranks
 from ps_bench.strategies import HOOKS
 from ps_bench.strategies.stale import STALE_SYNCHRONOUS
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("argv, starts", [
@@ -125,3 +130,32 @@ def test_ready_names_what_the_job_built(hook, servers, words):
     --hook allreduce, which starts no server, and of fsdp, which builds no DDP."""
     record = HOOKS.record(hook) if isinstance(hook, str) else hook
     assert ready_words(record, servers) == words
+
+
+# What only some runs need, and what it costs every command that imports it (development machine)
+LAUNCHER_NEVER = ("torch.distributed.checkpoint",  # DCP: --checkpoint-every (0.7 s, with DTensor)
+                  "torch.distributed.tensor", "sympy",  # FSDP2, DCP and the compiler's
+                  "torch._dynamo", "torch._inductor",  # a rank's DDP and --compile: the forkserver's
+                  "torch.utils.flop_counter",  # a model of sequences' FLOPs (0.2 s)
+                  "transformers", "deepspeed", "torchft", "matplotlib", "skypilot", "sky")
+RANKS_NEVER = ("torch.distributed.checkpoint", "transformers", "deepspeed", "torchft", "matplotlib")
+
+
+def loaded_after(statement: str) -> set[str]:
+    probe = f"import sys\n{statement}\nprint('\\n'.join(sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, check=True)
+    return set(done.stdout.split())
+
+
+def test_the_default_jobs_imports_take_nothing_only_some_runs_need():
+    """The module list, not a time: the launcher's imports (``bench.py`` before it starts ranks)
+    and the forkserver's preload, which every local rank starts from, hold no package that only
+    some feature needs; that feature imports it where it runs."""
+    launcher = loaded_after("import ps_bench.cli, ps_bench.job")
+    assert not {name for name in launcher for heavy in LAUNCHER_NEVER
+                if name == heavy or name.startswith(heavy + ".")}
+    ranks = loaded_after("\n".join(f"import {module}" for module in PRELOAD))
+    assert not {name for name in ranks for heavy in RANKS_NEVER
+                if name == heavy or name.startswith(heavy + ".")}
+    assert "torch._dynamo" in ranks  # what DDP's constructor imports, once for every rank
