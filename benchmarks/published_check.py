@@ -102,15 +102,30 @@ class Case:
     # --model-option KEY=VALUE,... and --sequence-length, as a user gives them
     model_options: str = ""
     sequence_length: int | None = None
+    # the sharded engines' cases: what the model trains and communicates in (predict's
+    # --precision and --reduce-dtype), and whether the table gives tokens a second per GPU
+    # (measured and node then in that unit; predict's sequences a second converted)
+    precision: str | None = None
+    reduce_dtype: str | None = None
+    tokens_per_gpu: bool = False
 
     @property
     def table_name(self) -> str:
         return self.table or self.source
 
+    def samples_per_gpu(self, gpus: int, value: float) -> float:
+        """A throughput of the table's, ``value`` at ``gpus`` GPUs, in samples a second per GPU."""
+        return value / self.sequence_length if self.tokens_per_gpu else value / gpus
+
+    def in_unit(self, gpus: int, samples_per_s: float) -> float:
+        """Predict's samples a second at ``gpus`` GPUs in the table's own unit."""
+        return samples_per_s / gpus * self.sequence_length if self.tokens_per_gpu else samples_per_s
+
     def t1_ms(self) -> float:
         """The batch time ps_bench is given: per GPU of a full node where the source measured
         one, else of the single GPU."""
-        per_gpu = self.node / self.per_node if self.node else self.measured[1]
+        per_gpu = (self.samples_per_gpu(self.per_node, self.node) if self.node
+                   else self.samples_per_gpu(1, self.measured[1]))
         return self.batch / per_gpu * 1000.0
 
 
@@ -187,6 +202,60 @@ BYTEPS_CHARTS = {
 }
 
 
+# The sharded engines: published tables of FSDP on language models, in tokens a second per GPU
+TORCHTITAN = ("torchtitan docs/performance.md (github.com/pytorch/torchtitan, commit eaea6f6a, the runs of "
+              "arXiv 2410.06511), Table 1 (8 GPUs) and Table 3 (128 GPUs), row '{row}', TPS/GPU at iteration 90")
+TORCHTITAN_SETUP = ("Grand Teton hosts of 8 H100 (96 GB HBM2e, 500 W) fully connected with NVLink (NVLink 4: 450 "
+                    "GB/s each way a GPU), a backend RDMA network of 400 Gb/s per GPU (3,200 Gb/s a host); Llama "
+                    "3.1 8B, FSDP2 (torchtitan's 1D), bf16 parameters (their float32 reduce-scatter is not "
+                    "expressed: predict's fsdp gathers and reduces in one dtype), selective activation "
+                    "checkpointing (in the compute given, measured with it), local batch 2, sequence 8192 (the doc "
+                    "states none: torchtitan's train_configs/llama3_8b.toml, seq_len 8192), AdamW")
+TORCHTITAN_NODE = "the same doc's Table 1 (one host of 8 GPUs)"
+NVLINK_H100_GBIT = 450 * 8
+NVLINK_A100_GBIT = 300 * 8  # NVLink 3 on an A100-SXM4: 12 links of 25 GB/s each way
+LLM_FOUNDRY = ("llm-foundry scripts/train/benchmarking/README.md (github.com/mosaicml/llm-foundry, commit "
+               "061f2c7c), table 'A100 40GB with 1600 Gbps node-node interconnect (RoCE)', the {model} rows at "
+               "SeqLen 2048, Throughput (T/s/GPU)")
+LLM_FOUNDRY_SETUP = ("A100 40GB, 1600 Gbps node-node interconnect (RoCE); 8 GPUs a node with NVLink 3 (the "
+                     "table's smallest row is 8 GPUs; the README names neither the node nor its links: an "
+                     "HGX A100's), Composer's FSDP FULL_SHARD, bf16 PURE (parameters, gradients and their "
+                     "collectives in bf16), activation checkpointing {checkpointing} (in the compute given), MPT-"
+                     "{model}: a GPT of {layers} layers of width {width}, learned positions, vocabulary 50,368 "
+                     "(ps_bench's gpt2 at that size), sequence 2048, micro-batch {batch} a GPU; the rows at other "
+                     "micro-batches are left out, the 8-GPU row (its own micro-batch, accumulating) is the "
+                     "compute given, per token")
+LLM_FOUNDRY_NODE = "the same table's 8-GPU row of the model (one node, no network)"
+# MPT model: (layers, width, heads, micro-batch of the rows kept, activation checkpointing,
+#             {GPUs: T/s/GPU}, the 8 GPU row's T/s/GPU)
+LLM_FOUNDRY_ROWS = {
+    "125m": (12, 768, 12, 26, False, {16: 130535, 32: 127122, 64: 125234, 128: 123936}, 136334),
+    "350m": (24, 1024, 16, 18, False, {16: 55413, 32: 53811, 64: 52689, 128: 51934}, 55995),
+    "760m": (24, 1536, 12, 12, False, {16: 29607, 32: 29648, 64: 29344, 128: 28940}, 30173),
+    "3b": (32, 2560, 20, 6, False, {32: 9914, 64: 9736, 128: 9538}, 10065),
+    "7b": (32, 4096, 32, 18, True, {32: 3725, 64: 3665, 128: 3623}, 3679),
+}
+
+
+def llm_foundry_case(model: str) -> Case:
+    layers, width, heads, batch, checkpointing, rows, node = LLM_FOUNDRY_ROWS[model]
+    return Case(f"llm-foundry-mpt-{model}", LLM_FOUNDRY.format(model=model), "hf:gpt2", batch, 8, 1600.0, "fsdp",
+                {8: node, **rows}, setup=LLM_FOUNDRY_SETUP.format(
+                    checkpointing="full (every block)" if checkpointing else "none", model=model, layers=layers, width=width, batch=batch),
+                node=node, node_source=LLM_FOUNDRY_NODE, intra_gbit=NVLINK_A100_GBIT, unit="tokens/s/GPU",
+                link_kind="roce", intra_kind="nvlink", table=LLM_FOUNDRY.format(model="each"),
+                model_options=f"n_embd={width},n_layer={layers},n_head={heads},vocab_size=50368,n_positions=2048",
+                sequence_length=2048, precision="bf16", reduce_dtype="bf16", tokens_per_gpu=True)
+
+
+def torchtitan_case(row: str, measured: dict[int, float]) -> Case:
+    return Case(f"torchtitan-llama3-8b-{row.lower().replace(' + ', '-').replace('.', '')}",
+                TORCHTITAN.format(row=row), "hf:llama3-8b", 2, 8, 3200.0, "fsdp", measured,
+                setup=TORCHTITAN_SETUP + (", torch.compile" if "compile" in row else ""), node=measured[8],
+                node_source=TORCHTITAN_NODE, intra_gbit=NVLINK_H100_GBIT, unit="tokens/s/GPU", link_kind="roce",
+                intra_kind="nvlink", table=TORCHTITAN.format(row="each"), sequence_length=8192,
+                precision="bf16", reduce_dtype="bf16", tokens_per_gpu=True)
+
 
 def dlperf_case(batch: int, column: str, short: str, fusion_mb: float, measured: dict[int, float]) -> Case:
     """One column of a DLPerf BERT-Base FP32 table: batch 32's, or the largest batch's (48)."""
@@ -240,6 +309,9 @@ CASES = [
                                             "stated for this chart: BytePS's best practice asks for the servers' "
                                             "bandwidth to match the workers', and its OSDI artifact runs as many "
                                             "CPU machines as GPU machines)")))
+] + [llm_foundry_case(model) for model in LLM_FOUNDRY_ROWS] + [
+    torchtitan_case("FSDP", {8: 5762, 128: 5605}),
+    torchtitan_case("FSDP + torch.compile", {8: 6667, 128: 6514}),
 ]
 
 
@@ -264,6 +336,10 @@ def predict_command(case: Case, nodes: list[int], out: Path, servers: int | None
         command += ["--model-option", case.model_options]
     if case.sequence_length:
         command += ["--sequence-length", str(case.sequence_length)]
+    if case.precision:
+        command += ["--precision", case.precision]
+    if case.reduce_dtype:
+        command += ["--reduce-dtype", case.reduce_dtype]
     if case.servers_on == "colocated" or (case.servers_on == "dedicated" and nodes == [1]):
         command += ["--servers-on", "colocated"]
     elif servers is not None:
@@ -284,19 +360,20 @@ def predict_case(case: Case, scratch: Path, ethernet: tuple[float, str] | None =
         if done.returncode != 0:
             raise SystemExit(f"{case.name}: bench.py predict failed: {done.stderr.strip() or done.stdout.strip()}")
         predictions += json.loads(out.read_text())["predictions"]
-    per_gpu = case.node / case.per_node if case.node else case.measured[1]
+    per_gpu = case.samples_per_gpu(case.per_node, case.node) if case.node else case.samples_per_gpu(
+        1, case.measured[1])
     rows = []
     for row in predictions:
         gpus = row["trainers"]
         measured = case.measured[gpus]
-        predicted = row["samples_per_s"]
+        predicted = case.in_unit(gpus, row["samples_per_s"])
         rows.append({"case": case.name, "model": case.model, "gpus": gpus, "nodes": row["nodes"],
                      "unit": case.unit, "measured": measured, "predicted": predicted,
                      # one node given its own measurement as compute: only the modelled
                      # all-reduce within the node stands between it and the measurement
                      "own_compute": row["nodes"] == 1 and case.node == measured,
                      "error_pct": (predicted - measured) / measured * 100.0,
-                     "efficiency": measured / (gpus * per_gpu),
+                     "efficiency": case.samples_per_gpu(gpus, measured) / per_gpu,
                      "communication_share": 1.0 - t1 / row["batch_ms"],
                      "given": f"{case.per_node}-GPU node" if case.node else "1 GPU", "given_ms": t1,
                      "cluster": case.cluster, "strategy": case.system or case.hook,
@@ -323,7 +400,7 @@ def line_share_allowed(case: Case, gpus: int, nodes: int, gradient_bytes: float)
         least_ms = ring_share(gpus) * line.time(sent)
     else:
         least_ms = byteps_bound_ms(nodes, nodes if case.servers_on == "dedicated" else 0, sent, line)
-    beyond_ms = case.batch * gpus / case.measured[gpus] * 1000.0 - case.t1_ms()
+    beyond_ms = case.batch / case.samples_per_gpu(gpus, case.measured[gpus]) * 1000.0 - case.t1_ms()
     return least_ms / beyond_ms if beyond_ms > 0 else float("inf")
 
 

@@ -115,6 +115,10 @@ class RunConfig:
         "a Hugging Face model's transformer blocks, else each module holding parameters) or "
         "selective (every other unit), with torch's checkpoint_wrapper", group=STRATEGY,
         choices=("none", "full", "selective"))
+    compile: bool = option(
+        False, "compile the model's units (those --activation-checkpointing names) with "
+        "torch.compile before the strategy wraps them, as torchtitan does; the compile time is "
+        "reported apart from the timed rounds", group=STRATEGY)
     peak_tflops: float | None = option(
         None, "one trainer's GPU's dense peak TFLOP/s in the run's precision, for the MFU of a "
         "model of sequences (default: the table of GPUs in docs/results.md for CUDA trainers; "

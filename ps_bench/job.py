@@ -34,7 +34,6 @@ from ps_bench.strategies import (HOOKS, SPARSE_ALLREDUCE, SPARSE_GLOO, Strategy,
 from ps_bench.strategies.record import BY_ITSELF, ENGINE, ENGINES, FSDP, RECOVERIES, SHARDED
 from ps_bench.trainers.trainer import TRAINERS
 
-
 DEFAULT_WEIGHT_DECAY = {"sgd": 0.0, "adamw": 0.01}  # torch's own defaults
 
 
@@ -141,8 +140,7 @@ def check_options(cfg: RunConfig, machine: bool = True) -> None:
              f"--target-loss must be a positive number; got {cfg.target_loss}")
     if cfg.max_iterations is not None:
         need(cfg.target_loss is not None, "--max-iterations bounds a --target-loss run; without a "
-                                          "target, the run length is --rounds x --epochs passes "
-                                          "over each trainer's shard")
+             "target, the run length is --rounds x --epochs passes over each trainer's shard")
         need(cfg.max_iterations >= 1,
              f"--max-iterations must be at least 1; got {cfg.max_iterations}")
 
@@ -376,6 +374,8 @@ def check_engine(cfg: RunConfig, record: Strategy, gpus: int) -> tuple[dict | No
 def check_training(cfg: RunConfig, record: Strategy) -> Strategy:
     """--precision and --reduce-dtype against the devices and the strategy; returns the record
     as it sends (FSDP2's gradients and gathers in --reduce-dtype)."""
+    need(not cfg.compile or record.not_compiled is None, f"--compile: --hook {cfg.hook} is not "
+         f"compiled here: {record.not_compiled}; run it without --compile")
     on_cpu = cfg.ntrainer > 0 and cfg.backend not in ("nccl", "multi")
     need(cfg.precision != "fp16" or not on_cpu,
          f"--precision fp16 needs the trainers on GPUs (fp16 autocast with a gradient scaler); "

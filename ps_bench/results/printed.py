@@ -48,6 +48,8 @@ def print_report(results: dict, rows: list[SummaryRow]) -> None:
           f"{left_out}")
     if "tokens_per_s" in throughput:  # a model of sequences (metrics.flops)
         print(tokens_line(throughput))
+    if "compile" in results:
+        print(compile_line(results["compile"]))
     busiest = moved.get("server_recv_busiest_per_iter", 0.0)
     uneven = (f" (the busiest server {busiest:.0f})"
               if busiest > IMBALANCE * moved["server_recv_per_iter"] else "")
@@ -235,4 +237,15 @@ def tokens_line(throughput: dict) -> str:
     if "mfu" in throughput:
         line += (f"; MFU {throughput['mfu']:.1%} of {throughput['peak_tflops']:g} TFLOP/s "
                  f"({throughput['peak_from']})")
+    return line
+
+
+def compile_line(compiled: dict) -> str:
+    """--compile: what compiling took, apart from the timed rounds, and a warning where some of
+    it fell within them."""
+    line = (f"compiled: {compiled['units']} units with {compiled['backend']}, "
+            f"{compiled['warmup_s']:.1f} s in the warmup (apart from the timed rounds)")
+    if compiled["timed_rounds_s"] > 0:
+        line += (f"; {compiled['timed_rounds_s']:.1f} s within the timed rounds (a unit compiled "
+                 f"again, or a warmup too short to reach every unit: give more --warmup-rounds)")
     return line

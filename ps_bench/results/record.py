@@ -27,6 +27,7 @@ from ps_bench.results import floors
 from ps_bench.results.files import iso_now
 from ps_bench.results.progress import Progress
 from ps_bench.runtime.topology import Topology
+from ps_bench.strategies import compiled
 from ps_bench.strategies.base import parameter_norm
 from ps_bench.strategies.record import EVERY_ITERATION
 
@@ -146,6 +147,8 @@ class RunRecord:
         self.memcpy: dict | None = None
         # --target-loss, from every round (warmup too)
         self.progress = Progress(job.config, topology)
+        # --compile: rank -> its units, compile seconds before the timed rounds and within them
+        self.compiled: dict[int, dict] = {}
 
     # -- what the master hands in ------------------------------------------------------------
     def add_round(self, elapsed_s: float, rounds: list[dict], served: list[dict]) -> float:
@@ -182,6 +185,8 @@ class RunRecord:
             for source, destination, nbytes in result.get("host_traffic", []):
                 self.host_traffic[source, destination] += nbytes
             self.memory["trainer"][info.rank] = result["memory"]
+            if "compile" in result:
+                compiled.note(self.compiled, info.rank, result["compile"])
             for bucket, offsets in result.get("timeline", {}).items():
                 self.bucket_offsets[bucket].extend(offsets)
         for info, result in zip(topo.servers, served):
@@ -295,6 +300,7 @@ class RunRecord:
             **({"convergence": self.progress.summary()} if cfg.target_loss is not None else {}),
             **({"staleness": self.staleness_summary()} if cfg.staleness is not None else {}),
             **({"verify": self.verify_summary()} if cfg.verify else {}),
+            **({"compile": compiled.summary(self.compiled)} if cfg.compile else {}),
             "memory": {
                 "trainer": combine_peaks(list(self.memory["trainer"].values())),
                 "server": (combine_peaks(list(self.memory["server"].values()))
@@ -383,4 +389,3 @@ def mean_loss(rounds: list[dict]) -> float:
     if not rounds[0]["losses"]:
         return float("nan")
     return sum(sum(r["losses"]) / len(r["losses"]) for r in rounds) / len(rounds)
-

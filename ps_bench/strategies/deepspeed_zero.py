@@ -75,9 +75,14 @@ def deepspeed_record(stage: int) -> Strategy:
                 takes_config=partial(takes_config, stage))
     return Strategy(COLLECTIVE, "float32", lossless=True, sparse_buckets=None, family=SHARDED,
                     wrap=ENGINE, identical=GATHERED if stage == 3 else EVERY_ITERATION, sends=sends,
-                    engine="deepspeed", reduce_dtype=True, cost=cost,
+                    engine="deepspeed", reduce_dtype=True, cost=cost, not_compiled=NOT_COMPILED,
                     holds=Holds(sharded, gathers="layer" if stage == 3 else "", master_copy=True,
                                 half_gradients=stage < 3))
+
+
+NOT_COMPILED = ("DeepSpeed's engine wraps the model's modules (stage 3 swaps each parameter for a "
+                "placeholder it gathers around the module's forward) and compiles them through its "
+                "own engine.compile()")
 
 
 class EngineStep:

@@ -183,6 +183,9 @@ class Strategy:
     # "compressed": its hook options -> its codec (``strategies.codecs.Codec``), whose
     # ``message_bytes(elements, tensors)`` is what a trainer all-gathers of a bucket
     compressor: Callable | None = None
+    # why --compile cannot run with it (an engine that owns the model's modules and compiles
+    # them its own way); None: its model's units are compiled before it wraps them
+    not_compiled: str | None = None
 
     def __post_init__(self) -> None:
         if self.family is None:

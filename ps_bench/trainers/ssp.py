@@ -31,7 +31,7 @@ from ps_bench.metrics.timers import folded, tensor_bytes
 from ps_bench.models.base import Dataset, build_model
 from ps_bench.models.entries import Entry
 from ps_bench.servers.ssp import GO, STOPPED, StaleSynchronousServer, shard_owners
-from ps_bench.strategies import Strategy, recompute
+from ps_bench.strategies import Strategy, compiled, recompute
 from ps_bench.trainers.convergence import Convergence
 from ps_bench.trainers.trainer import TRAINERS
 from ps_bench.runtime.resident import Resident
@@ -54,6 +54,7 @@ class StaleSynchronousTrainer(Resident):
         self.straggling = Straggling(config.straggler, trainer_index, config.torch_seed)
         self.network = build_model(model.class_name, model.kwargs, config.torch_seed)
         recompute.apply(self.network, config.activation_checkpointing)
+        self.compiled = compiled.apply(self.network) if config.compile else 0  # as the trainer
         self.parameters = list(self.network.parameters())
         self.servers = [rref for rref, _ in servers]
         owners = shard_owners(self.network, len(self.servers))
@@ -201,7 +202,7 @@ class StaleSynchronousTrainer(Resident):
                   "memory": {**peak_memory(), "model_states": held_bytes({
                       "parameters": self.parameters, "optimizer": [],  # the servers step
                       "gradients": [p.grad for p in self.parameters if p.grad is not None]})},
-                  "timeline": {}}
+                  "timeline": {}, "compile": compiled.BOOKS.round(self.compiled)}
         if self.convergence is not None:
             result["convergence"] = self.convergence.take(samples["batch"])
         elif self.converging:

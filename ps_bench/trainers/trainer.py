@@ -23,7 +23,7 @@ from ps_bench.metrics.timers import StepTimer
 from ps_bench.models.base import Dataset, build_model
 from ps_bench.models.entries import Entry
 from ps_bench.registry import Registry
-from ps_bench.strategies import Strategy, recompute
+from ps_bench.strategies import Strategy, compiled, recompute
 from ps_bench.strategies.base import (HookContext, ServerHandle, build_synchroniser, fingerprint,
                                       optimizer_spec)
 from ps_bench.trainers.convergence import Convergence
@@ -66,14 +66,13 @@ class DdpTrainer(FloorProbes, Resident):
     ) -> None:
         """Trainer ``trainer_index`` of a run configured by ``config``, training with ``strategy``
         (the job's resolved record) the model of entry ``model``: its data shard (``inputs``,
-        ``targets``), the servers as (reference, takes CUDA tensors), with the ``group``
-        mapping the index of its group's server, and with ``--target-loss`` the held-out
-        samples it evaluates the averaged model on (trainer 0); ``rank_hosts``, the host index of
-        every rank of the job, lets it count the bytes that cross between hosts apart;
-        ``engine_config``, the job's resolved config of an engine of its own (DeepSpeed's);
-        ``checkpoints``, where it saves its state every so many iterations, and the checkpoint
-        it resumes from (restored here, every trainer at once); ``beside`` and ``rejoined``, as
-        ``HookContext``'s."""
+        ``targets``), the servers as (reference, takes CUDA tensors), with the ``group`` mapping
+        the index of its group's server, with ``--target-loss`` the held-out samples it
+        evaluates the averaged model on (trainer 0); ``rank_hosts``, every rank's host index
+        (the bytes that cross between hosts counted apart); ``engine_config``, the job's resolved
+        config of an engine of its own (DeepSpeed's); ``checkpoints``, where it saves its state
+        and what it resumes from (restored here, every trainer at once); ``beside`` and
+        ``rejoined``, as ``HookContext``'s."""
         self.index = trainer_index
         self.fault = faults_of(config.inject_fault)
         # --straggler
@@ -84,6 +83,7 @@ class DdpTrainer(FloorProbes, Resident):
             torch.cuda.set_device(self.device)
         network = build_model(model.class_name, model.kwargs, config.torch_seed).to(self.device)
         recompute.apply(network, config.activation_checkpointing)  # before the strategy wraps it
+        self.compiled = compiled.apply(network) if config.compile else 0  # after, as torchtitan
         self.hook_context = HookContext(
             process_group=dist.group.WORLD,
             servers=[ServerHandle(rref, is_cuda) for rref, is_cuda in servers],
@@ -193,8 +193,7 @@ class DdpTrainer(FloorProbes, Resident):
         wall = time.perf_counter
         # What every iteration pays on top of training: two clock reads and two more a
         # micro-batch, two byte-counter reads and two appends. Everything else waits for the end
-        # of the round
-        # (benchmarks/timer_overhead.py measures it).
+        # of the round (benchmarks/timer_overhead.py measures it).
         # per iteration: four clock readings, bytes sent and received so far
         records: list[tuple] = []
         losses: list[torch.Tensor] = []
@@ -324,6 +323,7 @@ class DdpTrainer(FloorProbes, Resident):
             "memory": trainer_memory(self.device, self.held, self.activations, self.buffers),
             "checkpoints": saves.take(),
             "link_cuts": take_cuts(trainer=self.index),
+            "compile": compiled.BOOKS.round(self.compiled),
             "timeline": timeline,
             "collectives": collective_ms(timings),
             "host_traffic": [[source, destination, nbytes] for (source, destination), nbytes

@@ -71,3 +71,19 @@ def test_bf16_autocast_verifies_and_fsdp_sends_in_its_reduce_dtype(bench_runs):
     assert sent(quick_run(bench_runs, "fsdp", "--precision", "bf16", "--reduce-dtype", "fp32")) == \
         pytest.approx(fp32, rel=0.05)
     assert half["config"]["reduce_dtype"] == "bf16"
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "fsdp"])
+def test_compiled_units_train_as_eager_ones_and_compile_in_the_warmup(hook, bench_runs):
+    """``--compile``: the model's units compiled with inductor on the CPU before the strategy wraps
+    them (DDP's and FSDP2's), the gradients as exact as --verify asks, the same parameters as
+    eager at the end, and the compile time in the warmup, apart from the timed rounds."""
+    eager = quick_run(bench_runs, hook, "--verify")
+    compiled = quick_run(bench_runs, hook, "--verify", "--compile")
+    assert compiled["config"]["compile"] is True and "compile" not in eager
+    books = compiled["compile"]
+    assert books["backend"] == "inductor" and books["units"] == 5  # DummyModelSmall's 5 layers
+    assert books["warmup_s"] > 0 and books["timed_rounds_s"] == 0
+    assert len(books["per_trainer"]) == 2
+    assert compiled["verify"]["grad_rel_error_max"] <= 1e-6
+    assert norm(compiled) == pytest.approx(norm(eager), rel=1e-5)

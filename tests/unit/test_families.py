@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ps_bench.cli import main
 from ps_bench.config import ConfigError
 from ps_bench.runfiles import build_config
 from ps_bench.job import validate
@@ -142,3 +143,13 @@ def test_fsdp_units_share_no_parameter_and_hold_what_their_forward_reads():
     assert not any(block.self_attn.out_proj in units for block in network.blocks)
     assert network.position in units and network.norm in units
 
+
+
+def test_compile_with_an_engine_that_compiles_its_own_way_is_one_line_exit_2(capsys):
+    """DeepSpeed's engine owns the model's modules: --compile with it is refused before anything
+    starts, naming why and what to do."""
+    code = main(["--hook", "deepspeed_zero3", "--nserver", "0", "--compile", "--dry-run"])
+    error = capsys.readouterr().err.strip()
+    assert code == 2 and len(error.splitlines()) == 1
+    assert error.startswith("ps_bench: error: --compile: --hook deepspeed_zero3 is not compiled here")
+    assert error.endswith("run it without --compile")

@@ -141,21 +141,23 @@ LAUNCHER_NEVER = ("torch.distributed.checkpoint",  # DCP: --checkpoint-every (0.
 RANKS_NEVER = ("torch.distributed.checkpoint", "transformers", "deepspeed", "torchft", "matplotlib")
 
 
-def loaded_after(statement: str) -> set[str]:
-    probe = f"import sys\n{statement}\nprint('\\n'.join(sys.modules))"
+def loaded_after(*statements: str) -> list[set[str]]:
+    """The modules loaded after each statement in turn, in one interpreter."""
+    probe = "import sys\n" + "".join(f"{statement}\nprint(' '.join(sys.modules))\n"
+                                      for statement in statements)
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                           cwd=ROOT, check=True)
-    return set(done.stdout.split())
+    return [set(line.split()) for line in done.stdout.splitlines()]
 
 
 def test_the_default_jobs_imports_take_nothing_only_some_runs_need():
     """The module list, not a time: the launcher's imports (``bench.py`` before it starts ranks)
     and the forkserver's preload, which every local rank starts from, hold no package that only
     some feature needs; that feature imports it where it runs."""
-    launcher = loaded_after("import ps_bench.cli, ps_bench.job")
+    launcher, ranks = loaded_after("import ps_bench.cli, ps_bench.job",
+                                   "; ".join(f"import {module}" for module in PRELOAD))
     assert not {name for name in launcher for heavy in LAUNCHER_NEVER
                 if name == heavy or name.startswith(heavy + ".")}
-    ranks = loaded_after("\n".join(f"import {module}" for module in PRELOAD))
     assert not {name for name in ranks for heavy in RANKS_NEVER
                 if name == heavy or name.startswith(heavy + ".")}
     assert "torch._dynamo" in ranks  # what DDP's constructor imports, once for every rank
