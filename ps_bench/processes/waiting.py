@@ -20,7 +20,7 @@ from ps_bench.strategies.record import HEAL, SERVERS_KEEP
 
 # a round still running this long after it began prints a progress line, then every
 # PROGRESS_EVERY_S; each trainer has PROGRESS_ASK_S to say where it is
-PROGRESS_FIRST_S, PROGRESS_EVERY_S, PROGRESS_ASK_S = 10.0, 30.0, 5.0
+PROGRESS_FIRST_S, PROGRESS_EVERY_S, PROGRESS_ASK_S = 5.0, 30.0, 5.0
 # how the living go on after a drop, by the strategy's way of recovering (else: their servers
 # average over those that sent)
 HOW_IT_GOES_ON = {HEAL: "its replica group starts again and heals from a live peer",
