@@ -14,7 +14,7 @@ ENV = {"torch", "python", "hostname", "cuda_devices", "backend"}
 STATS = {"role", "metric", "unit", "count", "mean", "std", "min", "p50", "p90", "p99", "max"}
 BYTES = {"trainer_sent_per_iter", "trainer_recv_per_iter", "server_recv_per_iter", "server_sent_per_iter",
          "server_recv_busiest_per_iter"}
-TRAINER_METRICS = {"batch", "forward", "backward", "optimizer", "comm"}
+TRAINER_METRICS = {"batch", "forward", "backward", "optimizer", "comm", "exposed"}  # exposed: CPU runs
 SERVER_METRICS = {"straggler", "aggregate", "round"}
 CONVERGENCE = {"target_loss", "reached", "iterations", "seconds", "stopped_by", "diverged", "final_loss", "smoothing",
                "max_iterations", "labels", "loss_curve", "held_out"}

@@ -164,3 +164,40 @@ def folded(phases: np.ndarray, trailing: int) -> np.ndarray:
     return np.concatenate([phases[:, 0:micro:2].sum(axis=1, keepdims=True),
                            phases[:, 1:micro:2].sum(axis=1, keepdims=True), phases[:, micro:]],
                           axis=1)
+
+
+
+def exposed_ms(handed: list[tuple[int, float, float]], collectives: list[tuple[int, float, float]],
+               computing: dict[int, tuple[float, float]]) -> dict[int, float] | None:
+    """Per iteration, the ms of communication no computation hid: while a hook's bucket was open
+    (``handed``, sorted: hand-over to its future's end) or a collective (``collectives``) and the
+    iteration was not computing. An iteration computes from its start (``computing``: iteration
+    -> start, end of its last backward, perf_counter seconds) to the end of its last backward,
+    or, where hooks were handed buckets in it, to the last hand-over: what follows, DDP waiting
+    for the hooks' futures, is a hooked strategy's exposed communication; a collective after
+    backward (a local strategy's synchronisation, an optimizer's broadcast) is exposed whole.
+
+    None where a collective other than a hook's own ran inside forward or backward (FSDP's
+    gathers and reduce-scatters, DeepSpeed's): the loop's clock cannot tell how much of it the
+    computation waited for."""
+    last_handed: dict[int, float] = {}
+    for iteration, start, _ in handed:
+        last_handed[iteration] = max(start, last_handed.get(iteration, start))
+    out = {}
+    opened = sorted(handed + collectives)
+    for iteration, group in itertools.groupby(opened, key=operator.itemgetter(0)):
+        if iteration not in computing:
+            continue
+        began, backward_end = computing[iteration]
+        hooks = [(start, stop) for at, start, stop in handed if at == iteration]
+        if any(start < backward_end and stop > began
+               and not any(low <= start <= high for low, high in hooks)  # not a hook's own
+               for at, start, stop in collectives if at == iteration):
+            return None
+        end = min(last_handed.get(iteration, backward_end), backward_end)
+        spans = [(start, stop) for _, start, stop in group]
+        hidden = [(max(start, began), min(stop, end)) for start, stop in spans
+                  if min(stop, end) > max(start, began)]
+        out[iteration] = 1000.0 * (covered_seconds(spans)
+                                   - (covered_seconds(hidden) if hidden else 0.0))
+    return out

@@ -35,7 +35,8 @@ from ps_bench.strategies.record import EVERY_ITERATION
 COLLECTIVE_KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_base": "all_gather",
                     "reduce_scatter_tensor": "reduce_scatter",
                     "reduce_scatter_base": "reduce_scatter"}
-TRAINER_METRICS = ("batch", "forward", "backward", "optimizer", "comm")  # ms, per iteration
+# ms, per iteration (exposed: on the CPU's clock only, ``metrics.timers.exposed_ms``)
+TRAINER_METRICS = ("batch", "forward", "backward", "optimizer", "comm", "exposed")
 BYTE_METRICS = ("bytes_sent", "bytes_recv")  # B, per iteration
 SERVER_METRICS = ("straggler", "aggregate", "round")  # ms, per bucket and iteration
 
@@ -170,8 +171,10 @@ class RunRecord:
             self.trainer_work[info.rank][0] += result["iterations"]
             self.trainer_work[info.rank][1] += (result["samples_processed"]
                                                 - result.get("untimed_samples", 0))
+            moves = self.strategy.transport is not None  # moving nothing, it exposes none
             for metric, values in result["samples"].items():
-                self.trainer_samples[info.rank][metric].extend(values)
+                self.trainer_samples[info.rank][metric].extend(
+                    values if moves or metric != "exposed" else [0.0] * len(values))
             self.trainer_bytes[info.rank][0] += result["bytes_sent"]
             self.trainer_bytes[info.rank][1] += result["bytes_recv"]
             self.grad_errors.extend(result["grad_errors"])

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ps_bench.metrics.timers import (StepTimer, bucket_offsets, covered_ms, cuda_bucket_offsets,
-                                     folded)
+                                     exposed_ms, folded)
 
 VERIFIED_PER_ROUND = 4  # --verify checks at most this many evenly spaced iterations per round
 # the bucket timeline comes from this many timed iterations at the end of each round
@@ -55,7 +55,10 @@ def recorded(timer: StepTimer, records: list[tuple], before: tuple[int, int],
     # comm: while a bucket's hook or any collective was open (FSDP2, ZeRO and DeepSpeed have no
     # hook)
     opened = sorted(intervals + [timing[:3] for timing in timings]) if timings else intervals
-    samples = round_samples(phases, moved, covered_ms(opened), first_iteration, untimed)
+    # exposed: on the CPU's clock (a GPU's compute runs on the device's; not measured there)
+    exposed = None if timer.cuda else exposed_ms(intervals, [timing[:3] for timing in timings], {
+        first_iteration + step: (reading[0], reading[-2]) for step, reading in enumerate(readings)})
+    samples = round_samples(phases, moved, covered_ms(opened), first_iteration, untimed, exposed)
     # when each bucket became ready and was done, after backward began, in the round's last
     # timed iterations: on the CPU's clock, or on a GPU the device's (CUDA events)
     timeline = {}
@@ -72,10 +75,12 @@ def recorded(timer: StepTimer, records: list[tuple], before: tuple[int, int],
 
 
 def round_samples(phases: np.ndarray, moved: np.ndarray, comm: dict[int, float],
-                  first_iteration: int, untimed: set[int]) -> dict[str, list]:
+                  first_iteration: int, untimed: set[int],
+                  exposed: dict[int, float] | None = None) -> dict[str, list]:
     """A round's per-iteration samples: ``phases`` (forward, backward, optimizer ms per
-    iteration), ``moved`` (bytes sent and received per iteration) and ``comm`` (iteration -> ms
-    during which a bucket's communication was open). Bytes count every iteration; times leave
+    iteration), ``moved`` (bytes sent and received per iteration), ``comm`` (iteration -> ms
+    during which a bucket's communication was open) and ``exposed`` (-> ms of it no computation
+    hid, ``timers.exposed_ms``; None: not measured). Bytes count every iteration; times leave
     out ``untimed`` steps (captured or traced)."""
     timed = [step for step in range(len(phases)) if step not in untimed]
     phases = phases[timed]
@@ -85,6 +90,8 @@ def round_samples(phases: np.ndarray, moved: np.ndarray, comm: dict[int, float],
         "backward": phases[:, 1].tolist(),
         "optimizer": phases[:, 2].tolist(),
         "comm": [comm.get(first_iteration + step, 0.0) for step in timed],
+        **({"exposed": [exposed.get(first_iteration + step, 0.0) for step in timed]}
+           if exposed is not None else {}),
         "bytes_sent": moved[:, 0].tolist(),
         "bytes_recv": moved[:, 1].tolist(),
     }

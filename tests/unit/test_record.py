@@ -30,6 +30,7 @@ def trainer_round(offset: float, sent: int, losses: list[float], errors: tuple[f
     samples = {metric: [value + offset] * ITERATIONS for metric, value in phases.items()}
     samples["batch"] = [sum(phases.values()) + 3 * offset] * ITERATIONS
     samples["comm"] = [1.5 + offset] * ITERATIONS
+    samples["exposed"] = [0.5 + offset] * ITERATIONS
     samples["bytes_sent"] = samples["bytes_recv"] = [sent] * ITERATIONS
     return {"samples": samples, "iterations": ITERATIONS, "samples_processed": ITERATIONS * BATCH,
             "bytes_sent": sent * ITERATIONS, "bytes_recv": sent * ITERATIONS, "losses": losses,

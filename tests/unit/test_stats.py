@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from ps_bench.metrics.stats import SummaryRow, summarize, summary_rows
-from ps_bench.metrics.timers import (IntervalTracker, StepTimer, bucket_offsets, covered_ms, folded, sent_bytes,
-                                     tensor_bytes)
+from ps_bench.metrics.timers import (IntervalTracker, StepTimer, bucket_offsets, covered_ms, exposed_ms, folded,
+                                     sent_bytes, tensor_bytes)
 from ps_bench.trainers.rounds import collective_ms, round_samples
 
 import torch
@@ -134,3 +134,15 @@ def test_micro_batches_fold_into_one_iterations_forward_and_backward():
     assert folded(phases, 1).tolist() == [[2.0, 4.0, 0.5]]  # forward 1+1, backward 2+2, optimizer
     one = np.array([[1.0, 2.0, 0.5]])
     assert folded(one, 1) is one  # one micro-batch: as it was
+
+
+def test_exposed_communication_is_what_no_computation_hid():
+    """An iteration computing from 0 to 10 (its backward's end): a hook's bucket handed over at 4
+    and done at 12 hides 4 to 8 behind the later buckets' computation, the last handed over at 8
+    (12 - 8 = 4 exposed of 8 open); a collective after backward (12 to 15) is exposed whole; a
+    collective inside backward that is no hook's own cannot be told apart: None."""
+    handed = [(1, 4.0, 12.0), (1, 8.0, 9.0)]
+    assert exposed_ms(handed, [], {1: (0.0, 10.0)}) == {1: pytest.approx(4000.0)}
+    assert exposed_ms([], [(1, 12.0, 15.0)], {1: (0.0, 10.0)}) == {1: pytest.approx(3000.0)}
+    assert exposed_ms(handed, [(1, 4.5, 6.0)], {1: (0.0, 10.0)}) == {1: pytest.approx(4000.0)}  # the hook's own
+    assert exposed_ms(handed, [(1, 1.0, 2.0)], {1: (0.0, 10.0)}) is None
