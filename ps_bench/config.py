@@ -272,6 +272,12 @@ class RunConfig:
                                        "and beside each a .txt table of the operators by self "
                                        "time",
                                  metavar="DIR")
+    trace: str | None = option(None, "--profile's traces of the last timed round, with ps_bench's "
+                                     "own spans in them (each iteration's phases, each bucket from "
+                                     "its hand-over to its answer; on every server each bucket's "
+                                     "receiving and aggregation), one file per rank, and "
+                                     "merged.json: every rank as a process of its own on one "
+                                     "clock (open in ui.perfetto.dev)", metavar="DIR")
     out: str | None = option(None, "results file (default: a new name under results/; never "
                                    "overwritten); a folder (one that exists, or ending in /): "
                                    "the new name inside it", metavar="PATH")

@@ -119,9 +119,11 @@ def check_options(cfg: RunConfig, machine: bool = True) -> None:
         need(straggler.index is None or straggler.index < cfg.num_trainers,
              f"--straggler {text}: there is no trainer {straggler.index}; "
              f"this run has {plural(cfg.num_trainers, 'trainer')}, numbered from 0")
-    if cfg.profile is not None:
-        need(cfg.profile.strip() != "", "--profile: give the folder for the traces, e.g. traces/")
-        check_writable_folder(cfg.profile, "--profile")
+    for name, folder in (("profile", cfg.profile), ("trace", cfg.trace)):  # --trace: and more
+        if folder is not None:
+            need(folder.strip(), f"--{name}: give the folder for the traces, e.g. traces/")
+            check_writable_folder(folder, f"--{name}")
+    cfg.profile = cfg.profile or cfg.trace
     need(cfg.num_trainers >= 1,
          "at least one trainer is needed: set --ntrainer or --ncudatrainer to 1 or more")
     if cfg.master_port is not None:
@@ -159,8 +161,7 @@ def check_optimizer(cfg: RunConfig) -> None:
 
 
 def check_labels(cfg: RunConfig, dataset: SyntheticData) -> None:
-    """Teacher labels by default with a target loss, random otherwise; a target needs data that can
-    be learned."""
+    """Teacher labels by default with a target loss, random otherwise; a target needs a teacher."""
     if cfg.labels is None:
         cfg.labels = TEACHER if cfg.target_loss is not None else RANDOM
     if cfg.labels == TEACHER and dataset.teacher is None:
@@ -393,8 +394,7 @@ def check_training(cfg: RunConfig, record: Strategy) -> Strategy:
 
 
 def engine_record(record: Strategy, cfg: RunConfig, engine_config: dict | None) -> Strategy:
-    """The strategy's record as its engine's resolved config trains (DeepSpeed's bf16: its
-    bytes)."""
+    """The strategy's record as its engine's resolved config trains (DeepSpeed's bf16: bytes)."""
     factory = HOOKS.get(cfg.hook)
     return (factory.configured_record(record, engine_config)
             if hasattr(factory, "configured_record") else record)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch.distributed.rpc as rpc
@@ -19,6 +18,7 @@ from ps_bench.processes.attempts import Attempts, RecoveryBooks
 from ps_bench.processes.healing import Healing
 from ps_bench.processes.waiting import (PROGRESS_EVERY_S, PROGRESS_FIRST_S, Elastic,
                                         ServersLost, round_progress, wait_round)
+from ps_bench.processes import tracing
 from ps_bench.processes.kept import Keeper
 from ps_bench.results.files import environment, keep_results
 from ps_bench.results.printed import format_bytes, print_report
@@ -26,7 +26,7 @@ from ps_bench.results.record import (RunRecord, mean_loss, replica_summary, repl
                                      servers_model_summary)
 from ps_bench.runtime.faults import faults_of, maybe_inject
 from ps_bench.processes.rendezvous import crowded_warning, one_machine_warning, rpc_paths
-from ps_bench.runtime.topology import RankInfo, Topology
+from ps_bench.runtime.topology import Topology
 from ps_bench.servers import SERVERS
 from ps_bench.strategies import HOOKS, hook_options
 from ps_bench.strategies.record import DDP, ENGINE, FSDP, SERVER_OWNED, SERVERS_MODEL, Strategy
@@ -256,12 +256,12 @@ class Master:
         # a --target-loss run goes on until its trainers stop
         while converging or round_index < total:
             maybe_inject(self.fault, "master", 0, round_index + 1)
-            profiled = cfg.profile is not None and round_index == total - 1
+            profiled = tracing.traced(cfg, round_index, total, servers)
             start = time.perf_counter()
             living = self.living(trainers)
             futures = {info.index: t.rpc_async(timeout=0).run_round(
                            verify=round_index >= cfg.warmup_rounds and cfg.verify,
-                           profile_path=self.trace_path(info) if profiled else None,
+                           profile_path=tracing.path(cfg, info) if profiled else None,
                            start_step=start_step)
                        for t, info in zip(trainers, self.topology.trainers) if t in living}
             start_step = 0
@@ -276,6 +276,8 @@ class Master:
                     PROGRESS_FIRST_S, PROGRESS_EVERY_S)
                 rounds = [by_index.get(index) for index in range(len(trainers))]
             elapsed = time.perf_counter() - start
+            if profiled:
+                tracing.round_done(cfg, servers, self.topology)
             present = [result for result in rounds if result is not None]
             if not present:
                 raise RuntimeError("every trainer was dropped (--trainer-timeout): none is left "
@@ -332,10 +334,7 @@ class Master:
             raise OSError("the results could be written neither to --out nor to the system's "
                           "temporary folder (see the warnings above)")
         print(f"results: {path}", flush=True)
-        if cfg.profile is not None:  # written by each trainer, on its own host
-            print(f"traces: {Path(cfg.profile) / 'trainer<index>-rank<rank>.json'}, one a trainer "
-                  f"(open at https://ui.perfetto.dev), each with its table of operators (.txt)",
-                  flush=True)
+        tracing.report(cfg, self.topology)  # written by each rank, on its own host
         return results
 
     def take_served(self, servers: list[rpc.RRef]) -> list[dict | None]:
@@ -361,9 +360,6 @@ class Master:
                         min(ranks["started"] for ranks in self.startup()["ranks"]))
         self.record.recovery = self.books.block(self.launched_at, restarted_at, time.time(),
                                                 self.record.samples_per_s)
-
-    def trace_path(self, info: RankInfo) -> str:
-        return str(Path(self.config.profile) / f"{info.role}{info.index}-rank{info.rank}.json")
 
     def measure_floors(self, trainers: list[rpc.RRef]) -> None:
         """``--limits``: a share of every floor's repetitions, after each timed round, so floors and

@@ -23,11 +23,12 @@ from ps_bench.runtime.failures import fatal_on_error
 from ps_bench.runtime.faults import faults_of, maybe_inject
 from ps_bench.runtime.futures import device_future
 from ps_bench.runtime.membership import MEMBERSHIP, announce, drop_entry
+from ps_bench.metrics import traces
 from ps_bench.metrics.memory import held_bytes, peak_memory
 from ps_bench.metrics.timers import now_ms, tensor_bytes
 from ps_bench.registry import Registry
 from ps_bench.runtime.resident import Resident
-from ps_bench.runtime.topology import piece_root
+from ps_bench.runtime.topology import PIECES, piece_root
 from ps_bench.servers.replicas import Copies, forward
 from ps_bench.servers.state import BucketState, ServerBooks
 
@@ -154,6 +155,14 @@ class ParameterServer(Resident):
         return {**self.books.take(), "memory": {**peak_memory(self.device), "model_states": held},
                 **({"takeovers": self.copies.take()} if self.copies is not None else {})}
 
+    def trace(self, path: str | None) -> None:
+        """--trace: keep each bucket's spans from now (``path`` None), or write them to ``path``."""
+        if path is None:
+            self.books.spans = []
+        elif self.books.spans is not None:
+            traces.write_server_spans(path, self.books.spans, PIECES)
+            self.books.spans = None
+
     # -- the work ---------------------------------------------------------------------------
     def _state(self, table: dict[int, BucketState], bucket_index: int) -> BucketState:
         state = table.get(bucket_index)
@@ -274,8 +283,8 @@ class ParameterServer(Resident):
         else:
             result = Future()
             result.set_result(self._divide(state, summed, divisor))
-        result.add_done_callback(
-            lambda fut: self._answer(waiting, fut, first_ms, straggler_ms, aggregate_ms))
+        result.add_done_callback(lambda fut: self._answer(
+            waiting, fut, first_ms, straggler_ms, aggregate_ms, bucket_index))
 
     # -- --trainer-timeout -------------------------------------------------------------------
     def _watch(self) -> None:
@@ -355,7 +364,7 @@ class ParameterServer(Resident):
         return future
 
     def _answer(self, waiting: list[tuple[Future, bool, torch.dtype | Callable]], result: Future,
-                first_ms: float, straggler_ms: float, aggregate_ms: float) -> None:
+                first_ms: float, straggler_ms: float, aggregate_ms: float, bucket: int) -> None:
         try:
             average = result.wait()
         except Exception as error:
@@ -373,7 +382,9 @@ class ParameterServer(Resident):
                                             dtype=dtype))
             self.books.count("sent", tensor_bytes(answers[form]))
             future.set_result(answers[form])
-        self.books.record(straggler=straggler_ms, aggregate=aggregate_ms, round=now_ms() - first_ms)
+        answered = now_ms()
+        self.books.record((bucket, first_ms, first_ms + straggler_ms, answered),
+                          straggler=straggler_ms, aggregate=aggregate_ms, round=answered - first_ms)
 
     def _fail(self, state: BucketState, error: Exception) -> None:
         with state.lock:

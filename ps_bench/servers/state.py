@@ -66,15 +66,19 @@ class ServerBooks:
         self.lock = threading.Lock()
         self.samples: dict[str, list[float]] = defaultdict(list)
         self.bytes = {"recv": 0, "sent": 0}
+        # --trace: (bucket, first arrival, last arrival, answered) ms while a round is traced
+        self.spans: list[tuple[int, float, float, float]] | None = None
 
     def count(self, direction: str, nbytes: int) -> None:
         with self.lock:
             self.bytes[direction] += nbytes
 
-    def record(self, **samples_ms: float) -> None:
+    def record(self, span: tuple | None = None, **samples_ms: float) -> None:
         with self.lock:
             for name, value in samples_ms.items():
                 self.samples[name].append(value)
+            if self.spans is not None and span is not None:
+                self.spans.append(span)
 
     def take(self) -> dict:
         """The samples and byte counts since the last call, then clears them."""

@@ -4,6 +4,7 @@ part of the trainer), and ``--profile``'s trace of a few iterations."""
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from ps_bench.metrics import limits
+from ps_bench.metrics import limits, traces
 from ps_bench.metrics.messages import wire_dtype
 from ps_bench.models.base import build_model
 from ps_bench.runtime.failures import fatal_on_error
@@ -133,6 +134,7 @@ def finish_profile(profiler: torch.profiler.profile, path: str) -> None:
     tables of the traced operators by self time, on the CPU and, where it traced one, on the
     device; returns None, the profiler's new state."""
     profiler.stop()
+    traces.PENDING.append((path, traces.OPENED[0], time.perf_counter()))  # for the round's spans
     trace = Path(path)
     trace.parent.mkdir(parents=True, exist_ok=True)
     profiler.export_chrome_trace(str(trace))
@@ -159,4 +161,5 @@ def start_profiler(device: torch.device, debug: bool = False) -> torch.profiler.
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     profiler = torch.profiler.profile(activities=activities)
     profiler.start()
+    traces.OPENED[0] = time.perf_counter()
     return profiler

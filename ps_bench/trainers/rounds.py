@@ -13,6 +13,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ps_bench.metrics import traces
 from ps_bench.metrics.timers import (StepTimer, bucket_offsets, covered_ms, cuda_bucket_offsets,
                                      exposed_ms, folded)
 
@@ -50,6 +51,8 @@ def recorded(timer: StepTimer, records: list[tuple], before: tuple[int, int],
     long each ``held`` backward) and the collectives' ``timings`` of the timed iterations.
     ``untimed`` steps (captured or traced) count their bytes, not their times."""
     readings = [record[0] for record in records]
+    if traces.PENDING and not timer.cuda:  # --profile, --trace: the traced iterations' spans
+        traces.add_spans(traces.trainer_spans(readings, intervals, first_iteration))
     phases = folded(timer.phases(readings), 1)
     moved = np.diff([before] + [record[1:] for record in records], axis=0)
     # comm: while a bucket's hook or any collective was open (FSDP2, ZeRO and DeepSpeed have no

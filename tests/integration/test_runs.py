@@ -224,3 +224,43 @@ def test_the_gpu_check_without_a_gpu_is_one_line_exit_2(tmp_path):
     assert check.returncode == 2 and check.stdout == ""
     assert check.stderr.count("\n") == 1 and "no GPU here" in check.stderr
     assert not (tmp_path / "report").exists()  # nothing was made
+
+
+def test_trace_writes_every_ranks_trace_and_one_merged_on_one_clock(tmp_path, bench_runs):
+    """``--trace``: the last timed round's traces, a file a rank, and merged.json with every rank as
+    a process of its own. ps_bench's spans (each traced iteration's phases and buckets on the
+    trainers, each piece's receiving and aggregation on the servers) sit on the same clock as the
+    profiler's operators: DDP's forward inside ps_bench's forward span; and across processes, a
+    server aggregates a piece only after both trainers handed a bucket over."""
+    folder = tmp_path / "traces"
+    results = bench_runs.ok("--hook", "ps", "--nserver", "2", "--ntrainer", "2", "--model", "DummyModel", "--data",
+                            "DummyData", "--rounds", "1", "--warmup-rounds", "0", "--trace", str(folder))
+    assert results["config"]["trace"] == str(folder)  # tracing on, said in the results
+    assert {path.name for path in folder.iterdir()} == {
+        "merged.json", "trainer0-rank0.json", "trainer0-rank0.txt", "trainer1-rank1.json", "trainer1-rank1.txt",
+        "server0-rank2.json", "server1-rank3.json"}
+    merged = json.loads((folder / "merged.json").read_text())
+    assert [rank["rank"] for rank in merged["ps_bench"]["ranks"]] == [0, 1, 2, 3]
+    events = merged["traceEvents"]
+    names = {event["pid"]: event["args"]["name"] for event in events if event.get("name") == "process_name"}
+    assert names == {0: "trainer 0 (rank 0)", 1: "trainer 1 (rank 1)", 2: "server 0 (rank 2)", 3: "server 1 (rank 3)"}
+    ours = [event for event in events if event.get("cat") == "ps_bench"]
+    for trainer in (0, 1):
+        spans = [event["name"] for event in ours if event["pid"] == trainer]
+        assert spans.count("forward") == spans.count("backward") == spans.count("optimizer") == 3
+        assert {"bucket 0", "bucket 1"} <= set(spans)
+    forwards = [event for event in ours if event["pid"] == 0 and event["name"] == "forward"]
+    ddp = [event for event in events if event["pid"] == 0 and event.get("name") == "DistributedDataParallel.forward"]
+    assert len(ddp) == 3 and all(any(span["ts"] - 1e3 <= op["ts"] <= span["ts"] + span["dur"] for span in forwards)
+                                 for op in ddp)
+    handed = {trainer: sorted(event["ts"] for event in ours if event["pid"] == trainer
+                              and event["name"].startswith("bucket")) for trainer in (0, 1)}
+    window = (min(min(times) for times in handed.values()), max(max(times) for times in handed.values()))
+    aggregated = [event for event in ours if event["pid"] in (2, 3) and event["name"].endswith("aggregate and answer")
+                  and window[0] <= event["ts"] <= window[1]]
+    assert aggregated
+    longest = max(event["dur"] for event in ours if event["name"].startswith("iteration"))
+    for event in aggregated:  # both trainers had handed a bucket over by then, in that iteration
+        for times in handed.values():
+            before = [ts for ts in times if ts <= event["ts"]]
+            assert before and event["ts"] - before[-1] <= longest, (event, times)

@@ -195,9 +195,11 @@ def test_dry_run_prints_the_layout(capsys):
 
 
 @pytest.mark.parametrize("flag, name, words", [("--profile", "traces", "cannot be created"),
+                                              ("--trace", "traces", "cannot be created"),
                                               ("--out", "r.json", "is not a folder")])
 def test_an_output_under_a_file_is_one_line_and_exit_2(flag, name, words, capsys, tmp_path):
-    """--profile's folder, --out's file: under a path that is a file, refused before anything runs."""
+    """--profile's and --trace's folder, --out's file: under a path that is a file, refused before
+    anything runs."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     assert main([flag, str(blocker / name), "--dry-run"]) == 2

@@ -1,0 +1,46 @@
+"""``--profile`` and ``--trace`` in the master: which round is traced (the last), where each rank
+writes its trace, the servers keeping their spans over that round (``--trace``), and at the end
+every rank's trace merged into one file (``metrics.traces``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ps_bench.config import RunConfig
+from ps_bench.metrics import traces
+from ps_bench.runtime.topology import RankInfo, Topology
+
+
+def traced(cfg: RunConfig, round_index: int, total: int, servers: list) -> bool:
+    """Whether this round is traced; with ``--trace``, the servers keep their spans from now."""
+    chosen = cfg.profile is not None and round_index == total - 1
+    if chosen and cfg.trace is not None:
+        for server in servers:
+            server.rpc_sync().trace(None)
+    return chosen
+
+
+def path(cfg: RunConfig, info: RankInfo) -> str:
+    return str(Path(cfg.profile) / f"{info.role}{info.index}-rank{info.rank}.json")
+
+
+def round_done(cfg: RunConfig, servers: list, topology: Topology) -> None:
+    """The traced round is over: each server writes its spans, on its own host."""
+    if cfg.trace is not None:
+        for server, info in zip(servers, topology.servers):
+            server.rpc_sync().trace(path(cfg, info))
+
+
+def report(cfg: RunConfig, topology: Topology) -> None:
+    """Where the traces are; with ``--trace``, the merged one written first."""
+    if cfg.profile is None:
+        return
+    print(f"traces: {Path(cfg.profile) / '<role><index>-rank<rank>.json'}, one a rank (open at "
+          f"https://ui.perfetto.dev), each trainer's with its table of operators (.txt)",
+          flush=True)
+    if cfg.trace is not None:
+        merged, missing = traces.merge(cfg.trace, [(info.role, info.index, info.rank) for info
+                                                   in [*topology.trainers, *topology.servers]])
+        print(f"trace: {merged}, every rank's on one clock"
+              + (f" but {', '.join(missing)} (written on their own hosts)" if missing else ""),
+              flush=True)
