@@ -22,15 +22,15 @@ def pyplot(command: str = "report"):
     return plt
 
 
-def check_plot_file(path: str, command: str) -> None:
+def check_plot_file(path: str, command: str, flag: str = "--plot") -> None:
     """``check_output_file`` for ``--plot``, and a ConfigError, before any work, unless
     matplotlib is installed and writes the kind of figure ``path``'s extension names (without
     one it would add ``.png`` to the name)."""
-    check_output_file(path, "--plot")
+    check_output_file(path, flag)
     pyplot(command)
     from matplotlib.backend_bases import FigureCanvasBase
 
     kinds = sorted(FigureCanvasBase.get_supported_filetypes())
     if Path(path).suffix[1:].lower() not in kinds:
-        raise ConfigError(f"--plot {path!r}: name a kind of figure by its extension, one of "
+        raise ConfigError(f"{flag} {path!r}: name a kind of figure by its extension, one of "
                           f".{', .'.join(kinds)}")

@@ -16,6 +16,7 @@ from ps_bench.options import plural
 from ps_bench.places import check_apart, check_output_file, write_output
 from ps_bench.plots import check_plot_file
 from ps_bench.report.figures import plot, plot_convergence
+from ps_bench.report.timeline import report_timeline
 from ps_bench.registry import did_you_mean
 from ps_bench.results.load import diverged, files_read
 from ps_bench.report.rows import HIDDEN, WORKLOAD, Row, load_rows, varying_options
@@ -262,7 +263,8 @@ def servers_used(row: Row) -> int:
 
 
 def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: str | None,
-               plot_path: str | None, scaling: bool = False, link_gbps: float | None = None) -> int:
+               plot_path: str | None, scaling: bool = False, link_gbps: float | None = None,
+               timeline_path: str | None = None) -> int:
     rows = load_rows(sources)
     if not any(row.stat(metric, "p50") is not None for row in rows):
         if not any(row.ok or row.results.get("summary") for row in rows):
@@ -326,6 +328,8 @@ def run_report(sources: list[str], baseline: str | None, metric: str, csv_path: 
             print(f"plot: {metric} times, as {plural(without, 'point')} "
                   f"{'has' if without == 1 else 'have'} no loss curve; report the "
                   f"{curves} with one on their own for the loss against seconds of training")
+    if timeline_path:
+        write_output(timeline_path, "--timeline", lambda path: report_timeline(rows, path))
     return 0
 
 
@@ -342,6 +346,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the comparison (needs the "
                         "'plot' extra); where every point ran to --target-loss, the loss against "
                         "seconds of training")
+    parser.add_argument("--timeline", metavar="FILE.png",
+                        help="also draw one typical iteration of each point side by side: its "
+                             "phases, and each bucket from its hand-over to its answer; its "
+                             "figures written beside it (FILE.json) and printed")
     parser.add_argument("--scaling", action="store_true",
                         help="per-iteration time for each trainers x servers point next to the "
                              "analytic parameter-server bound and BytePS's optimum (bandwidth: "
@@ -355,17 +363,19 @@ def main(args: argparse.Namespace, bench_argv: list[str]) -> int:
     if args.link is not None and not args.scaling:
         raise ConfigError("--link is the bandwidth of --scaling's bounds: give --scaling too")
     if args.scaling:
-        ignored = [flag for flag, value in (("--baseline", args.baseline), ("--plot", args.plot))
-                   if value is not None]
+        ignored = [flag for flag, value in (("--baseline", args.baseline), ("--plot", args.plot),
+                                            ("--timeline", args.timeline)) if value is not None]
         if ignored:
             verb = "does" if len(ignored) == 1 else "do"
             raise ConfigError(f"--scaling prints its own table, against the analytic bounds: "
                               f"{' and '.join(ignored)} {verb} not apply to it")
     link_gbps = None if args.link is None else parse_rate(args.link, "--link") / 8e9
-    check_apart({"--csv": args.csv, "--plot": args.plot}, files_read(args.sources))
+    check_apart({"--csv": args.csv, "--plot": args.plot, "--timeline": args.timeline},
+                files_read(args.sources))
     if args.csv is not None:
         check_output_file(args.csv, "--csv")
-    if args.plot is not None:
-        check_plot_file(args.plot, "report")
+    for flag, path in (("--plot", args.plot), ("--timeline", args.timeline)):
+        if path is not None:
+            check_plot_file(path, "report", flag)
     return run_report(args.sources, args.baseline, args.metric, args.csv, args.plot, args.scaling,
-                      link_gbps)
+                      link_gbps, args.timeline)

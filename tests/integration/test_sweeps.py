@@ -49,8 +49,9 @@ def test_sweep_resume_and_report(tmp_path):
     assert "2 already done, 0 to run" in again.stdout
     assert len(lines(out)) == 2 and sorted((out / "points").iterdir()) == point_files  # nothing ran again
 
-    csv_path, png_path = tmp_path / "r.csv", tmp_path / "r.png"
-    report = run_bench("report", str(out), "--baseline", "hook=ps", "--csv", str(csv_path), "--plot", str(png_path))
+    csv_path, png_path, timeline = tmp_path / "r.csv", tmp_path / "r.png", tmp_path / "timeline.png"
+    report = run_bench("report", str(out), "--baseline", "hook=ps", "--csv", str(csv_path), "--plot", str(png_path),
+                       "--timeline", str(timeline))
     assert report.returncode == 0, report.stderr
     table = report.stdout.splitlines()
     assert table[0].split()[:3] == ["hook", "batch", "p50"]
@@ -64,6 +65,20 @@ def test_sweep_resume_and_report(tmp_path):
     assert [line.split(",")[5] for line in csv_lines[1:]] == [
         f"{r['memory']['trainer']['peak_bytes'] / 2 ** 20:.1f}" for r in recorded]
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png_path.stat().st_size > 10_000
+    # --timeline: each point's iteration as its results give it, the figures beside the picture
+    assert timeline.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    drawn = json.loads(timeline.with_suffix(".json").read_text())["points"]
+    assert [entry["point"] for entry in drawn] == ["allreduce", "ps"]
+    for entry, results in zip(drawn, recorded):
+        p50 = {row["metric"]: row["p50"] for row in results["summary"] if row["role"] == "trainer"}
+        forward, backward = entry["phases"]["forward"], entry["phases"]["backward"]
+        assert forward == [0.0, p50["forward"]] and backward == [p50["forward"], p50["forward"] + p50["backward"]]
+        assert entry["phases"]["optimizer"][1] == pytest.approx(p50["forward"] + p50["backward"] + p50["optimizer"])
+        assert [bucket["span"] for bucket in entry["buckets"]] == [
+            [p50["forward"] + bucket["ready_ms"], p50["forward"] + bucket["done_ms"]] for bucket in results["timeline"]]
+        assert entry["buckets"] and (entry["comm_ms"], entry["exposed_ms"]) == (p50["comm"], p50["exposed"])
+    assert drawn[0]["server_aggregate_ms"] is None and drawn[1]["server_aggregate_ms"] > 0
+    assert "last bucket done" in report.stdout and f"timeline: {timeline}" in report.stdout
 
 
 def test_a_failing_point_is_recorded_and_resume_reruns_only_it(tmp_path):
