@@ -35,12 +35,14 @@ def report(cfg: RunConfig, topology: Topology) -> None:
     """Where the traces are; with ``--trace``, the merged one written first."""
     if cfg.profile is None:
         return
-    print(f"traces: {Path(cfg.profile) / '<role><index>-rank<rank>.json'}, one a rank (open at "
-          f"https://ui.perfetto.dev), each trainer's with its table of operators (.txt)",
-          flush=True)
-    if cfg.trace is not None:
-        merged, missing = traces.merge(cfg.trace, [(info.role, info.index, info.rank) for info
-                                                   in [*topology.trainers, *topology.servers]])
-        print(f"trace: {merged}, every rank's on one clock"
-              + (f" but {', '.join(missing)} (written on their own hosts)" if missing else ""),
+    if cfg.trace is None:
+        print(f"traces: {Path(cfg.profile) / 'trainer<index>-rank<rank>.json'}, one a trainer "
+              f"(open at https://ui.perfetto.dev), each with its table of operators (.txt)",
               flush=True)
+        return
+    merged, missing = traces.merge(cfg.trace, [(info.role, info.index, info.rank) for info
+                                               in [*topology.trainers, *topology.servers]])
+    print(f"traces: {Path(cfg.trace) / '<role><index>-rank<rank>.json'}, one a rank (each "
+          f"trainer's with its table of operators, .txt), and {merged}, every rank's on one "
+          f"clock" + (f" but {', '.join(missing)} (written on their own hosts)" if missing else "")
+          + " (open at https://ui.perfetto.dev)", flush=True)
