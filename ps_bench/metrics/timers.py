@@ -180,21 +180,23 @@ def exposed_ms(handed: list[tuple[int, float, float]], collectives: list[tuple[i
     None where a collective other than a hook's own ran inside forward or backward (FSDP's
     gathers and reduce-scatters, DeepSpeed's): the loop's clock cannot tell how much of it the
     computation waited for."""
-    last_handed: dict[int, float] = {}
-    for iteration, start, _ in handed:
-        last_handed[iteration] = max(start, last_handed.get(iteration, start))
+    hooks: dict[int, list[tuple[float, float]]] = {}
+    issued: dict[int, list[tuple[float, float]]] = {}
+    for spans, found in ((hooks, handed), (issued, collectives)):
+        for iteration, start, stop in found:
+            spans.setdefault(iteration, []).append((start, stop))
     out = {}
     opened = sorted(handed + collectives)
     for iteration, group in itertools.groupby(opened, key=operator.itemgetter(0)):
         if iteration not in computing:
             continue
         began, backward_end = computing[iteration]
-        hooks = [(start, stop) for at, start, stop in handed if at == iteration]
+        own = hooks.get(iteration, [])
         if any(start < backward_end and stop > began
-               and not any(low <= start <= high for low, high in hooks)  # not a hook's own
-               for at, start, stop in collectives if at == iteration):
+               and not any(low <= start <= high for low, high in own)  # not a hook's own
+               for start, stop in issued.get(iteration, [])):
             return None
-        end = min(last_handed.get(iteration, backward_end), backward_end)
+        end = min(max((start for start, _ in own), default=backward_end), backward_end)
         spans = [(start, stop) for _, start, stop in group]
         hidden = [(max(start, began), min(stop, end)) for start, stop in spans
                   if min(stop, end) > max(start, began)]
