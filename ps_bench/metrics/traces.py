@@ -97,13 +97,13 @@ def write_server_spans(path: str, spans: list[tuple[int, float, float, float]],
                                       "ps_bench_clock": {"monotonic_minus_trace_us": 0.0}}))
 
 
-def merge(folder: str, ranks: list[tuple[str, int, int]]) -> tuple[str, list[str]]:
-    """``merged.json`` in ``folder``: every rank's trace found there (``ranks``: role, index,
+def merge(folder: str, ranks: list[tuple[str, str, int, int]]) -> tuple[str, list[str]]:
+    """``merged.json`` in ``folder``: every rank's trace found (``ranks``: its file, role, index,
     rank), each a process track named by role, index and rank, its events on the monotonic
     clock. Returns its path and the files not found (a rank of another host writes on its own)."""
     events, clocks, missing = [], [], []
-    for role, index, rank in ranks:
-        path = Path(folder) / f"{role}{index}-rank{rank}.json"
+    for file, role, index, rank in ranks:
+        path = Path(file)
         if not path.exists():
             missing.append(path.name)
             continue

@@ -40,8 +40,8 @@ def report(cfg: RunConfig, topology: Topology) -> None:
               f"(open at https://ui.perfetto.dev), each with its table of operators (.txt)",
               flush=True)
         return
-    merged, missing = traces.merge(cfg.trace, [(info.role, info.index, info.rank) for info
-                                               in [*topology.trainers, *topology.servers]])
+    merged, missing = traces.merge(cfg.trace, [(path(cfg, info), info.role, info.index, info.rank)
+                                               for info in [*topology.trainers, *topology.servers]])
     print(f"traces: {Path(cfg.trace) / '<role><index>-rank<rank>.json'}, one a rank (each "
           f"trainer's with its table of operators, .txt), and {merged}, every rank's on one "
           f"clock" + (f" but {', '.join(missing)} (written on their own hosts)" if missing else "")
