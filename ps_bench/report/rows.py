@@ -37,9 +37,10 @@ class Row:
         value = self.results.get("config", {}).get(name)
         return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
 
-    def stat(self, metric: str, statistic: str) -> float | None:
+    def stat(self, metric: str, statistic: str, role: str | None = None) -> float | None:
+        """A summary row's statistic: the first of ``metric``'s, or of ``role``'s."""
         for row in self.results.get("summary", []):
-            if row["metric"] == metric:
+            if row["metric"] == metric and role in (None, row["role"]):
                 return row.get(statistic)
         return None
 

@@ -28,22 +28,12 @@ COLOURS = {"forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:gr
            "bucket": "tab:red"}
 
 
-def server_stat(row: Row, metric: str) -> float | None:
-    return next((entry.get("p50") for entry in row.results.get("summary", [])
-                 if entry["role"] == "server" and entry["metric"] == metric), None)
-
-
-def trainer_stat(row: Row, metric: str) -> float | None:
-    return next((entry.get("p50") for entry in row.results.get("summary", [])
-                 if entry["role"] == "trainer" and entry["metric"] == metric), None)
-
-
 def iterations(rows: list[Row]) -> list[dict]:
     """Each point's typical iteration, in ms from its start: its phases back to back, and each
     bucket from its hand-over to its answer (after forward, as backward began there)."""
     chosen, seen = [], set()
     for row in rows:
-        if row.ok and row.point not in seen and trainer_stat(row, "backward") is not None:
+        if row.ok and row.point not in seen and row.stat("backward", "p50", "trainer") is not None:
             seen.add(row.point)
             chosen.append(row)
     if not chosen:
@@ -53,7 +43,7 @@ def iterations(rows: list[Row]) -> list[dict]:
     for row in chosen:
         phases, at = {}, 0.0
         for phase in PHASES:
-            length = trainer_stat(row, phase) or 0.0
+            length = row.stat(phase, "p50", "trainer") or 0.0
             phases[phase] = [at, at + length]
             at += length
         began = phases["backward"][0]
@@ -62,9 +52,9 @@ def iterations(rows: list[Row]) -> list[dict]:
                    for bucket in row.results.get("timeline") or []]
         out.append({"point": label(row, names) or row.label, "hook": row.option("hook"),
                     "phases": phases, "buckets": buckets,
-                    "comm_ms": trainer_stat(row, "comm"),
-                    "exposed_ms": trainer_stat(row, "exposed"),
-                    "server_aggregate_ms": server_stat(row, "aggregate")})
+                    "comm_ms": row.stat("comm", "p50", "trainer"),
+                    "exposed_ms": row.stat("exposed", "p50", "trainer"),
+                    "server_aggregate_ms": row.stat("aggregate", "p50", "server")})
     return out
 
 
