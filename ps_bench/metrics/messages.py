@@ -73,18 +73,21 @@ def bucket_factors(factors: str, shapes: list[list[int]], elements: int,
 
 
 def floor_messages(strategy, buckets: list[dict], options: dict, slices: int = 1,
-                   on_device: bool = False) -> dict[int, list[tuple[int, str]]]:
+                   on_device: bool = False,
+                   servers: int = 1) -> dict[int, list[tuple[int, str]]]:
     """What ``strategy`` (a ``Strategy`` record) puts on the wire for each of ``buckets`` (rows of
     ``DdpTrainer.bucket_layout``: index, bytes, sparse, shapes), as ``(elements, dtype)``
     messages in the order it sends them; ``options`` are the hook's options, defaults included;
     ``slices``: each trainer sends its ``1/slices`` of each bucket (node-aggregated servers: a
     host's G trainers push a slice each of the host's sum); a partitioned parameter-server
     strategy (``partition_mb`` among its options) sends each slice in pieces, a message each
-    (``on_device``: over device maps, see ``piece_elements``). Sparse buckets go as they are
-    (float32 at their size); a strategy made for them (``for_sparse``) sends its dense buckets
-    as the strategy it is on a dense model, not through its transport: none here."""
+    (dealt over ``servers``; ``on_device``: over device maps, see ``piece_elements``). Sparse
+    buckets go as they are (float32 at their size); a strategy made for them (``for_sparse``)
+    sends its dense buckets as the strategy it is on a dense model, not through its transport:
+    none here."""
     messages: dict[int, list[tuple[int, str]]] = {}
-    piece = piece_elements(options, on_device) if strategy.transport == "rpc" else None
+    piece = (piece_elements(options, servers, on_device) if strategy.transport == "rpc"
+             else None)
     for bucket in buckets:
         elements = slice_size(bucket["bytes"] // 4, slices)
         dtype = strategy.payload if strategy.payload in ELEMENT_BYTES else "float32"
@@ -118,20 +121,23 @@ MIB = 1024 * 1024
 PARTITION_MB = 4.0
 
 
-def piece_elements(options: dict, on_device: bool = False) -> int | None:
+def piece_elements(options: dict, servers: int, on_device: bool = False) -> int | None:
     """Float32 elements in a piece of a partitioned parameter-server strategy, from its hook
     options (``partition_mb``, MiB); None: buckets go whole (a strategy without the option).
 
-    ``partition_mb`` not given (None) is ``PARTITION_MB`` on the CPU and whole buckets where the
-    tensors cross RPC on the GPU (``on_device``: CUDA trainers and servers, through device maps),
-    where every message has a fixed cost of its own: on one H100, ResNet-18 over 2 CUDA
-    servers took 92 ms a batch in 4 MiB pieces, 33 ms in 16 MiB pieces and 26 ms whole
-    (docs/gpus.md)."""
+    Pieces are cut where they buy something: spread over several ``servers``, a bucket's load is
+    shared out and its pieces cross while the others are summed. ``partition_mb`` not given
+    (None) is ``PARTITION_MB`` where the pieces are dealt over several servers with the tensors
+    crossing RPC on the CPU, and whole buckets otherwise, where every message only adds its
+    fixed cost: to one server on the CPU, ``ps`` on the DummyModel took 15.6 ms of ``comm`` a
+    batch in 4 MiB pieces against 12.7 ms whole (docs/floors.md); over device maps (CUDA
+    trainers and servers, ``on_device``), on one H100, ResNet-18 over 2 CUDA servers took 92 ms
+    a batch in 4 MiB pieces, 33 ms in 16 MiB pieces and 26 ms whole (docs/gpus.md)."""
     if "partition_mb" not in options:
         return None
     partition_mb = options["partition_mb"]
     if partition_mb is None:
-        if on_device:
+        if on_device or servers < 2:
             return None
         partition_mb = PARTITION_MB
     return max(1, int(partition_mb * MIB) // 4)

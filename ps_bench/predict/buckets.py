@@ -139,10 +139,11 @@ def server_bytes(calibration: Calibration, strategy: Strategy, hook: str) -> lis
     return pushed
 
 
-def piece_bytes(strategy: Strategy, options: dict) -> float | None:
+def piece_bytes(strategy: Strategy, options: dict, servers: int) -> float | None:
     """The bytes on the wire of a piece the strategy cuts what it pushes into (``partition_mb``
-    of its ``options``, of the float32 gradient); None: it sends buckets whole."""
-    piece = piece_elements(options)
+    of its ``options``, of the float32 gradient) dealt over ``servers``; None: it sends buckets
+    whole."""
+    piece = piece_elements(options, servers)
     return None if piece is None else piece * ELEMENT_BYTES["float32"] * wire_factor(strategy)
 
 
@@ -159,7 +160,7 @@ def servers_end(calibration: Calibration, strategy: Strategy, hook: str, nodes: 
         return None
     options = calibration.options_of(hook)
     pieces = pipelines.server_pieces(server_bytes(calibration, strategy, hook), k,
-                                     piece_bytes(strategy, options),
+                                     piece_bytes(strategy, options, k),
                                      sparse=[place for place, bucket
                                              in enumerate(calibration.buckets) if bucket.sparse])
     if servers_on == "colocated":
@@ -177,7 +178,7 @@ def host_servers_end(calibration: Calibration, strategy: Strategy, hook: str, no
     options = calibration.options_of(hook)
     return pipelines.node_ps_pipeline(server_bytes(calibration, strategy, hook), nodes, k,
                                       calibration.aggregate_bytes_per_ms, servers_on == "colocated",
-                                      calibration.gloo, piece_bytes(strategy, options),
+                                      calibration.gloo, piece_bytes(strategy, options, k),
                                       piece_window(options))
 
 

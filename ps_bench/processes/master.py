@@ -377,7 +377,8 @@ class Master:
             record.floor_messages = messages.floor_messages(HOOKS.record("allreduce"), buckets, {})
             own = messages.floor_messages(self.job.strategy, buckets, options,
                                           slices=self.job.strategy.rpc_slices(cfg.per_host),
-                                          on_device=on_device)
+                                          on_device=on_device,
+                                          servers=self.topology.num_servers)
             record.own_messages = own if own != record.floor_messages else None
             record.floor_gathered = [bucket["index"] for bucket in buckets if bucket["sparse"]]
             self.floor_targets = [[rpc.remote(info.name, limits.RpcFloorTarget, args=(
@@ -387,7 +388,7 @@ class Master:
                                   for sent in (record.floor_messages, record.own_messages)
                                   if sent and self.topology.servers]
         repeat = limits.repeats_per_round(cfg.rounds)
-        piece = messages.piece_elements(options, on_device)
+        piece = messages.piece_elements(options, self.topology.num_servers, on_device)
         futures = [t.rpc_async(timeout=0).measure_floors(record.floor_messages, record.own_messages,
                                                          self.floor_targets, repeat, piece,
                                                          on_device, tuple(record.floor_gathered))

@@ -118,8 +118,9 @@ def assembled(answers: list[Future], into: torch.Tensor) -> Future:
 
 class Partitioned:
     """A parameter-server hook that pushes pieces (see the module): its options are
-    ``partition_mb`` (MiB of the gradient a piece holds at most; not given: 4 on the CPU, whole
-    buckets over device maps, ``metrics.messages.piece_elements``), ``window`` (pieces in flight
+    ``partition_mb`` (MiB of the gradient a piece holds at most; not given: 4 over several
+    servers on the CPU, whole buckets to one server or over device maps,
+    ``metrics.messages.piece_elements``), ``window`` (pieces in flight
     at once, 0: all) and ``priority`` (each bucket's pieces from its end, where DDP keeps the
     gradients of the earlier layers, which the next forward needs first)."""
 
@@ -128,7 +129,7 @@ class Partitioned:
     def __init__(self, ctx: HookContext, partition_mb: float | None = None, window: int = 0,
                  priority: bool = False) -> None:
         on_device = ctx.cuda_rpc and all(server.cuda_rpc for server in ctx.servers)
-        self.piece = piece_elements({"partition_mb": partition_mb}, on_device)
+        self.piece = piece_elements({"partition_mb": partition_mb}, len(ctx.servers), on_device)
         self.sender = PieceWindow(window)
         self.priority = priority
         # the pieces' copies, kept from one iteration to the next

@@ -37,8 +37,8 @@ def test_every_zoo_model_class_is_trained_here():
 
 
 def test_vgg16_trains_with_a_parameter_server(bench_runs):
-    """VGG-16 at its full 138 M parameters (the communication-bound classic: 553 MB of gradients
-    in 4 MiB pieces), one round of one iteration (batch 16: the round's 16 samples a trainer) on
+    """VGG-16 at its full 138 M parameters (the communication-bound classic: 553 MB of gradients,
+    to one server in buckets whole), one round of one iteration (batch 16: the round's 16 samples a trainer) on
     32 x 32 images (its adaptive pooling takes them) so that it computes little. One run: it
     holds about 10 GB across its processes; all-reduce's bytes are checked on smaller models."""
     results = bench_runs.ok("--model", "vgg16", "--data", "images32", "--hook", "ps", "--batch-size", "16",

@@ -172,15 +172,19 @@ def on_cpu(cuda_trainer: bool = False, cuda_servers: tuple[bool, ...] = (False,)
                            servers=[SimpleNamespace(cuda_rpc=cuda) for cuda in cuda_servers])
 
 
-def test_pieces_are_4_mib_on_the_cpu_and_whole_buckets_over_device_maps():
-    """Not given, ``partition_mb`` is 4 MiB where tensors cross RPC on the CPU and whole buckets
-    where a CUDA trainer sends to CUDA servers (each message a fixed cost there); given, it
-    holds on both; a strategy without the option sends buckets whole."""
-    assert piece_elements({"partition_mb": None}) == 2 ** 20
-    assert piece_elements({"partition_mb": None}, on_device=True) is None
-    assert piece_elements({"partition_mb": 16.0}, on_device=True) == 4 * 2 ** 20
-    assert piece_elements({}) is None
-    assert Partitioned(on_cpu()).piece == 2 ** 20
+def test_pieces_are_4_mib_over_several_cpu_servers_and_whole_where_they_spread_nothing():
+    """Not given, ``partition_mb`` is 4 MiB where the pieces are dealt over several servers with
+    tensors crossing RPC on the CPU, and whole buckets to one server (nothing to spread) or where
+    a CUDA trainer sends to CUDA servers (each message a fixed cost there); given, it holds
+    everywhere; a strategy without the option sends buckets whole."""
+    assert piece_elements({"partition_mb": None}, servers=2) == 2 ** 20
+    assert piece_elements({"partition_mb": None}, servers=1) is None
+    assert piece_elements({"partition_mb": None}, servers=2, on_device=True) is None
+    assert piece_elements({"partition_mb": 4.0}, servers=1) == 2 ** 20
+    assert piece_elements({"partition_mb": 16.0}, servers=2, on_device=True) == 4 * 2 ** 20
+    assert piece_elements({}, servers=2) is None
+    assert Partitioned(on_cpu()).piece is None  # one server
+    assert Partitioned(on_cpu(False, (False, False))).piece == 2 ** 20
     assert Partitioned(on_cpu(True, (True, True))).piece is None
     assert Partitioned(on_cpu(True, (True, False))).piece == 2 ** 20  # one server on the CPU
     assert Partitioned(on_cpu(True, (True,)), partition_mb=1.0).piece == 2 ** 18
