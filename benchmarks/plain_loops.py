@@ -10,7 +10,10 @@ each iteration with ``time.perf_counter`` after a warmup:
 - allreduce: ``DistributedDataParallel``;
 - fsdp: FSDP2, ``fully_shard`` on every module that holds parameters of its own, then the root;
 - zero1: DDP with ``ZeroRedundancyOptimizer`` over SGD;
-- local_sgd: no DDP, torch's ``PeriodicModelAverager`` every 4 iterations (ps_bench's default);
+- local_sgd: DDP with torch's ``post_localSGD_hook`` (no gradient all-reduce) and its
+  ``PeriodicModelAverager`` every 4 iterations (ps_bench's default), as torch documents them;
+- local_sgd_no_ddp: the same averager on the bare model, no DDP (ps_bench's ``local_sgd`` is
+  the other side): what DDP's buckets cost a loop that all-reduces no gradient;
 - ps: upstream's parameter server, a DDP communication hook sending each bucket with
   ``rpc_async`` to one server that averages the trainers' buckets and answers them.
 
@@ -53,7 +56,8 @@ from ps_bench.models.base import build_data, build_model  # noqa: E402
 from ps_bench.models.entries import load_entry  # noqa: E402
 from ps_bench.models import DATA, DATA_PRESETS  # noqa: E402
 
-STRATEGIES = ("allreduce", "fsdp", "zero1", "local_sgd", "ps")
+STRATEGIES = ("allreduce", "fsdp", "zero1", "local_sgd", "local_sgd_no_ddp", "ps")
+HOOK = {"local_sgd_no_ddp": "local_sgd"}  # a plain loop's strategy as ps_bench names it
 TRAINERS, BATCH, LR, SEED = 2, 16, 0.01, 0
 WARMUP_ROUNDS, ROUNDS = 1, 2  # ps_bench's --warmup-rounds and --rounds, for both sides
 
@@ -119,7 +123,7 @@ def train(rank: int, strategy: str, model_name: str, ports: tuple[int, int], out
     network = build_model(model_entry_.class_name, model_entry_.kwargs, SEED)
     shard = build_data(data_entry.class_name, data_entry.kwargs, SEED).shard(rank, TRAINERS)
     averager = None
-    if strategy in ("allreduce", "zero1", "ps"):
+    if strategy in ("allreduce", "zero1", "ps", "local_sgd"):
         network = nn.parallel.DistributedDataParallel(network)
     if strategy == "ps":
         network.register_comm_hook(None, lambda state, bucket: rpc.rpc_async(
@@ -136,8 +140,17 @@ def train(rank: int, strategy: str, model_name: str, ports: tuple[int, int], out
                                             lr=LR)
     else:
         optimizer = torch.optim.SGD(network.parameters(), lr=LR)
-    if strategy == "local_sgd":
+    if strategy == "local_sgd_no_ddp":
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        averager = PeriodicModelAverager(period=4, warmup_steps=0)
+    if strategy == "local_sgd":  # as torch's PeriodicModelAverager documents it, from step 0
+        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+            PostLocalSGDState, post_localSGD_hook)
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        # no gradient all-reduce after the warmup: without one, no subgroups (they need CUDA)
+        state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=0,
+                                  post_local_gradient_allreduce=False)
+        network.register_comm_hook(state, post_localSGD_hook)
         averager = PeriodicModelAverager(period=4, warmup_steps=0)
     loss_fn = nn.CrossEntropyLoss()
     per_round = len(shard) // BATCH
@@ -180,8 +193,8 @@ def plain_p50(strategy: str, model_name: str, folder: Path) -> float:
 def bench_p50(strategy: str, model_name: str, folder: Path) -> float:
     out = folder / f"bench-{strategy}.json"
     out.unlink(missing_ok=True)
-    subprocess.run([sys.executable, str(ROOT / "bench.py"), "--hook", strategy, "--model",
-                    model_name, "--ntrainer", str(TRAINERS), "--nserver",
+    subprocess.run([sys.executable, str(ROOT / "bench.py"), "--hook", HOOK.get(strategy, strategy),
+                    "--model", model_name, "--ntrainer", str(TRAINERS), "--nserver",
                     "1" if strategy == "ps" else "0", "--warmup-rounds", str(WARMUP_ROUNDS),
                     "--rounds", str(ROUNDS), "--batch-size", str(BATCH), "--out", str(out)],
                    check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -26,6 +26,14 @@ TESTS = Path(__file__).resolve().parent
 FOLDER_MARKERS = {"integration": "integration", "cluster": "cluster", "gpu": "gpu"}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """What the tests start as a user's shell would (``python``, ``torchrun``, a cloud
+    machine's run script) is this interpreter's: its folder comes first on PATH, so that
+    ``/path/to/venv/bin/python -m pytest`` runs them in that environment, activated or not."""
+    here = str(Path(sys.executable).parent)
+    os.environ["PATH"] = os.pathsep.join([here, os.environ.get("PATH", "")])
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         folder = Path(item.fspath).resolve().relative_to(TESTS).parts[0]
