@@ -129,8 +129,8 @@ def piece_elements(options: dict, servers: int, on_device: bool = False) -> int 
     shared out and its pieces cross while the others are summed. ``partition_mb`` not given
     (None) is ``PARTITION_MB`` where the pieces are dealt over several servers with the tensors
     crossing RPC on the CPU, and whole buckets otherwise, where every message only adds its
-    fixed cost: to one server on the CPU, ``ps`` on the DummyModel took 15.6 ms of ``comm`` a
-    batch in 4 MiB pieces against 12.7 ms whole (docs/floors.md); over device maps (CUDA
+    fixed cost: to one server on the CPU, ``ps`` on the DummyModel took 53.9 ms of ``comm`` a
+    batch in 4 MiB pieces against 45.2 ms whole (docs/floors.md); over device maps (CUDA
     trainers and servers, ``on_device``), on one H100, ResNet-18 over 2 CUDA servers took 92 ms
     a batch in 4 MiB pieces, 33 ms in 16 MiB pieces and 26 ms whole (docs/gpus.md)."""
     if "partition_mb" not in options:
