@@ -167,26 +167,31 @@ def folded(phases: np.ndarray, trailing: int) -> np.ndarray:
 
 
 
-def exposed_ms(handed: list[tuple[int, float, float]], collectives: list[tuple[int, float, float]],
+def exposed_ms(handed: list[tuple[int, float, float]],
+               collectives: list[tuple[int, float, float, bool]],
                computing: dict[int, tuple[float, float]]) -> dict[int, float] | None:
     """Per iteration, the ms of communication no computation hid: while a hook's bucket was open
-    (``handed``, sorted: hand-over to its future's end) or a collective (``collectives``) and the
-    iteration was not computing. An iteration computes from its start (``computing``: iteration
-    -> start, end of its last backward, perf_counter seconds) to the end of its last backward,
-    or, where hooks were handed buckets in it, to the last hand-over: what follows, DDP waiting
-    for the hooks' futures, is a hooked strategy's exposed communication; a collective after
-    backward (a local strategy's synchronisation, an optimizer's broadcast) is exposed whole.
+    (``handed``, sorted: hand-over to its future's end) or a collective (``collectives``:
+    iteration, start, end, blocking) and the iteration was not computing. An iteration computes
+    from its start (``computing``: iteration -> start, end of its last backward, perf_counter
+    seconds) to the end of its last backward, or, where hooks were handed buckets in it, to the
+    last hand-over: what follows, DDP waiting for the hooks' futures, is a hooked strategy's
+    exposed communication; a collective after backward (a local strategy's synchronisation, an
+    optimizer's broadcast) is exposed whole. A blocking collective (its caller waited in the
+    call) computes nothing while it lasts, wherever it falls: FSDP2's gathers and
+    reduce-scatters on the CPU, inside forward and backward, are exposed whole.
 
-    None where a collective other than a hook's own ran inside forward or backward (FSDP's
-    gathers and reduce-scatters, DeepSpeed's): the loop's clock cannot tell how much of it the
-    computation waited for."""
+    None where an asynchronous collective other than a hook's own ran inside forward or backward
+    (DeepSpeed's): the loop's clock cannot tell how much of it the computation waited for."""
     hooks: dict[int, list[tuple[float, float]]] = {}
+    blocked: dict[int, list[tuple[float, float]]] = {}
     issued: dict[int, list[tuple[float, float]]] = {}
-    for spans, found in ((hooks, handed), (issued, collectives)):
-        for iteration, start, stop in found:
-            spans.setdefault(iteration, []).append((start, stop))
+    for iteration, start, stop in handed:
+        hooks.setdefault(iteration, []).append((start, stop))
+    for iteration, start, stop, blocking in collectives:
+        (blocked if blocking else issued).setdefault(iteration, []).append((start, stop))
     out = {}
-    opened = sorted(handed + collectives)
+    opened = sorted(handed + [collective[:3] for collective in collectives])
     for iteration, group in itertools.groupby(opened, key=operator.itemgetter(0)):
         if iteration not in computing:
             continue
@@ -198,8 +203,22 @@ def exposed_ms(handed: list[tuple[int, float, float]], collectives: list[tuple[i
             return None
         end = min(max((start for start, _ in own), default=backward_end), backward_end)
         spans = [(start, stop) for _, start, stop in group]
-        hidden = [(max(start, began), min(stop, end)) for start, stop in spans
-                  if min(stop, end) > max(start, began)]
+        computed = without((began, end), sorted(blocked.get(iteration, [])))
+        hidden = sorted((max(start, low), min(stop, high)) for start, stop in spans
+                        for low, high in computed if min(stop, high) > max(start, low))
         out[iteration] = 1000.0 * (covered_seconds(spans)
                                    - (covered_seconds(hidden) if hidden else 0.0))
     return out
+
+
+def without(window: tuple[float, float],
+            spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``window`` less the ``spans`` (sorted by start): what is left of it, in order."""
+    left, (low, high) = [], window
+    for start, stop in spans:
+        if start > low:
+            left.append((low, min(start, high)))
+        low = max(low, stop)
+        if low >= high:
+            return left
+    return left + [(low, high)] if high > low else left

@@ -54,23 +54,23 @@ class ByteCounter:
         self._successors: dict[object, int | None] = {}
         # the trainer's current iteration, which its collectives' intervals belong to
         self.iteration = 0
-        # (iteration, start, end, collective): every counted collective, from its call to its
-        # completion
-        self.timings: deque[tuple[int, float, float, str]] = deque()
+        # (iteration, start, end, collective, blocking): every counted collective, from its
+        # call to its completion; blocking: the caller waited in the call for all of it
+        self.timings: deque[tuple[int, float, float, str, bool]] = deque()
 
     def time(self, collective: str, started: float, work) -> None:
         """Keeps a collective's interval: until ``work`` completes (an asynchronous call), else
-        now."""
+        now (a blocking one)."""
         if self.paused:
             return
         iteration, keep = self.iteration, self.timings.append
         if work is None:
-            keep((iteration, started, time.perf_counter(), collective))
+            keep((iteration, started, time.perf_counter(), collective, True))
         else:
             work.get_future().then(
-                lambda _: keep((iteration, started, time.perf_counter(), collective)))
+                lambda _: keep((iteration, started, time.perf_counter(), collective, False)))
 
-    def take_timings(self) -> list[tuple[int, float, float, str]]:
+    def take_timings(self) -> list[tuple[int, float, float, str, bool]]:
         """The intervals kept since the last call, sorted."""
         pop = self.timings.popleft
         return sorted(pop() for _ in range(len(self.timings)))

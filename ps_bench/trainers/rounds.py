@@ -59,7 +59,8 @@ def recorded(timer: StepTimer, records: list[tuple], before: tuple[int, int],
     # hook)
     opened = sorted(intervals + [timing[:3] for timing in timings]) if timings else intervals
     # exposed: on the CPU's clock (a GPU's compute runs on the device's; not measured there)
-    exposed = None if timer.cuda else exposed_ms(intervals, [timing[:3] for timing in timings], {
+    exposed = None if timer.cuda else exposed_ms(intervals, [(*timing[:3], timing[4])
+                                                             for timing in timings], {
         first_iteration + step: (reading[0], reading[-2]) for step, reading in enumerate(readings)})
     samples = round_samples(phases, moved, covered_ms(opened), first_iteration, untimed, exposed)
     # when each bucket became ready and was done, after backward began, in the round's last
@@ -102,6 +103,6 @@ def round_samples(phases: np.ndarray, moved: np.ndarray, comm: dict[int, float],
 
 def collective_ms(timings: list[tuple]) -> dict[str, float]:
     """Per kind of collective, the ms during which one of that kind was open in the timed
-    iterations (``timings``: iteration, start, end, kind)."""
+    iterations (``timings``: iteration, start, end, kind, blocking)."""
     return {kind: sum(covered_ms([timing[:3] for timing in timings if timing[3] == kind]).values())
             for kind in sorted({timing[3] for timing in timings})}

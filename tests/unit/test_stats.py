@@ -140,9 +140,15 @@ def test_exposed_communication_is_what_no_computation_hid():
     """An iteration computing from 0 to 10 (its backward's end): a hook's bucket handed over at 4
     and done at 12 hides 4 to 8 behind the later buckets' computation, the last handed over at 8
     (12 - 8 = 4 exposed of 8 open); a collective after backward (12 to 15) is exposed whole; a
-    collective inside backward that is no hook's own cannot be told apart: None."""
+    collective inside backward that is no hook's own and does not block cannot be told apart:
+    None; one that blocks (its caller waited in it, as FSDP2's do on the CPU) computes nothing
+    while it lasts: exposed whole, and it hides nothing of a bucket open across it."""
     handed = [(1, 4.0, 12.0), (1, 8.0, 9.0)]
     assert exposed_ms(handed, [], {1: (0.0, 10.0)}) == {1: pytest.approx(4000.0)}
-    assert exposed_ms([], [(1, 12.0, 15.0)], {1: (0.0, 10.0)}) == {1: pytest.approx(3000.0)}
-    assert exposed_ms(handed, [(1, 4.5, 6.0)], {1: (0.0, 10.0)}) == {1: pytest.approx(4000.0)}  # the hook's own
-    assert exposed_ms(handed, [(1, 1.0, 2.0)], {1: (0.0, 10.0)}) is None
+    assert exposed_ms([], [(1, 12.0, 15.0, False)], {1: (0.0, 10.0)}) == {1: pytest.approx(3000.0)}
+    assert exposed_ms(handed, [(1, 4.5, 6.0, False)], {1: (0.0, 10.0)}) == {1: pytest.approx(4000.0)}  # the hook's own
+    assert exposed_ms(handed, [(1, 1.0, 2.0, False)], {1: (0.0, 10.0)}) is None
+    blocking = [(1, 1.0, 2.0, True), (1, 3.0, 4.5, True), (1, 12.0, 13.0, True)]
+    assert exposed_ms([], blocking, {1: (0.0, 10.0)}) == {1: pytest.approx(3500.0)}
+    # 4 to 12 open; computing only 4 to 5 and 7 to 8 of it (the last hand-over at 8)
+    assert exposed_ms(handed, [(1, 5.0, 7.0, True)], {1: (0.0, 10.0)}) == {1: pytest.approx(6000.0)}
