@@ -35,6 +35,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ps_bench.predict.goodput import heal_ettr, restart_ettr  # noqa: E402
+from ps_bench.results.recovery import failures_in  # noqa: E402
 from ps_bench.runtime.faults import parse_duration  # noqa: E402
 from ps_bench.strategies.hook_options import hook_options  # noqa: E402
 
@@ -89,11 +90,6 @@ def predicted(free: list[dict], failing: list[dict]) -> tuple[float | None, str]
     return good * kept, f"τ {tau:.2f} s, δ {delta:.3f} s, R {restart_s:.1f} s, M {mtbf_s:g} s"
 
 
-def failures_of(line: dict) -> int:
-    recovery = line.get("recovery") or {}
-    return sum(len(recovery.get(key) or []) for key in ("failures", "trainers_dropped"))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sweep", help="the failures sweep's folder (its results.jsonl)")
@@ -115,7 +111,7 @@ def main() -> int:
         measured = [(line.get("recovery") or {}).get("goodput", {}).get("samples_per_s")
                     for line in failing]
         measured = [value for value in measured if value]
-        failures = sum(failures_of(line) for line in failing)
+        failures = sum(failures_in(line.get("recovery") or {}) for line in failing)
         mean = statistics.fmean(measured) if measured else None
         spread = (statistics.stdev(measured) / len(measured) ** 0.5 if len(measured) > 1
                   else None)

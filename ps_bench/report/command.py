@@ -19,6 +19,7 @@ from ps_bench.report.figures import plot, plot_convergence
 from ps_bench.report.timeline import report_timeline
 from ps_bench.registry import did_you_mean
 from ps_bench.results.load import diverged, files_read
+from ps_bench.results.recovery import failures_in
 from ps_bench.report.rows import HIDDEN, WORKLOAD, Row, load_rows, varying_options
 from ps_bench.runtime.network import parse_rate
 from ps_bench.strategies import SERVER_COUNTS, sends_to_servers
@@ -127,8 +128,7 @@ def recovery_columns(row: Row) -> list:
     if not recovery:
         return [None] * 4
     good = recovery.get("goodput") or {}
-    failures = sum(len(recovery.get(key) or []) for key in ("failures", "trainers_dropped",
-                                                             "servers_lost"))
+    failures = failures_in(recovery)
     rate, free = good.get("samples_per_s"), good.get("failure_free_samples_per_s")
     return [failures, fixed(rate, 0), f"{rate / free:.2f}" if rate and free else None,
             fixed(good.get("step_efficiency"), 3)]

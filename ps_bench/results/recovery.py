@@ -15,6 +15,15 @@ import statistics
 from datetime import datetime, timezone
 
 
+# the lists of a results file's ``recovery`` block that hold one failure each
+FAILURE_LISTS = ("failures", "trainers_dropped", "servers_lost")
+
+
+def failures_in(recovery: dict) -> int:
+    """The failures a run's ``recovery`` block lists: restarts, trainers dropped, servers lost."""
+    return sum(len(recovery.get(key) or []) for key in FAILURE_LISTS)
+
+
 def iso(seconds: float | None) -> str | None:
     if seconds is None:
         return None
