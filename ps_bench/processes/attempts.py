@@ -8,10 +8,13 @@ attempt: there is nothing earlier to find."""
 from __future__ import annotations
 
 import json
+import time
 
 import torch.distributed as dist
 
+from ps_bench.options import plural
 from ps_bench.results.recovery import failure_entry, goodput, iso, saves_summary
+from ps_bench.runtime.faults import restart_struck
 
 PREFIX = "ps_bench/attempts"
 STARTED = f"{PREFIX}/job-started"
@@ -29,10 +32,22 @@ class Attempts:
         """When the job's first attempt began (``now``, where this is the first)."""
         return float(self.store.compare_set(STARTED, "", repr(now)))
 
-    def begin(self, iteration: int, at: float) -> None:
-        """This attempt begins training at ``iteration`` (the iterations done before it)."""
-        self.store.set(f"{PREFIX}/{self.attempt}/began",
-                       json.dumps({"iteration": iteration, "time": at}))
+    def begin(self, iteration: int, at: float, struck: list[dict] | None = None,
+              waited_s: float = 0.0) -> None:
+        """This attempt begins training at ``iteration`` (the iterations done before it), at
+        ``at``, after ``waited_s`` for the failures that ``struck`` its restart."""
+        self.store.set(f"{PREFIX}/{self.attempt}/began", json.dumps(
+            {"iteration": iteration, "time": at, "struck": struck or [], "waited_s": waited_s}))
+
+    def release(self, at: float) -> None:
+        """A restarted job trains again at ``at`` (``--mtbf``): its ranks' failures due before
+        it struck the restart, and are passed over (``runtime.faults.TimedFault``)."""
+        self.store.set(f"{PREFIX}/{self.attempt}/released", repr(at))
+
+    def released(self) -> float | None:
+        """When this attempt trains again, once its master has said (``release``)."""
+        key = f"{PREFIX}/{self.attempt}/released"
+        return float(self.store.get(key)) if self.store.check([key]) else None
 
     def keep(self, results: dict) -> None:
         """This attempt's rounds so far (its master's snapshot of its record), where an attempt
@@ -68,8 +83,12 @@ class RecoveryBooks:
     the results file's ``recovery`` block from it (``results.recovery``)."""
 
     def __init__(self, attempts: Attempts | None, plan, recovered: list[dict],
-                 samples_per_iteration: int, trainers: int) -> None:
+                 samples_per_iteration: int, trainers: int,
+                 schedule: list[tuple[float, str, int]] | None = None) -> None:
         self.attempts, self.plan, self.recovered = attempts, plan, recovered
+        # --mtbf: the job's failures (seconds into it, role, index), some of which may strike a
+        # restart; the restart's failures and the time it waited for them
+        self.schedule, self.struck, self.waited_s = schedule or [], [], 0.0
         self.samples_per_iteration = samples_per_iteration
         self.trainers = trainers
         self.began_at_iteration = (plan.resume["iteration"]
@@ -112,10 +131,31 @@ class RecoveryBooks:
         return round_index, step
 
     def begin(self, ready_at: float) -> None:
-        """Training begins, every trainer built (and restored): its first step follows."""
-        self.ready_at = ready_at
-        if self.attempts is not None:
-            self.attempts.begin(self.began_at_iteration, ready_at)
+        """Training begins, every trainer built (and restored): its first step follows. Under
+        ``--mtbf``, a restart struck by the schedule's failures begins again from the last of
+        them (``restart_struck``): the job waits out the restarts that were struck."""
+        self.ready_at = began = ready_at
+        if self.attempts is None:
+            return
+        if self.schedule and self.attempts.attempt:
+            failed_at = (self.recovered[-1].get("time") if self.recovered else None) or ready_at
+            started = self.attempts.job_started(ready_at)
+            began, struck = restart_struck([started + at for at, *_ in self.schedule],
+                                           failed_at, ready_at)
+            self.struck = [{"attempt": self.attempts.attempt, "role": self.schedule[place][1],
+                            "index": self.schedule[place][2],
+                            "failed_at": iso(started + self.schedule[place][0]),
+                            "into_s": round(self.schedule[place][0], 3)} for place in struck]
+            self.waited_s = began - ready_at
+            self.attempts.release(began)
+            if struck:
+                first, last = self.struck[0]["into_s"], self.struck[-1]["into_s"]
+                span = f"{first:.1f}" + (f" to {last:.1f}" if len(struck) > 1 else "")
+                print(f"ps_bench: {plural(len(struck), 'failure')} drawn by --mtbf struck the "
+                      f"restart ({span} s into the job), each beginning it again: training in "
+                      f"{self.waited_s:.1f} s", flush=True)
+                time.sleep(max(0.0, began - time.time()))
+        self.attempts.begin(self.began_at_iteration, began, self.struck, self.waited_s)
 
     def add(self, rounds: list[dict], elapsed: float | None = None) -> None:
         """A round's trainer results: its iterations, each save's longest hold over the
@@ -150,8 +190,11 @@ class RecoveryBooks:
         failures = [recovered_by(earlier, place + 1, failure)
                     for place, failure in enumerate(self.recovered[:-1])]
         if self.recovered:  # the failure this attempt recovered from
-            failures.append(failure_entry(self.recovered[-1], self.began_at_iteration,
-                                          restarted_at, self.ready_at))
+            failures.append({**failure_entry(self.recovered[-1], self.began_at_iteration,
+                                             restarted_at, self.ready_at),
+                             "waited_s": round(self.waited_s, 3) if self.schedule else None})
+        struck = [each for found in earlier
+                  for each in (found["began"] or {}).get("struck") or []] + self.struck
         attempts.append({"attempt": len(earlier), "began_at_iteration": self.began_at_iteration,
                          "ended_at_iteration": self.iteration, "began": iso(launched_at),
                          "iterations_run": self.iteration - self.began_at_iteration})
@@ -172,6 +215,7 @@ class RecoveryBooks:
                                    samples if self.drops else None),
                 **({"trainers_dropped": self.drops} if self.drops else {}),
                 **({"servers_lost": self.servers_lost} if self.servers_lost else {}),
+                **({"restarts_struck": struck} if struck else {}),
                 **({"links_cut": self.cuts} if self.cuts else {}),
                 **healed}
 
@@ -195,6 +239,6 @@ def recovered_by(earlier: list[dict], attempt: int, failure: dict) -> dict:
     measured = ((kept.get("recovery") or {}).get("failures") or [{}])[-1]
     began = earlier[attempt]["began"]
     entry = failure_entry(failure, (began or {}).get("iteration") or 0, None, None)
-    for key in ("restart_s", "recovery_s"):
+    for key in ("restart_s", "recovery_s", "waited_s"):
         entry[key] = measured.get(key)
     return entry

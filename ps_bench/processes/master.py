@@ -24,7 +24,7 @@ from ps_bench.results.files import environment, keep_results
 from ps_bench.results.printed import format_bytes, print_report
 from ps_bench.results.record import (RunRecord, mean_loss, replica_summary, replicas_alike,
                                      servers_model_summary)
-from ps_bench.runtime.faults import faults_of, maybe_inject
+from ps_bench.runtime.faults import faults_of, maybe_inject, schedule_of
 from ps_bench.processes.rendezvous import crowded_warning, one_machine_warning, rpc_paths
 from ps_bench.runtime.topology import Topology
 from ps_bench.servers import SERVERS
@@ -134,7 +134,7 @@ class Master:
                            on_written=attempts.keep if attempts is not None else None)
         self.books = RecoveryBooks(attempts, job.checkpoints, self.record.recovered,
                                    config.num_trainers * config.batch_size * config.grad_accum,
-                                   config.num_trainers)
+                                   config.num_trainers, schedule_of(config))
         # --trainer-timeout: the rounds wait for the living trainers only
         store = attempts.store if attempts is not None else None  # failure records, if any
         self.elastic = (Elastic(topology, store, job.strategy.recovery)

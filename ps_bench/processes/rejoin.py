@@ -62,8 +62,10 @@ def arm_and_seed(cfg, store: dist.Store, info, device: int | None, started: floa
     """This rank's next ``--mtbf`` failure, on the job's clock, and its seeds, on its device."""
     drawn = drawn_of(cfg)
     if drawn is not None:
-        job_started = Attempts(store, rendezvous.restart_count()).job_started(started)
-        arm(TimedFault(drawn, role_counts(cfg), info.role, info.index, job_started, started))
+        attempts = Attempts(store, rendezvous.restart_count())
+        arm(TimedFault(drawn, role_counts(cfg), info.role, info.index,
+                       attempts.job_started(started), started,
+                       attempts.released if attempts.attempt else None))
     torch.manual_seed(cfg.torch_seed)
     if device is not None:
         torch.cuda.set_device(device)

@@ -15,8 +15,9 @@ import statistics
 from datetime import datetime, timezone
 
 
-# the lists of a results file's ``recovery`` block that hold one failure each
-FAILURE_LISTS = ("failures", "trainers_dropped", "servers_lost")
+# the lists of a results file's ``recovery`` block that hold one failure each (a restart's
+# failures: those ``--mtbf`` drew while the job restarted, each beginning the restart again)
+FAILURE_LISTS = ("failures", "trainers_dropped", "servers_lost", "restarts_struck")
 
 
 def failures_in(recovery: dict) -> int:

@@ -21,6 +21,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ps_bench.config import ConfigError, RunConfig, need
 from ps_bench.runtime import failures
@@ -202,20 +203,61 @@ def role_counts(cfg: RunConfig) -> dict[str, int]:
     return {"trainer": cfg.num_trainers, "server": cfg.num_servers, "master": 1}
 
 
+def schedule_of(cfg: RunConfig) -> list[tuple[float, str, int]]:
+    """``--mtbf``'s failures as every rank of this run draws them (none without it)."""
+    drawn = drawn_of(cfg)
+    return drawn.schedule(role_counts(cfg)) if drawn is not None else []
+
+
+def restart_struck(failures: list[float], failed_at: float, ready_at: float
+                   ) -> tuple[float, list[int]]:
+    """When a restart that ``failures`` struck ends, as Daly's model has it (Future Generation
+    Computer Systems 22(3), 2006, eq. 13's ``e^(R/M)``): a failure while the job restarts begins
+    the restart again, from that failure. ``failures``: the schedule's times, in order;
+    ``failed_at``: the failure restarted from; ``ready_at``: when the restart was done, its
+    length ``R`` the one each restart again takes. Returns when training begins, and the places
+    in ``failures`` of those that struck the restart."""
+    restart_s = ready_at - failed_at
+    began, struck = ready_at, []
+    for place, at in enumerate(failures):
+        if at >= began:
+            break
+        if at > failed_at:
+            struck.append(place)
+            began = at + restart_s
+    return began, struck
+
+
 class TimedFault:
     """This rank's next failure of a ``--mtbf`` schedule, due at a time rather than an iteration:
     the first drawn for it after its attempt began (those drawn while the job was down, between
-    a failure and the restart, are passed over)."""
+    a failure and the restart, struck the restart: ``restart_struck``). ``released``: when a
+    restarted job trains again (None while its master has not said), read once a failure is
+    due; the failures before it are passed over."""
 
     def __init__(self, drawn: Drawn, counts: dict[str, int], role: str, index: int,
-                 job_started: float, attempt_started: float) -> None:
-        mine = [at for at, who, which in drawn.schedule(counts)
-                if (who, which) == (role, index) and job_started + at >= attempt_started]
-        self.into_s = mine[0] if mine else None
-        self.at = job_started + mine[0] if mine else float("inf")
+                 job_started: float, attempt_started: float,
+                 released: Callable[[], float | None] | None = None) -> None:
+        self.mine = [job_started + at for at, who, which in drawn.schedule(counts)
+                     if (who, which) == (role, index)]
+        self.job_started, self.released = job_started, released
         self.where, self.mtbf_s = f"{role} {index}", drawn.mtbf_s
+        self.after(attempt_started)
+
+    def after(self, began: float) -> None:
+        """Armed with the first failure due at or after ``began``."""
+        self.at = next((at for at in self.mine if at >= began), float("inf"))
+        self.into_s = self.at - self.job_started
 
     def matches(self, role: str, index: int, iteration: int) -> bool:
+        if time.time() < self.at:
+            return False
+        if self.released is not None:
+            began = self.released()
+            if began is None:  # its master has not yet said when training begins
+                return False
+            self.released = None
+            self.after(began)
         return time.time() >= self.at
 
     def trigger(self) -> None:

@@ -16,7 +16,7 @@ from ps_bench.cli import main
 from ps_bench.config import ConfigError, RunConfig
 from ps_bench.job import validate
 from ps_bench.processes.attempts import Attempts, RecoveryBooks
-from ps_bench.results.recovery import failure_entry, goodput
+from ps_bench.results.recovery import failure_entry, failures_in, goodput
 from ps_bench.runtime import checkpoints
 from ps_bench.runtime.faults import parse_faults
 
@@ -200,6 +200,49 @@ def test_mtbf_draws_the_same_schedule_everywhere_at_exponential_gaps():
     assert fault.at == began + mine[0] and not fault.matches(role, index, 1)
     assert TimedFault(drawn, counts, role, index, job_started=time.time() - 1e9,
                       attempt_started=0.0).matches(role, index, 1)  # long due
+
+
+def test_a_failure_drawn_while_the_job_restarts_begins_the_restart_again(tmp_path):
+    """Daly's model: each failure drawn during a restart starts it over from that failure. The
+    job failed at the schedule's failure i and was ready again after 0.4 s of restart; failure
+    i + 1 came during the restart, i + 2 after the restart begun again: training waits until
+    i + 1's time + 0.4 s, i + 1 is in the books, and a rank's armed failure passes over it."""
+    from ps_bench.runtime.faults import Drawn, TimedFault, restart_struck
+
+    assert restart_struck([5.0, 11.0, 12.0, 14.5, 30.0], 10.0, 13.0) == (17.5, [1, 2, 3])
+    assert restart_struck([5.0, 30.0], 10.0, 13.0) == (13.0, [])
+    drawn = Drawn(1.0, ("trainer",), seed=3)
+    schedule = drawn.schedule({"trainer": 2})
+    at = [each[0] for each in schedule]
+    i = next(i for i in range(len(at) - 2)
+             if 0.05 < at[i + 1] - at[i] < 0.3 and at[i + 2] - at[i + 1] > 0.6)
+    store, failed_at = dist.HashStore(), time.time() - 0.45
+    started = failed_at - at[i]
+    Attempts(store, 0).job_started(started)
+    failure = {"attempt": 0, "role": "trainer", "rank": 1, "host": "h", "time": failed_at,
+               "iteration": 24, "failure": "trainer failed"}
+    attempt = Attempts(store, 1)
+    _, role, index = schedule[i + 1]
+    rank = TimedFault(drawn, {"trainer": 2}, role, index, started, failed_at + 0.01,
+                      attempt.released)
+    assert rank.at == started + at[i + 1] and not rank.matches(role, index, 1)  # due, not said
+    books = RecoveryBooks(attempt, validate(config(tmp_path)).checkpoints, [failure], 48, 3,
+                          schedule)
+    books.begin(failed_at + 0.4)
+    began = started + at[i + 1] + 0.4
+    assert time.time() >= began and attempt.released() == pytest.approx(began)
+    assert not rank.matches(role, index, 1) and rank.at > began  # its next, after training began
+    books.add([round_of(1, [], 0.25)])
+    block = books.block(launched_at=failed_at + 0.1, restarted_at=failed_at + 0.1,
+                        ended_at=time.time(), failure_free=900.0)
+    assert [(each["index"], each["into_s"]) for each in block["restarts_struck"]] == [
+        (index, round(at[i + 1], 3))]
+    [lost] = block["failures"]
+    assert lost["recovery_s"] == pytest.approx(0.4)
+    assert lost["waited_s"] == pytest.approx(at[i + 1] - at[i], abs=1e-3)
+    assert failures_in(block) == 2
+    # the attempt after it reads the struck failure back from the store
+    assert Attempts(store, 2).earlier()[1]["began"]["struck"] == block["restarts_struck"]
 
 
 @pytest.mark.parametrize("argv, words", [
