@@ -234,8 +234,9 @@ class RunConfig:
         group=FAILURES)
     mtbf: str | None = option(
         None, "draw failures at exponential gaps of this mean from the job's start (seeded by "
-        "--torch-seed), each of a rank of --fail-roles drawn at random, which then exits: with "
-        "ms, s, min or h, e.g. 90s (default: none)", group=FAILURES, metavar="DURATION")
+        "--torch-seed), each of a rank of --fail-roles drawn at random, which then exits (one "
+        "drawn while torchrun restarts the job begins the restart again): with ms, s, min or "
+        "h, e.g. 90s (default: none)", group=FAILURES, metavar="DURATION")
     fail_roles: str = option("trainer", "the roles --mtbf draws the failed ranks from: trainer, "
                                         "server or master, several separated by commas",
                              group=FAILURES, metavar="ROLES")

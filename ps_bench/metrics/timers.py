@@ -2,17 +2,37 @@
 
 from __future__ import annotations
 
+import bisect
+import functools
 import itertools
 import operator
+import socket
 import time
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 import torch
 
 
+# the bucket timeline, and the servers' lane beside it, come from this many iterations at the end
+# of each round
+TIMELINE_ITERATIONS = 8
+
+
 def now_ms() -> float:
     return time.perf_counter() * 1000.0
+
+
+@functools.lru_cache(maxsize=1)
+def clock_id() -> str:
+    """The clock ``now_ms`` reads: the kernel's boot, whose monotonic clock every process of the
+    machine shares (emulated hosts, namespaces of one machine, included). Readings of two ids are
+    on clocks of their own."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return f"host {socket.gethostname()}"
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -119,6 +139,37 @@ def bucket_offsets(intervals: list[tuple[int, float, float]],
                 offsets.setdefault(bucket, []).append((1000.0 * (start - began),
                                                        1000.0 * (end - began), 1000.0 * holding))
     return offsets
+
+
+def server_offsets(began: dict | None, recent: dict | None) -> dict[int, list[tuple]]:
+    """Per piece a server answered, ``(first arrival, last arrival, answered)`` ms after a
+    trainer's backward began, from the server's last answers of each piece (``recent``:
+    ``{"clock", "spans": {key: [(first, last, answered) ms]}}``) and that trainer's backward
+    starts of the round's last iterations (``began``: ``{"clock", "ms": [...]}``, in order). A
+    piece's answer is of the iteration whose backward began last before it: it needs that
+    iteration's gradient, and the next iteration's backward needs it. Nothing where the two
+    clocks differ."""
+    if not began or not recent or began["clock"] != recent["clock"]:
+        return {}
+    starts, offsets = began["ms"], {}
+    for key, spans in recent["spans"].items():
+        for span in spans:
+            place = bisect.bisect_right(starts, span[-1]) - 1
+            if place >= 0:
+                offsets.setdefault(key, []).append(tuple(at - starts[place] for at in span))
+    return offsets
+
+
+def server_lane(offsets: dict[tuple[int, int], list[tuple]], pieces: int) -> list[dict] | None:
+    """The servers' lane of the bucket timeline: per server and piece (its key the bucket times
+    ``pieces`` plus its place), the p50 ``server_offsets`` over every round; None without any."""
+    if not offsets:
+        return None
+    rows = [{"server": server, "bucket": key // pieces, "piece": key % pieces,
+             **{name: float(np.median([span[place] for span in spans]))
+                for place, name in enumerate(("first_ms", "last_ms", "answered_ms"))}}
+            for (server, key), spans in offsets.items() if spans]
+    return sorted(rows, key=lambda row: (row["first_ms"], row["server"])) or None
 
 
 def cuda_bucket_offsets(ready_events: list[tuple[int, "torch.cuda.Event"]],

@@ -1,11 +1,14 @@
 """``bench.py report --timeline FILE.png``: one typical iteration of each point, side by side, as
 a Gantt chart: the trainer's compute (forward, backward, the optimizer step; each phase's p50),
-and on the lane beneath it each bucket's communication, from DDP handing it over to the hook's
+on the lane beneath it each bucket's communication, from DDP handing it over to the hook's
 answer (the results' ``timeline``: each bucket's median over the round's last iterations, after
-backward began). Beside the figure, ``FILE.json`` holds the figures it draws, and the report
-prints them as a table: with each point's ``comm`` and ``exposed`` p50 (what of it no compute
-hid) and its servers' aggregation p50, which the chart does not place (a server's clock is its
-own: ``--trace`` lines them up).
+backward began), and beneath that, for parameter servers, each piece on its server: from its
+first contribution's arrival to its last's, then its aggregation and answer (the results'
+``server_timeline``, after trainer 0's backward began: placed where the servers share trainer
+0's clock, one machine's; a server of another host has no lane). Beside the figure,
+``FILE.json`` holds the figures it draws, and the report prints them as a table: with each
+point's ``comm`` and ``exposed`` p50 (what of it no compute hid) and its servers' aggregation
+p50.
 
 A point of a sweep run several times is drawn once, from its first successful run; a point
 whose results have no bucket timeline (FSDP, DeepSpeed, a GPU without CUDA events, a run
@@ -25,7 +28,8 @@ from ps_bench.report.rows import Row, varying_options
 
 PHASES = ("forward", "backward", "optimizer")
 COLOURS = {"forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green",
-           "bucket": "tab:red"}
+           "bucket": "tab:red", "receive": "tab:gray", "answer": "tab:purple"}
+LANES = 3.0  # a point's height: compute, buckets, servers
 
 
 def iterations(rows: list[Row]) -> list[dict]:
@@ -50,8 +54,12 @@ def iterations(rows: list[Row]) -> list[dict]:
         buckets = [{"index": bucket["index"], "bytes": bucket["bytes"],
                     "span": [began + bucket["ready_ms"], began + bucket["done_ms"]]}
                    for bucket in row.results.get("timeline") or []]
+        pieces = [{"server": piece["server"], "bucket": piece["bucket"], "piece": piece["piece"],
+                   "received": [began + piece["first_ms"], began + piece["last_ms"]],
+                   "answered": [began + piece["last_ms"], began + piece["answered_ms"]]}
+                  for piece in row.results.get("server_timeline") or []]
         out.append({"point": label(row, names) or row.label, "hook": row.option("hook"),
-                    "phases": phases, "buckets": buckets,
+                    "phases": phases, "buckets": buckets, "servers": pieces,
                     "comm_ms": row.stat("comm", "p50", "trainer"),
                     "exposed_ms": row.stat("exposed", "p50", "trainer"),
                     "server_aggregate_ms": row.stat("aggregate", "p50", "server")})
@@ -65,32 +73,39 @@ def table(drawn: list[dict]) -> str:
                                for phase in PHASES),
              len(entry["buckets"]),
              ms(max((bucket["span"][1] for bucket in entry["buckets"]), default=None)),
-             ms(entry["comm_ms"]), ms(entry["exposed_ms"]), ms(entry["server_aggregate_ms"])]
+             ms(entry["comm_ms"]), ms(entry["exposed_ms"]), ms(entry["server_aggregate_ms"]),
+             ms(max((piece["answered"][1] for piece in entry["servers"]), default=None))]
             for entry in drawn]
     return tabulate(body, headers=["point", "forward", "backward", "optimizer", "buckets",
-                                   "last bucket done", "comm", "exposed", "server aggregate"],
-                    disable_numparse=True)
+                                   "last bucket done", "comm", "exposed", "server aggregate",
+                                   "last piece answered"], disable_numparse=True)
 
 
 def draw(path: str, drawn: list[dict], title: str) -> None:
-    """Two lanes a point, top to bottom in the points' order: compute, then buckets."""
+    """Three lanes a point, top to bottom in the points' order: compute, buckets, servers."""
     plt = pyplot()
-    figure, axes = plt.subplots(figsize=(9.0, 1.0 + 0.8 * len(drawn)))
-    ticks, names = [], []
+    figure, axes = plt.subplots(figsize=(9.0, 1.0 + 1.2 * len(drawn)))
+    ticks, names, labelled = [], [], set()
+
+    def bar(span: list[float], lane: float, kind: str, words: str, **style) -> None:
+        axes.broken_barh([(span[0], span[1] - span[0])], (lane, 0.8), color=COLOURS[kind],
+                         label=None if kind in labelled else words, **style)
+        labelled.add(kind)
+
     for place, entry in enumerate(drawn):
-        base = -place * 2.0
+        base = -place * LANES
         for phase in PHASES:
-            low, high = entry["phases"][phase]
-            axes.broken_barh([(low, high - low)], (base, 0.8), color=COLOURS[phase],
-                             label=phase if place == 0 else None)
+            bar(entry["phases"][phase], base, phase, phase)
         for bucket in entry["buckets"]:
-            low, high = bucket["span"]
-            axes.broken_barh([(low, high - low)], (base - 0.9, 0.8), color=COLOURS["bucket"],
-                             alpha=0.6, edgecolor="black", linewidth=0.5,
-                             label="bucket, handed over to answered" if place == 0 and
-                             bucket is entry["buckets"][0] else None)
-        ticks += [base + 0.4, base - 0.5]
-        names += [f"{entry['point']}: compute", "buckets"]
+            bar(bucket["span"], base - 0.9, "bucket", "bucket, handed over to answered",
+                alpha=0.6, edgecolor="black", linewidth=0.5)
+        for piece in entry["servers"]:
+            bar(piece["received"], base - 1.8, "receive", "piece on its server, receiving",
+                alpha=0.5)
+            bar(piece["answered"], base - 1.8, "answer", "aggregating and answering",
+                edgecolor="black", linewidth=0.5)
+        ticks += [base + 0.4, base - 0.5, base - 1.4]
+        names += [f"{entry['point']}: compute", "buckets", "servers"]
     axes.set_yticks(ticks, names, fontsize="small")
     axes.set_xlabel("ms from the iteration's start (p50s; buckets: medians after backward began)")
     axes.set_title(title)

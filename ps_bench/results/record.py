@@ -21,12 +21,13 @@ from ps_bench.metrics import flops
 from ps_bench.metrics.costs import collective_bytes
 from ps_bench.metrics.memory import combine_peaks, peak_memory
 from ps_bench.metrics.stats import SummaryRow, summary_rows
+from ps_bench.metrics.timers import server_lane, server_offsets
 from ps_bench.metrics.wire import host_links
 from ps_bench.models import DATA, MODELS
 from ps_bench.results import floors
 from ps_bench.results.files import iso_now
 from ps_bench.results.progress import Progress
-from ps_bench.runtime.topology import Topology
+from ps_bench.runtime.topology import PIECES, Topology
 from ps_bench.strategies import compiled
 from ps_bench.strategies.base import parameter_norm
 from ps_bench.strategies.record import EVERY_ITERATION
@@ -137,6 +138,7 @@ class RunRecord:
         self.buckets: list[dict] | None = None  # DDP's buckets as it built them, from trainer 0
         # bucket -> (ready, done) ms
         self.bucket_offsets: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        self.server_offsets: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # its lane
         self.replicas: dict | None = None
         # --limits: bucket index -> (elements, dtype) messages: the float32 buckets every transport
         # floor moves, and the strategy's own where they differ (16-bit, low-rank)
@@ -192,9 +194,12 @@ class RunRecord:
                 compiled.note(self.compiled, info.rank, result["compile"])
             for bucket, offsets in result.get("timeline", {}).items():
                 self.bucket_offsets[bucket].extend(offsets)
+        began = rounds[0].get("backward_began") if rounds and rounds[0] else None  # trainer 0's
         for info, result in zip(topo.servers, served):
             if result is None:  # lost (--server-replicas)
                 continue
+            for key, offsets in server_offsets(began, result.get("recent")).items():
+                self.server_offsets[info.index, key].extend(offsets)
             for metric, values in result["samples"].items():
                 self.server_samples[info.rank][metric].extend(values)
             self.server_bytes[info.rank][0] += result["bytes"]["recv"]
@@ -298,6 +303,7 @@ class RunRecord:
                              self.mean_iterations),
             },
             "timeline": self.timeline(),
+            "server_timeline": server_lane(self.server_offsets, PIECES),
             "replicas": self.replicas,
             "loss": {"first": self.losses[0], "last": self.losses[-1]} if self.losses else None,
             **({"convergence": self.progress.summary()} if cfg.target_loss is not None else {}),

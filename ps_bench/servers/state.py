@@ -4,12 +4,14 @@ buffers it reuses (``BucketState``), and its samples and byte counts (``ServerBo
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch.futures import Future
+
+from ps_bench.metrics.timers import TIMELINE_ITERATIONS, clock_id
 
 
 @dataclass
@@ -68,6 +70,8 @@ class ServerBooks:
         self.bytes = {"recv": 0, "sent": 0}
         # --trace: (bucket, first arrival, last arrival, answered) ms while a round is traced
         self.spans: list[tuple[int, float, float, float]] | None = None
+        # the bucket timeline's servers' lane: each piece's last few of them, every round
+        self.recent: dict[int, deque] = defaultdict(lambda: deque(maxlen=TIMELINE_ITERATIONS))
 
     def count(self, direction: str, nbytes: int) -> None:
         with self.lock:
@@ -77,12 +81,17 @@ class ServerBooks:
         with self.lock:
             for name, value in samples_ms.items():
                 self.samples[name].append(value)
-            if self.spans is not None and span is not None:
-                self.spans.append(span)
+            if span is not None:
+                self.recent[span[0]].append(span[1:])
+                if self.spans is not None:
+                    self.spans.append(span)
 
     def take(self) -> dict:
         """The samples and byte counts since the last call, then clears them."""
         with self.lock:
-            out = {"samples": dict(self.samples), "bytes": dict(self.bytes)}
+            out = {"samples": dict(self.samples), "bytes": dict(self.bytes),
+                   "recent": {"clock": clock_id(), "spans": {key: list(spans) for key, spans
+                                                             in self.recent.items()}}}
             self.samples, self.bytes = defaultdict(list), {"recv": 0, "sent": 0}
+            self.recent.clear()
         return out

@@ -14,12 +14,11 @@ import numpy as np
 import torch
 
 from ps_bench.metrics import traces
-from ps_bench.metrics.timers import (StepTimer, bucket_offsets, covered_ms, cuda_bucket_offsets,
-                                     exposed_ms, folded)
+from ps_bench.metrics.timers import (TIMELINE_ITERATIONS, StepTimer, bucket_offsets,
+                                     clock_id, covered_ms, cuda_bucket_offsets, exposed_ms,
+                                     folded)
 
 VERIFIED_PER_ROUND = 4  # --verify checks at most this many evenly spaced iterations per round
-# the bucket timeline comes from this many timed iterations at the end of each round
-TIMELINE_ITERATIONS = 8
 
 
 def mixed_precision(device: torch.device, precision: str,
@@ -44,12 +43,14 @@ def verified_steps(iterations: int) -> set[int]:
 def recorded(timer: StepTimer, records: list[tuple], before: tuple[int, int],
              intervals: list[tuple], timings: list[tuple], first_iteration: int,
              untimed: set[int], ready_events: list | None,
-             held: list[tuple] = ()) -> tuple[np.ndarray, dict, dict]:
-    """A round's phases (forward, backward, optimizer ms an iteration), samples and bucket
-    timeline, from its loop's ``records`` (each iteration's clock readings and the bytes sent
-    and received so far, ``before`` the round's first), the hooks' open ``intervals`` (and how
-    long each ``held`` backward) and the collectives' ``timings`` of the timed iterations.
-    ``untimed`` steps (captured or traced) count their bytes, not their times."""
+             held: list[tuple] = ()) -> tuple[np.ndarray, dict, dict, dict | None]:
+    """A round's phases (forward, backward, optimizer ms an iteration), samples, bucket timeline
+    and when its last iterations' backward began (on the CPU: the servers' lane is placed from
+    it, ``timers.server_offsets``), from its loop's ``records`` (each iteration's clock readings
+    and the bytes sent and received so far, ``before`` the round's first), the hooks' open
+    ``intervals`` (and how long each ``held`` backward) and the collectives' ``timings`` of the
+    timed iterations. ``untimed`` steps (captured or traced) count their bytes, not their
+    times."""
     readings = [record[0] for record in records]
     if traces.PENDING and not timer.cuda:  # --profile, --trace: the traced iterations' spans
         traces.add_spans(traces.trainer_spans(readings, intervals, first_iteration))
@@ -65,17 +66,19 @@ def recorded(timer: StepTimer, records: list[tuple], before: tuple[int, int],
     samples = round_samples(phases, moved, covered_ms(opened), first_iteration, untimed, exposed)
     # when each bucket became ready and was done, after backward began, in the round's last
     # timed iterations: on the CPU's clock, or on a GPU the device's (CUDA events)
-    timeline = {}
+    timeline, began = {}, None
     steps = [step for step in range(len(records)) if step not in untimed][-TIMELINE_ITERATIONS:]
     if steps and not timer.cuda:
         tail = intervals[bisect.bisect_left(intervals, (first_iteration + steps[0],)):]
         # the synchronised micro-batch's backward: the last
         timeline = bucket_offsets(tail, {first_iteration + step: readings[step][-3]
                                          for step in steps}, held)
+        began = {"clock": clock_id(),
+                 "ms": [reading[-3] * 1000.0 for reading in readings[-TIMELINE_ITERATIONS:]]}
     elif steps and ready_events:
         timeline = cuda_bucket_offsets(ready_events, {first_iteration + step: readings[step][-3:-1]
                                                       for step in steps})
-    return phases, samples, timeline
+    return phases, samples, timeline, began
 
 
 def round_samples(phases: np.ndarray, moved: np.ndarray, comm: dict[int, float],

@@ -300,9 +300,9 @@ class DdpTrainer(FloorProbes, Resident):
         untimed = {step - start_step for step in untimed & ran}  # their places among the records
         timings = [timing for timing in wire.take_timings()
                    if timing[0] - first_iteration not in untimed]
-        phases, samples, timeline = recorded(timer, records, (sent_before, recv_before),
-                                             ctx.comm.drain(), timings, first_iteration, untimed,
-                                             ctx.ready_events, ctx.held.drain())
+        phases, samples, timeline, backward_began = recorded(
+            timer, records, (sent_before, recv_before), ctx.comm.drain(), timings,
+            first_iteration, untimed, ctx.ready_events, ctx.held.drain())
         began = wall()
         grad_errors = self.gradient_errors()
         if checked:
@@ -324,7 +324,7 @@ class DdpTrainer(FloorProbes, Resident):
             "checkpoints": saves.take(),
             "link_cuts": take_cuts(trainer=self.index),
             "compile": compiled.BOOKS.round(self.compiled),
-            "timeline": timeline,
+            "timeline": timeline, "backward_began": backward_began,
             "collectives": collective_ms(timings),
             "host_traffic": [[source, destination, nbytes] for (source, destination), nbytes
                              in sorted(wire.take_crossing().items())],

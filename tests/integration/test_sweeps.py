@@ -78,6 +78,16 @@ def test_sweep_resume_and_report(tmp_path):
             [p50["forward"] + bucket["ready_ms"], p50["forward"] + bucket["done_ms"]] for bucket in results["timeline"]]
         assert entry["buckets"] and (entry["comm_ms"], entry["exposed_ms"]) == (p50["comm"], p50["exposed"])
     assert drawn[0]["server_aggregate_ms"] is None and drawn[1]["server_aggregate_ms"] > 0
+    # the servers' lane: ps's every bucket on its server, within the iteration, as drawn
+    lane, p90 = recorded[1]["server_timeline"], {
+        row["metric"]: row["p90"] for row in recorded[1]["summary"] if row["role"] == "trainer"}
+    assert recorded[0]["server_timeline"] is None and drawn[0]["servers"] == []
+    assert {piece["bucket"] for piece in lane} == {bucket["index"] for bucket in recorded[1]["timeline"]}
+    assert all(0 <= piece["answered_ms"] <= p90["batch"] for piece in lane)
+    forward = drawn[1]["phases"]["forward"][1]
+    assert [(piece["received"], piece["answered"]) for piece in drawn[1]["servers"]] == [
+        ([forward + piece["first_ms"], forward + piece["last_ms"]],
+         [forward + piece["last_ms"], forward + piece["answered_ms"]]) for piece in lane]
     assert "last bucket done" in report.stdout and f"timeline: {timeline}" in report.stdout
 
 

@@ -16,7 +16,9 @@ from ps_bench.results.record import RunRecord, replica_summary, replicas_alike
 from ps_bench.strategies.base import fingerprint, parameter_norm
 from ps_bench.results.files import write_results
 from ps_bench.results.printed import held_line, print_report
-from ps_bench.runtime.topology import Topology
+from ps_bench.metrics.timers import TIMELINE_ITERATIONS, clock_id, server_offsets
+from ps_bench.runtime.topology import PIECES, Topology
+from ps_bench.servers.state import ServerBooks
 from tests.contract import TRAINER_METRICS, check_contract, check_failed_minimum, metrics_of
 
 ITERATIONS = 4
@@ -136,6 +138,46 @@ def test_the_bucket_timeline_says_how_long_the_hook_held_backward_on_the_cpu(cap
     assert [(row["index"], row["held_ms"]) for row in results["timeline"]] == [(0, 5.0), (1, 2.0)]
     print_report(results, record.rows())
     assert "hooks held backward: 7.0 ms an iteration (bucket 0 5.0 ms) before their" in capsys.readouterr().out
+
+
+def test_the_servers_lane_places_each_answer_in_the_iteration_whose_backward_began_last():
+    """Trainer 0's last backward starts 100, 200 and 300 ms; the server's answers of piece 5 (at
+    150, 260, 340 ms, and one of an earlier iteration at 90) go to 100, 200 and 300, the earlier
+    one left out; a server on another clock has no lane."""
+    began = {"clock": "boot-a", "ms": [100.0, 200.0, 300.0]}
+    spans = {5: [(80.0, 85.0, 90.0), (120.0, 140.0, 150.0), (230.0, 250.0, 260.0),
+                 (310.0, 330.0, 340.0)], 2: [(140.0, 141.0, 142.0)]}
+    assert server_offsets(began, {"clock": "boot-a", "spans": spans}) == {
+        5: [(20.0, 40.0, 50.0), (30.0, 50.0, 60.0), (10.0, 30.0, 40.0)], 2: [(40.0, 41.0, 42.0)]}
+    assert server_offsets(began, {"clock": "boot-b", "spans": spans}) == {}
+    assert server_offsets(None, {"clock": "boot-a", "spans": spans}) == {}
+    record = make_record(hook="ps", nserver=2, ntrainer=2)
+    first, second = trainer_round(0.0, 4000, [1.0]), trainer_round(1.0, 4000, [1.0])
+    first["backward_began"] = began
+    record.add_round(0.5, [first, second], [
+        {**server_round(0), "recent": {"clock": "boot-a", "spans": spans}},
+        {**server_round(0), "recent": {"clock": "boot-a", "spans": {9: [(205.0, 210.0, 215.0)]}}}])
+    record.replicas = replica_summary([torch.ones(1), torch.ones(1)])
+    results = record.results("ok")
+    check_contract(results)
+    assert results["server_timeline"] == [
+        {"server": 1, "bucket": 9 // PIECES, "piece": 9 % PIECES, "first_ms": 5.0, "last_ms": 10.0,
+         "answered_ms": 15.0},
+        {"server": 0, "bucket": 5 // PIECES, "piece": 5 % PIECES, "first_ms": 20.0, "last_ms": 40.0,
+         "answered_ms": 50.0},
+        {"server": 0, "bucket": 2 // PIECES, "piece": 2 % PIECES, "first_ms": 40.0, "last_ms": 41.0,
+         "answered_ms": 42.0}]
+
+
+def test_a_servers_books_keep_each_pieces_last_answers_for_the_lane():
+    books = ServerBooks()
+    for iteration in range(TIMELINE_ITERATIONS + 3):
+        books.record((7, 10.0 * iteration, 10.0 * iteration + 1, 10.0 * iteration + 2), round=2.0)
+    taken = books.take()["recent"]
+    assert taken["clock"] == clock_id() and len(taken["spans"][7]) == TIMELINE_ITERATIONS
+    last = 10.0 * (TIMELINE_ITERATIONS + 2)
+    assert taken["spans"][7][-1] == (last, last + 1, last + 2)
+    assert books.take()["recent"]["spans"] == {}  # each round's own
 
 
 def test_hooks_that_held_backward_for_no_time_get_no_line():
