@@ -104,8 +104,9 @@ def draw(path: str, drawn: list[dict], title: str) -> None:
                 alpha=0.5)
             bar(piece["answered"], base - 1.8, "answer", "aggregating and answering",
                 edgecolor="black", linewidth=0.5)
-        ticks += [base + 0.4, base - 0.5, base - 1.4]
-        names += [f"{entry['point']}: compute", "buckets", "servers"]
+        lanes = [f"{entry['point']}: compute", "buckets"] + (["servers"] if entry["servers"] else [])
+        ticks += [base + 0.4, base - 0.5, base - 1.4][:len(lanes)]
+        names += lanes
     axes.set_yticks(ticks, names, fontsize="small")
     axes.set_xlabel("ms from the iteration's start (p50s; buckets: medians after backward began)")
     axes.set_title(title)
