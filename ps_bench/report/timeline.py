@@ -104,7 +104,8 @@ def draw(path: str, drawn: list[dict], title: str) -> None:
                 alpha=0.5)
             bar(piece["answered"], base - 1.8, "answer", "aggregating and answering",
                 edgecolor="black", linewidth=0.5)
-        lanes = [f"{entry['point']}: compute", "buckets"] + (["servers"] if entry["servers"] else [])
+        lanes = [f"{entry['point']}: compute", "buckets", *(["servers"] if entry["servers"]
+                                                             else [])]
         ticks += [base + 0.4, base - 0.5, base - 1.4][:len(lanes)]
         names += lanes
     axes.set_yticks(ticks, names, fontsize="small")
