@@ -42,7 +42,7 @@ def check_contract(results: dict, status: str = "ok") -> None:
         # each sample's hold ends before its bucket is done: so do their medians
         assert 0 <= bucket.get("held_ms", 0) <= bucket["done_ms"]
     for piece in results.get("server_timeline") or []:  # each median of ordered samples
-        assert set(piece) == {"server", "bucket", "piece", "first_ms", "last_ms", "answered_ms"}
+        assert set(piece) == {"server", "slice", "piece", "first_ms", "last_ms", "answered_ms"}
         assert piece["first_ms"] <= piece["last_ms"] <= piece["answered_ms"]
     if "convergence" in results:
         check_convergence(results["convergence"])

@@ -161,15 +161,17 @@ def server_offsets(began: dict | None, recent: dict | None) -> dict[int, list[tu
 
 
 def server_lane(offsets: dict[tuple[int, int], list[tuple]], pieces: int) -> list[dict] | None:
-    """The servers' lane of the bucket timeline: per server and piece (its key the bucket times
-    ``pieces`` plus its place), the p50 ``server_offsets`` over every round; None without any."""
+    """The servers' lane of the bucket timeline: per server and piece (its key its slice times
+    ``pieces`` plus its place in the slice: ``runtime.topology.PIECES``; a slice is the bucket's
+    index, but for ``ps_node``, which cuts each bucket into a slice per trainer of a host), the
+    p50 ``server_offsets`` over every round; None without any."""
     if not offsets:
         return None
-    rows = [{"server": server, "bucket": key // pieces, "piece": key % pieces,
+    rows = [{"server": server, "slice": key // pieces, "piece": key % pieces,
              **{name: float(np.median([span[place] for span in spans]))
                 for place, name in enumerate(("first_ms", "last_ms", "answered_ms"))}}
-            for (server, key), spans in offsets.items() if spans]
-    return sorted(rows, key=lambda row: (row["first_ms"], row["server"])) or None
+            for (server, key), spans in offsets.items()]
+    return sorted(rows, key=lambda row: (row["first_ms"], row["server"]))
 
 
 def cuda_bucket_offsets(ready_events: list[tuple[int, "torch.cuda.Event"]],

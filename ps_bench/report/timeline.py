@@ -54,7 +54,7 @@ def iterations(rows: list[Row]) -> list[dict]:
         buckets = [{"index": bucket["index"], "bytes": bucket["bytes"],
                     "span": [began + bucket["ready_ms"], began + bucket["done_ms"]]}
                    for bucket in row.results.get("timeline") or []]
-        pieces = [{"server": piece["server"], "bucket": piece["bucket"], "piece": piece["piece"],
+        pieces = [{"server": piece["server"], "slice": piece["slice"], "piece": piece["piece"],
                    "received": [began + piece["first_ms"], began + piece["last_ms"]],
                    "answered": [began + piece["last_ms"], began + piece["answered_ms"]]}
                   for piece in row.results.get("server_timeline") or []]

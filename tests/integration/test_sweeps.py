@@ -82,7 +82,7 @@ def test_sweep_resume_and_report(tmp_path):
     lane, p90 = recorded[1]["server_timeline"], {
         row["metric"]: row["p90"] for row in recorded[1]["summary"] if row["role"] == "trainer"}
     assert recorded[0]["server_timeline"] is None and drawn[0]["servers"] == []
-    assert {piece["bucket"] for piece in lane} == {bucket["index"] for bucket in recorded[1]["timeline"]}
+    assert {piece["slice"] for piece in lane} == {bucket["index"] for bucket in recorded[1]["timeline"]}  # uncut
     assert all(0 <= piece["answered_ms"] <= p90["batch"] for piece in lane)
     forward = drawn[1]["phases"]["forward"][1]
     assert [(piece["received"], piece["answered"]) for piece in drawn[1]["servers"]] == [

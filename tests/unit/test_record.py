@@ -161,11 +161,11 @@ def test_the_servers_lane_places_each_answer_in_the_iteration_whose_backward_beg
     results = record.results("ok")
     check_contract(results)
     assert results["server_timeline"] == [
-        {"server": 1, "bucket": 9 // PIECES, "piece": 9 % PIECES, "first_ms": 5.0, "last_ms": 10.0,
+        {"server": 1, "slice": 9 // PIECES, "piece": 9 % PIECES, "first_ms": 5.0, "last_ms": 10.0,
          "answered_ms": 15.0},
-        {"server": 0, "bucket": 5 // PIECES, "piece": 5 % PIECES, "first_ms": 20.0, "last_ms": 40.0,
+        {"server": 0, "slice": 5 // PIECES, "piece": 5 % PIECES, "first_ms": 20.0, "last_ms": 40.0,
          "answered_ms": 50.0},
-        {"server": 0, "bucket": 2 // PIECES, "piece": 2 % PIECES, "first_ms": 40.0, "last_ms": 41.0,
+        {"server": 0, "slice": 2 // PIECES, "piece": 2 % PIECES, "first_ms": 40.0, "last_ms": 41.0,
          "answered_ms": 42.0}]
 
 
