@@ -101,10 +101,10 @@ class BenchRuns:
     by the first test that asks for it. A run that failed fails every test that reads it, each
     with its output.
 
-    ``ok`` (the results of a run that must succeed) runs the job through the shared launcher,
-    as ``bench.py sweep`` runs a point: the same validation, launcher code and ranks, but no
-    torch imported again for each run. ``get`` (what ``python bench.py`` prints, its exit
-    status) runs ``bench.py`` itself."""
+    ``ok`` (the results of a run that must succeed) and ``shared`` (a run however it ends) run
+    the job through the shared launcher, as ``bench.py sweep`` runs a point: the same
+    validation, launcher code and ranks, but no torch imported again for each run. ``get`` (what
+    ``python bench.py`` prints, its exit status) runs ``bench.py`` itself."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -120,13 +120,21 @@ class BenchRuns:
 
     def ok(self, *args: str, timeout_s: float = 300) -> dict:
         """The results of a run that must have succeeded."""
+        run = self.shared(*args, timeout_s=timeout_s)
+        assert run.returncode == 0, run.output
+        return run.results
+
+    def shared(self, *args: str, timeout_s: float = 300) -> BenchRun:
+        """A run through the shared launcher, however it ended: exit status 0 where it succeeded,
+        else 1; its output the job's own (every rank's, the master's report included), its
+        stderr the results' error. For a test of what a job did and said, not of how ``bench.py``
+        itself ends (its last line, its exit status, its signals: ``get``)."""
         run = self.runs.get(args) or self.results.get(args)
         if run is None:
             folder = self.folder / f"run{len(self.runs) + len(self.results)}"
             run = self.launcher.run(args, folder, timeout_s) or self.get(*args, timeout_s=timeout_s)
             self.results.setdefault(args, run)
-        assert run.returncode == 0, run.output
-        return run.results
+        return run
 
 
 @pytest.fixture(scope="session")

@@ -41,6 +41,13 @@ def check_contract(results: dict, status: str = "ok") -> None:
         assert set(bucket) - {"held_ms"} == {"index", "bytes", "ready_ms", "done_ms"} and bucket["ready_ms"] <= bucket["done_ms"]
         # each sample's hold ends before its bucket is done: so do their medians
         assert 0 <= bucket.get("held_ms", 0) <= bucket["done_ms"]
+    for clock in results["env"].get("clocks", []):  # each rank's clock against the master's
+        assert set(clock) == {"rank", "role", "index", "offset_ms", "error_ms", "measured_ms", "trip_ms", "shared"}
+        assert clock["trip_ms"] > 0
+        if clock["shared"]:  # one clock read within the round trip: never further than half of it
+            assert clock["offset_ms"] == clock["error_ms"] == 0 and abs(clock["measured_ms"]) <= clock["trip_ms"] / 2
+        else:
+            assert clock["offset_ms"] == clock["measured_ms"] and clock["error_ms"] == clock["trip_ms"] / 2
     for piece in results.get("server_timeline") or []:  # each median of ordered samples
         assert set(piece) == {"server", "slice", "piece", "first_ms", "last_ms", "answered_ms"}
         assert piece["first_ms"] <= piece["last_ms"] <= piece["answered_ms"]

@@ -35,6 +35,33 @@ def clock_id() -> str:
         return f"host {socket.gethostname()}"
 
 
+def clock_reading() -> tuple[str, float]:
+    """This process's clock, as the master asks each rank for it: its id and ``now_ms``."""
+    return clock_id(), now_ms()
+
+
+def clock_offset(own_id: str, samples: list[tuple[float, tuple[str, float], float]]) -> dict:
+    """A rank's clock against the master's from round trips ``(sent, (id, reading), received)``,
+    ms on the master's clock, as Cristian's algorithm reads them (Distributed Computing 3(3),
+    1989): the reading was taken within the round trip, so the rank's clock is ahead of the
+    master's by the reading less the trip's midpoint, within half the trip; the shortest trip
+    bounds it best. ``measured_ms`` is that estimate; ``offset_ms`` is 0 exactly where both
+    read one clock (the same id: ``shared``), the estimate elsewhere."""
+    sent, (rank_id, reading), received = min(samples, key=lambda s: s[2] - s[0])
+    measured = reading - (sent + received) / 2.0
+    shared = rank_id == own_id
+    return {"offset_ms": 0.0 if shared else measured, "error_ms": 0.0 if shared else
+            (received - sent) / 2.0, "measured_ms": measured, "trip_ms": received - sent,
+            "shared": shared}
+
+
+def ahead_ms(clocks: list[dict] | None, rank: int, of: int) -> float | None:
+    """How far ``rank``'s clock is ahead of rank ``of``'s, from their ``clock_offset``s against
+    the master's (``env.clocks``); None where either was not measured."""
+    offsets = {clock["rank"]: clock["offset_ms"] for clock in clocks or []}
+    return offsets[rank] - offsets[of] if rank in offsets and of in offsets else None
+
+
 def tensor_bytes(tensor: torch.Tensor) -> int:
     """Payload bytes of a tensor as it crosses the wire (sparse: indices plus values)."""
     if tensor.is_sparse:
@@ -141,22 +168,28 @@ def bucket_offsets(intervals: list[tuple[int, float, float]],
     return offsets
 
 
-def server_offsets(began: dict | None, recent: dict | None) -> dict[int, list[tuple]]:
+def server_offsets(began: dict | None, recent: dict | None,
+                   ahead_ms: float | None = None) -> dict[int, list[tuple]]:
     """Per piece a server answered, ``(first arrival, last arrival, answered)`` ms after a
     trainer's backward began, from the server's last answers of each piece (``recent``:
     ``{"clock", "spans": {key: [(first, last, answered) ms]}}``) and that trainer's backward
     starts of the round's last iterations (``began``: ``{"clock", "ms": [...]}``, in order). A
     piece's answer is of the iteration whose backward began last before it: it needs that
-    iteration's gradient, and the next iteration's backward needs it. Nothing where the two
-    clocks differ."""
-    if not began or not recent or began["clock"] != recent["clock"]:
+    iteration's gradient, and the next iteration's backward needs it. Where the two read
+    different clocks, the server's is taken as ``ahead_ms`` ahead of the trainer's (their
+    ``clock_offset``s' difference); nothing where that is not known."""
+    if not began or not recent:
+        return {}
+    shift = 0.0 if began["clock"] == recent["clock"] else ahead_ms
+    if shift is None:
         return {}
     starts, offsets = began["ms"], {}
     for key, spans in recent["spans"].items():
         for span in spans:
-            place = bisect.bisect_right(starts, span[-1]) - 1
+            place = bisect.bisect_right(starts, span[-1] - shift) - 1
             if place >= 0:
-                offsets.setdefault(key, []).append(tuple(at - starts[place] for at in span))
+                offsets.setdefault(key, []).append(tuple(at - shift - starts[place]
+                                                         for at in span))
     return offsets
 
 

@@ -6,7 +6,9 @@ torch.profiler (Kineto) stamps a trace's events in microseconds from the file's
 ``time.perf_counter``, the host's monotonic clock, which every process of a host shares. Each
 file says how its stamps map onto the monotonic clock (``ps_bench_clock``:
 ``monotonic_minus_trace_us``, measured in the rank as it writes the file: the monotonic clock
-less the wall clock, plus the file's base), and ``merge`` puts every rank's events on it: one
+less the wall clock, plus the file's base), and ``merge`` puts every rank's events on the
+master's: a rank's monotonic clock less how far it is ahead of the master's (0 on the master's
+host; another host's measured over RPC once the job was ready, ``timers.clock_offset``), one
 process track a rank, in rank order. A server traces no operators (its work is RPC callbacks
 on TensorPipe's threads): its file holds its spans alone, already on the monotonic clock.
 
@@ -97,20 +99,26 @@ def write_server_spans(path: str, spans: list[tuple[int, float, float, float]],
                                       "ps_bench_clock": {"monotonic_minus_trace_us": 0.0}}))
 
 
-def merge(folder: str, ranks: list[tuple[str, str, int, int]]) -> tuple[str, list[str]]:
+def merge(folder: str, ranks: list[tuple[str, str, int, int, dict | None]]
+          ) -> tuple[str, list[str]]:
     """``merged.json`` in ``folder``: every rank's trace found (``ranks``: its file, role, index,
-    rank), each a process track named by role, index and rank, its events on the monotonic
-    clock. Returns its path and the files not found (a rank of another host writes on its own)."""
+    rank and its clock against the master's, ``timers.clock_offset``, None: taken as the
+    master's), each a process track named by role, index and rank, its events on the master's
+    monotonic clock. Returns its path and the files not found (a rank of another host writes on
+    its own)."""
     events, clocks, missing = [], [], []
-    for file, role, index, rank in ranks:
+    for file, role, index, rank, clock in ranks:
         path = Path(file)
         if not path.exists():
             missing.append(path.name)
             continue
         trace = json.loads(path.read_text())
-        offset = trace.get("ps_bench_clock", {}).get("monotonic_minus_trace_us", 0.0)
+        ahead_us = 1000.0 * clock["offset_ms"] if clock else 0.0
+        offset = trace.get("ps_bench_clock", {}).get("monotonic_minus_trace_us", 0.0) - ahead_us
         clocks.append({"rank": rank, "role": role, "index": index, "file": path.name,
-                       "monotonic_minus_trace_us": offset})
+                       "monotonic_minus_trace_us": offset + ahead_us,
+                       "ahead_of_master_us": ahead_us,
+                       "ahead_error_us": 1000.0 * clock["error_ms"] if clock else 0.0})
         events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
                        "args": {"name": f"{role} {index} (rank {rank})"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0,
@@ -126,7 +134,9 @@ def merge(folder: str, ranks: list[tuple[str, str, int, int]]) -> tuple[str, lis
     merged = Path(folder) / MERGED
     merged.write_text(json.dumps({
         "traceEvents": events, "displayTimeUnit": "ms",
-        "ps_bench": {"clock": "the monotonic clock of the host that wrote this file, in "
-                              "microseconds: each rank's stamps moved by its "
-                              "monotonic_minus_trace_us", "ranks": clocks, "missing": missing}}))
+        "ps_bench": {"clock": "the master's monotonic clock, in microseconds: each rank's stamps "
+                              "moved by its monotonic_minus_trace_us, less how far its clock is "
+                              "ahead of the master's (ahead_of_master_us, measured once the job "
+                              "was ready, within ahead_error_us; 0 on the master's host)",
+                     "ranks": clocks, "missing": missing}}))
     return str(merged), missing

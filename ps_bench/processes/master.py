@@ -227,6 +227,7 @@ class Master:
         servers_at = time.time()
         trainers = self.create_trainers(servers)
         ready_at = time.time()
+        record.environment["clocks"] = tracing.measure_clocks(self.topology)
         warning = (short_warmup_warning(cfg.warmup_rounds, self.iterations_per_round)
                    if cfg.target_loss is None else None)
         if warning:
@@ -334,7 +335,7 @@ class Master:
             raise OSError("the results could be written neither to --out nor to the system's "
                           "temporary folder (see the warnings above)")
         print(f"results: {path}", flush=True)
-        tracing.report(cfg, self.topology)  # written by each rank, on its own host
+        tracing.report(cfg, self.topology, record.environment["clocks"])  # each rank's file
         return results
 
     def take_served(self, servers: list[rpc.RRef]) -> list[dict | None]:

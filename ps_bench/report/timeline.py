@@ -4,8 +4,8 @@ on the lane beneath it each bucket's communication, from DDP handing it over to 
 answer (the results' ``timeline``: each bucket's median over the round's last iterations, after
 backward began), and beneath that, for parameter servers, each piece on its server: from its
 first contribution's arrival to its last's, then its aggregation and answer (the results'
-``server_timeline``, after trainer 0's backward began: placed where the servers share trainer
-0's clock, one machine's; a server of another host has no lane). Beside the figure,
+``server_timeline``, after trainer 0's backward began: on the clock of one machine, a server
+of another host set by its clock's measured offset, ``env.clocks``). Beside the figure,
 ``FILE.json`` holds the figures it draws, and the report prints them as a table: with each
 point's ``comm`` and ``exposed`` p50 (what of it no compute hid) and its servers' aggregation
 p50.

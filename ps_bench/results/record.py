@@ -21,7 +21,7 @@ from ps_bench.metrics import flops
 from ps_bench.metrics.costs import collective_bytes
 from ps_bench.metrics.memory import combine_peaks, peak_memory
 from ps_bench.metrics.stats import SummaryRow, summary_rows
-from ps_bench.metrics.timers import server_lane, server_offsets
+from ps_bench.metrics.timers import ahead_ms, server_lane, server_offsets
 from ps_bench.metrics.wire import host_links
 from ps_bench.models import DATA, MODELS
 from ps_bench.results import floors
@@ -136,8 +136,7 @@ class RunRecord:
         self.verified_iterations = 0
         self.memory: dict[str, dict[int, dict]] = {"trainer": {}, "server": {}}
         self.buckets: list[dict] | None = None  # DDP's buckets as it built them, from trainer 0
-        # bucket -> (ready, done) ms
-        self.bucket_offsets: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        self.bucket_offsets: dict[int, list[tuple]] = defaultdict(list)  # (ready, done) ms
         self.server_offsets: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # its lane
         self.replicas: dict | None = None
         # --limits: bucket index -> (elements, dtype) messages: the float32 buckets every transport
@@ -198,7 +197,8 @@ class RunRecord:
         for info, result in zip(topo.servers, served):
             if result is None:  # lost (--server-replicas)
                 continue
-            for key, offsets in server_offsets(began, result.get("recent")).items():
+            ahead = ahead_ms(self.environment.get("clocks"), info.rank, topo.trainers[0].rank)
+            for key, offsets in server_offsets(began, result.get("recent"), ahead).items():
                 self.server_offsets[info.index, key].extend(offsets)
             for metric, values in result["samples"].items():
                 self.server_samples[info.rank][metric].extend(values)

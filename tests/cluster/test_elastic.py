@@ -33,8 +33,8 @@ def test_a_worker_lost_on_the_first_attempt_is_recovered_by_a_restart_from_its_c
     ends."""
     out, temporary = tmp_path / "results.json", tmp_path / "tmp"
     temporary.mkdir()
-    run = ("--hook", "allreduce", "--ntrainer", "3", "--nserver", "0", *QUICK)
-    code, output = torchrun("--standalone", "--nproc-per-node", "4", "--max-restarts", "2", "bench.py", *run,
+    run = ("--hook", "allreduce", "--ntrainer", "2", "--nserver", "0", *QUICK)  # 32 iterations a round
+    code, output = torchrun("--standalone", "--nproc-per-node", "3", "--max-restarts", "2", "bench.py", *run,
                             "--checkpoint-every", "10", "--checkpoint-dir", str(tmp_path / "ck"),
                             "--inject-fault", "trainer:1:25:exit:first", "--out", str(out),
                             env={"TMPDIR": str(temporary)})
@@ -53,14 +53,14 @@ def test_a_worker_lost_on_the_first_attempt_is_recovered_by_a_restart_from_its_c
     assert (failure["iterations_done"], failure["resumed_from"], failure["iterations_redone"]) == (24, 20, 4)
     assert 0 < failure["restart_s"] < failure["recovery_s"]
     assert [(a["began_at_iteration"], a["ended_at_iteration"]) for a in results["recovery"]["attempts"]] == [
-        (0, 24), (20, 63)]
+        (0, 24), (20, 96)]
     goodput = results["recovery"]["goodput"]
-    assert goodput["committed_iterations"] == 63 and goodput["step_efficiency"] == pytest.approx(63 / 67)
+    assert goodput["committed_iterations"] == 96 and goodput["step_efficiency"] == pytest.approx(96 / 100)
     assert results["replicas"]["identical"] is True
     assert results["replicas"]["param_norm"] == pytest.approx(bench_runs.ok(*run)["replicas"]["param_norm"],
                                                               rel=1e-6)
     [host] = results["env"]["hosts"]
-    assert host["ranks"] == [0, 1, 2, 3] and host["cpus"] >= 1
+    assert host["ranks"] == [0, 1, 2] and host["cpus"] >= 1
 
 
 def test_without_restarts_left_the_first_attempt_fault_ends_the_job(tmp_path):

@@ -23,7 +23,7 @@ def test_a_failed_run_started_again_resumes_from_its_checkpoint(bench_runs, tmp_
     hook, *options = strategy
     run = ("--hook", hook, *options, *QUICK)
     saved = ("--checkpoint-every", "10", "--checkpoint-dir", str(tmp_path / "ck"))
-    failed = bench_runs.get(*run, *saved, "--inject-fault", "trainer:1:25:exit", timeout_s=240)
+    failed = bench_runs.shared(*run, *saved, "--inject-fault", "trainer:1:25:exit", timeout_s=240)
     assert failed.returncode == 1, failed.output
     assert [path.name for path in checkpoints.steps(tmp_path / "ck")] == ["step-00000010",
                                                                           "step-00000020"]
@@ -59,7 +59,7 @@ def test_saves_in_the_background_are_committed_and_timed_apart(bench_runs, tmp_p
 def test_a_failure_drawn_by_mtbf_ends_a_run_torchrun_does_not_restart(bench_runs, tmp_path):
     """Without torchrun nothing restarts the job: the first failure --mtbf draws ends it, named,
     and the failed run's results keep its checkpoints' books."""
-    run = bench_runs.get("--hook", "allreduce", *QUICK[:2], "--rounds", "100000", "--mtbf", "300ms",
+    run = bench_runs.shared("--hook", "allreduce", *QUICK[:2], "--rounds", "100000", "--mtbf", "300ms",
                          "--checkpoint-every", "50", "--checkpoint-dir", str(tmp_path / "ck"),
                          timeout_s=120)
     assert run.returncode == 1

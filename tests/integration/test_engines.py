@@ -181,7 +181,7 @@ def test_a_torchft_group_that_fails_heals_from_a_live_peer_while_the_others_comm
     its first synchronisation it heals from a live peer through torchft's HTTP transport, ending
     with their parameters bit for bit; the job completes and nothing of it is left running."""
     before = ranks_running()
-    completed = bench_runs.get("--hook", "torchft_diloco", "--nserver", "0", "--ntrainer", "3", "--epochs", "40",
+    completed = bench_runs.shared("--hook", "torchft_diloco", "--nserver", "0", "--ntrainer", "3", "--epochs", "40",
                                "--warmup-rounds", "1", "--rounds", "4", "--inject-fault", "trainer:1:300:exit",
                                timeout_s=240)
     assert completed.returncode == 0, completed.output

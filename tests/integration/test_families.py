@@ -117,7 +117,7 @@ def test_fsdp_trains_a_gpt_with_tied_weights_as_allreduce_does(bench_runs):
     own nn.Linear and nn.MultiheadAttention do) is not printed to the user."""
     gpt = ("--model", "gpt2_tiny", "--nserver", "0", "--rounds", "1", "--warmup-rounds", "0")
     baseline = bench_runs.ok("--hook", "allreduce", *gpt, timeout_s=240)
-    run = bench_runs.get("--hook", "fsdp", *gpt, "--verify", timeout_s=240)
+    run = bench_runs.shared("--hook", "fsdp", *gpt, "--verify", timeout_s=240)
     assert run.returncode == 0, run.output
     assert "returned a view tensor" not in run.output
     results = run.results

@@ -36,7 +36,7 @@ def assert_went_on_with_two(results: dict, dropped: int) -> dict:
 @pytest.mark.timeout(300)
 def test_a_trainer_that_exits_is_dropped_and_the_living_average_alone(bench_runs):
     before = ranks_running()
-    run = bench_runs.get(*RUN, "--nserver", "1", "--trainer-timeout", "20",
+    run = bench_runs.shared(*RUN, "--nserver", "1", "--trainer-timeout", "20",
                          "--inject-fault", "trainer:1:30:exit", timeout_s=240)
     assert run.returncode == 0, run.output
     entry = assert_went_on_with_two(run.results, dropped=1)
@@ -52,7 +52,7 @@ def test_a_trainer_that_exits_is_dropped_and_the_living_average_alone(bench_runs
 def test_a_trainer_that_hangs_is_dropped_by_the_server_it_kept_waiting(bench_runs):
     before = ranks_running()
     began = time.monotonic()
-    run = bench_runs.get(*RUN, "--nserver", "2", "--trainer-timeout", "1.5",
+    run = bench_runs.shared(*RUN, "--nserver", "2", "--trainer-timeout", "1.5",
                          "--inject-fault", "trainer:2:30:hang", timeout_s=240)
     assert run.returncode == 0, run.output
     entry = assert_went_on_with_two(run.results, dropped=2)
@@ -69,7 +69,7 @@ def test_a_lost_server_is_answered_for_by_its_replica(bench_runs):
     run = ("--hook", "ps", "--hook-option", "partition_mb=0.001", "--ntrainer", "3",
            "--nserver", "2", "--warmup-rounds", "1", "--rounds", "2", "--server-replicas", "1")
     before = ranks_running()
-    lost = bench_runs.get(*run, "--verify", "--inject-fault", "server:1:30:exit", timeout_s=240)
+    lost = bench_runs.shared(*run, "--verify", "--inject-fault", "server:1:30:exit", timeout_s=240)
     assert lost.returncode == 0, lost.output
     kept = bench_runs.ok(*run, "--verify", timeout_s=240)
     results = lost.results
@@ -91,7 +91,7 @@ def test_servers_that_own_the_parameters_go_on_without_a_trainer_that_exits(benc
     nothing up once the master has dropped it: the bound counts the living, and the two left
     spend the whole round's budget of updates (three trainers' 21 iterations a round)."""
     before = ranks_running()
-    run = bench_runs.get("--hook", "ps", "--staleness", "2", "--ntrainer", "3", "--nserver", "1",
+    run = bench_runs.shared("--hook", "ps", "--staleness", "2", "--ntrainer", "3", "--nserver", "1",
                          "--warmup-rounds", "1", "--rounds", "2", "--inject-fault", "trainer:1:10:exit",
                          timeout_s=240)
     assert run.returncode == 0, run.output

@@ -241,6 +241,9 @@ def test_trace_writes_every_ranks_trace_and_one_merged_on_one_clock(tmp_path, be
         "server0-rank2.json", "server1-rank3.json"}
     merged = json.loads((folder / "merged.json").read_text())
     assert [rank["rank"] for rank in merged["ps_bench"]["ranks"]] == [0, 1, 2, 3]
+    # every rank's clock measured against the master's: here the one clock of one machine
+    assert [(clock["rank"], clock["shared"]) for clock in results["env"]["clocks"]] == [(r, True) for r in range(4)]
+    assert all(rank["ahead_of_master_us"] == 0 for rank in merged["ps_bench"]["ranks"])
     events = merged["traceEvents"]
     names = {event["pid"]: event["args"]["name"] for event in events if event.get("name") == "process_name"}
     assert names == {0: "trainer 0 (rank 0)", 1: "trainer 1 (rank 1)", 2: "server 0 (rank 2)", 3: "server 1 (rank 3)"}

@@ -16,7 +16,8 @@ from ps_bench.results.record import RunRecord, replica_summary, replicas_alike
 from ps_bench.strategies.base import fingerprint, parameter_norm
 from ps_bench.results.files import write_results
 from ps_bench.results.printed import held_line, print_report
-from ps_bench.metrics.timers import TIMELINE_ITERATIONS, clock_id, server_offsets
+from ps_bench.metrics.timers import (TIMELINE_ITERATIONS, ahead_ms, clock_id, clock_offset,
+                                     server_offsets)
 from ps_bench.runtime.topology import PIECES, Topology
 from ps_bench.servers.state import ServerBooks
 from tests.contract import TRAINER_METRICS, check_contract, check_failed_minimum, metrics_of
@@ -167,6 +168,34 @@ def test_the_servers_lane_places_each_answer_in_the_iteration_whose_backward_beg
          "answered_ms": 50.0},
         {"server": 0, "slice": 2 // PIECES, "piece": 2 % PIECES, "first_ms": 40.0, "last_ms": 41.0,
          "answered_ms": 42.0}]
+
+
+def test_a_server_on_a_clock_of_its_own_is_placed_by_the_measured_offsets():
+    """The same answers read on a server clock 5000 ms ahead of trainer 0's: with the offsets the
+    master measured (``env.clocks``), the lane is the one on a shared clock; without, none."""
+    began = {"clock": "boot-a", "ms": [100.0, 200.0]}
+    spans = {5: [(120.0, 140.0, 150.0), (230.0, 250.0, 260.0)]}
+    ahead = {5: [tuple(at + 5000.0 for at in span) for span in spans[5]]}
+    shared = server_offsets(began, {"clock": "boot-a", "spans": spans})
+    clocks = [{"rank": 0, "offset_ms": -1000.0}, {"rank": 2, "offset_ms": 4000.0}]
+    assert ahead_ms(clocks, 2, 0) == 5000.0 and ahead_ms(clocks, 3, 0) is None
+    assert server_offsets(began, {"clock": "boot-b", "spans": ahead}, ahead_ms(clocks, 2, 0)) == shared
+    assert server_offsets(began, {"clock": "boot-b", "spans": ahead}, None) == {}
+
+
+def test_a_clock_is_read_against_the_masters_within_half_the_shortest_round_trip():
+    """Cristian's estimate over three round trips to a rank whose clock runs 1000 ms ahead, each
+    trip's reading taken somewhere inside it: the shortest trip (0.4 ms) bounds the offset to
+    0.2 ms, and the truth is within it; a rank on the master's own clock is 0 exactly."""
+    trips = [(10.0, 1011.9, 13.0), (20.0, 1020.1, 20.4), (30.0, 1030.5, 30.6)]  # sent, reading, back
+    samples = [(sent, ("boot-b", reading), back) for sent, reading, back in trips]
+    clock = clock_offset("boot-a", samples)
+    assert clock["trip_ms"] == pytest.approx(0.4) and clock["error_ms"] == pytest.approx(0.2)
+    assert clock["offset_ms"] == clock["measured_ms"] == pytest.approx(1020.1 - 20.2)
+    assert abs(clock["offset_ms"] - 1000.0) <= clock["error_ms"] and not clock["shared"]
+    same = clock_offset("boot-b", samples)
+    assert same["shared"] and same["offset_ms"] == same["error_ms"] == 0.0
+    assert same["measured_ms"] == clock["measured_ms"]
 
 
 def test_a_servers_books_keep_each_pieces_last_answers_for_the_lane():
