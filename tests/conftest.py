@@ -35,10 +35,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks each test by its folder. Under pytest-xdist (``-n 2``, the suite's default) every
+    test that starts processes is in one group, run by one worker in order, one at a time, as
+    their machine-wide checks (no rank left, ports, links shaped) need: the unit tests, which
+    start none, run on the other worker beside them."""
     for item in items:
         folder = Path(item.fspath).resolve().relative_to(TESTS).parts[0]
         if folder in FOLDER_MARKERS:
             item.add_marker(FOLDER_MARKERS[folder])
+            item.add_marker(pytest.mark.xdist_group("processes"))
 
 
 @pytest.fixture
