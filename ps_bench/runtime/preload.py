@@ -18,8 +18,9 @@ import json
 import multiprocessing
 import os
 import signal
+import tempfile
 from collections.abc import Iterable
-from multiprocessing import forkserver, resource_tracker
+from multiprocessing import forkserver, resource_tracker, util
 
 START_METHOD = "forkserver"
 # torch, RPC, trainers, servers, models, metrics; and what DistributedDataParallel imports when a
@@ -31,6 +32,10 @@ PRELOAD = ["ps_bench.runtime.forkserver", "ps_bench.processes.launch", "torch._d
 HF_MODULES = ("transformers.modeling_utils",)
 RUN_ONLY_FLAGS = ("-h", "--help", "--dry-run", "--dry_run", "--version")
 RUNNING_SUBCOMMANDS = ("emulate",)  # subcommands that run one job from this machine's launcher
+# the forkserver listens on TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, an AF_UNIX path of at most
+# 107 bytes (Linux's sun_path less its NUL): a longer TMPDIR than this cannot hold it
+LONGEST_TMPDIR = 107 - len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+SHORT_TMPDIR = "/tmp"
 
 
 def context(models: Iterable[str] = ()) -> multiprocessing.context.BaseContext:
@@ -57,7 +62,22 @@ def start(debug: bool = False, models: Iterable[str] = ()) -> None:
     prepare_environment(debug)
     os.environ["PS_BENCH_LAUNCHER_PID"] = str(os.getpid())  # read by ps_bench.runtime.forkserver
     context(models)
+    socket_folder()
     forkserver.ensure_running()
+
+
+def socket_folder() -> None:
+    """multiprocessing's folder for this process (the forkserver's socket in it), made under
+    ``SHORT_TMPDIR`` where the temporary folder's path is too long for the socket's (a
+    job-specific TMPDIR on a cluster, a test's own): multiprocessing removes it at exit."""
+    if len(os.fsencode(tempfile.gettempdir())) <= LONGEST_TMPDIR or \
+            not os.access(SHORT_TMPDIR, os.W_OK | os.X_OK):
+        return
+    saved, tempfile.tempdir = tempfile.tempdir, SHORT_TMPDIR
+    try:
+        util.get_temp_dir()  # made once a process, kept for every later call
+    finally:
+        tempfile.tempdir = saved
 
 
 def named_models(argv: list[str]) -> list[str]:

@@ -15,7 +15,7 @@ from ps_bench.processes.master import ready_words, short_warmup_warning
 from ps_bench.processes.rendezvous import crowded_warning
 from ps_bench.processes.supervision import supervise
 from ps_bench.metrics.startup import render_startup, startup_phases
-from ps_bench.runtime.preload import PRELOAD, starts_ranks
+from ps_bench.runtime.preload import LONGEST_TMPDIR, PRELOAD, starts_ranks
 from ps_bench.strategies import HOOKS
 from ps_bench.strategies.stale import STALE_SYNCHRONOUS
 
@@ -161,3 +161,20 @@ def test_the_default_jobs_imports_take_nothing_only_some_runs_need():
     assert not {name for name in ranks for heavy in RANKS_NEVER
                 if name == heavy or name.startswith(heavy + ".")}
     assert "torch._dynamo" in ranks  # what DDP's constructor imports, once for every rank
+
+
+def test_a_temporary_folder_too_long_for_the_forkservers_socket_still_starts_it(tmp_path):
+    """A TMPDIR one byte longer than the forkserver's socket path allows (a cluster job's own, a
+    test's): the forkserver starts all the same, its socket in a folder under /tmp that is gone
+    once the launcher ends; a TMPDIR that fits keeps it."""
+    for extra in (0, 1):
+        folder = tmp_path / f"{extra}-".ljust(LONGEST_TMPDIR + extra - len(str(tmp_path)) - 1, "x")
+        folder.mkdir()
+        assert len(str(folder)) == LONGEST_TMPDIR + extra
+        probe = ("from multiprocessing import util; from ps_bench.runtime import preload; preload.start(); "
+                 "print(util.get_temp_dir()); preload.stop()")
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).resolve().parents[2], env={**os.environ, "TMPDIR": str(folder)})
+        assert done.returncode == 0, done.stderr
+        used = Path(done.stdout.strip())
+        assert used.parent == (Path("/tmp") if extra else folder) and not used.exists()
