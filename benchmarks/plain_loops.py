@@ -21,7 +21,9 @@ ps_bench runs the same strategy (``bench.py --hook H``, one server for ps) with 
 rounds. A pair is one run of each, in turns; the ratio is of the runs' batch p50s (ps_bench's
 over the plain loop's: above 1, the harness is slower), its interval Welch's on the runs'
 logarithms (``ps_bench.compare.intervals.runs_interval``, the statistics of ``bench.py
-compare``).
+compare``). A second table does the same for the optimizer step within the iteration (ps_bench's
+``optimizer`` phase: the step and what a strategy does after it, local SGD's averaging; the loop
+times the same span), to say whether a difference lies there or in forward and backward.
 
     python benchmarks/plain_loops.py [--pairs N] [--strategies allreduce,ps,...] [--model M]
 """
@@ -162,18 +164,21 @@ def train(rank: int, strategy: str, model_name: str, ports: tuple[int, int], out
             began = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             loss_fn(network(*x), y).backward()
+            stepping = time.perf_counter()
             optimizer.step()
             if averager is not None:
                 averager.average_parameters(network.parameters())
-            if round_index >= WARMUP_ROUNDS:
-                times.append((time.perf_counter() - began) * 1000.0)
+            if round_index >= WARMUP_ROUNDS:  # the iteration, and its optimizer step alone
+                ended = time.perf_counter()
+                times.append([(ended - began) * 1000.0, (ended - stepping) * 1000.0])
     Path(f"{out}.{rank}").write_text(json.dumps(times))
     dist.destroy_process_group()
     if strategy == "ps":
         rpc.shutdown()
 
 
-def plain_p50(strategy: str, model_name: str, folder: Path) -> float:
+def plain_p50(strategy: str, model_name: str, folder: Path) -> tuple[float, float]:
+    """The plain loop's batch p50 and optimizer-step p50 (with local SGD's averaging), ms."""
     out = folder / f"plain-{strategy}"
     world = TRAINERS + (1 if strategy == "ps" else 0)
     for rank in range(TRAINERS):
@@ -187,10 +192,12 @@ def plain_p50(strategy: str, model_name: str, folder: Path) -> float:
         print(f"{strategy}: a rank aborted after its timed iterations ({error}); its times kept",
               file=sys.stderr)
     times = [t for rank in range(TRAINERS) for t in json.loads(Path(f"{out}.{rank}").read_text())]
-    return statistics.median(times)
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
-def bench_p50(strategy: str, model_name: str, folder: Path) -> float:
+def bench_p50(strategy: str, model_name: str, folder: Path) -> tuple[float, float]:
+    """ps_bench's trainer batch p50 and optimizer p50 (its step, and what a strategy does after
+    it: local SGD's averaging), ms."""
     out = folder / f"bench-{strategy}.json"
     out.unlink(missing_ok=True)
     subprocess.run([sys.executable, str(ROOT / "bench.py"), "--hook", HOOK.get(strategy, strategy),
@@ -198,9 +205,9 @@ def bench_p50(strategy: str, model_name: str, folder: Path) -> float:
                     "1" if strategy == "ps" else "0", "--warmup-rounds", str(WARMUP_ROUNDS),
                     "--rounds", str(ROUNDS), "--batch-size", str(BATCH), "--out", str(out)],
                    check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    summary = json.loads(out.read_text())["summary"]
-    return next(row["p50"] for row in summary if row["role"] == "trainer"
-                and row["metric"] == "batch")
+    summary = {row["metric"]: row["p50"] for row in json.loads(out.read_text())["summary"]
+               if row["role"] == "trainer"}
+    return summary["batch"], summary["optimizer"]
 
 
 def main() -> int:
@@ -223,19 +230,23 @@ def main() -> int:
             for pair in range(args.pairs):  # in turns: a machine whose load drifts moves both
                 plain.append(plain_p50(strategy, args.model, Path(scratch)))
                 ours.append(bench_p50(strategy, args.model, Path(scratch)))
-                print(f"{strategy} pair {pair + 1}/{args.pairs}: plain {plain[-1]:.2f} ms, "
-                      f"ps_bench {ours[-1]:.2f} ms", file=sys.stderr, flush=True)
-            interval = runs_interval(plain, ours)
-            ratio = 1.0 + interval.change
-            rows.append((strategy, statistics.median(plain), statistics.median(ours), ratio,
-                         1.0 + interval.low, 1.0 + interval.high))
+                print(f"{strategy} pair {pair + 1}/{args.pairs}: plain {plain[-1][0]:.2f} ms, "
+                      f"ps_bench {ours[-1][0]:.2f} ms", file=sys.stderr, flush=True)
+            for part in (0, 1):  # the batch, then the optimizer step within it
+                interval = runs_interval([p[part] for p in plain], [o[part] for o in ours])
+                rows.append((strategy, part, statistics.median(p[part] for p in plain),
+                             statistics.median(o[part] for o in ours), 1.0 + interval.change,
+                             1.0 + interval.low, 1.0 + interval.high))
     print(f"model {args.model}, {TRAINERS} trainers, batch {BATCH}, {args.pairs} pairs; "
-          f"batch p50 ms, ps_bench over the plain loop (95 % interval of the ratio of the runs' "
+          f"p50 ms, ps_bench over the plain loop (95 % interval of the ratio of the runs' "
           f"geometric means)")
-    print("| strategy | plain p50 ms | ps_bench p50 ms | ratio | 95 % interval |")
-    print("|---|---:|---:|---:|---|")
-    for strategy, plain, ours, ratio, low, high in rows:
-        print(f"| {strategy} | {plain:.2f} | {ours:.2f} | {ratio:.3f} | {low:.3f} to {high:.3f} |")
+    for part, what in enumerate(("batch", "optimizer step (and local SGD's averaging)")):
+        print(f"\n{what}:\n| strategy | plain p50 ms | ps_bench p50 ms | ratio | 95 % interval |")
+        print("|---|---:|---:|---:|---|")
+        for strategy, row_part, plain, ours, ratio, low, high in rows:
+            if row_part == part:
+                print(f"| {strategy} | {plain:.2f} | {ours:.2f} | {ratio:.3f} | {low:.3f} to "
+                      f"{high:.3f} |")
     return 0
 
 

@@ -34,6 +34,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["PATH"] = os.pathsep.join([here, os.environ.get("PATH", "")])
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks each test by its folder. Under pytest-xdist (``-n 2``, the suite's default) every
     test that starts processes is in one group, run by one worker in order, one at a time, as
