@@ -4,8 +4,10 @@ forkserver early), how rank milestones become phases, and what the default job i
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -163,18 +165,23 @@ def test_the_default_jobs_imports_take_nothing_only_some_runs_need():
     assert "torch._dynamo" in ranks  # what DDP's constructor imports, once for every rank
 
 
-def test_a_temporary_folder_too_long_for_the_forkservers_socket_still_starts_it(tmp_path):
+def test_a_temporary_folder_too_long_for_the_forkservers_socket_still_starts_it():
     """A TMPDIR one byte longer than the forkserver's socket path allows (a cluster job's own, a
     test's): the forkserver starts all the same, its socket in a folder under /tmp that is gone
-    once the launcher ends; a TMPDIR that fits keeps it."""
-    for extra in (0, 1):
-        folder = tmp_path / f"{extra}-".ljust(LONGEST_TMPDIR + extra - len(str(tmp_path)) - 1, "x")
-        folder.mkdir()
-        assert len(str(folder)) == LONGEST_TMPDIR + extra
-        probe = ("from multiprocessing import util; from ps_bench.runtime import preload; preload.start(); "
-                 "print(util.get_temp_dir()); preload.stop()")
-        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                              cwd=Path(__file__).resolve().parents[2], env={**os.environ, "TMPDIR": str(folder)})
-        assert done.returncode == 0, done.stderr
-        used = Path(done.stdout.strip())
-        assert used.parent == (Path("/tmp") if extra else folder) and not used.exists()
+    once the launcher ends; a TMPDIR that fits keeps it. (Under /tmp: a test's own folder may be
+    longer than either.)"""
+    base = Path(tempfile.mkdtemp(prefix="psb-", dir="/tmp"))
+    try:
+        for extra in (0, 1):
+            folder = base / f"{extra}-".ljust(LONGEST_TMPDIR + extra - len(str(base)) - 1, "x")
+            folder.mkdir()
+            assert len(str(folder)) == LONGEST_TMPDIR + extra
+            probe = ("from multiprocessing import util; from ps_bench.runtime import preload; preload.start(); "
+                     "print(util.get_temp_dir()); preload.stop()")
+            done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                                  cwd=Path(__file__).resolve().parents[2], env={**os.environ, "TMPDIR": str(folder)})
+            assert done.returncode == 0, done.stderr
+            used = Path(done.stdout.strip())
+            assert used.parent == (Path("/tmp") if extra else folder) and not used.exists()
+    finally:
+        shutil.rmtree(base)
