@@ -113,11 +113,11 @@ def merge(folder: str, ranks: list[tuple[str, str, int, int, dict | None]]
             missing.append(path.name)
             continue
         trace = json.loads(path.read_text())
+        own = trace.get("ps_bench_clock", {}).get("monotonic_minus_trace_us", 0.0)
         ahead_us = 1000.0 * clock["offset_ms"] if clock else 0.0
-        offset = trace.get("ps_bench_clock", {}).get("monotonic_minus_trace_us", 0.0) - ahead_us
+        offset = own - ahead_us  # the file's stamps onto the master's clock
         clocks.append({"rank": rank, "role": role, "index": index, "file": path.name,
-                       "monotonic_minus_trace_us": offset + ahead_us,
-                       "ahead_of_master_us": ahead_us,
+                       "monotonic_minus_trace_us": own, "ahead_of_master_us": ahead_us,
                        "ahead_error_us": 1000.0 * clock["error_ms"] if clock else 0.0})
         events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
                        "args": {"name": f"{role} {index} (rank {rank})"}})

@@ -62,9 +62,9 @@ def report(cfg: RunConfig, topology: Topology, clocks: list[dict]) -> None:
               f"(open at https://ui.perfetto.dev), each with its table of operators (.txt)",
               flush=True)
         return
-    ahead = {clock["rank"]: clock for clock in clocks}
+    by_rank = {clock["rank"]: clock for clock in clocks}
     merged, missing = traces.merge(cfg.trace, [(path(cfg, info), info.role, info.index, info.rank,
-                                                ahead.get(info.rank))
+                                                by_rank.get(info.rank))
                                                for info in [*topology.trainers, *topology.servers]])
     print(f"traces: {Path(cfg.trace) / '<role><index>-rank<rank>.json'}, one a rank (each "
           f"trainer's with its table of operators, .txt), and {merged}, every rank's on one "
